@@ -1,0 +1,125 @@
+"""ModelConfig: what a model is, read once from GGUF metadata, with derived sizes computed once.
+
+Dimension legend used across the project:
+  V n_vocab   D n_embd   L n_layer   H n_head   G n_head_kv (KV-head groups)   hd head_dim
+  F n_ff (FFN neurons)   r predictor width   T tokens   S context
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+ARCHS = ("llama", "opt", "falcon")
+FFN_ACTS = ("relu", "reglu", "drelu", "swiglu")
+DTYPES = ("f32", "f16", "bf16")
+DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+class ConfigError(ValueError):
+    """Model metadata that contradicts itself or names something unsupported."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str  # llama | opt | falcon
+    ffn_act: str  # relu | reglu | drelu | swiglu
+    n_vocab: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+    n_ctx: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    n_rot: int = 0  # rotary dims; 0 -> head_dim (ignored without rope)
+    parallel_attn: bool = False  # falcon: x + attn(ln(x)) + ffn(ln'(x))
+    two_norms: bool = False  # falcon new decoder architecture: separate ln_attn / ln_mlp
+    bias: bool = False  # q/k/v/o and up/down biases (opt)
+    tied_output: bool = False  # output head is token_embd
+    sparse_threshold: float | None = None  # neuron skipped iff predictor logit < threshold
+    predictor_ranks: tuple[int, ...] = ()  # per-layer predictor width r (empty: no predictors)
+    dtype: str = "f32"  # storage dtype of the big matrices
+    name: str = ""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        def bad(what: str, got: Any, expected: str) -> ConfigError:
+            return ConfigError(f"model config: {what} is {got!r}, expected {expected}")
+
+        if self.arch not in ARCHS:
+            raise bad("architecture", self.arch, f"one of {ARCHS}")
+        if self.ffn_act not in FFN_ACTS:
+            raise bad("ffn_act", self.ffn_act, f"one of {FFN_ACTS}")
+        if self.dtype not in DTYPES:
+            raise bad("dtype", self.dtype, f"one of {DTYPES}")
+        for name in ("n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "n_ff", "n_ctx"):
+            if int(getattr(self, name)) <= 0:
+                raise bad(name, getattr(self, name), "a positive integer")
+        if self.n_embd % self.n_head:
+            raise bad("n_embd", self.n_embd, f"a multiple of n_head={self.n_head}")
+        if self.n_head % self.n_head_kv:
+            raise bad("n_head_kv", self.n_head_kv, f"a divisor of n_head={self.n_head}")
+        if self.predictor_ranks and len(self.predictor_ranks) != self.n_layer:
+            raise bad("predictor_ranks", len(self.predictor_ranks), f"{self.n_layer} entries")
+
+    # --- derived sizes ------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def n_gqa(self) -> int:
+        """Query heads per KV-head group."""
+        return self.n_head // self.n_head_kv
+
+    @property
+    def rot_dims(self) -> int:
+        return self.n_rot or self.head_dim
+
+    @property
+    def gated(self) -> bool:
+        """True when the FFN has a gate matrix (every variant but plain ReLU)."""
+        return self.ffn_act != "relu"
+
+    @property
+    def rope_style(self) -> str | None:
+        """'norm' = GGML mode 0 (adjacent pairs; llama GGUF stores Q/K permuted for it),
+        'neox' = rotate halves (falcon), None = learned absolute positions (opt)."""
+        return {"llama": "norm", "falcon": "neox", "opt": None}[self.arch]
+
+    @property
+    def norm(self) -> str:
+        return "rms" if self.arch == "llama" else "layer"
+
+    @property
+    def pos_offset(self) -> int:
+        """OPT's learned position table starts at index 2."""
+        return 2 if self.arch == "opt" else 0
+
+    @property
+    def has_predictors(self) -> bool:
+        return bool(self.predictor_ranks)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def neuron_bytes(self) -> int:
+        """Bytes of one FFN neuron: its rows of up, gate (if any) and down_t."""
+        return (3 if self.gated else 2) * self.n_embd * self.dtype_bytes
+
+    @property
+    def attn_bytes(self) -> int:
+        """Bytes of one layer's q/k/v/o matrices."""
+        hd = self.head_dim
+        return (2 * self.n_head * hd + 2 * self.n_head_kv * hd) * self.n_embd * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes per token per layer (fp16 cache)."""
+        return 2 * self.n_head_kv * self.head_dim * 2
+
+    def with_(self, **changes: Any) -> "ModelConfig":
+        return replace(self, **changes)

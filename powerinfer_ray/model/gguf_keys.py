@@ -1,0 +1,103 @@
+"""Every GGUF metadata key and tensor name the project reads or writes, in one place.
+
+Names follow llama.cpp / upstream PowerInfer so that files are exchangeable: FFN neuron j is
+row j of ``ffn_up``, ``ffn_gate`` and ``ffn_down_t`` (the down projection stored transposed),
+the predictor of layer N is ``blk.N.fc1`` [r, n_embd] -> ReLU -> ``blk.N.fc2`` [n_ff, r].
+
+Shapes below are numpy shapes (rows, cols) as ``gguf.GGUFReader`` returns them; GGML's ``ne``
+lists the same dimensions in reverse order.
+"""
+from __future__ import annotations
+
+# --- file magic -------------------------------------------------------------------------------
+GGUF_MAGIC = b"GGUF"
+PWRI_MAGIC = b"PWRI"  # upstream PowerInfer stamps sparse models with this (gguf_init_empty_sparse)
+
+# --- general ----------------------------------------------------------------------------------
+ARCH = "general.architecture"
+NAME = "general.name"
+FILE_TYPE = "general.file_type"
+ALIGNMENT = "general.alignment"
+
+# --- per-architecture hyper-parameters ("{arch}." prefix) ---------------------------------------
+CONTEXT_LENGTH = "{arch}.context_length"
+EMBEDDING_LENGTH = "{arch}.embedding_length"
+BLOCK_COUNT = "{arch}.block_count"
+FEED_FORWARD_LENGTH = "{arch}.feed_forward_length"
+HEAD_COUNT = "{arch}.attention.head_count"
+HEAD_COUNT_KV = "{arch}.attention.head_count_kv"
+LAYERNORM_EPS = "{arch}.attention.layer_norm_epsilon"
+LAYERNORM_RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"
+ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
+ROPE_FREQ_BASE = "{arch}.rope.freq_base"
+VOCAB_SIZE = "{arch}.vocab_size"
+
+# --- our own keys (upstream has no way to say these) ------------------------------------------
+FFN_ACT = "powerinfer_ray.ffn_act"  # relu | reglu | drelu | swiglu
+PARALLEL_ATTN = "powerinfer_ray.parallel_attn"  # falcon: attention and FFN read the same input
+FALCON_NEW_ARCH = "powerinfer_ray.falcon_new_decoder_architecture"  # separate ln_attn / ln_mlp
+POS_OFFSET = "powerinfer_ray.position_offset"  # OPT's learned positions start at index 2
+
+# --- PowerInfer ---------------------------------------------------------------------------------
+SPARSE_THRESHOLD = "powerinfer.sparse_threshold"
+
+# --- tokenizer -----------------------------------------------------------------------------------
+TOK_MODEL = "tokenizer.ggml.model"  # "llama" (SentencePiece-style) or "gpt2" (byte-level BPE)
+TOK_TOKENS = "tokenizer.ggml.tokens"
+TOK_SCORES = "tokenizer.ggml.scores"
+TOK_TYPES = "tokenizer.ggml.token_type"
+TOK_MERGES = "tokenizer.ggml.merges"
+TOK_BOS = "tokenizer.ggml.bos_token_id"
+TOK_EOS = "tokenizer.ggml.eos_token_id"
+TOK_UNK = "tokenizer.ggml.unknown_token_id"
+TOK_PAD = "tokenizer.ggml.padding_token_id"
+TOK_ADD_BOS = "tokenizer.ggml.add_bos_token"
+TOK_ADD_EOS = "tokenizer.ggml.add_eos_token"
+TOK_HF_JSON = "tokenizer.huggingface.json"
+CHAT_TEMPLATE = "tokenizer.chat_template"
+
+# --- split file (<model>.generated.gpuidx); the names live in placement.gpuidx ---------------
+
+# --- tensors --------------------------------------------------------------------------------------
+TOKEN_EMBD = "token_embd"  # [n_vocab, n_embd]
+POS_EMBD = "position_embd"  # [n_ctx + offset, n_embd]  (opt)
+OUTPUT_NORM = "output_norm"  # [n_embd]
+OUTPUT = "output"  # [n_vocab, n_embd]; absent -> tied to token_embd
+
+ATTN_NORM = "blk.{bid}.attn_norm"  # [n_embd]
+ATTN_NORM_2 = "blk.{bid}.attn_norm_2"  # [n_embd] (falcon new architecture: ln_mlp)
+ATTN_Q = "blk.{bid}.attn_q"  # [n_head * hd, n_embd]
+ATTN_K = "blk.{bid}.attn_k"  # [n_head_kv * hd, n_embd]
+ATTN_V = "blk.{bid}.attn_v"  # [n_head_kv * hd, n_embd]
+ATTN_QKV = "blk.{bid}.attn_qkv"  # [(n_head + 2 n_head_kv) * hd, n_embd], read only (llama.cpp falcon)
+ATTN_OUT = "blk.{bid}.attn_output"  # [n_embd, n_head * hd]
+FFN_NORM = "blk.{bid}.ffn_norm"  # [n_embd]
+FFN_UP = "blk.{bid}.ffn_up"  # [n_ff, n_embd]
+FFN_GATE = "blk.{bid}.ffn_gate"  # [n_ff, n_embd]
+FFN_DOWN = "blk.{bid}.ffn_down"  # [n_embd, n_ff], read only (standard llama.cpp layout)
+FFN_DOWN_T = "blk.{bid}.ffn_down_t"  # [n_ff, n_embd]
+FC1 = "blk.{bid}.fc1"  # [r, n_embd]
+FC2 = "blk.{bid}.fc2"  # [n_ff, r]
+
+BIAS = "{name}.bias"
+WEIGHT = "{name}.weight"
+
+# every per-layer tensor our writer may emit, in writing order
+LAYER_TENSORS = (ATTN_NORM, ATTN_NORM_2, ATTN_Q, ATTN_K, ATTN_V, ATTN_OUT, FFN_NORM,
+                 FFN_UP, FFN_GATE, FFN_DOWN_T, FC1, FC2)
+
+
+def key(template: str, arch: str) -> str:
+    """A per-architecture key, e.g. ``key(BLOCK_COUNT, "llama") == "llama.block_count"``."""
+    return template.format(arch=arch)
+
+
+def tensor(template: str, bid: int, bias: bool = False) -> str:
+    """A per-layer tensor name, e.g. ``tensor(FFN_UP, 3) == "blk.3.ffn_up.weight"``."""
+    name = template.format(bid=bid)
+    return BIAS.format(name=name) if bias else WEIGHT.format(name=name)
+
+
+def global_tensor(name: str, bias: bool = False) -> str:
+    """A model-level tensor name, e.g. ``global_tensor(TOKEN_EMBD) == "token_embd.weight"``."""
+    return BIAS.format(name=name) if bias else WEIGHT.format(name=name)
