@@ -71,7 +71,7 @@ class ModelFile:
                                  "convert from the HF checkpoint with --outtype f16)")
         self.config = config_from_fields(self.fields, self.tensors, self.is_sparse, self.path)
         if validate:
-            check_tensors(self.config, {n: tuple(t.data.shape) for n, t in self.tensors.items()}, self.path)
+            check_tensors(self.config, {n: self.raw(n).shape for n in self.tensors}, self.path)
 
     # --- metadata ---------------------------------------------------------------------------
     @property
@@ -92,7 +92,8 @@ class ModelFile:
         """The tensor as a numpy memory-map view (bf16 shows as uint16); no copy."""
         if name not in self.tensors:
             raise self.error(f"missing tensor {name!r}")
-        return self.tensors[name].data
+        data = self.tensors[name].data
+        return data.view(np.uint16) if data.dtype == np.uint8 else data  # gguf shows BF16 as bytes
 
     def dtype_of(self, name: str) -> str:
         return SUPPORTED_TYPES[self.tensors[name].tensor_type][0]
@@ -210,7 +211,7 @@ def config_from_fields(fields: Mapping[str, Any], tensors: Mapping[str, Any], sp
     n_vocab = opt(K.VOCAB_SIZE, None)
     if n_vocab is None:
         toks = fields.get(K.TOK_TOKENS)
-        n_vocab = len(toks) if toks else (embd.data.shape[0] if embd is not None else 0)
+        n_vocab = len(toks) if toks else (int(embd.shape[-1]) if embd is not None else 0)
     eps_key = K.LAYERNORM_RMS_EPS if arch == "llama" else K.LAYERNORM_EPS
     ranks = []
     for l in range(n_layer):
@@ -222,26 +223,34 @@ def config_from_fields(fields: Mapping[str, Any], tensors: Mapping[str, Any], sp
         raise ModelFileError(f"{path}: predictors present for {len(ranks)} of {n_layer} layers "
                              f"(tensor {K.tensor(K.FC1, len(ranks))!r} is missing)")
     up = tensors.get(K.tensor(K.FFN_UP, 0))
-    dtype = SUPPORTED_TYPES[up.tensor_type][0] if up is not None and hasattr(up, "tensor_type") else "f32"
+    dtype = SUPPORTED_TYPES.get(up.tensor_type, ("f32",))[0] if up is not None else "f32"
     thr = fields.get(K.SPARSE_THRESHOLD)
     n_head = int(req(K.HEAD_COUNT))
+    n_rot = int(opt(K.ROPE_DIMENSION_COUNT, 0))
+    if n_rot == int(req(K.EMBEDDING_LENGTH)) // n_head:
+        n_rot = 0  # the default: all of head_dim
     try:
         return ModelConfig(
             arch=arch, ffn_act=str(fields.get(K.FFN_ACT, default_act)),
             n_vocab=int(n_vocab), n_embd=int(req(K.EMBEDDING_LENGTH)), n_layer=n_layer,
             n_head=n_head, n_head_kv=int(opt(K.HEAD_COUNT_KV, n_head)),
             n_ff=int(req(K.FEED_FORWARD_LENGTH)), n_ctx=int(opt(K.CONTEXT_LENGTH, 2048)),
-            norm_eps=float(opt(eps_key, 1e-5 if arch != "llama" else 1e-6)),
-            rope_theta=float(opt(K.ROPE_FREQ_BASE, 10000.0)), n_rot=int(opt(K.ROPE_DIMENSION_COUNT, 0)),
+            norm_eps=_f32(opt(eps_key, 1e-5 if arch != "llama" else 1e-6)),
+            rope_theta=_f32(opt(K.ROPE_FREQ_BASE, 10000.0)), n_rot=n_rot,
             parallel_attn=bool(fields.get(K.PARALLEL_ATTN, arch == "falcon")),
             two_norms=K.tensor(K.ATTN_NORM_2, 0) in tensors,
             bias=K.tensor(K.ATTN_Q, 0, bias=True) in tensors or K.tensor(K.ATTN_QKV, 0, bias=True) in tensors,
             tied_output=K.global_tensor(K.OUTPUT) not in tensors,
-            sparse_threshold=None if thr is None else float(thr),
+            sparse_threshold=None if thr is None else _f32(thr),
             predictor_ranks=tuple(ranks), dtype=dtype, name=str(fields.get(K.NAME, "")),
         )
     except ConfigError as exc:
         raise ModelFileError(f"{path}: {exc}") from None
+
+
+def _f32(v: Any) -> float:
+    """GGUF stores float32: undo the representation error (1e-5 reads as 9.99999975e-06)."""
+    return float(f"{float(v):.7g}")
 
 
 def config_to_fields(cfg: ModelConfig) -> dict[str, Any]:

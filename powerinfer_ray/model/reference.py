@@ -109,6 +109,7 @@ class ReferenceModel:
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.w = {n: t.to(device=self.device, dtype=dtype) for n, t in weights.items()}
+        self.w.setdefault(K.global_tensor(K.OUTPUT), self.w[K.global_tensor(K.TOKEN_EMBD)])  # tied head
 
     @classmethod
     def from_file(cls, path: str | Path | ModelFile, dtype: torch.dtype = torch.float32,
@@ -126,8 +127,6 @@ class ReferenceModel:
         for name in mf.tensors:
             if not name.startswith("blk."):
                 weights[name] = mf.get(name)
-        if cfg.tied_output:
-            weights[K.global_tensor(K.OUTPUT)] = weights[K.global_tensor(K.TOKEN_EMBD)]
         return cls(cfg, weights, dtype, device)
 
     def new_cache(self) -> KVCache:

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Create (once) the project's virtual environment in .venv and install the project into it.
+# Usage: source scripts/setup-venv.sh [extras]     e.g. "test"
+# torch: on these machines 'torch==2.13.0' resolves to the local CPU build; override with
+# TORCH_SPEC (e.g. TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu").
+set -e
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+py=${PYTHON:-python3}
+"$py" -c 'import sys; assert sys.version_info >= (3, 10), "Python >= 3.10 is required, found " + sys.version' 
+if [ ! -x "$root/.venv/bin/python" ]; then
+  echo "[setup] creating $root/.venv" >&2
+  "$py" -m venv "$root/.venv"
+fi
+vpy="$root/.venv/bin/python"
+stamp="$root/.venv/.installed-${1:-base}"
+if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
+  echo "[setup] installing powerinfer-ray${1:+[$1]} (first run takes a few minutes)" >&2
+  "$vpy" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  "$vpy" -c 'import torch' 2>/dev/null || "$vpy" -m pip install -q ${TORCH_SPEC:-torch==2.13.0} 2>&1 | grep -v "^WARNING: Location" >&2 || true
+  "$vpy" -m pip install -q -e "$root${1:+[$1]}" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+  "$vpy" -c 'import powerinfer_ray, torch, ray, gguf, cvxpy' && touch "$stamp"
+fi
+export PATH="$root/.venv/bin:$PATH"
