@@ -54,6 +54,12 @@ TOK_PAD = "tokenizer.ggml.padding_token_id"
 TOK_ADD_BOS = "tokenizer.ggml.add_bos_token"
 TOK_ADD_EOS = "tokenizer.ggml.add_eos_token"
 TOK_HF_JSON = "tokenizer.huggingface.json"
+TOK_PRE = "tokenizer.ggml.pre"  # llama.cpp pre-tokenizer name ("default": GPT-2's regex)
+TOK_ADD_SPACE_PREFIX = "tokenizer.ggml.add_space_prefix"  # llama.cpp: prepend a space ("▁")
+# our own: how an SPM-style HF tokenizer prepends "▁" (legacy | first | always | never) and whether
+# it splits on it; upstream's keys cannot say these
+TOK_SPM_PREPEND = "powerinfer_ray.tokenizer.prepend_scheme"
+TOK_SPM_SPLIT = "powerinfer_ray.tokenizer.metaspace_split"
 CHAT_TEMPLATE = "tokenizer.chat_template"
 
 # --- split file (<model>.generated.gpuidx); the names live in placement.gpuidx ---------------
