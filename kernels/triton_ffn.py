@@ -1,0 +1,268 @@
+"""Triton kernels of the sparse FFN on the GPU (imported lazily: triton is optional).
+
+Dimension legend: T tokens, TP = T padded for tl.dot (>= 16), D n_embd, K active rows (idx),
+BK rows per tile, BD columns per tile.
+
+Two launches, no atomics, no memset, fp32 accumulation:
+  1. up stage, grid cdiv(K, BK): a program owns BK active neurons, streams their up (and gate)
+     rows over D once, and writes h [T, K] fp32 = mask * act(gate . x, up . x + b).
+  2. down stage, grid cdiv(D, BD): a program owns BD output columns, streams the BD-wide
+     slices of all active down_t rows, and writes y [T, BD] in y's dtype. A row whose h is zero
+     for every token is not loaded (masked loads issue no memory traffic).
+T == 1 uses elementwise multiply-add kept as [BK, BD] partial sums (reduced once at the end);
+T > 1 uses tl.dot with tokens padded to 16 (tensor cores; fp16/bf16 operands when x has the
+weights' dtype, else fp32 operands with tf32x3). The down stage multiplies fp32 h with the
+weights widened to fp32 under tf32 (fp16/bf16 weights are exact in tf32; h is rounded to tf32,
+relative 2^-11) or tf32x3 for fp32 weights.
+
+`n_active` (device int32 [1]) bounds K inside the kernels: no host sync, CUDA-graph safe.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+ACT_CODE = {"relu": 0, "reglu": 1, "drelu": 2, "swiglu": 3}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tile sizes of the two stages (chosen by bench/kernels_bench.py --sweep on the H200)."""
+
+    up_bk: int
+    up_bd: int
+    up_warps: int
+    down_bk: int
+    down_bd: int
+    down_warps: int
+    stages: int = 3
+
+
+# T == 1 (GEMV-like) and T > 1 (tl.dot) defaults.
+CONFIGS = {
+    "gemv": Config(up_bk=8, up_bd=512, up_warps=4, down_bk=64, down_bd=64, down_warps=4),
+    "dot": Config(up_bk=16, up_bd=256, up_warps=4, down_bk=64, down_bd=64, down_warps=4),
+}
+
+
+@triton.jit
+def _act(u, g, ACT: tl.constexpr):
+    if ACT == 0:
+        h = tl.maximum(u, 0.0)
+    elif ACT == 1:
+        h = tl.where(g > 0, g * u, 0.0)
+    elif ACT == 2:
+        h = tl.where((g > 0) & (u > 0), g * u, 0.0)
+    else:
+        h = g / (1.0 + tl.exp(-g)) * u
+    return h
+
+
+@triton.jit
+def _up_gemv_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_ptr, h_ptr,
+                    D, K, s_up, s_gate,
+                    ACT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    MASK_MODE: tl.constexpr, HAS_NACT: tl.constexpr,
+                    BK: tl.constexpr, BD: tl.constexpr):
+    """T == 1: h[k] for BK active rows; x [D], h [K]."""
+    pid = tl.program_id(0)
+    if HAS_NACT:
+        K = tl.minimum(tl.load(nact_ptr), K)
+    offs_k = pid * BK + tl.arange(0, BK)  # [BK]
+    kmask = offs_k < K
+    rows = tl.load(idx_ptr + offs_k, mask=kmask, other=0).to(tl.int64)  # [BK]
+    acc_u = tl.zeros((BK, BD), dtype=tl.float32)
+    acc_g = tl.zeros((BK, BD), dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        offs_d = d0 + tl.arange(0, BD)  # [BD]
+        dmask = offs_d < D
+        xv = tl.load(x_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)  # [BD]
+        wmask = kmask[:, None] & dmask[None, :]
+        wu = tl.load(up_ptr + rows[:, None] * s_up + offs_d[None, :], mask=wmask, other=0.0)  # [BK, BD]
+        acc_u += wu.to(tl.float32) * xv[None, :]
+        if HAS_GATE:
+            wg = tl.load(gate_ptr + rows[:, None] * s_gate + offs_d[None, :], mask=wmask, other=0.0)
+            acc_g += wg.to(tl.float32) * xv[None, :]
+    u = tl.sum(acc_u, axis=1)  # [BK]
+    g = tl.sum(acc_g, axis=1)
+    if HAS_BIAS:
+        u += tl.load(bias_ptr + rows, mask=kmask, other=0.0).to(tl.float32)
+    h = _act(u, g, ACT)
+    if MASK_MODE == 1:
+        h = tl.where(tl.load(mask_ptr + offs_k, mask=kmask, other=0) != 0, h, 0.0)
+    elif MASK_MODE == 2:
+        h = tl.where((tl.load(mask_ptr + offs_k, mask=kmask, other=0) & 1) != 0, h, 0.0)
+    tl.store(h_ptr + offs_k, h, mask=kmask)
+
+
+@triton.jit
+def _up_dot_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_ptr, h_ptr,
+                   T, D, K, s_x, s_up, s_gate, s_mask, s_h,
+                   ACT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   MASK_MODE: tl.constexpr, HAS_NACT: tl.constexpr, DOT_F32: tl.constexpr,
+                   TP: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+    """T > 1: h[t, k] for BK active rows and all tokens; x [T, D], h [T, K]."""
+    pid = tl.program_id(0)
+    if HAS_NACT:
+        K = tl.minimum(tl.load(nact_ptr), K)
+    offs_k = pid * BK + tl.arange(0, BK)  # [BK]
+    kmask = offs_k < K
+    rows = tl.load(idx_ptr + offs_k, mask=kmask, other=0).to(tl.int64)  # [BK]
+    offs_t = tl.arange(0, TP)  # [TP]
+    tmask = offs_t < T
+    acc_u = tl.zeros((BK, TP), dtype=tl.float32)
+    acc_g = tl.zeros((BK, TP), dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        offs_d = d0 + tl.arange(0, BD)
+        dmask = offs_d < D
+        xt = tl.load(x_ptr + offs_t[:, None] * s_x + offs_d[None, :],
+                     mask=tmask[:, None] & dmask[None, :], other=0.0)  # [TP, BD]
+        wmask = kmask[:, None] & dmask[None, :]
+        wu = tl.load(up_ptr + rows[:, None] * s_up + offs_d[None, :], mask=wmask, other=0.0)  # [BK, BD]
+        if DOT_F32:
+            xf = tl.trans(xt.to(tl.float32))  # [BD, TP]
+            acc_u = tl.dot(wu.to(tl.float32), xf, acc_u, input_precision="tf32x3")
+        else:
+            acc_u = tl.dot(wu, tl.trans(xt), acc_u)
+        if HAS_GATE:
+            wg = tl.load(gate_ptr + rows[:, None] * s_gate + offs_d[None, :], mask=wmask, other=0.0)
+            if DOT_F32:
+                acc_g = tl.dot(wg.to(tl.float32), tl.trans(xt.to(tl.float32)), acc_g, input_precision="tf32x3")
+            else:
+                acc_g = tl.dot(wg, tl.trans(xt), acc_g)
+    u = acc_u  # [BK, TP]
+    if HAS_BIAS:
+        u += tl.load(bias_ptr + rows, mask=kmask, other=0.0).to(tl.float32)[:, None]
+    h = _act(u, acc_g, ACT)
+    if MASK_MODE == 1:
+        m = tl.load(mask_ptr + offs_t[None, :] * s_mask + offs_k[:, None],
+                    mask=kmask[:, None] & tmask[None, :], other=0)
+        h = tl.where(m != 0, h, 0.0)
+    elif MASK_MODE == 2:
+        bits = tl.load(mask_ptr + offs_k, mask=kmask, other=0)  # [BK]
+        h = tl.where(((bits[:, None] >> offs_t[None, :]) & 1) != 0, h, 0.0)
+    tl.store(h_ptr + offs_t[None, :] * s_h + offs_k[:, None], h, mask=kmask[:, None] & tmask[None, :])
+
+
+@triton.jit
+def _down_gemv_kernel(h_ptr, down_ptr, idx_ptr, nact_ptr, y_ptr, D, K, s_down,
+                      HAS_NACT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+    """T == 1: y[d] = sum_k h[k] down_t[idx[k], d] for BD columns."""
+    pid = tl.program_id(0)
+    if HAS_NACT:
+        K = tl.minimum(tl.load(nact_ptr), K)
+    offs_d = pid * BD + tl.arange(0, BD)  # [BD]
+    dmask = offs_d < D
+    acc = tl.zeros((BK, BD), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)  # [BK]
+        kmask = offs_k < K
+        rows = tl.load(idx_ptr + offs_k, mask=kmask, other=0).to(tl.int64)
+        h = tl.load(h_ptr + offs_k, mask=kmask, other=0.0)  # [BK]
+        live = kmask & (h != 0)  # zero activation: skip the row's bytes
+        w = tl.load(down_ptr + rows[:, None] * s_down + offs_d[None, :],
+                    mask=live[:, None] & dmask[None, :], other=0.0)  # [BK, BD]
+        acc += h[:, None] * w.to(tl.float32)
+    tl.store(y_ptr + offs_d, tl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _down_dot_kernel(h_ptr, down_ptr, idx_ptr, nact_ptr, y_ptr, T, D, K, s_down, s_h, s_y,
+                     HAS_NACT: tl.constexpr, PREC: tl.constexpr,
+                     TP: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+    """T > 1: y[t, d] = sum_k h[t, k] down_t[idx[k], d] for all tokens and BD columns."""
+    pid = tl.program_id(0)
+    if HAS_NACT:
+        K = tl.minimum(tl.load(nact_ptr), K)
+    offs_d = pid * BD + tl.arange(0, BD)
+    dmask = offs_d < D
+    offs_t = tl.arange(0, TP)
+    tmask = offs_t < T
+    acc = tl.zeros((TP, BD), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        kmask = offs_k < K
+        rows = tl.load(idx_ptr + offs_k, mask=kmask, other=0).to(tl.int64)
+        h = tl.load(h_ptr + offs_t[:, None] * s_h + offs_k[None, :],
+                    mask=tmask[:, None] & kmask[None, :], other=0.0)  # [TP, BK]
+        live = kmask & (tl.max(tl.abs(h), axis=0) > 0)  # [BK]
+        w = tl.load(down_ptr + rows[:, None] * s_down + offs_d[None, :],
+                    mask=live[:, None] & dmask[None, :], other=0.0)  # [BK, BD]
+        acc = tl.dot(h, w.to(tl.float32), acc, input_precision=PREC)
+    tl.store(y_ptr + offs_t[:, None] * s_y + offs_d[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=tmask[:, None] & dmask[None, :])
+
+
+def _mask_mode(mask: torch.Tensor | None) -> int:
+    return 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
+
+
+def launch_up(x, up, gate, up_bias, idx, mask, n_active, act, h, cfg: Config) -> None:
+    """Stage 1: h [T, K] fp32 from x [T, D] and the active rows of up / gate."""
+    T, D = x.shape
+    K = idx.shape[0]
+    if K == 0:
+        return
+    mode = _mask_mode(mask)
+    if mode == 1:
+        mask = mask.view(torch.uint8)  # triton has no bool pointers
+    dummy = idx  # any tensor: pointer arguments the kernel never reads
+    common = dict(ACT=ACT_CODE[act], HAS_GATE=gate is not None, HAS_BIAS=up_bias is not None,
+                  MASK_MODE=mode, HAS_NACT=n_active is not None)
+    ptrs = (x, up, gate if gate is not None else up, up_bias if up_bias is not None else dummy, idx,
+            n_active if n_active is not None else dummy, mask if mask is not None else dummy, h)
+    if T == 1:
+        grid = (triton.cdiv(K, cfg.up_bk),)
+        _up_gemv_kernel[grid](*ptrs, D, K, up.stride(0), (gate if gate is not None else up).stride(0),
+                              BK=cfg.up_bk, BD=cfg.up_bd, num_warps=cfg.up_warps, num_stages=cfg.stages, **common)
+    else:
+        bk = max(16, cfg.up_bk)
+        grid = (triton.cdiv(K, bk),)
+        tp = max(16, triton.next_power_of_2(T))
+        dot_f32 = x.dtype != up.dtype or up.dtype == torch.float32
+        _up_dot_kernel[grid](*ptrs, T, D, K, x.stride(0), up.stride(0),
+                             (gate if gate is not None else up).stride(0),
+                             mask.stride(0) if mode == 1 else 0, h.stride(0),
+                             DOT_F32=dot_f32, TP=tp, BK=bk, BD=cfg.up_bd, num_warps=cfg.up_warps,
+                             num_stages=cfg.stages, **common)
+
+
+def launch_down(h, down_t, idx, n_active, y, cfg: Config) -> None:
+    """Stage 2: y [T, D] (y's dtype) from h [T, K] and the active rows of down_t."""
+    T, D = y.shape
+    K = idx.shape[0]
+    nact = n_active if n_active is not None else idx
+    grid = (triton.cdiv(D, cfg.down_bd),)
+    if T == 1:
+        _down_gemv_kernel[grid](h, down_t, idx, nact, y, D, K, down_t.stride(0),
+                                HAS_NACT=n_active is not None, BK=cfg.down_bk, BD=cfg.down_bd,
+                                num_warps=cfg.down_warps, num_stages=cfg.stages)
+    else:
+        tp = max(16, triton.next_power_of_2(T))
+        prec = "tf32x3" if down_t.dtype == torch.float32 else "tf32"
+        _down_dot_kernel[grid](h, down_t, idx, nact, y, T, D, K, down_t.stride(0), h.stride(0), y.stride(0),
+                               HAS_NACT=n_active is not None, PREC=prec, TP=tp, BK=max(16, cfg.down_bk),
+                               BD=max(16, cfg.down_bd), num_warps=cfg.down_warps, num_stages=cfg.stages)
+
+
+def sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active,
+                      cfg: Config | None = None) -> torch.Tensor:
+    """The GPU path of `sparse_ffn.sparse_ffn` (arguments already checked there)."""
+    T, D = x.shape
+    if up.stride(1) != 1 or down_t.stride(1) != 1 or (gate is not None and gate.stride(1) != 1):
+        raise ValueError("sparse_ffn (triton): weight rows need unit column stride")
+    cfg = cfg or CONFIGS["gemv" if T == 1 else "dot"]
+    x = x.contiguous()
+    idx = idx if idx.is_contiguous() else idx.contiguous()
+    if mask is not None:
+        mask = mask.contiguous()
+    if n_active is not None:
+        n_active = n_active.reshape(1).to(torch.int32)
+    y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    h = torch.empty((T, max(1, idx.shape[0])), dtype=torch.float32, device=x.device)  # [T, K]
+    launch_up(x, up, gate, up_bias, idx, mask, n_active, act, h, cfg)
+    launch_down(h, down_t, idx, n_active, y, cfg)
+    return y
