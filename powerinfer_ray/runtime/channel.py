@@ -1,0 +1,192 @@
+"""The per-layer data plane between executors: one shared-memory segment in /dev/shm.
+
+Ray sets it up (the primary creates it and passes its name to the CPU executor through an
+actor call) and never touches it again. Per exchange the primary writes the request (header,
+hidden states, the CPU shard's active mask), bumps ``req_seq``; the CPU executor spins on
+``req_seq``, computes, writes its partial output, sets ``resp_seq``; the primary spins on
+``resp_seq``. Both sides spin hot for a short while and then back off to sleeping, so an idle
+engine costs no CPU. On x86 (TSO) a store to the data before the store to the flag is seen in
+that order by the other process; numpy writes are plain stores.
+
+Layout (int64 header, then float32 x_attn, x_ffn, out buffers [T_max, D], then uint8 mask
+[T_max, N_max]):
+  0 req_seq   1 resp_seq   2 op   3 layer   4 n_seq   5 n_tok   6 n_mask   7 status
+  8 peer_pid  9 (unused)  10 t_start_ns  11 t_end_ns (CLOCK_MONOTONIC, comparable across
+  processes)   16.. slots[B_max]   16+B_max.. start_pos[B_max]
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+
+# ops
+OP_ATTN, OP_FFN, OP_ATTN_FFN, OP_STOP, OP_PING = 1, 2, 3, 4, 5
+STATUS_OK, STATUS_ERROR = 0, 1
+(_H_REQ, _H_RESP, _H_OP, _H_LAYER, _H_NSEQ, _H_NTOK, _H_NMASK, _H_STATUS, _H_PID, _H_TCOMP,
+ _H_TSTART, _H_TEND) = range(12)
+_HDR_FIXED = 16
+
+
+class PeerDied(RuntimeError):
+    """The executor on the other side of a channel is gone (or stopped answering)."""
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """What both sides need to map the same segment (sent through Ray once)."""
+
+    name: str
+    d: int  # hidden size
+    t_max: int  # tokens per exchange
+    b_max: int  # sequences per exchange
+    n_mask: int  # width of the active-neuron mask (the CPU shard's largest layer)
+
+    @property
+    def path(self) -> Path:
+        return SHM_DIR / self.name
+
+    @property
+    def header_len(self) -> int:
+        return _HDR_FIXED + 2 * self.b_max
+
+    @property
+    def nbytes(self) -> int:
+        return 8 * self.header_len + 3 * 4 * self.t_max * self.d + self.t_max * self.n_mask
+
+
+class Channel:
+    """One side of a shared-memory channel. ``Channel.create`` on the primary, ``attach`` on the peer."""
+
+    def __init__(self, spec: ChannelSpec, create: bool) -> None:
+        self.spec = spec
+        if create:
+            with open(spec.path, "wb") as fh:
+                fh.truncate(spec.nbytes)
+        fd = os.open(spec.path, os.O_RDWR)
+        try:
+            self._mm = mmap.mmap(fd, spec.nbytes)
+        finally:
+            os.close(fd)
+        buf = np.frombuffer(self._mm, dtype=np.uint8)
+        off = 8 * spec.header_len
+        self.header = buf[:off].view(np.int64)  # [header_len]
+        fbytes = 4 * spec.t_max * spec.d
+        views = [buf[off + i * fbytes: off + (i + 1) * fbytes].view(np.float32).reshape(spec.t_max, spec.d)
+                 for i in range(3)]
+        self.x_attn_np, self.x_ffn_np, self.out_np = views  # [T_max, D] each
+        self.mask_np = buf[off + 3 * fbytes:].reshape(spec.t_max, spec.n_mask)  # [T_max, N_max]
+        self.x_attn, self.x_ffn, self.out = (torch.from_numpy(v) for v in views)
+        self.mask = torch.from_numpy(self.mask_np)
+        self.slots = self.header[_HDR_FIXED:_HDR_FIXED + spec.b_max]
+        self.start_pos = self.header[_HDR_FIXED + spec.b_max:_HDR_FIXED + 2 * spec.b_max]
+        self.peer_pid = 0
+        self.pinned = False
+
+    @classmethod
+    def create(cls, d: int, t_max: int, b_max: int, n_mask: int) -> "Channel":
+        spec = ChannelSpec(f"powerinfer-ray-{os.getpid()}-{uuid.uuid4().hex[:8]}", d, t_max, b_max, max(n_mask, 1))
+        return cls(spec, create=True)
+
+    @classmethod
+    def attach(cls, spec: ChannelSpec) -> "Channel":
+        if not spec.path.exists():
+            raise FileNotFoundError(f"shared-memory channel {spec.path} does not exist (the primary "
+                                    "executor must create it on the same node)")
+        ch = cls(spec, create=False)
+        ch.header[_H_PID] = os.getpid()
+        return ch
+
+    def pin_for_cuda(self) -> None:
+        """Page-lock the segment (cudaHostRegister) so D2H/H2D copies are true async DMA."""
+        if self.pinned or not torch.cuda.is_available():
+            return
+        base = self.x_attn.data_ptr() - 8 * self.spec.header_len
+        err = torch.cuda.cudart().cudaHostRegister(base, self.spec.nbytes, 0)
+        self.pinned = int(err) == 0
+
+    # --- primary side -------------------------------------------------------------------------
+    def post(self, op: int, layer: int, n_seq: int, n_tok: int, n_mask: int) -> int:
+        """Publish a request whose data is already in the buffers; returns its sequence number."""
+        h = self.header
+        h[_H_OP], h[_H_LAYER], h[_H_NSEQ], h[_H_NTOK], h[_H_NMASK] = op, layer, n_seq, n_tok, n_mask
+        seq = int(h[_H_REQ]) + 1
+        h[_H_REQ] = seq  # last store: the peer may read everything above once it sees this
+        return seq
+
+    def wait_response(self, seq: int, timeout_s: float = 60.0, spin_s: float = 0.002) -> tuple[int, int]:
+        """Spin until the peer answered request ``seq``; returns the peer's (start, end) times in
+        ``time.monotonic_ns`` units, so the caller can split the wait into sync and compute."""
+        _wait(lambda: int(self.header[_H_RESP]) >= seq, timeout_s, spin_s, self._peer_alive,
+              what=f"the CPU executor to answer layer {int(self.header[_H_LAYER])}")
+        if int(self.header[_H_STATUS]) != STATUS_OK:
+            raise RuntimeError(f"CPU executor failed on layer {int(self.header[_H_LAYER])}; see its log")
+        return int(self.header[_H_TSTART]), int(self.header[_H_TEND])
+
+    def _peer_alive(self) -> bool:
+        pid = int(self.header[_H_PID])
+        if pid <= 0:
+            return True  # not attached yet
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+    # --- peer side ------------------------------------------------------------------------------
+    def wait_request(self, last_seq: int, spin_s: float = 0.002, idle_sleep_s: float = 0.001) -> int:
+        """Block until a request newer than ``last_seq`` arrives; returns its sequence number."""
+        _wait(lambda: int(self.header[_H_REQ]) > last_seq, None, spin_s, None, "a request",
+              max_sleep_s=idle_sleep_s)
+        return int(self.header[_H_REQ])
+
+    def request(self) -> tuple[int, int, int, int, int]:
+        h = self.header
+        return int(h[_H_OP]), int(h[_H_LAYER]), int(h[_H_NSEQ]), int(h[_H_NTOK]), int(h[_H_NMASK])
+
+    def respond(self, seq: int, t_start_ns: int, ok: bool = True) -> None:
+        """Publish the answer to request ``seq``; ``t_start_ns`` is when the peer saw it."""
+        h = self.header
+        h[_H_TSTART], h[_H_TEND] = t_start_ns, time.monotonic_ns()
+        h[_H_STATUS] = STATUS_OK if ok else STATUS_ERROR
+        self.header[_H_RESP] = seq
+
+    def close(self, unlink: bool = False) -> None:
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # views still alive; the mapping goes with the process
+        if unlink:
+            self.spec.path.unlink(missing_ok=True)
+
+
+def _wait(ready, timeout_s, spin_s, alive, what: str, max_sleep_s: float = 0.0005) -> None:  # noqa: ANN001
+    """Spin on ``ready()`` for ``spin_s``, then sleep with exponential back-off (capped)."""
+    if ready():
+        return
+    t0 = time.perf_counter()
+    spin_until = t0 + spin_s
+    while time.perf_counter() < spin_until:
+        if ready():
+            return
+    sleep, checked = 1e-5, t0
+    while not ready():
+        time.sleep(sleep)
+        sleep = min(sleep * 2, max_sleep_s)
+        now = time.perf_counter()
+        if now - checked > 0.1:
+            checked = now
+            if alive is not None and not alive():
+                raise PeerDied(f"the executor process died while waiting for {what}")
+            if timeout_s is not None and now - t0 > timeout_s:
+                raise PeerDied(f"timed out after {timeout_s:.0f} s waiting for {what}")

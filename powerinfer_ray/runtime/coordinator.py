@@ -1,0 +1,297 @@
+"""The coordinator: the request loop of the engine, as a plain asyncio class.
+
+It owns the tokenizer, the request queue, continuous batching (a prefill chunk of one request,
+then one decode step of every running request, in turn), sampling, stop conditions, streaming
+and per-request statistics. It talks to the primary executor once per step through ``step_fn``
+(a Ray call in the actor, a direct call in tests). Executors do the per-layer work.
+
+``step()`` reads like its docstring: schedule, execute, make output.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import numpy as np
+import torch
+
+from ..model.tokenizer import Tokenizer
+from .sampling import SamplingParams, make_generator, sample
+
+log = logging.getLogger(__name__)
+
+StepFn = Callable[[list[int], list[list[int]], list[int]], Awaitable[np.ndarray]]
+
+
+class EngineError(RuntimeError):
+    """A request failed inside the engine (for example an executor died mid-generation)."""
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full; the client should retry later (HTTP 429/503)."""
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    gen: torch.Generator
+    slot: int = -1
+    pos: int = 0  # tokens already in the KV cache
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    emitted: int = 0  # characters of text already streamed
+    finish_reason: str | None = None
+    error: str | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    t_end: float | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pos < len(self.prompt_ids)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def result(self) -> dict[str, Any]:
+        n = len(self.output_ids)
+        end = self.t_end or time.perf_counter()
+        decode_s = end - self.t_first if self.t_first and n > 1 else 0.0
+        return {
+            "id": self.id, "text": self.text, "token_ids": list(self.output_ids),
+            "prompt_token_ids": list(self.prompt_ids), "finish_reason": self.finish_reason,
+            "stats": {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n,
+                      "ttft_s": (self.t_first - self.t_submit) if self.t_first else None,
+                      "total_s": end - self.t_submit,
+                      "decode_tok_s": (n - 1) / decode_s if decode_s > 0 else None},
+        }
+
+
+class Coordinator:
+    """Request loop over one primary executor (see the module docstring)."""
+
+    def __init__(self, step_fn: StepFn, tokenizer: Tokenizer | None, *, n_ctx: int, max_batch: int = 8,
+                 prefill_chunk: int = 128, max_waiting: int = 256, eos_id: int | None = None,
+                 on_failure: Callable[[BaseException], Awaitable[None]] | None = None) -> None:
+        self.step_fn, self.tok, self.on_failure = step_fn, tokenizer, on_failure
+        self.n_ctx, self.max_batch, self.prefill_chunk, self.max_waiting = n_ctx, max_batch, prefill_chunk, max_waiting
+        self.eos_id = eos_id if eos_id is not None else (tokenizer.eos_id if tokenizer else None)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.free_slots = list(range(max_batch))
+        self._ids = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.counters = {"requests": 0, "finished": 0, "failed": 0, "aborted": 0, "tokens": 0,
+                         "prompt_tokens": 0, "steps": 0, "step_s": 0.0, "decode_steps": 0, "decode_s": 0.0,
+                         "decode_tokens": 0}
+
+    # --- public --------------------------------------------------------------------------------
+    def submit(self, prompt: str | list[int] | None = None, *, prompt_token_ids: list[int] | None = None,
+               request_id: str | None = None, **sampling: Any) -> Request:
+        """Validate and queue a request (raises ValueError on bad input, EngineOverloaded when full)."""
+        params = SamplingParams.from_kwargs(**sampling)
+        ids = self._prompt_ids(prompt, prompt_token_ids)
+        if len(ids) >= self.n_ctx:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.n_ctx} "
+                             f"(at most {self.n_ctx - 1} prompt tokens): shorten the prompt")
+        if len(self.waiting) >= self.max_waiting:
+            raise EngineOverloaded(f"{len(self.waiting)} requests are waiting (limit {self.max_waiting}); retry later")
+        req = Request(request_id or f"req-{next(self._ids)}", ids, params, make_generator(params.seed))
+        if req.id in self.requests:
+            raise ValueError(f"request id {req.id!r} is already in use")
+        self.requests[req.id] = req
+        self.waiting.append(req)
+        self.counters["requests"] += 1
+        self._ensure_loop()
+        self._wake.set()
+        return req
+
+    async def generate(self, prompt: str | list[int] | None = None, **kw: Any) -> dict[str, Any]:
+        req = self.submit(prompt, **kw)
+        async for _ in self._events(req):
+            pass
+        return req.result()
+
+    async def generate_stream(self, prompt: str | list[int] | None = None, **kw: Any) -> AsyncIterator[dict]:
+        """Yields {"id", "text" (delta), "token_ids" (new), "finish_reason"} chunks."""
+        req = self.submit(prompt, **kw)
+        try:
+            async for ev in self._events(req):
+                yield ev
+        finally:
+            if not req.done:  # the consumer went away: cancel and free the slot
+                self.abort(req.id)
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.done:
+            return False
+        self._finish(req, "abort")
+        self.counters["aborted"] += 1
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        c = dict(self.counters)
+        c["running"], c["waiting"] = len(self.running), len(self.waiting)
+        c["decode_tok_s"] = c["decode_tokens"] / c["decode_s"] if c["decode_s"] else 0.0
+        return c
+
+    # --- helpers -------------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: str | list[int] | None, ids: list[int] | None) -> list[int]:
+        if ids is None and isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+        if ids is not None:
+            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt_token_ids must be a non-empty list of integers")
+            return list(ids)
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if self.tok is None:
+            raise ValueError("this model has no tokenizer: pass prompt_token_ids")
+        ids = self.tok.encode(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        return ids
+
+    async def _events(self, req: Request) -> AsyncIterator[dict]:
+        while True:
+            ev = await req.events.get()
+            if "error" in ev:
+                raise EngineError(ev["error"])
+            yield ev
+            if ev.get("finish_reason"):
+                return
+
+    def _ensure_loop(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            if not (self.waiting or self.running):
+                self._wake.clear()
+                await self._wake.wait()
+            try:
+                await self.step()
+            except Exception as exc:  # an executor failed: fail what was in flight, recover
+                log.exception("step failed")
+                await self._fail_running(exc)
+
+    async def _fail_running(self, exc: BaseException) -> None:
+        msg = f"generation failed: {type(exc).__name__}: {exc}"
+        for req in list(self.running):
+            req.error = msg
+            self._finish(req, "error")
+            self.counters["failed"] += 1
+        if self.on_failure is not None:
+            try:
+                await self.on_failure(exc)
+            except Exception:  # noqa: BLE001
+                log.exception("recovery after executor failure failed")
+
+    # --- the step ---------------------------------------------------------------------------------
+    async def step(self) -> None:
+        """Schedule (admit waiting requests into free slots), execute one prefill chunk and one
+        decode step of the running requests, make output (sample, detokenize, stop, stream)."""
+        self._admit()
+        pre = next((r for r in self.running if r.prefilling), None)
+        if pre is not None:
+            chunk = pre.prompt_ids[pre.pos: pre.pos + self.prefill_chunk]
+            logits = await self._execute([pre], [chunk])
+            pre.pos += len(chunk)
+            self.counters["prompt_tokens"] += len(chunk)
+            if not pre.prefilling and not pre.done:
+                self._emit(pre, logits[0])
+        dec = [r for r in self.running if not r.prefilling and not r.done][: self.max_batch]
+        if dec:
+            t0 = time.perf_counter()
+            logits = await self._execute(dec, [[r.output_ids[-1]] for r in dec])
+            self.counters["decode_s"] += time.perf_counter() - t0
+            self.counters["decode_steps"] += 1
+            self.counters["decode_tokens"] += len(dec)
+            for r, lg in zip(dec, logits):
+                r.pos += 1
+                if not r.done:
+                    self._emit(r, lg)
+        self.running = [r for r in self.running if not r.done]
+
+    def _admit(self) -> None:
+        self.running = [r for r in self.running if not r.done]
+        while self.waiting and self.free_slots:
+            req = self.waiting.popleft()
+            if req.done:
+                continue
+            req.slot = self.free_slots.pop(0)
+            self.running.append(req)
+
+    async def _execute(self, reqs: list[Request], tokens: list[list[int]]) -> np.ndarray:
+        t0 = time.perf_counter()
+        logits = await self.step_fn([r.slot for r in reqs], tokens, [r.pos for r in reqs])
+        self.counters["steps"] += 1
+        self.counters["step_s"] += time.perf_counter() - t0
+        return logits
+
+    def _emit(self, req: Request, logits: np.ndarray) -> None:
+        tok = sample(logits, req.params, req.gen)
+        if req.t_first is None:
+            req.t_first = time.perf_counter()
+        req.output_ids.append(tok)
+        self.counters["tokens"] += 1
+        p = req.params
+        reason, new_ids = None, [tok]
+        if (tok == self.eos_id and not p.ignore_eos) or tok in p.stop_token_ids:
+            reason, new_ids = "stop", []
+            req.output_ids.pop()  # the stop token is not part of the output
+        self._detokenize(req)
+        if reason is None and p.stop:
+            cut = min((i for i in (req.text.find(s) for s in p.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                req.text, reason = req.text[:cut], "stop"
+        if reason is None and len(req.output_ids) >= p.max_tokens:
+            reason = "length"
+        if reason is None and req.pos + 1 >= self.n_ctx:
+            reason = "length"  # the next token would not fit in the context
+        hold = 0 if reason else max((len(s) - 1 for s in p.stop), default=0)
+        self._push(req, hold, new_ids)
+        if reason:
+            self._finish(req, reason)
+
+    def _detokenize(self, req: Request) -> None:
+        if self.tok is None:
+            return
+        text = self.tok.decode(req.output_ids)
+        req.text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence waits for its next bytes
+
+    def _push(self, req: Request, hold: int, new_ids: list[int]) -> None:
+        upto = max(req.emitted, len(req.text) - hold)
+        delta = req.text[req.emitted: upto]
+        req.emitted = upto
+        if delta or new_ids:
+            req.events.put_nowait({"id": req.id, "text": delta, "token_ids": new_ids, "finish_reason": None})
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason, req.t_end = reason, time.perf_counter()
+        if req.slot >= 0:
+            self.free_slots.append(req.slot)
+            req.slot = -1
+        if reason == "error":
+            req.events.put_nowait({"id": req.id, "error": req.error})
+        else:
+            delta = req.text[req.emitted:]
+            req.emitted = len(req.text)
+            req.events.put_nowait({"id": req.id, "text": delta, "token_ids": [], "finish_reason": reason,
+                                   "stats": req.result()["stats"]})
+            self.counters["finished"] += reason != "abort"
+        self.requests.pop(req.id, None)
+        self._wake.set()

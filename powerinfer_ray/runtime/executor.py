@@ -1,0 +1,372 @@
+"""The executors as plain classes (the Ray actors in ``actors/`` are thin shells over these).
+
+``PrimaryExecutor`` drives the GPU (or, on a host without one, runs on the CPU: one code path,
+placed by device). It holds the embeddings, norms, output head, the predictors, its shard of
+neurons and heads, and runs every layer: attention, predictor, hot neurons, and the merge of
+its partial outputs with the CPU executor's, which it gets through the shared-memory channel.
+
+``CPUExecutor`` holds the cold neurons and CPU-placed heads and answers the primary's per-layer
+requests in a loop (``serve``), spinning on the channel's flags.
+
+Dimension legend: B sequences, T tokens per sequence in a step, N = B*T, D hidden, V vocab,
+n neurons of a shard, r predictor width.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..model import gguf_keys as K
+from ..model.reference import layer_norm, rms_norm
+from ..model.source import WeightSource, open_model
+from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec
+from .layers import POLICIES, attn_partial, ffn_partial, merge_partials
+from .plan import Plan
+from .shard import AttnShard, FFNShard, load_attn_shard, load_ffn_shard
+
+log = logging.getLogger(__name__)
+_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class ExecStats:
+    """Counters an executor keeps; ``stats()`` reports them and the actors export them."""
+
+    steps: int = 0
+    tokens: int = 0
+    neurons: int = 0  # (token, neuron) pairs computed
+    active_bytes: int = 0  # weight bytes those neurons read
+    busy_s: float = 0.0
+    exchanges: int = 0
+    sync_s: float = 0.0  # notify + return latency + host copies, summed over exchanges
+    peer_compute_s: float = 0.0
+    peer_neurons: int = 0
+    layer_s: dict[str, float] = field(default_factory=lambda: {"attn": 0.0, "ffn": 0.0, "wait": 0.0})
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["layer_s"] = dict(self.layer_s)
+        d["per_exchange_sync_us"] = 1e6 * self.sync_s / self.exchanges if self.exchanges else 0.0
+        tot = self.neurons + self.peer_neurons
+        d["gpu_activation_share"] = self.neurons / tot if tot else 0.0
+        return d
+
+
+@dataclass
+class LayerWeights:
+    """The per-layer tensors only the primary holds."""
+
+    norm_attn: tuple[torch.Tensor, torch.Tensor | None]
+    norm_ffn: tuple[torch.Tensor, torch.Tensor | None] | None  # None: falcon single norm
+    attn_out_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    fc1: torch.Tensor | None  # [r, D]
+    fc2_gpu: torch.Tensor | None  # [n_gpu, r]
+    fc2_cpu: torch.Tensor | None  # [n_cpu, r]
+    ffn: FFNShard
+    attn: AttnShard
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+class PrimaryExecutor:
+    """Runs the whole per-layer pipeline on its device, with the CPU executor as its partner."""
+
+    def __init__(self, model: str | WeightSource, plan: Plan, *, device: str = "cpu",
+                 policy: str = "predictor", threshold: float | None = None, slots: int = 8,
+                 n_ctx: int | None = None, t_max: int = 128, dtype: str | None = None,
+                 timeout_s: float = 60.0) -> None:
+        self.src = open_model(model)
+        self.cfg = cfg = self.src.config
+        plan.verify(cfg)
+        if policy not in POLICIES:
+            raise ValueError(f"predictor policy {policy!r}: expected one of {POLICIES}")
+        if policy == "predictor" and not cfg.has_predictors:
+            raise ValueError(f"policy 'predictor' needs a model with predictors; {cfg.name or 'this model'} "
+                             "has none: train them (powerinfer-ray train-predictors) or use policy 'dense'")
+        self.plan, self.policy, self.timeout_s = plan, policy, timeout_s
+        self.threshold = cfg.sparse_threshold if threshold is None else threshold
+        self.threshold = 0.0 if self.threshold is None else float(self.threshold)
+        self.device = torch.device(device)
+        self.dtype = _DTYPES[dtype or (cfg.dtype if self.device.type == "cuda" else "f32")]
+        self.slots, self.n_ctx, self.t_max = slots, min(n_ctx or cfg.n_ctx, cfg.n_ctx), t_max
+        self.stats = ExecStats()
+        self.channel: Channel | None = None
+        self._load()
+
+    # --- loading ---------------------------------------------------------------------------------
+    def _vec(self, tmpl: str, l: int | None, bias: bool = False) -> torch.Tensor | None:
+        name = K.global_tensor(tmpl, bias) if l is None else K.tensor(tmpl, l, bias)
+        if not self.src.has(name):
+            return None
+        t = self.src.global_(tmpl, torch.float32, bias) if l is None else self.src.layer(tmpl, l, dtype=torch.float32, bias=bias)
+        return t.to(self.device)
+
+    def _norm_pair(self, tmpl: str, l: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._vec(tmpl, l), self._vec(tmpl, l, bias=True)
+
+    def _load(self) -> None:
+        cfg, dev, dt = self.cfg, self.device, self.dtype
+        self.embd = self.src.global_(K.TOKEN_EMBD, dt).to(dev)  # [V, D]
+        self.pos_embd = self.src.global_(K.POS_EMBD, dt).to(dev) if cfg.arch == "opt" else None
+        self.out_norm = self._norm_pair(K.OUTPUT_NORM, None)
+        self.out_w = self.embd if cfg.tied_output else self.src.output_weight(dt).to(dev)  # [V, D]
+        self.layers: list[LayerWeights] = []
+        for l in range(cfg.n_layer):
+            lp = self.plan[l]
+            norm_ffn_t = K.ATTN_NORM_2 if cfg.two_norms else (None if cfg.parallel_attn else K.FFN_NORM)
+            fc1 = fc2g = fc2c = None
+            if self.policy == "predictor":
+                fc1 = self.src.layer(K.FC1, l, dtype=dt).to(dev)
+                fc2g = self.src.layer(K.FC2, l, rows=lp.gpu_neurons, dtype=dt).to(dev)
+                fc2c = self.src.layer(K.FC2, l, rows=lp.cpu_neurons, dtype=dt).to(dev)
+            self.layers.append(LayerWeights(
+                norm_attn=self._norm_pair(K.ATTN_NORM, l),
+                norm_ffn=self._norm_pair(norm_ffn_t, l) if norm_ffn_t else None,
+                attn_out_bias=self._vec(K.ATTN_OUT, l, bias=True),
+                down_bias=self._vec(K.FFN_DOWN_T, l, bias=True),
+                fc1=fc1, fc2_gpu=fc2g, fc2_cpu=fc2c,
+                ffn=load_ffn_shard(self.src, l, lp.gpu_neurons, dt, dev),
+                attn=load_attn_shard(self.src, l, lp.gpu_groups, dt, dev, self.slots, self.n_ctx)))
+            log.debug("primary: layer %d loaded", l)
+
+    def weight_bytes(self) -> int:
+        """Bytes this executor holds (weights + KV cache), as counted against a VRAM budget."""
+        ts = [self.embd, self.out_w if self.out_w is not self.embd else None, self.pos_embd]
+        total = sum(t.numel() * t.element_size() for t in ts if t is not None)
+        for lw in self.layers:
+            total += lw.ffn.nbytes + lw.attn.weight_bytes + lw.attn.cache_bytes
+            total += sum(t.numel() * t.element_size() for t in (lw.fc1, lw.fc2_gpu, lw.fc2_cpu) if t is not None)
+        return total
+
+    # --- channel -----------------------------------------------------------------------------------
+    def create_channel(self) -> ChannelSpec | None:
+        """Create the shared-memory channel to the CPU executor (None: the plan needs no CPU)."""
+        if not self.plan.needs_cpu_executor:
+            return None
+        self.channel = Channel.create(self.cfg.n_embd, self.t_max, self.slots, self.plan.max_cpu_neurons)
+        if self.device.type == "cuda":
+            self.channel.pin_for_cuda()
+        return self.channel.spec
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close(unlink=True)
+            self.channel = None
+
+    # --- the step ----------------------------------------------------------------------------------
+    def _norm(self, x: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        if self.cfg.norm == "rms":
+            return rms_norm(x, pair[0], self.cfg.norm_eps)
+        return layer_norm(x, pair[0], pair[1], self.cfg.norm_eps)
+
+    def _predict(self, lw: LayerWeights, pred_in: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Predicted activity of the primary's and the CPU's neurons: bool [N, n_gpu], [N, n_cpu]."""
+        if self.policy != "predictor":
+            return None, None
+        hidden = torch.relu(pred_in.to(self.dtype) @ lw.fc1.T)  # [N, r]
+        gpu = (hidden @ lw.fc2_gpu.T) >= self.threshold  # [N, n_gpu]
+        cpu = (hidden @ lw.fc2_cpu.T) >= self.threshold if lw.fc2_cpu.shape[0] else None  # [N, n_cpu]
+        return gpu, cpu
+
+    def _post(self, op: int, l: int, n_seq: int, x_attn: torch.Tensor | None, x_ffn: torch.Tensor | None,
+              cpu_mask: torch.Tensor | None) -> tuple[int, int]:
+        """Copy this layer's request into the channel and publish it; returns (seq, t_post_ns)."""
+        ch, N = self.channel, (x_attn if x_attn is not None else x_ffn).shape[0]
+        t0 = time.monotonic_ns()
+        if x_attn is not None:
+            ch.x_attn[:N].copy_(x_attn, non_blocking=True)
+        if x_ffn is not None:
+            ch.x_ffn[:N].copy_(x_ffn, non_blocking=True)
+        n_mask = 0
+        if cpu_mask is not None:
+            n_mask = cpu_mask.shape[1]
+            ch.mask[:N, :n_mask].copy_(cpu_mask, non_blocking=True)
+        _sync(self.device)
+        t1 = time.monotonic_ns()
+        self.stats.sync_s += (t1 - t0) * 1e-9  # D2H
+        return ch.post(op, l, n_seq, N, n_mask), t1
+
+    def _collect(self, seq: int, t_post: int, N: int) -> torch.Tensor:
+        """Wait for the CPU executor's answer to ``seq``; its partial output [N, D] on our device."""
+        t_start, t_end = self.channel.wait_response(seq, self.timeout_s)
+        t_seen = time.monotonic_ns()
+        y = self.channel.out[:N].to(self.device, non_blocking=True)
+        st = self.stats
+        st.exchanges += 1
+        st.peer_compute_s += (t_end - t_start) * 1e-9
+        st.sync_s += ((t_start - t_post) + (t_seen - t_end)) * 1e-9 + (time.monotonic_ns() - t_seen) * 1e-9
+        st.layer_s["wait"] += (t_seen - t_post) * 1e-9
+        return y
+
+    def _ffn(self, lw: LayerWeights, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        y, computed = ffn_partial(x, lw.ffn, self.cfg.ffn_act, self.policy, mask)
+        self.stats.neurons += computed
+        self.stats.active_bytes += computed * self.cfg.neuron_bytes
+        return y
+
+    def _layer(self, l: int, h: torch.Tensor, slots: list[int], start: list[int], B: int) -> torch.Tensor:
+        """One transformer block over h [N, D] (N = B*T tokens)."""
+        cfg, lw, lp = self.cfg, self.layers[l], self.plan[l]
+        N, D = h.shape
+        cpu_heads, cpu_neurons = len(lp.cpu_groups) > 0, len(lp.cpu_neurons) > 0
+        x_a = self._norm(h, lw.norm_attn)  # [N, D]
+        attn = lambda: attn_partial(x_a.view(B, N // B, D), lw.attn, cfg, slots, start).view(N, D) \
+            if lw.attn.n_groups else None  # noqa: E731
+        t0 = time.perf_counter()
+        if cfg.parallel_attn:
+            x_f = self._norm(h, lw.norm_ffn) if lw.norm_ffn else x_a
+            gmask, cmask = self._predict(lw, h)
+            pend = self._post(OP_ATTN_FFN, l, B, x_a if cpu_heads else None, x_f if cpu_neurons else None,
+                              cmask) if lp.cpu_has_work else None
+            a = attn()
+            t1 = time.perf_counter()
+            f = self._ffn(lw, x_f, gmask)
+            cpu = self._collect(*pend, N) if pend else None
+            out = h + merge_partials([a, f, cpu], _add(lw.attn_out_bias, lw.down_bias)).to(h.dtype)
+        else:
+            pend = self._post(OP_ATTN, l, B, x_a, None, None) if cpu_heads else None
+            a = attn()
+            cpu_a = self._collect(*pend, N) if pend else None
+            h = h + merge_partials([a, cpu_a], lw.attn_out_bias).to(h.dtype)
+            t1 = time.perf_counter()
+            x_f = self._norm(h, lw.norm_ffn)
+            gmask, cmask = self._predict(lw, h)
+            pend = self._post(OP_FFN, l, B, None, x_f, cmask) if cpu_neurons else None
+            f = self._ffn(lw, x_f, gmask)
+            cpu_f = self._collect(*pend, N) if pend else None
+            out = h + merge_partials([f, cpu_f], lw.down_bias).to(h.dtype)
+        self.stats.layer_s["attn"] += t1 - t0
+        self.stats.layer_s["ffn"] += time.perf_counter() - t1
+        return out
+
+    @torch.no_grad()
+    def step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> np.ndarray:
+        """Run B sequences of T new tokens each (same T for all) from positions start_pos;
+        returns the logits of each sequence's last token [B, V] (float32)."""
+        B, T = len(tokens), len(tokens[0])
+        assert all(len(t) == T for t in tokens), "a step runs sequences of equal token counts"
+        if B * T > self.t_max and self.channel is not None:
+            raise ValueError(f"step of {B}x{T} tokens exceeds the channel's {self.t_max}")
+        end = max(start_pos) + T
+        if end > self.n_ctx:
+            raise ValueError(f"sequence reaches {end} tokens, beyond the context n_ctx={self.n_ctx}")
+        t0 = time.perf_counter()
+        dev = self.device
+        tok = torch.tensor(tokens, dtype=torch.long, device=dev).reshape(-1)  # [N]
+        start = list(start_pos)  # host lists: the attention kernel slices the cache without a sync
+        if self.channel is not None:
+            self.channel.slots[:B] = slots
+            self.channel.start_pos[:B] = start_pos
+        h = self.embd[tok]  # [N, D]
+        if self.pos_embd is not None:
+            pos = torch.tensor([[s + t for t in range(T)] for s in start], device=dev).reshape(-1)  # [N]
+            h = h + self.pos_embd[pos + self.cfg.pos_offset]
+        for l in range(self.cfg.n_layer):
+            h = self._layer(l, h, list(slots), start, B)
+        last = h.view(B, T, -1)[:, -1]  # [B, D]
+        logits = (self._norm(last, self.out_norm).to(self.dtype) @ self.out_w.T).float()  # [B, V]
+        out = logits.cpu().numpy()
+        st = self.stats
+        st.steps += 1
+        st.tokens += B * T
+        st.busy_s += time.perf_counter() - t0
+        return out
+
+    def add_peer_stats(self, neurons: int) -> None:
+        self.stats.peer_neurons += neurons
+
+
+def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    return b if a is None else (a if b is None else a + b)
+
+
+# ------------------------------------------------------------------------------------------------
+class CPUExecutor:
+    """Cold neurons and CPU-placed heads; answers the primary's per-layer requests."""
+
+    def __init__(self, model: str | WeightSource, plan: Plan, *, policy: str = "predictor",
+                 slots: int = 8, n_ctx: int | None = None, threads: int | None = None,
+                 dtype: str | None = None) -> None:
+        self.src = open_model(model)
+        self.cfg = cfg = self.src.config
+        self.plan, self.policy = plan, policy
+        self.threads = threads or torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        wdt = _DTYPES[dtype or cfg.dtype]
+        n_ctx = min(n_ctx or cfg.n_ctx, cfg.n_ctx)
+        dev = torch.device("cpu")
+        self.ffn = [load_ffn_shard(self.src, l, plan[l].cpu_neurons, wdt, dev) for l in range(cfg.n_layer)]
+        self.attn = [load_attn_shard(self.src, l, plan[l].cpu_groups, torch.float32, dev, slots, n_ctx)
+                     for l in range(cfg.n_layer)]
+        self.stats = ExecStats()
+        self.channel: Channel | None = None
+        self._thread: threading.Thread | None = None
+        self.error: str | None = None
+
+    def weight_bytes(self) -> int:
+        return sum(s.nbytes for s in self.ffn) + sum(a.weight_bytes + a.cache_bytes for a in self.attn)
+
+    def attach(self, spec: ChannelSpec) -> int:
+        self.channel = Channel.attach(spec)
+        return os.getpid()
+
+    def start(self) -> None:
+        """Serve requests in a background thread until OP_STOP (the actor stays responsive)."""
+        self._thread = threading.Thread(target=self.serve, name="cpu-executor", daemon=True)
+        self._thread.start()
+
+    def serve(self) -> None:
+        ch, last = self.channel, int(self.channel.header[0])
+        while True:
+            last = ch.wait_request(last)
+            t_start = time.monotonic_ns()
+            op, l, n_seq, n_tok, n_mask = ch.request()
+            if op == OP_STOP:
+                ch.respond(last, t_start)
+                return
+            ok = True
+            try:
+                if op != OP_PING:
+                    self._compute(op, l, n_seq, n_tok, n_mask)
+            except Exception:  # report to the primary, keep serving  # noqa: BLE001
+                log.exception("cpu executor: layer %d failed", l)
+                self.error, ok = f"layer {l} failed", False
+            ch.respond(last, t_start, ok)
+            self.stats.busy_s += (time.monotonic_ns() - t_start) * 1e-9
+
+    @torch.no_grad()
+    def _compute(self, op: int, l: int, n_seq: int, n_tok: int, n_mask: int) -> None:
+        ch, cfg = self.channel, self.cfg
+        parts: list[torch.Tensor | None] = []
+        if op in (OP_ATTN, OP_ATTN_FFN) and self.attn[l].n_groups:
+            x = ch.x_attn[:n_tok].view(n_seq, n_tok // n_seq, cfg.n_embd)
+            slots, start = ch.slots[:n_seq].tolist(), ch.start_pos[:n_seq].tolist()
+            parts.append(attn_partial(x, self.attn[l], cfg, slots, start).view(n_tok, cfg.n_embd))
+        if op in (OP_FFN, OP_ATTN_FFN) and self.ffn[l].n:
+            mask = ch.mask[:n_tok, :n_mask].bool() if self.policy == "predictor" else None
+            y, computed = ffn_partial(ch.x_ffn[:n_tok], self.ffn[l], cfg.ffn_act, self.policy, mask,
+                                      threads=self.threads)
+            parts.append(y)
+            self.stats.neurons += computed
+            self.stats.active_bytes += computed * cfg.neuron_bytes
+        out = ch.out[:n_tok]
+        if parts:
+            out.copy_(merge_partials(parts))
+        else:
+            out.zero_()
+        self.stats.exchanges += 1
+        self.stats.tokens += n_tok if l == 0 else 0
+
+    def stop(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout=5)

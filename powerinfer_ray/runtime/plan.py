@@ -1,0 +1,100 @@
+"""The layer plan: which FFN neurons and which KV-head groups of each layer each executor holds.
+
+A plan comes from a solved placement (``placement``), from a cached upstream split file, or from
+the simple constructors here (all on the primary, all on the CPU, the hottest fraction on the
+primary). ``primary`` is the GPU executor (or, on a host without GPU, the CPU primary);
+``cpu`` is the CPU executor of cold neurons and CPU-placed heads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    gpu_neurons: np.ndarray  # [Ng] int64, sorted global neuron ids on the primary
+    cpu_neurons: np.ndarray  # [Nc] int64, sorted, disjoint from gpu_neurons
+    gpu_groups: np.ndarray  # [Gg] int64 KV-head groups (with their query heads) on the primary
+    cpu_groups: np.ndarray  # [Gc] int64
+
+    @property
+    def cpu_has_work(self) -> bool:
+        return len(self.cpu_neurons) > 0 or len(self.cpu_groups) > 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    layers: tuple[LayerPlan, ...]
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, l: int) -> LayerPlan:
+        return self.layers[l]
+
+    @property
+    def needs_cpu_executor(self) -> bool:
+        return any(lp.cpu_has_work for lp in self.layers)
+
+    @property
+    def max_cpu_neurons(self) -> int:
+        return max((len(lp.cpu_neurons) for lp in self.layers), default=0)
+
+    def verify(self, cfg: ModelConfig) -> None:
+        """Each neuron and each KV group of each layer lives on exactly one executor."""
+        assert len(self.layers) == cfg.n_layer, f"plan has {len(self.layers)} layers, model {cfg.n_layer}"
+        for l, lp in enumerate(self.layers):
+            both = np.concatenate([lp.gpu_neurons, lp.cpu_neurons])
+            assert np.array_equal(np.sort(both), np.arange(cfg.n_ff)), f"layer {l}: neurons not a partition"
+            groups = np.concatenate([lp.gpu_groups, lp.cpu_groups])
+            assert np.array_equal(np.sort(groups), np.arange(cfg.n_head_kv)), f"layer {l}: groups not a partition"
+
+    # --- constructors -------------------------------------------------------------------------
+    @classmethod
+    def from_masks(cls, neuron_gpu: list[np.ndarray], group_gpu: list[np.ndarray] | None,
+                   cfg: ModelConfig) -> "Plan":
+        """From per-layer bool masks (True = on the primary)."""
+        layers = []
+        for l in range(cfg.n_layer):
+            m = np.asarray(neuron_gpu[l], dtype=bool)
+            g = np.ones(cfg.n_head_kv, bool) if group_gpu is None else np.asarray(group_gpu[l], dtype=bool)
+            layers.append(LayerPlan(np.flatnonzero(m).astype(np.int64), np.flatnonzero(~m).astype(np.int64),
+                                    np.flatnonzero(g).astype(np.int64), np.flatnonzero(~g).astype(np.int64)))
+        plan = cls(tuple(layers))
+        plan.verify(cfg)
+        return plan
+
+    @classmethod
+    def all_gpu(cls, cfg: ModelConfig) -> "Plan":
+        return cls.from_masks([np.ones(cfg.n_ff, bool)] * cfg.n_layer, None, cfg)
+
+    @classmethod
+    def all_cpu(cls, cfg: ModelConfig) -> "Plan":
+        return cls.from_masks([np.zeros(cfg.n_ff, bool)] * cfg.n_layer,
+                              [np.zeros(cfg.n_head_kv, bool)] * cfg.n_layer, cfg)
+
+    @classmethod
+    def hottest(cls, cfg: ModelConfig, gpu_fraction: float, counts: list[np.ndarray] | None = None,
+                cpu_groups: int = 0) -> "Plan":
+        """The ``gpu_fraction`` most active neurons of each layer on the primary (by ``counts``;
+        the first ones when no statistics are given), and ``cpu_groups`` KV groups on the CPU."""
+        masks = []
+        k = int(round(gpu_fraction * cfg.n_ff))
+        for l in range(cfg.n_layer):
+            order = np.argsort(-counts[l], kind="stable") if counts is not None else np.arange(cfg.n_ff)
+            m = np.zeros(cfg.n_ff, bool)
+            m[order[:k]] = True
+            masks.append(m)
+        g = np.ones(cfg.n_head_kv, bool)
+        g[cfg.n_head_kv - cpu_groups:] = False
+        return cls.from_masks(masks, [g] * cfg.n_layer, cfg)
+
+    def gpu_activation_share(self, counts: list[np.ndarray]) -> float:
+        """Share of all activations that fall on the primary's neurons."""
+        tot = sum(float(c.sum()) for c in counts)
+        gpu = sum(float(counts[l][lp.gpu_neurons].sum()) for l, lp in enumerate(self.layers))
+        return gpu / tot if tot else 0.0
