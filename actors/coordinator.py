@@ -1,0 +1,169 @@
+"""The engine users hold: a plain named (optionally detached) Ray actor.
+
+    engine = Coordinator.options(name="powerinfer-engine").remote("model.gguf", vram_budget=16)
+    ray.get(engine.generate.remote("Hello", max_tokens=32, temperature=0.8))
+    for chunk in engine.generate_stream.remote("Hello"): print(ray.get(chunk)["text"], end="")
+
+It builds the executor actors for its plan (one GPU executor per GPU, one CPU executor), sets up
+their shared-memory channel through Ray, and runs the request loop
+(``runtime.coordinator.Coordinator``) talking to the GPU executor once per step. When an
+executor dies, in-flight requests fail with a clear error, the executors are rebuilt and the
+next request is served.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator
+
+import ray
+from ray.util import metrics
+
+from ..model.source import open_model
+from ..runtime import coordinator as core
+from ..runtime.engine import GIB, EngineConfig, engine_n_ctx, make_tokenizer, resolve_plan, resolve_policy
+from .executors import CPUExecutor, GPUExecutor
+
+log = logging.getLogger(__name__)
+DEFAULT_NAME = "powerinfer-engine"
+
+
+@ray.remote
+class Coordinator:
+    def __init__(self, model: str | None = None, vram_budget: float | None = None, *,
+                 name: str = DEFAULT_NAME, max_ongoing: int = 256, **engine_kwargs: Any) -> None:
+        logging.basicConfig(level=logging.INFO)
+        if model is None:
+            from ..model.default import default_model_path
+
+            model = str(default_model_path())
+        if "vram_budget_gib" in engine_kwargs:
+            vram_budget = engine_kwargs.pop("vram_budget_gib")
+        self.name = name
+        self.ec = EngineConfig(model=str(model), vram_budget_gib=vram_budget, **engine_kwargs)
+        src = open_model(self.ec.model)
+        self.cfg = src.config
+        self.model_name = self.cfg.name or str(model)
+        self.n_ctx = engine_n_ctx(self.ec, self.cfg)
+        self.policy = resolve_policy(self.ec, self.cfg)
+        t0 = time.perf_counter()
+        self.plan = resolve_plan(self.ec, src)
+        self.plan_s = time.perf_counter() - t0
+        self.tokenizer = make_tokenizer(src.fields)
+        self.gpu = self.cpu = None
+        self.restarts = 0
+        self._start_executors()
+        self.core = core.Coordinator(self._step, self.tokenizer, n_ctx=self.n_ctx, max_batch=self.ec.max_batch,
+                                     prefill_chunk=self.ec.prefill_chunk, max_waiting=max_ongoing,
+                                     on_failure=self._recover)
+        tags = ("engine",)
+        self.m_tokens = metrics.Counter("powerinfer_generated_tokens", "tokens generated", tags)
+        self.m_requests = metrics.Gauge("powerinfer_running_requests", "requests being decoded", tags)
+
+    # --- executors ---------------------------------------------------------------------------
+    def _device(self) -> str:
+        if self.ec.device:
+            return self.ec.device
+        return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+
+    def _start_executors(self) -> None:
+        ec, device = self.ec, self._device()
+        t_max = max(ec.prefill_chunk, ec.max_batch)
+        common = dict(policy=self.policy, slots=ec.max_batch, n_ctx=self.n_ctx)
+        budget = int(ec.vram_budget_gib * GIB) if ec.vram_budget_gib else None
+        dev_name = "cuda0" if device == "cuda" else "cpu"
+        self.gpu = GPUExecutor.options(
+            name=f"{self.name}.gpu-executor.{dev_name}", num_gpus=1 if device == "cuda" else 0, num_cpus=1,
+        ).remote(f"{self.name}.gpu-executor.{dev_name}", ec.model, self.plan, budget_bytes=budget,
+                 device=device, threshold=ec.threshold, t_max=t_max, dtype=ec.dtype, timeout_s=ec.timeout_s,
+                 **common)
+        self.cpu = None
+        if self.plan.needs_cpu_executor:
+            # every core but the GPU executor's and one for the coordinator/driver
+            threads = ec.threads or max(1, int(ray.cluster_resources().get("CPU", 2)) - 2)
+            self.cpu = CPUExecutor.options(name=f"{self.name}.cpu-executor.0", num_cpus=threads).remote(
+                f"{self.name}.cpu-executor.0", ec.model, self.plan, threads=threads, **common)
+        info = ray.get([self.gpu.ready.remote()] + ([self.cpu.ready.remote()] if self.cpu else []))
+        log.info("executors ready: %s", info)
+        self.spec = ray.get(self.gpu.create_channel.remote())
+        if self.cpu is not None:
+            ray.get(self.cpu.attach.remote(self.spec))
+
+    def _kill_executors(self) -> None:
+        for a in (self.gpu, self.cpu):
+            if a is not None:
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception:  # noqa: BLE001  (already dead)
+                    pass
+        self.gpu = self.cpu = None
+        if getattr(self, "spec", None) is not None:
+            self.spec.path.unlink(missing_ok=True)  # the dead primary cannot remove its channel
+
+    async def _recover(self, exc: BaseException) -> None:
+        log.error("executor failure (%s): restarting the executors", exc)
+        self._kill_executors()
+        self.restarts += 1
+        for _ in range(50):  # the old names are released asynchronously
+            try:
+                await asyncio.to_thread(self._start_executors)
+                return
+            except ValueError as e:  # "actor name already taken"
+                if "already" not in str(e):
+                    raise
+                await asyncio.sleep(0.2)
+
+    async def _step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]):  # noqa: ANN202
+        out = await self.gpu.step.remote(slots, tokens, start_pos)
+        self.m_tokens.inc(len(tokens), tags={"engine": self.name})
+        return out
+
+    # --- the API users call ---------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int] | None = None, **kw: Any) -> dict[str, Any]:
+        """Text, token ids and stats of one completion (sampling keywords: see SamplingParams)."""
+        return await self.core.generate(prompt, **kw)
+
+    async def generate_stream(self, prompt: str | list[int] | None = None, **kw: Any) -> AsyncIterator[dict]:
+        """The same as a Ray streaming generator of chunks {"text", "token_ids", "finish_reason"}."""
+        async for chunk in self.core.generate_stream(prompt, **kw):
+            yield chunk
+
+    def abort(self, request_id: str) -> bool:
+        return self.core.abort(request_id)
+
+    def ready(self) -> dict[str, Any]:
+        return {"model": self.model_name, "n_ctx": self.n_ctx, "policy": self.policy,
+                "executors": ["gpu"] + (["cpu"] if self.cpu else []), "plan_s": self.plan_s}
+
+    def model_info(self) -> dict[str, Any]:
+        return {"name": self.model_name, "n_ctx": self.n_ctx, "n_vocab": self.cfg.n_vocab,
+                "chat_template": self.tokenizer.chat_template if self.tokenizer else None,
+                "has_tokenizer": self.tokenizer is not None}
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer")
+        return self.tokenizer.encode(text)
+
+    async def stats(self) -> dict[str, Any]:
+        """Coordinator counters and each executor's load (neurons, bytes, busy s, sync, memory)."""
+        out: dict[str, Any] = {"coordinator": self.core.stats(), "restarts": self.restarts,
+                               "policy": self.policy, "n_ctx": self.n_ctx}
+        gpu = await self.gpu.stats.remote()
+        if self.cpu is not None:
+            cpu = await self.cpu.stats.remote()
+            out["cpu_executor"] = cpu
+            tot = gpu["neurons"] + cpu["neurons"]
+            gpu["gpu_activation_share"] = gpu["neurons"] / tot if tot else 0.0
+            await self.gpu.set_peer_neurons.remote(cpu["neurons"])
+        out["gpu_executor"] = gpu
+        self.m_requests.set(out["coordinator"]["running"], tags={"engine": self.name})
+        return out
+
+    def executor_handles(self) -> dict[str, Any]:
+        """The executor actors (for operations and fault tests)."""
+        return {"gpu": self.gpu, "cpu": self.cpu}
+
+    def shutdown(self) -> None:
+        self._kill_executors()

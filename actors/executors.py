@@ -1,0 +1,141 @@
+"""Ray shells of the executors: distinct classes per role, so the dashboard's ``Component``
+label (the class name) says the role; actor names say role and device.
+
+The real executor is built inside the actor after Ray has set CUDA_VISIBLE_DEVICES. Ray
+carries control only (load, channel setup, stats, stop); the per-layer data goes through the
+shared-memory channel. Metrics (``ray.util.metrics``) are tagged by actor and device and show
+on the node's /metrics endpoint and in the dashboard.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import ray
+from ray.util import metrics
+
+from ..runtime.channel import ChannelSpec
+from ..runtime.executor import CPUExecutor as CPUExecutorCore
+from ..runtime.executor import PrimaryExecutor
+from ..runtime.plan import Plan
+
+log = logging.getLogger(__name__)
+TAGS = ("actor", "device")
+
+
+class ExecutorMetrics:
+    """The per-device load the dashboard shows; values mirror ``stats()``."""
+
+    def __init__(self, actor: str, device: str) -> None:
+        self.tags = {"actor": actor, "device": device}
+        m = metrics
+        self.neurons = m.Counter("powerinfer_neurons_computed", "FFN (token, neuron) pairs computed", TAGS)
+        self.bytes = m.Counter("powerinfer_active_bytes_read", "weight bytes of the active neurons read", TAGS)
+        self.busy = m.Counter("powerinfer_busy_seconds", "seconds spent computing", TAGS)
+        self.tok_s = m.Gauge("powerinfer_tokens_per_second", "tokens per second over the last step", TAGS)
+        self.mem = m.Gauge("powerinfer_memory_used_bytes", "weights + KV cache held", TAGS)
+        self.budget = m.Gauge("powerinfer_memory_budget_bytes", "the VRAM budget (GPU executor)", TAGS)
+        self.share = m.Gauge("powerinfer_gpu_activation_share", "share of activated neurons computed on the GPU", TAGS)
+        self.sync = m.Gauge("powerinfer_sync_us_per_exchange", "CPU-GPU synchronisation per layer exchange", TAGS)
+        self._last: dict[str, float] = {}
+
+    def update(self, st: dict[str, Any]) -> None:
+        t = self.tags
+        for counter, key in ((self.neurons, "neurons"), (self.bytes, "active_bytes"), (self.busy, "busy_s")):
+            delta = float(st.get(key, 0)) - self._last.get(key, 0.0)
+            if delta > 0:
+                counter.inc(delta, tags=t)
+            self._last[key] = float(st.get(key, 0))
+        if "gpu_activation_share" in st:
+            self.share.set(st["gpu_activation_share"], tags=t)
+        if st.get("per_exchange_sync_us"):
+            self.sync.set(st["per_exchange_sync_us"], tags=t)
+
+
+@ray.remote
+class GPUExecutor:
+    """The primary executor: the only process that drives its GPU (or the CPU primary)."""
+
+    def __init__(self, name: str, model: Any, plan: Plan, budget_bytes: int | None = None, **kw: Any) -> None:
+        logging.basicConfig(level=logging.INFO)
+        self.name = name
+        self.impl = PrimaryExecutor(model, plan, **kw)
+        self.device = str(self.impl.device)
+        self.metrics = ExecutorMetrics(name, self.device)
+        self.budget = budget_bytes
+        self.metrics.mem.set(self.impl.weight_bytes(), tags=self.metrics.tags)
+        if budget_bytes:
+            self.metrics.budget.set(budget_bytes, tags=self.metrics.tags)
+        self.peer_neurons = 0
+
+    def ready(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "device": self.device, "weight_bytes": self.impl.weight_bytes(),
+                "vram_used_bytes": _vram_used(self.impl.device)}
+
+    def create_channel(self) -> ChannelSpec | None:
+        return self.impl.create_channel()
+
+    def step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]):  # noqa: ANN201
+        t0 = time.perf_counter()
+        out = self.impl.step(slots, tokens, start_pos)
+        dt = time.perf_counter() - t0
+        self.metrics.tok_s.set(sum(len(t) for t in tokens) / dt if dt > 0 else 0.0, tags=self.metrics.tags)
+        if self.impl.stats.steps % 8 == 1:
+            self.metrics.update(self.stats())
+        return out
+
+    def set_peer_neurons(self, n: int) -> None:
+        self.impl.stats.peer_neurons = n
+
+    def stats(self) -> dict[str, Any]:
+        st = self.impl.stats.as_dict()
+        st.update(name=self.name, device=self.device, weight_bytes=self.impl.weight_bytes(),
+                  vram_used_bytes=_vram_used(self.impl.device), vram_budget_bytes=self.budget)
+        return st
+
+    def stop_peer(self) -> None:
+        from ..runtime.channel import OP_STOP
+
+        ch = self.impl.channel
+        if ch is not None:
+            ch.wait_response(ch.post(OP_STOP, 0, 0, 0, 0), timeout_s=5)
+
+    def shutdown(self) -> None:
+        self.impl.close()
+
+
+@ray.remote
+class CPUExecutor:
+    """Cold neurons and CPU-placed heads; serves the channel in a background thread."""
+
+    def __init__(self, name: str, model: Any, plan: Plan, **kw: Any) -> None:
+        logging.basicConfig(level=logging.INFO)
+        self.name = name
+        self.impl = CPUExecutorCore(model, plan, **kw)
+        self.metrics = ExecutorMetrics(name, "cpu")
+        self.metrics.mem.set(self.impl.weight_bytes(), tags=self.metrics.tags)
+
+    def ready(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "device": "cpu", "weight_bytes": self.impl.weight_bytes(),
+                "threads": self.impl.threads}
+
+    def attach(self, spec: ChannelSpec) -> int:
+        pid = self.impl.attach(spec)
+        self.impl.start()
+        return pid
+
+    def stats(self) -> dict[str, Any]:
+        st = self.impl.stats.as_dict()
+        st.pop("gpu_activation_share", None)
+        st.update(name=self.name, device="cpu", weight_bytes=self.impl.weight_bytes(), threads=self.impl.threads,
+                  error=self.impl.error)
+        self.metrics.update(st)
+        return st
+
+
+def _vram_used(device: Any) -> int:
+    import torch
+
+    return int(torch.cuda.memory_allocated(device)) if getattr(device, "type", "") == "cuda" else 0
