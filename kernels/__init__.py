@@ -1,0 +1,21 @@
+"""Neuron-aware operators: pure functions of tensors, each with a float64 reference beside it.
+
+- sparse_ffn / sparse_ffn_ref: a shard's FFN over its active neurons (Triton on CUDA, a compiled
+  OpenMP kernel on the CPU, torch as fallback everywhere).
+- predictor_logits, split_active, split_active_packed (+ packed_views, unpack_active,
+  local_index): which neurons are active, split between GPU and CPU.
+- rope, head_attention / head_attention_ref: attention over a shard of heads with a KV cache.
+
+Imports torch and numpy only; triton and the C++ compiler are used lazily when present.
+"""
+from .attention import head_attention, head_attention_ref, rope
+from .predictor import (ActiveSplit, PackedSplit, local_index, packed_views, predictor_logits,
+                        predictor_logits_ref, split_active, split_active_packed, token_bits, unpack_active)
+from .sparse_ffn import ACTS, bits_to_mask, sparse_ffn, sparse_ffn_ref, sparse_ffn_torch
+
+__all__ = [
+    "ACTS", "ActiveSplit", "PackedSplit", "bits_to_mask", "head_attention", "head_attention_ref",
+    "local_index", "packed_views", "predictor_logits", "predictor_logits_ref", "rope", "sparse_ffn",
+    "sparse_ffn_ref", "sparse_ffn_torch", "split_active", "split_active_packed", "token_bits",
+    "unpack_active",
+]

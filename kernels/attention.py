@@ -1,0 +1,171 @@
+"""Attention over a shard of heads, with rotary embedding and a slotted KV cache.
+
+Dimension legend:
+  B sequences in the batch   T new tokens per sequence   D n_embd   hd head_dim
+  Hs query heads of the shard   Gs KV-head groups of the shard (GQA: query head h uses group
+  h // (Hs / Gs))   S_slots cache slots   S_max cache length   L keys attended (max length)
+
+A shard holds whole KV groups and their query heads: rows of wq / wk / wv and the matching rows
+of wo_t (the transposed output projection), and its own KV cache. Its output is the PARTIAL
+output projection: the outputs of disjoint head shards add up to the full attention output
+(the output bias, if any, is added once by the merge).
+
+Sequence b writes its new K/V at positions start_pos[b] .. start_pos[b]+T-1 of cache slot
+slots[b] and attends causally to positions 0 .. start_pos[b]+t: every sequence has its own
+length. Pass start_pos as host ints (a list or a CPU tensor): the key length L is then known
+without a device sync.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+ROPE_STYLES = ("norm", "neox")
+
+
+def _rope_angles(pos: torch.Tensor, n_rot: int, theta: float, dtype: torch.dtype):
+    """cos, sin [.., T, 1, n_rot/2] of pos * theta^(-2i/n_rot), computed in float64."""
+    inv = theta ** (-torch.arange(0, n_rot, 2, device=pos.device, dtype=torch.float64) / n_rot)  # [n_rot/2]
+    ang = pos.to(torch.float64)[..., None, None] * inv  # [.., T, 1, n_rot/2]
+    return ang.cos().to(dtype), ang.sin().to(dtype)
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, theta: float = 10000.0, style: str = "norm",
+         n_rot: int | None = None) -> torch.Tensor:
+    """Rotary embedding of x [.., T, H, hd] at positions pos [.., T]; returns x's dtype.
+
+    style 'norm' (GGML mode 0) rotates adjacent pairs (x[2i], x[2i+1]) -- llama GGUF files
+    store Q/K permuted for it; 'neox' rotates halves (x[i], x[i + n_rot/2]) -- HF rotate_half,
+    Falcon. Frequencies theta^(-2i/n_rot); dims >= n_rot (default hd) pass unchanged.
+    """
+    if style not in ROPE_STYLES:
+        raise ValueError(f"rope: style is {style!r}, expected one of {ROPE_STYLES}")
+    hd = x.shape[-1]
+    n_rot = n_rot or hd
+    if n_rot % 2 or n_rot > hd:
+        raise ValueError(f"rope: n_rot is {n_rot}, expected an even number <= head_dim {hd}")
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cos, sin = _rope_angles(pos, n_rot, theta, cdt)  # [.., T, 1, n_rot/2]
+    xr = x[..., :n_rot].to(cdt)  # [.., T, H, n_rot]
+    if style == "norm":
+        a, b = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    else:
+        a, b = xr[..., : n_rot // 2], xr[..., n_rot // 2:]
+        out = torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
+    return torch.cat((out.to(x.dtype), x[..., n_rot:]), dim=-1) if n_rot < hd else out.to(x.dtype)
+
+
+def _positions(start_pos, B: int, T: int, device) -> tuple[torch.Tensor, int]:
+    """pos [B, T] on device and the key length L = max(start_pos) + T (host int)."""
+    if isinstance(start_pos, torch.Tensor):
+        sp = start_pos.reshape(-1)
+        L = int(sp.max()) + T  # a device sync only when start_pos lives on the GPU
+        sp = sp.to(device=device, dtype=torch.long, non_blocking=True)
+    else:
+        L = max(int(s) for s in start_pos) + T
+        sp = torch.tensor(list(start_pos), dtype=torch.long).to(device, non_blocking=True)
+    if sp.numel() != B:
+        raise ValueError(f"head_attention: {sp.numel()} start positions, expected B={B}")
+    return sp[:, None] + torch.arange(T, device=device), L  # [B, T]
+
+
+def _check(x, wq, wk, wv, wo_t, k_cache, v_cache) -> tuple[int, int, int]:
+    if x.dim() != 3:
+        raise ValueError(f"head_attention: x.shape is {tuple(x.shape)}, expected [B, T, D]")
+    D = x.shape[2]
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"head_attention: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}, "
+                         "expected equal [S_slots, Gs, S_max, hd]")
+    Gs, hd = k_cache.shape[1], k_cache.shape[3]
+    Hs = wq.shape[0] // hd
+    want = {"wq": (Hs * hd, D), "wk": (Gs * hd, D), "wv": (Gs * hd, D), "wo_t": (Hs * hd, D)}
+    for name, w in (("wq", wq), ("wk", wk), ("wv", wv), ("wo_t", wo_t)):
+        if tuple(w.shape) != want[name]:
+            raise ValueError(f"head_attention: {name}.shape is {tuple(w.shape)}, expected {want[name]}")
+    if Hs == 0 or Hs % Gs:
+        raise ValueError(f"head_attention: {Hs} query heads for {Gs} KV groups, expected a multiple")
+    return Hs, Gs, hd
+
+
+def head_attention(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo_t: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor | Sequence[int],
+                   start_pos: torch.Tensor | Sequence[int], rope_theta: float = 10000.0,
+                   rope_style: str | None = "norm", n_rot: int | None = None,
+                   bq: torch.Tensor | None = None, bk: torch.Tensor | None = None,
+                   bv: torch.Tensor | None = None) -> torch.Tensor:
+    """Partial attention output y [B, T, D] of the shard's heads (see the module docstring).
+
+    x [B, T, D] (already normed); wq [Hs*hd, D]; wk, wv [Gs*hd, D]; wo_t [Hs*hd, D];
+    k_cache, v_cache [S_slots, Gs, S_max, hd] (written in place); slots [B]; start_pos [B];
+    rope_style 'norm' | 'neox' | None (learned positions, e.g. OPT); bq [Hs*hd], bk/bv [Gs*hd].
+    Scale 1/sqrt(hd). torch SDPA on every device; GQA without copying K/V per query head (the
+    query heads of a group are stacked along the query axis).
+    """
+    Hs, Gs, hd = _check(x, wq, wk, wv, wo_t, k_cache, v_cache)
+    B, T, D = x.shape
+    n_gqa = Hs // Gs
+    pos, L = _positions(start_pos, B, T, x.device)  # [B, T]
+    if L > k_cache.shape[2]:
+        raise ValueError(f"head_attention: positions reach {L}, expected <= S_max {k_cache.shape[2]}")
+    slots_t = torch.as_tensor(slots, dtype=torch.long).to(x.device, non_blocking=True).reshape(B)  # [B]
+    q = F.linear(x, wq, bq).view(B, T, Hs, hd)
+    k = F.linear(x, wk, bk).view(B, T, Gs, hd)
+    v = F.linear(x, wv, bv).view(B, T, Gs, hd)
+    if rope_style is not None:
+        q = rope(q, pos, rope_theta, rope_style, n_rot)
+        k = rope(k, pos, rope_theta, rope_style, n_rot)
+    sl = slots_t[:, None].expand(B, T)  # [B, T]
+    k_cache[sl, :, pos] = k.to(k_cache.dtype)  # advanced indices first: [B, T, Gs, hd]
+    v_cache[sl, :, pos] = v.to(v_cache.dtype)
+    if B == 1 and not (isinstance(slots, torch.Tensor) and slots.is_cuda):  # a view of the slot, no copy
+        s = int(slots[0])
+        kc, vc = k_cache[s:s + 1, :, :L], v_cache[s:s + 1, :, :L]  # [1, Gs, L, hd]
+    else:
+        kc, vc = k_cache[slots_t, :, :L], v_cache[slots_t, :, :L]  # [B, Gs, L, hd]
+    # queries of group g stacked: [B, Gs, n_gqa*T, hd]; head h = g*n_gqa + j
+    qg = q.view(B, T, Gs, n_gqa, hd).permute(0, 2, 3, 1, 4).reshape(B, Gs, n_gqa * T, hd)
+    allowed = torch.arange(L, device=x.device)[None, None, :] <= pos[:, :, None]  # [B, T, L]
+    allowed = allowed[:, None, None].expand(B, 1, n_gqa, T, L).reshape(B, 1, n_gqa * T, L)
+    o = F.scaled_dot_product_attention(qg, kc.to(q.dtype), vc.to(q.dtype), attn_mask=allowed,
+                                       scale=1.0 / math.sqrt(hd))  # [B, Gs, n_gqa*T, hd]
+    o = o.view(B, Gs, n_gqa, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, Hs * hd)
+    return o @ wo_t.to(o.dtype)  # [B, T, D]
+
+
+def head_attention_ref(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo_t: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots, start_pos, rope_theta: float = 10000.0,
+                       rope_style: str | None = "norm", n_rot: int | None = None, bq=None, bk=None,
+                       bv=None) -> torch.Tensor:
+    """float64 reference of `head_attention`, looping over sequences, heads and tokens.
+    Writes the caches like the fast path; returns y [B, T, D] in float64."""
+    Hs, Gs, hd = _check(x, wq, wk, wv, wo_t, k_cache, v_cache)
+    B, T, D = x.shape
+    n_gqa = Hs // Gs
+    d = torch.float64
+    y = torch.zeros(B, T, D, dtype=d, device=x.device)
+    for b in range(B):
+        s, p0 = int(slots[b]), int(start_pos[b])
+        xb = x[b].to(d)  # [T, D]
+        q = (xb @ wq.to(d).T + (0 if bq is None else bq.to(d))).view(T, Hs, hd)
+        k = (xb @ wk.to(d).T + (0 if bk is None else bk.to(d))).view(T, Gs, hd)
+        v = (xb @ wv.to(d).T + (0 if bv is None else bv.to(d))).view(T, Gs, hd)
+        if rope_style is not None:
+            pos = torch.arange(p0, p0 + T, device=x.device)
+            q, k = rope(q, pos, rope_theta, rope_style, n_rot), rope(k, pos, rope_theta, rope_style, n_rot)
+        k_cache[s, :, p0:p0 + T] = k.transpose(0, 1).to(k_cache.dtype)
+        v_cache[s, :, p0:p0 + T] = v.transpose(0, 1).to(v_cache.dtype)
+        o = torch.zeros(T, Hs, hd, dtype=d, device=x.device)
+        for h in range(Hs):
+            g = h // n_gqa
+            for t in range(T):
+                n = p0 + t + 1  # keys 0 .. p0+t
+                keys = k_cache[s, g, :n].to(d)  # [n, hd]
+                vals = v_cache[s, g, :n].to(d)
+                p = torch.softmax(keys @ q[t, h] / math.sqrt(hd), dim=0)  # [n]
+                o[t, h] = p @ vals
+        y[b] = o.reshape(T, Hs * hd) @ wo_t.to(d)
+    return y

@@ -1,0 +1,165 @@
+"""Activation predictor and the GPU/CPU split of its predicted-active neurons.
+
+Dimension legend: T tokens, D n_embd, r predictor width, N neurons of the layer (n_ff),
+Kg / Kc active neurons placed on the GPU / CPU, C capacity of a packed part.
+
+A neuron is active for a token iff its logit >= threshold (upstream PowerInfer skips a neuron
+iff logit < threshold). Comparisons are made in fp32 whatever the logits' dtype.
+
+Neuron ids: every function here returns GLOBAL neuron ids (0 <= id < N, rows of the layer's
+full up / gate / down_t) unless `local_of` is given, a [N] int32 map from a global id to the
+neuron's row in the shard of the device that holds it (`local_index(gpu_mask)` builds it for
+shards that keep their neurons in ascending global order, like upstream's gpu_bucket). The
+executors pass local ids to `sparse_ffn`, which indexes shard rows.
+
+Two forms of the split:
+- `split_active`: exact-size tensors (idx [K], token mask bool [T, K]); on the GPU the sizes
+  need a host sync (nonzero).
+- `split_active_packed`: one int32 buffer, no host sync, static shapes (CUDA-graph safe), holding
+  two parts [count | ids[C] | bits[C]]: count, then the first min(count, C) ids, then their
+  token bitmasks (bit t set = active for token t, so T <= 32). The CPU part is one small
+  contiguous tensor, copied to the host in one transfer; `packed_views` gives zero-copy views
+  (idx, bits, n_active) that `sparse_ffn` takes directly, `unpack_active` exact tensors.
+  If count > C the ids past C are dropped (count still says how many there were).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+_triton_failed = False
+
+
+class ActiveSplit(NamedTuple):
+    gpu_idx: torch.Tensor  # [Kg] int64
+    gpu_tok_mask: torch.Tensor  # [T, Kg] bool
+    cpu_idx: torch.Tensor  # [Kc] int64
+    cpu_tok_mask: torch.Tensor  # [T, Kc] bool
+
+
+class PackedSplit(NamedTuple):
+    gpu: torch.Tensor  # [1 + 2 Cg] int32: count | ids | bits
+    cpu: torch.Tensor  # [1 + 2 Cc] int32
+
+
+def predictor_logits(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
+    """logits [T, N] = fc2 . relu(fc1 . x): x [T, D], fc1 [r, D], fc2 [N, r]; x's dtype."""
+    if x.dim() != 2 or fc1.dim() != 2 or fc2.dim() != 2 or fc1.shape[1] != x.shape[1] or fc2.shape[1] != fc1.shape[0]:
+        raise ValueError(f"predictor_logits: shapes x {tuple(x.shape)}, fc1 {tuple(fc1.shape)}, "
+                         f"fc2 {tuple(fc2.shape)}; expected [T, D], [r, D], [N, r]")
+    z = torch.relu(x @ fc1.to(x.dtype).T)  # [T, r]
+    return z @ fc2.to(x.dtype).T  # [T, N]
+
+
+def predictor_logits_ref(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
+    """float64 reference of `predictor_logits`."""
+    return torch.relu(x.double() @ fc1.double().T) @ fc2.double().T
+
+
+def local_index(gpu_mask: torch.Tensor) -> torch.Tensor:
+    """[N] int32: each neuron's row in its device's shard (GPU neurons and CPU neurons each
+    numbered 0.. in ascending global order)."""
+    g = gpu_mask.to(torch.int32)
+    in_gpu = torch.cumsum(g, 0) - 1  # [N]
+    in_cpu = torch.cumsum(1 - g, 0) - 1  # [N]
+    return torch.where(gpu_mask, in_gpu, in_cpu).to(torch.int32)
+
+
+def _check(logits: torch.Tensor, gpu_mask: torch.Tensor, local_of: torch.Tensor | None) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"split_active: logits.shape is {tuple(logits.shape)}, expected [T, N]")
+    N = logits.shape[1]
+    if gpu_mask.dtype != torch.bool or tuple(gpu_mask.shape) != (N,):
+        raise ValueError(f"split_active: gpu_mask is {gpu_mask.dtype} {tuple(gpu_mask.shape)}, expected bool [{N}]")
+    if local_of is not None and tuple(local_of.shape) != (N,):
+        raise ValueError(f"split_active: local_of.shape is {tuple(local_of.shape)}, expected [{N}]")
+
+
+def split_active(logits: torch.Tensor, threshold: float, gpu_mask: torch.Tensor,
+                 local_of: torch.Tensor | None = None) -> ActiveSplit:
+    """Union over tokens of the active neurons, split by placement; ids in ascending order.
+
+    logits [T, N]; gpu_mask [N] bool (True = the neuron lives on the GPU); local_of [N] int or
+    None (None: global ids). On the GPU this syncs with the host (data-dependent sizes).
+    """
+    _check(logits, gpu_mask, local_of)
+    active = logits.float() >= threshold  # [T, N]
+    union = active.any(0)  # [N]
+    parts = []
+    for sel in (union & gpu_mask, union & ~gpu_mask):
+        ids = sel.nonzero().squeeze(1)  # [K] global
+        tok = active[:, ids]  # [T, K]
+        parts += [ids if local_of is None else local_of[ids].long(), tok]
+    return ActiveSplit(*parts)
+
+
+def token_bits(active: torch.Tensor) -> torch.Tensor:
+    """bool [T, N] (T <= 32) -> int32 [N] with bit t set where active[t]."""
+    T = active.shape[0]
+    shifts = torch.arange(T, device=active.device, dtype=torch.int64)[:, None]  # [T, 1]
+    bits = (active.to(torch.int64) << shifts).sum(0)  # [N] int64, < 2^32
+    return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)  # two's complement wrap
+
+
+def _pack_torch(logits, threshold, gpu_mask, local_of, cap_g, cap_c) -> torch.Tensor:
+    """The torch form of the packed split (sync-free: scatter instead of nonzero)."""
+    N = logits.shape[1]
+    dev = logits.device
+    bits = token_bits(logits.float() >= threshold)  # [N] int32
+    ids_src = local_of.to(torch.int32) if local_of is not None else torch.arange(N, dtype=torch.int32, device=dev)
+    out = []
+    for sel, cap in ((bits != 0) & gpu_mask, cap_g), ((bits != 0) & ~gpu_mask, cap_c):
+        pos = torch.cumsum(sel.to(torch.int32), 0) - 1  # [N]
+        dest = torch.where(sel & (pos < cap), pos, cap).long()  # overflow and unselected -> slot C
+        ids = torch.zeros(cap + 1, dtype=torch.int32, device=dev).scatter_(0, dest, ids_src)
+        bts = torch.zeros(cap + 1, dtype=torch.int32, device=dev).scatter_(0, dest, bits)
+        out += [sel.sum().to(torch.int32).reshape(1), ids[:cap], bts[:cap]]
+    return torch.cat(out)
+
+
+def split_active_packed(logits: torch.Tensor, threshold: float, gpu_mask: torch.Tensor, *,
+                        local_of: torch.Tensor | None = None, gpu_capacity: int | None = None,
+                        cpu_capacity: int | None = None, backend: str = "auto") -> PackedSplit:
+    """The sync-free split (see the module docstring): two packed int32 parts, views of one buffer.
+
+    gpu_capacity / cpu_capacity: slots per part; pass the number of neurons placed on each
+    device (the host knows it from the placement) to keep the CPU part small; default N.
+    backend: 'auto' (Triton on CUDA, else torch) | 'triton' | 'torch'.
+    """
+    global _triton_failed
+    _check(logits, gpu_mask, local_of)
+    T, N = logits.shape
+    if T > 32:
+        raise ValueError(f"split_active_packed: T is {T}, expected <= 32 (token bitmasks are int32)")
+    cap_g = N if gpu_capacity is None else int(gpu_capacity)
+    cap_c = N if cpu_capacity is None else int(cpu_capacity)
+    use_triton = backend == "triton" or (backend == "auto" and logits.is_cuda and not _triton_failed)
+    buf = None
+    if use_triton:
+        try:
+            from . import triton_split
+            buf = triton_split.split_pack(logits, threshold, gpu_mask, local_of, cap_g, cap_c)
+        except ImportError:
+            if backend == "triton":
+                raise
+            _triton_failed = True
+    if buf is None:
+        buf = _pack_torch(logits, threshold, gpu_mask, local_of, cap_g, cap_c)
+    return PackedSplit(buf[: 1 + 2 * cap_g], buf[1 + 2 * cap_g:])
+
+
+def packed_views(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zero-copy views of one packed part: (idx [C] int32, bits [C] int32, n_active [1] int32),
+    in the order `sparse_ffn(..., idx, mask=bits, n_active=n_active)` takes them."""
+    cap = (part.shape[0] - 1) // 2
+    return part[1: 1 + cap], part[1 + cap:], part[:1]
+
+
+def unpack_active(part: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact tensors of one packed part: (idx [K] int64, tok_mask [T, K] bool). Reads the count
+    (a host sync if `part` is on the GPU: meant for the host copy)."""
+    idx, bits, count = packed_views(part)
+    K = min(int(count[0]), idx.shape[0])
+    shifts = torch.arange(T, device=part.device, dtype=torch.int32)[:, None]  # [T, 1]
+    return idx[:K].long(), ((bits[None, :K] >> shifts) & 1).bool()

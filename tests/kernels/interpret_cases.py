@@ -1,0 +1,80 @@
+"""Cases of the Triton kernels for Triton's interpreter, run by test_triton_interpret.py in a
+subprocess started with TRITON_INTERPRET=1 (the flag must be set before triton is first imported:
+triton.language's own helpers are bound to the interpreter at import time).
+
+The interpreter computes tl.dot on bf16 as raw uint16 bits, so bf16 is checked at T = 1 only
+here (elementwise path); tests/gpu covers bf16 tl.dot on the device.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run through test_triton_interpret.py (needs TRITON_INTERPRET=1 at start)", allow_module_level=True)
+
+triton = pytest.importorskip("triton")
+
+from powerinfer_ray.kernels import local_index, sparse_ffn_ref, split_active, token_bits, unpack_active  # noqa: E402
+from powerinfer_ray.kernels import triton_ffn, triton_split  # noqa: E402
+
+from kernel_checks import TOL, make_idx, make_shard, poisoned, rel_err  # noqa: E402
+
+
+def _fix_interpreter_for_numpy2() -> None:
+    """triton's interpreter turns loop bounds into ints with int(ndarray of shape (1,)), which
+    NumPy >= 2.4 refuses; index through .reshape(-1)[0] instead."""
+    import triton.runtime.interpreter as interp
+
+    orig = interp._patch_lang_tensor
+    if getattr(orig, "_pi_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._pi_fixed = True
+    interp._patch_lang_tensor = patched
+
+
+_fix_interpreter_for_numpy2()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("act", ["relu", "reglu", "swiglu"])
+def test_triton_sparse_ffn_matches_reference(dtype, T, act):
+    if dtype == torch.bfloat16 and T > 1:
+        pytest.skip("interpreter computes bf16 tl.dot on raw bits")
+    cfg = triton_ffn.Config(up_bk=4, up_bd=32, up_warps=4, down_bk=16, down_bd=32, down_warps=4)
+    gen = torch.Generator().manual_seed(T * 100 + len(act))
+    N, D, K = 80, 70, 37
+    up, gate, down_t, b = make_shard(N, D, dtype, act, act == "relu", gen)
+    x = torch.randn(T, D, generator=gen).to(dtype)
+    idx = make_idx(K, N, gen, torch.int32)
+    cases = [(None, None), (torch.rand(T, K, generator=gen) < 0.6, None),
+             (token_bits(torch.rand(T, K, generator=gen) < 0.6), torch.tensor([20], dtype=torch.int32))]
+    for mask, n_active in cases:
+        out = poisoned((T, D), dtype)
+        y = triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, b, out, n_active, cfg)
+        ref = sparse_ffn_ref(x, up, gate, down_t, idx, mask, act, b, n_active=n_active)
+        assert rel_err(y, ref) < TOL[dtype], f"mask={None if mask is None else mask.dtype} n_active={n_active}"
+
+
+def test_triton_split_matches_exact_split():
+    gen = torch.Generator().manual_seed(5)
+    for T in (1, 9):
+        N = 2500
+        logits = torch.randn(T, N, generator=gen) - 1.5
+        gpu = torch.rand(N, generator=gen) < 0.3
+        for loc in (None, local_index(gpu)):
+            exact = split_active(logits, 0.0, gpu, loc)
+            ng = int(gpu.sum())
+            buf = triton_split.split_pack(logits, 0.0, gpu, loc, ng, N - ng, bn=512)
+            parts = (buf[:1 + 2 * ng], buf[1 + 2 * ng:])
+            for part, (idx, tok) in zip(parts, [(exact.gpu_idx, exact.gpu_tok_mask), (exact.cpu_idx, exact.cpu_tok_mask)]):
+                got_idx, got_tok = unpack_active(part, T)
+                assert torch.equal(got_idx, idx) and torch.equal(got_tok, tok)

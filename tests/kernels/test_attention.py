@@ -1,0 +1,124 @@
+"""Rotary embedding and attention over a shard of heads against the float64 loop reference."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from powerinfer_ray.kernels import head_attention, head_attention_ref, rope
+
+from kernel_checks import rel_err
+
+ATT_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def test_rope_norm_rotates_adjacent_pairs_by_hand():
+    x = torch.zeros(1, 1, 4, dtype=torch.float64)  # [T, H, hd]
+    x[0, 0] = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    pos = torch.tensor([3])
+    y = rope(x, pos, theta=100.0, style="norm")
+    a0, a1 = 3 * 1.0, 3 * 100.0 ** (-2 / 4)  # angles pos * theta^(-2i/n_rot), i = 0, 1
+    want = torch.tensor([math.cos(a0), math.sin(a0), math.cos(a1), math.sin(a1)], dtype=torch.float64)
+    assert torch.allclose(y[0, 0], want)
+
+
+def test_rope_neox_is_norm_on_the_interleaved_permutation():
+    """neox pairs (i, i + n/2); norm pairs (2i, 2i+1): permuting dims maps one onto the other."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 3, 16, generator=gen, dtype=torch.float64)  # [B, T, H, hd]
+    pos = torch.randint(0, 100, (2, 5), generator=gen)
+    perm = torch.stack((torch.arange(8), torch.arange(8) + 8), dim=1).flatten()  # 0, 8, 1, 9, ...
+    neox = rope(x, pos, 10000.0, "neox")
+    norm = rope(x[..., perm], pos, 10000.0, "norm")
+    assert torch.allclose(neox[..., perm], norm)
+
+
+def test_rope_partial_rotation_passes_the_rest_and_keeps_norms():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 2, 12, generator=gen)
+    y = rope(x, torch.arange(4), 10000.0, "neox", n_rot=8)
+    assert torch.equal(y[..., 8:], x[..., 8:])
+    assert torch.allclose(y[..., :8].norm(dim=-1), x[..., :8].norm(dim=-1), atol=1e-5)
+    with pytest.raises(ValueError, match="style"):
+        rope(x, torch.arange(4), style="gptj")
+
+
+def _weights(H, G, hd, D, dtype, gen, bias):
+    def r(*s, scale):
+        return (torch.randn(*s, generator=gen) * scale).to(dtype)
+
+    w = dict(wq=r(H * hd, D, scale=D ** -0.5), wk=r(G * hd, D, scale=D ** -0.5), wv=r(G * hd, D, scale=D ** -0.5),
+             wo_t=r(H * hd, D, scale=(H * hd) ** -0.5))
+    if bias:
+        w.update(bq=r(H * hd, scale=0.3), bk=r(G * hd, scale=0.3), bv=r(G * hd, scale=0.3))
+    return w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("H, G", [(4, 4), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("style", ["norm", "neox", None])
+def test_head_attention_matches_reference(dtype, H, G, style):
+    gen = torch.Generator().manual_seed(H * 10 + G)
+    B, T, D, hd, slots_n, S = 3, 4, 48, 8, 5, 40
+    w = _weights(H, G, hd, D, dtype, gen, bias=style is None)  # OPT-like: biases, learned positions
+    x = torch.randn(B, T, D, generator=gen).to(dtype)
+    cache = [torch.randn(slots_n, G, S, hd, generator=gen).to(dtype) for _ in range(2)]  # history
+    ref_cache = [c.clone() for c in cache]
+    slots, start = [4, 0, 2], [7, 0, 30]  # three sequences of different lengths
+    n_rot = 6 if style == "neox" else None  # partial rotary on one style
+    y = head_attention(x, k_cache=cache[0], v_cache=cache[1], slots=slots, start_pos=start, rope_theta=500.0,
+                       rope_style=style, n_rot=n_rot, **w)
+    ref = head_attention_ref(x, k_cache=ref_cache[0], v_cache=ref_cache[1], slots=slots, start_pos=start,
+                             rope_theta=500.0, rope_style=style, n_rot=n_rot, **w)
+    assert y.shape == (B, T, D) and y.dtype == dtype
+    assert rel_err(y, ref) < ATT_TOL[dtype]
+    for c, rc in zip(cache, ref_cache):  # new K/V written where the reference writes them
+        assert rel_err(c, rc) < ATT_TOL[dtype]
+    untouched = cache[0][1]  # slot 1 belongs to no sequence
+    assert torch.equal(untouched, ref_cache[0][1])
+
+
+def test_decode_after_prefill_equals_one_prefill():
+    gen = torch.Generator().manual_seed(2)
+    B, D, H, G, hd, S = 1, 32, 4, 2, 8, 16
+    w = _weights(H, G, hd, D, torch.float32, gen, bias=False)
+    x = torch.randn(B, 6, D, generator=gen)
+    c1 = [torch.zeros(1, G, S, hd) for _ in range(2)]
+    c2 = [torch.zeros(1, G, S, hd) for _ in range(2)]
+    full = head_attention(x, k_cache=c1[0], v_cache=c1[1], slots=[0], start_pos=[0], **w)
+    head_attention(x[:, :4], k_cache=c2[0], v_cache=c2[1], slots=[0], start_pos=[0], **w)
+    step = [head_attention(x[:, t:t + 1], k_cache=c2[0], v_cache=c2[1], slots=[0], start_pos=[t], **w)
+            for t in (4, 5)]
+    assert rel_err(torch.cat(step, 1), full[:, 4:]) < 1e-5
+
+
+def test_partial_outputs_of_disjoint_head_shards_add_up_to_full_attention():
+    gen = torch.Generator().manual_seed(3)
+    B, T, D, H, G, hd, S = 2, 3, 64, 8, 4, 8, 20
+    n_gqa = H // G
+    w = _weights(H, G, hd, D, torch.float32, gen, bias=True)
+    x = torch.randn(B, T, D, generator=gen)
+    kc, vc = torch.randn(2, G, S, hd, generator=gen), torch.randn(2, G, S, hd, generator=gen)
+    args = dict(slots=[1, 0], start_pos=[5, 2], rope_theta=10000.0, rope_style="norm")
+    full = head_attention(x, k_cache=kc.clone(), v_cache=vc.clone(), **args, **w)
+    total = torch.zeros_like(full)
+    for groups in ([0, 3], [1], [2]):  # disjoint KV groups and their query heads
+        heads = [g * n_gqa + j for g in groups for j in range(n_gqa)]
+        qrows = torch.cat([torch.arange(h * hd, (h + 1) * hd) for h in heads])
+        krows = torch.cat([torch.arange(g * hd, (g + 1) * hd) for g in groups])
+        shard = dict(wq=w["wq"][qrows], wk=w["wk"][krows], wv=w["wv"][krows], wo_t=w["wo_t"][qrows],
+                     bq=w["bq"][qrows], bk=w["bk"][krows], bv=w["bv"][krows])
+        total += head_attention(x, k_cache=kc[:, groups].clone(), v_cache=vc[:, groups].clone(), **args, **shard)
+    assert rel_err(total, full) < 1e-5
+
+
+def test_head_attention_rejects_inconsistent_shapes():
+    D, hd = 16, 4
+    kc = torch.zeros(1, 2, 8, hd)
+    with pytest.raises(ValueError, match="wk.shape"):
+        head_attention(torch.zeros(1, 1, D), torch.zeros(4 * hd, D), torch.zeros(3 * hd, D), torch.zeros(2 * hd, D),
+                       torch.zeros(4 * hd, D), kc, kc.clone(), [0], [0])
+    with pytest.raises(ValueError, match="S_max"):
+        head_attention(torch.zeros(1, 2, D), torch.zeros(4 * hd, D), torch.zeros(2 * hd, D), torch.zeros(2 * hd, D),
+                       torch.zeros(4 * hd, D), kc, kc.clone(), [0], [7])

@@ -1,0 +1,169 @@
+"""sparse_ffn on the CPU (compiled kernel and torch path) against the float64 reference."""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from powerinfer_ray.kernels import bits_to_mask, sparse_ffn, sparse_ffn_ref, token_bits
+from powerinfer_ray.kernels import cpu_ffn
+
+from kernel_checks import DENSITIES, DTYPES, TOL, make_idx, make_shard, n_active, poisoned, rel_err
+
+ACTS = ("relu", "reglu", "drelu", "swiglu")
+needs_compiler = pytest.mark.skipif(not cpu_ffn.available(), reason="no C++ compiler: compiled kernel unavailable")
+
+
+def _backends():
+    return [pytest.param("cpu", marks=needs_compiler), "torch"]
+
+
+def _check_case(backend, dtype, act, N, D, T, density, mask_kind, bias, gen, threads=None):
+    up, gate, down_t, up_bias = make_shard(N, D, dtype, act, bias, gen)
+    K = n_active(density, N)
+    idx = make_idx(K, N, gen, dtype=torch.int32 if K % 2 else torch.int64)
+    x = torch.randn(T, D, generator=gen).to(dtype)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(T, K, generator=gen) < 0.7  # [T, K]
+    elif mask_kind == "bits":
+        mask = token_bits(torch.rand(T, K, generator=gen) < 0.7)  # [K] int32
+    out = poisoned((T, D), dtype)
+    y = sparse_ffn(x, up, gate, down_t, idx, mask, act, up_bias, out=out, backend=backend, threads=threads)
+    ref = sparse_ffn_ref(x, up, gate, down_t, idx, mask, act, up_bias)  # [T, D] float64
+    assert y is out and y.dtype == dtype
+    if K == 0:
+        assert torch.equal(y, torch.zeros_like(y)), "K = 0 must give zeros"
+        return
+    err = rel_err(y, ref)
+    assert err < TOL[dtype], (f"{backend} {dtype} act={act} N={N} D={D} T={T} K={K} mask={mask_kind} "
+                              f"bias={bias}: rel err {err:.2e} >= {TOL[dtype]:.0e}")
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_reference_over_densities_and_tokens(backend, dtype, act):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{backend}{dtype}{act}".encode()))
+    N, D = 256, 100  # D not a multiple of the SIMD width: exercises the scalar tails
+    for density in DENSITIES:
+        for T in (1, 3, 8, 32):
+            mask_kind = ("none", "bool", "bits")[T % 3]
+            _check_case(backend, dtype, act, N, D, T, density, mask_kind, bias=(T % 2 == 1), gen=gen)
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "bits"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_masks_and_bias_at_realistic_width(backend, mask_kind, bias):
+    gen = torch.Generator().manual_seed(7)
+    for dtype in DTYPES:
+        for T in (1, 5, 17):
+            _check_case(backend, dtype, "reglu", 512, 1024, T, 0.1, mask_kind, bias, gen)
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_threads_do_not_change_the_result_beyond_rounding(threads):
+    gen = torch.Generator().manual_seed(3)
+    _check_case("cpu", torch.float32, "drelu", 300, 257, 9, 0.5, "bool", True, gen, threads=threads)
+
+
+@needs_compiler
+def test_many_tokens_are_split_into_kernel_calls():
+    gen = torch.Generator().manual_seed(4)
+    _check_case("cpu", torch.float16, "reglu", 128, 64, 70, 0.5, "bool", False, gen)
+
+
+def test_full_density_equals_the_dense_ffn():
+    gen = torch.Generator().manual_seed(5)
+    N, D, T = 96, 48, 4
+    up, gate, down_t, _ = make_shard(N, D, torch.float32, "reglu", False, gen)
+    x = torch.randn(T, D, generator=gen)
+    dense = (torch.relu(x @ gate.T) * (x @ up.T)) @ down_t  # [T, D]
+    y = sparse_ffn(x, up, gate, down_t, torch.arange(N))
+    assert rel_err(y, dense) < 1e-5
+
+
+def test_disjoint_neuron_sets_add_up_to_the_full_output():
+    gen = torch.Generator().manual_seed(6)
+    N, D, T = 200, 64, 3
+    up, gate, down_t, b = make_shard(N, D, torch.float32, "swiglu", True, gen)
+    x = torch.randn(T, D, generator=gen)
+    perm = torch.randperm(N, generator=gen)
+    parts = [sparse_ffn(x, up, gate, down_t, perm[i::3], act="swiglu", up_bias=b) for i in range(3)]
+    full = sparse_ffn_ref(x, up, gate, down_t, torch.arange(N), act="swiglu", up_bias=b)
+    assert rel_err(sum(parts), full) < 1e-5
+
+
+def test_shard_rows_with_local_ids_equal_global_rows():
+    gen = torch.Generator().manual_seed(8)
+    N, D = 120, 40
+    up, gate, down_t, _ = make_shard(N, D, torch.float16, "drelu", False, gen)
+    rows = torch.randperm(N, generator=gen)[:50].sort().values  # the shard's global rows
+    x = torch.randn(2, D, generator=gen).half()
+    local = torch.tensor([0, 7, 49, 20])
+    y_shard = sparse_ffn(x, up[rows], gate[rows], down_t[rows], local, act="drelu")
+    y_full = sparse_ffn(x, up, gate, down_t, rows[local], act="drelu")
+    assert rel_err(y_shard, y_full) < 1e-3
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_n_active_uses_only_the_first_entries(backend):
+    gen = torch.Generator().manual_seed(9)
+    N, D, T = 64, 32, 4
+    up, gate, down_t, _ = make_shard(N, D, torch.float32, "reglu", False, gen)
+    x = torch.randn(T, D, generator=gen)
+    idx = make_idx(40, N, gen)
+    bits = token_bits(torch.rand(T, 40, generator=gen) < 0.5)
+    for n in (0, 1, 17, 40):
+        y = sparse_ffn(x, up, gate, down_t, idx, bits, n_active=torch.tensor([n], dtype=torch.int32), backend=backend)
+        ref = sparse_ffn_ref(x, up, gate, down_t, idx[:n], bits[:n])
+        assert rel_err(y, ref) < 1e-5 if n else torch.equal(y, torch.zeros_like(y))
+
+
+def test_bits_and_bool_masks_agree():
+    gen = torch.Generator().manual_seed(10)
+    active = torch.rand(32, 50, generator=gen) < 0.5
+    active[31, :3] = True  # bit 31 is the int32 sign bit
+    bits = token_bits(active)
+    assert bits.dtype == torch.int32
+    assert torch.equal(bits_to_mask(bits, 32), active)
+
+
+@needs_compiler
+def test_out_of_range_idx_raises():
+    up = torch.randn(10, 8)
+    with pytest.raises(IndexError, match="idx\\[1\\] = 10"):
+        sparse_ffn(torch.randn(1, 8), up, up, up, torch.tensor([3, 10]), backend="cpu")
+    with pytest.raises(IndexError):
+        sparse_ffn(torch.randn(1, 8), up, up, up, torch.tensor([-1]), backend="cpu")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(act="gelu"), "act"),
+    (dict(gate=None), "gate"),
+    (dict(mask=torch.ones(2, 3, dtype=torch.bool)), "mask.shape"),
+    (dict(up_bias=torch.zeros(5)), "up_bias.shape"),
+    (dict(out=torch.zeros(1, 8, dtype=torch.float16)), "out"),
+    (dict(idx=torch.tensor([0.5])), "idx"),
+])
+def test_bad_arguments_name_the_field(kwargs, match):
+    up = torch.randn(10, 8)
+    args = dict(x=torch.randn(1, 8), up=up, gate=up, down_t=up, idx=torch.tensor([1, 2]))
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        sparse_ffn(**args)
+
+
+@needs_compiler
+def test_strided_rows_are_read_in_place():
+    """A shard that is a row-slice view of a bigger matrix (row stride > D) needs no copy."""
+    gen = torch.Generator().manual_seed(11)
+    big = torch.randn(64, 96, generator=gen)
+    up, gate, down_t = big[:, :32], big[:, 32:64], big[:, 64:]  # row stride 96
+    x = torch.randn(3, 32, generator=gen)
+    idx = make_idx(20, 64, gen)
+    y = sparse_ffn(x, up, gate, down_t, idx, backend="cpu")
+    assert rel_err(y, sparse_ffn_ref(x, up, gate, down_t, idx)) < 1e-5
