@@ -1,0 +1,213 @@
+"""Text corpora for the offline tools: the frozen built-in corpus and streaming readers.
+
+The built-in corpus is English text that ships with CPython: the ``pydoc_data.topics`` help
+pages and the docstrings of the standard library's modules, classes and functions (read from
+the source files with ``ast``, nothing is imported). It is built once, deterministically, and
+frozen as ``powerinfer_ray/data/corpus.jsonl.gz`` (one ``{"text", "source", "split"}`` record a
+line) so that every host trains on the same bytes whatever its Python version.
+
+Readers stream: a text file (``.txt``, optionally ``.gz``) by paragraphs, JSONL by line (field
+``text``), Parquet by record batch (column ``text``). ``token_windows`` turns any of them into
+fixed-length token windows for a model.
+"""
+from __future__ import annotations
+
+import ast
+import gzip
+import io
+import json
+import sysconfig
+import warnings
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+CORPUS_FILE = "corpus.jsonl.gz"
+HELDOUT_EVERY = 20  # every 20th document (index % 20 == HELDOUT_PHASE) is held out: 5 %
+HELDOUT_PHASE = 7
+MIN_DOC_CHARS = 80  # shorter docstrings are mostly "Return x." one-liners
+# stdlib folders whose docstrings are test scaffolding, not prose
+_SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "__phello__"}
+
+Corpus = str | Path | Iterable[str]
+
+
+# ------------------------------------------------------------------------------------------------
+# the built-in corpus
+# ------------------------------------------------------------------------------------------------
+def builtin_documents() -> list[tuple[str, str]]:
+    """(source, text) of every document of the built-in corpus, in a fixed order."""
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    docs = [(f"pydoc_data.topics:{k}", topics[k].strip()) for k in sorted(topics)]
+    return docs + _stdlib_docstrings(Path(sysconfig.get_paths()["stdlib"]))
+
+
+def _stdlib_docstrings(root: Path) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if _SKIP_PARTS & set(rel.parts[:-1]):
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # invalid escape sequences in old sources
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue  # a few stdlib files are Python-2 fixtures or not UTF-8
+        for name, node in _documented(tree, rel.with_suffix("").as_posix().replace("/", ".")):
+            doc = ast.get_docstring(node)
+            if doc and len(doc) >= MIN_DOC_CHARS:
+                out.append((f"stdlib:{name}", doc.strip()))
+    return out
+
+
+def _documented(tree: ast.Module, modname: str) -> Iterator[tuple[str, ast.AST]]:
+    """(qualified name, node) of the module and every class and function, in source order."""
+    yield modname, tree
+    stack: list[tuple[str, ast.AST]] = [(modname, tree)]
+    while stack:
+        prefix, node = stack.pop(0)
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                qual = f"{prefix}.{child.name}"
+                yield qual, child
+                stack.append((qual, child))
+
+
+def split_of(index: int) -> str:
+    return "heldout" if index % HELDOUT_EVERY == HELDOUT_PHASE else "train"
+
+
+def write_frozen_corpus(path: str | Path | None = None) -> Path:
+    """Build the built-in corpus and write it as gzipped JSONL (byte-identical on rebuild)."""
+    path = Path(path) if path is not None else DATA_DIR / CORPUS_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"text": text, "source": src, "split": split_of(i)}, ensure_ascii=False)
+             for i, (src, text) in enumerate(builtin_documents())]
+    raw = ("\n".join(lines) + "\n").encode("utf-8")
+    with path.open("wb") as fh, gzip.GzipFile(filename="", mode="wb", fileobj=fh, mtime=0,
+                                              compresslevel=9) as gz:
+        gz.write(raw)
+    return path
+
+
+def frozen_corpus_path() -> Path:
+    path = DATA_DIR / CORPUS_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: the frozen corpus is missing; rebuild it with "
+                                "powerinfer_ray.offline.corpus.write_frozen_corpus()")
+    return path
+
+
+def frozen_documents(split: str | None = None) -> list[str]:
+    """Texts of the frozen built-in corpus; ``split`` is 'train', 'heldout' or None (all)."""
+    if split not in (None, "train", "heldout"):
+        raise ValueError(f"split {split!r}: expected 'train', 'heldout' or None")
+    docs = []
+    with gzip.open(frozen_corpus_path(), "rt", encoding="utf-8") as fh:
+        for line in fh:
+            rec = json.loads(line)
+            if split is None or rec["split"] == split:
+                docs.append(rec["text"])
+    return docs
+
+
+# ------------------------------------------------------------------------------------------------
+# streaming readers
+# ------------------------------------------------------------------------------------------------
+def iter_texts(corpus: Corpus, text_column: str = "text", split: str | None = None) -> Iterator[str]:
+    """Stream the documents of ``corpus``: a path (.txt/.text/.md[.gz] by paragraphs, .jsonl[.gz]
+    by line with field ``text_column``, .parquet by batch with column ``text_column``), the word
+    'builtin' (the frozen corpus; ``split`` picks train/heldout), or an iterable of strings."""
+    if isinstance(corpus, str) and corpus in ("builtin", "builtin:train", "builtin:heldout"):
+        yield from frozen_documents(corpus.partition(":")[2] or split)
+        return
+    if not isinstance(corpus, (str, Path)):
+        yield from corpus
+        return
+    path = Path(corpus)
+    if not path.exists():
+        raise ValueError(f"corpus {str(path)!r}: no such file (expected a text, JSONL or Parquet "
+                         "file, or 'builtin')")
+    name = path.name.lower().removesuffix(".gz")
+    if name.endswith(".parquet"):
+        yield from _parquet_texts(path, text_column)
+    elif name.endswith((".jsonl", ".json", ".ndjson")):
+        yield from _jsonl_texts(path, text_column, split)
+    else:
+        yield from _paragraphs(path)
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    if path.name.lower().endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return path.open("r", encoding="utf-8")
+
+
+def _jsonl_texts(path: Path, column: str, split: str | None) -> Iterator[str]:
+    with _open_text(path) as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: expected a JSON object per line, got a parse "
+                                 f"error: {exc}") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get(column), str):
+                raise ValueError(f"{path}:{n}: expected a JSON object with a string field "
+                                 f"{column!r}, got {str(line)[:80]!r}")
+            if split is None or rec.get("split", split) == split:
+                yield rec[column]
+
+
+def _parquet_texts(path: Path, column: str) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    if column not in pf.schema_arrow.names:
+        raise ValueError(f"{path}: expected a text column {column!r}, the file has "
+                         f"{pf.schema_arrow.names}")
+    for batch in pf.iter_batches(columns=[column], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            if text:
+                yield text
+
+
+def _paragraphs(path: Path, max_chars: int = 16384) -> Iterator[str]:
+    """Blank-line separated paragraphs (cut at ``max_chars``), read line by line."""
+    buf: list[str] = []
+    size = 0
+    with _open_text(path) as fh:
+        for line in fh:
+            if not line.strip() or size > max_chars:
+                if buf:
+                    yield "".join(buf).strip()
+                buf, size = [], 0
+                if not line.strip():
+                    continue
+            buf.append(line)
+            size += len(line)
+    if buf:
+        yield "".join(buf).strip()
+
+
+def token_windows(encode: Callable[[str], list[int]], texts: Iterable[str], seq_len: int,
+                  max_tokens: int | None = None) -> Iterator[list[int]]:
+    """Consecutive windows of ``seq_len`` tokens over the concatenated encoded texts (each
+    text encoded on its own, BOS first when ``encode`` adds it); at most ``max_tokens`` in all,
+    the last partial window dropped."""
+    if seq_len <= 0:
+        raise ValueError(f"seq_len is {seq_len}, expected a positive integer")
+    buf: list[int] = []
+    emitted = 0
+    for text in texts:
+        buf.extend(encode(text))
+        while len(buf) >= seq_len:
+            if max_tokens is not None and emitted + seq_len > max_tokens:
+                return
+            yield buf[:seq_len]
+            del buf[:seq_len]
+            emitted += seq_len

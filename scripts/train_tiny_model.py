@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Train the embedded tiny ReGLU model from the frozen built-in corpus, reproducibly.
+
+    PYTHONPATH=. python3 scripts/train_tiny_model.py --out OUT [--l1 0 3e-3 1e-2] [--predictors]
+
+Steps: byte-level BPE vocabulary on the train split -> one training run per L1 coefficient
+(in parallel processes when several are given) -> pick the sparsest run whose held-out loss is
+within ``--select-tolerance`` nats of the best -> export GGUF fp16 (OUT/tiny-reglu.dense.gguf)
+-> check that ReferenceModel reproduces the training model's held-out loss -> optionally
+profile activations and train predictors (OUT/tiny-reglu.powerinfer.gguf).
+Everything it measured goes to OUT/train_report.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from powerinfer_ray.model.tokenizer import Tokenizer
+from powerinfer_ray.offline import corpus
+from powerinfer_ray.offline.train_tiny import (TrainResult, TrainSettings, check_export, encode_stream,
+                                               eval_windows, export, tiny_reglu_config, train,
+                                               train_tokenizer)
+
+DENSE_FILE = "tiny-reglu.dense.gguf"
+SPARSE_FILE = "tiny-reglu.powerinfer.gguf"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, type=Path, help="output folder")
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--l1", type=float, nargs="+", default=[0.0],
+                   help="L1 coefficients on the FFN activations, one training run each")
+    p.add_argument("--select-tolerance", type=float, default=0.02,
+                   help="pick the sparsest run within this many nats of the best held-out loss")
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--n-embd", type=int, default=192)
+    p.add_argument("--n-layer", type=int, default=6)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-ff", type=int, default=768)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--sequential", action="store_true", help="train the L1 runs one after another")
+    p.add_argument("--predictors", action="store_true", help="also profile and train predictors")
+    p.add_argument("--predictor-tokens", type=int, default=200_000)
+    p.add_argument("--recall-target", type=float, default=0.95)
+    p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # internal: one run -> this file
+    return p.parse_args(argv)
+
+
+def settings_for(args: argparse.Namespace, l1: float) -> TrainSettings:
+    return TrainSettings(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
+                         dropout=args.dropout, l1=l1, eval_every=args.eval_every, seed=args.seed)
+
+
+def load_data(args: argparse.Namespace, tok_file: Path | None = None):  # noqa: ANN201
+    train_docs = corpus.frozen_documents("train")
+    held_docs = corpus.frozen_documents("heldout")
+    if tok_file is not None and tok_file.exists():
+        fields = json.loads(tok_file.read_text())
+    else:
+        fields = train_tokenizer(train_docs, args.vocab)
+    tok = Tokenizer(fields)
+    return fields, encode_stream(tok, train_docs), encode_stream(tok, held_docs)
+
+
+def run_worker(args: argparse.Namespace, l1: float, tok_file: Path, out_file: Path) -> None:
+    cfg = tiny_reglu_config(args.vocab, args.n_embd, args.n_layer, args.n_head, args.n_ff, args.seq_len)
+    _, train_ids, held_ids = load_data(args, tok_file)
+    tag = f"[l1={l1:g}] "
+    res = train(cfg, train_ids, held_ids, settings_for(args, l1), args.device,
+                log=lambda m: print(tag + m, flush=True))
+    torch.save({"weights": res.weights, "summary": res.summary()}, out_file)
+
+
+def run_all(args: argparse.Namespace, tok_file: Path, tmp: Path) -> list[dict]:
+    """One training run per L1 value; returns [{l1, summary, weights}]."""
+    files = [tmp / f"run_{i}.pt" for i in range(len(args.l1))]
+    if args.sequential or len(args.l1) == 1:
+        for l1, f in zip(args.l1, files):
+            run_worker(args, l1, tok_file, f)
+    else:
+        base = [sys.executable, str(Path(__file__).resolve())] + [a for a in sys.argv[1:]]
+        procs = [subprocess.Popen(base + ["--worker", str(f), "--l1", repr(l1)])
+                 for l1, f in zip(args.l1, files)]
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            raise SystemExit(f"training runs failed with exit codes {codes}")
+    runs = []
+    for l1, f in zip(args.l1, files):
+        blob = torch.load(f, weights_only=True)
+        runs.append({"l1": l1, "summary": blob["summary"], "weights": blob["weights"]})
+    return runs
+
+
+def select(runs: list[dict], tolerance: float) -> dict:
+    """The sparsest run whose held-out loss is within ``tolerance`` nats of the best."""
+    best = min(r["summary"]["heldout_loss"] for r in runs)
+    ok = [r for r in runs if r["summary"]["heldout_loss"] <= best + tolerance]
+    return min(ok, key=lambda r: sum(r["summary"]["active_frac"]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker is not None:
+        run_worker(args, args.l1[0], args.worker.with_name("tokenizer.json"), args.worker)
+        return
+    t0 = time.time()
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        fields, train_ids, held_ids = load_data(args)
+        tok_file = tmp / "tokenizer.json"
+        tok_file.write_text(json.dumps(fields))
+        print(f"corpus: {train_ids.numel()} train tokens, {held_ids.numel()} held-out tokens, "
+              f"vocabulary {len(fields['tokenizer.ggml.tokens'])}", flush=True)
+        runs = run_all(args, tok_file, tmp)
+    chosen = select(runs, args.select_tolerance)
+    cfg = tiny_reglu_config(args.vocab, args.n_embd, args.n_layer, args.n_head, args.n_ff, args.seq_len)
+    dense = export(args.out / DENSE_FILE, cfg, chosen["weights"], fields)
+    windows = eval_windows(held_ids, args.seq_len)
+    check = check_export(dense, windows, args.device)
+    print(f"export check: reference {check['reference_loss']:.5f} vs training model "
+          f"{check['training_model_loss']:.5f} (|diff| {check['abs_diff']:.2e})", flush=True)
+    report = {
+        "command": "PYTHONPATH=. python3 scripts/train_tiny_model.py " + " ".join(sys.argv[1:]),
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "torch": torch.__version__, "python": sys.version.split()[0],
+        "config": {k: v for k, v in asdict(cfg).items() if k != "extra"},
+        "n_params": sum(w.numel() for w in chosen["weights"].values()),
+        "train_tokens": train_ids.numel(), "heldout_tokens": held_ids.numel(),
+        "chosen_l1": chosen["l1"], "select_tolerance": args.select_tolerance,
+        "runs": [{"l1": r["l1"], **r["summary"]} for r in runs],
+        "export_check": check, "heldout_ppl_reference": math.exp(check["reference_loss"]),
+    }
+    if args.predictors:
+        report["predictors"] = make_sparse(args, dense)
+    report["seconds"] = time.time() - t0
+    (args.out / "train_report.json").write_text(json.dumps(report, indent=1) + "\n")
+    print(f"done in {report['seconds']:.0f} s: {args.out}", flush=True)
+
+
+def make_sparse(args: argparse.Namespace, dense: Path) -> dict:
+    """Profile the dense model and train its predictors (on the train split)."""
+    from powerinfer_ray.offline.predictors import train_predictors
+    from powerinfer_ray.offline.profile import run_profile
+
+    stats = run_profile(dense, "builtin:train", args.out, max_tokens=args.predictor_tokens,
+                        seq_len=args.seq_len, progress=False, device=args.device)
+    result = train_predictors(dense, "builtin:train", args.out / SPARSE_FILE,
+                              recall_target=args.recall_target, max_tokens=args.predictor_tokens,
+                              seq_len=args.seq_len, device=args.device, progress=False)
+    return {"profile": stats.summary(), "table": result.to_dict()}
+
+
+if __name__ == "__main__":
+    main()
