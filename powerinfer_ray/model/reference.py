@@ -94,12 +94,12 @@ def ffn_activation(act: str, up: torch.Tensor, gate: torch.Tensor | None) -> tor
 class KVCache:
     """Per-layer K and V of one sequence: k[l], v[l] are [S, G, hd]."""
 
-    k: list[torch.Tensor] = field(default_factory=list)
-    v: list[torch.Tensor] = field(default_factory=list)
+    k: dict[int, torch.Tensor] = field(default_factory=dict)
+    v: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def length(self) -> int:
-        return 0 if not self.k else int(self.k[0].shape[0])
+        return int(self.k[0].shape[0]) if 0 in self.k else 0
 
 
 class ReferenceModel:
@@ -159,10 +159,9 @@ class ReferenceModel:
         if c.rope_style is not None:
             q = apply_rope(q, pos, c.rot_dims, c.rope_theta, c.rope_style)
             k = apply_rope(k, pos, c.rot_dims, c.rope_theta, c.rope_style)
-        if len(cache.k) <= l:
-            cache.k.append(k), cache.v.append(v)
-        else:
-            cache.k[l] = torch.cat((cache.k[l], k)); cache.v[l] = torch.cat((cache.v[l], v))
+        if l in cache.k:
+            k, v = torch.cat((cache.k[l], k)), torch.cat((cache.v[l], v))
+        cache.k[l], cache.v[l] = k, v
         ks = cache.k[l].repeat_interleave(c.n_gqa, dim=1)  # [S, H, hd]
         vs = cache.v[l].repeat_interleave(c.n_gqa, dim=1)  # [S, H, hd]
         S = ks.shape[0]

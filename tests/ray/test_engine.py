@@ -1,0 +1,86 @@
+"""The engine on a real local Ray cluster (num_cpus=2), as a user's own Ray program uses it."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from powerinfer_ray.actors.coordinator import Coordinator
+from powerinfer_ray.model.reference import ReferenceModel
+from powerinfer_ray.model.tiny import write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp("m") / "m.gguf", "llama-gqa", seed=5, n_layer=3,
+                            n_ctx=256, predictor_rank=16)
+    return path, ReferenceModel.from_file(path)
+
+
+@pytest.fixture(scope="module")
+def engine(ray_cluster, model):
+    # mixed split with CPU-placed heads: both executors and both kinds of exchange are exercised
+    eng = Coordinator.options(name="test-engine").remote(str(model[0]), gpu_fraction=0.5, cpu_groups=1,
+                                                         policy="oracle", max_batch=8, threads=1)
+    ray.get(eng.ready.remote())
+    yield eng
+    ray.get(eng.shutdown.remote())
+    ray.kill(eng)
+
+
+def test_generate_from_a_user_driver_matches_dense_greedy(engine, model):
+    path, ref = model
+    prompt = list(range(5, 30))
+    out = ray.get(engine.generate.remote(prompt_token_ids=prompt, max_tokens=12, ignore_eos=True))
+    assert out["token_ids"] == ref.generate_greedy(prompt, 12)
+    assert out["finish_reason"] == "length" and out["stats"]["completion_tokens"] == 12
+    # the engine is reachable by name from any driver or task of the cluster
+    same = ray.get_actor("test-engine")
+    assert ray.get(same.generate.remote(prompt_token_ids=prompt, max_tokens=12, ignore_eos=True))["token_ids"] \
+        == out["token_ids"]
+
+
+def test_eight_concurrent_requests_equal_running_them_alone(engine, model):
+    _, ref = model
+    prompts = [list(range(10 + i, 20 + 2 * i)) for i in range(8)]
+    refs = [engine.generate.remote(prompt_token_ids=p, max_tokens=10, ignore_eos=True) for p in prompts]
+    outs = ray.get(refs)
+    for p, o in zip(prompts, outs):
+        assert o["token_ids"] == ref.generate_greedy(p, 10)
+    st = ray.get(engine.stats.remote())
+    assert st["coordinator"]["running"] == 0
+    assert 0.0 < st["gpu_executor"]["gpu_activation_share"] < 1.0
+    assert st["cpu_executor"]["neurons"] > 0 and st["gpu_executor"]["exchanges"] > 0
+
+
+def test_streaming_yields_the_same_tokens(engine, model):
+    _, ref = model
+    prompt = list(range(50, 60))
+    chunks = [ray.get(r) for r in engine.generate_stream.remote(prompt_token_ids=prompt, max_tokens=8,
+                                                                  ignore_eos=True)]
+    ids = [t for c in chunks for t in c["token_ids"]]
+    assert ids == ref.generate_greedy(prompt, 8)
+    assert chunks[-1]["finish_reason"] == "length"
+
+
+def test_bad_requests_raise_clear_errors(engine):
+    with pytest.raises(ray.exceptions.RayTaskError, match="temperature"):
+        ray.get(engine.generate.remote(prompt_token_ids=[1, 2], temperature=-0.5))
+    with pytest.raises(ray.exceptions.RayTaskError, match="context"):
+        ray.get(engine.generate.remote(prompt_token_ids=list(range(256)) * 2, max_tokens=2))
+
+
+@pytest.mark.parametrize("victim", ["cpu", "gpu"])
+def test_killed_executor_fails_the_request_and_the_next_one_succeeds(engine, model, victim):
+    _, ref = model
+    prompt = list(range(5, 30))
+    handles = ray.get(engine.executor_handles.remote())
+    pending = engine.generate.remote(prompt_token_ids=prompt, max_tokens=200, ignore_eos=True)
+    time.sleep(0.5)
+    ray.kill(handles[victim])
+    with pytest.raises(ray.exceptions.RayTaskError, match="generation failed"):
+        ray.get(pending, timeout=120)
+    out = ray.get(engine.generate.remote(prompt_token_ids=prompt, max_tokens=6, ignore_eos=True), timeout=120)
+    assert out["token_ids"] == ref.generate_greedy(prompt, 6)
+    assert ray.get(engine.stats.remote())["restarts"] >= 1

@@ -1,0 +1,195 @@
+"""The hybrid runtime without Ray: executors over the real shared-memory channel (the CPU
+executor serves in a thread), checked against the dense reference forward."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from powerinfer_ray.model import gguf_keys as K
+from powerinfer_ray.model.reference import ReferenceModel
+from powerinfer_ray.model.tiny import write_tiny_model
+from powerinfer_ray.runtime.channel import OP_FFN, Channel
+from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
+from powerinfer_ray.runtime.layers import merge_partials
+from powerinfer_ray.runtime.plan import Plan
+from powerinfer_ray.runtime.shard import load_attn_shard, load_ffn_shard
+
+VARIANTS = ["llama-reglu", "llama-gqa", "llama-drelu", "llama-swiglu", "opt", "falcon", "falcon-gqa"]
+
+
+def _plans(cfg):
+    rng = np.random.default_rng(0)
+    random_masks = [rng.random(cfg.n_ff) < 0.3 for _ in range(cfg.n_layer)]
+    half_groups = [np.arange(cfg.n_head_kv) < max(1, cfg.n_head_kv // 2)] * cfg.n_layer
+    return {
+        "all-gpu": Plan.all_gpu(cfg),
+        "all-cpu": Plan.all_cpu(cfg),
+        "mixed": Plan.from_masks(random_masks, None, cfg),
+        "split-heads": Plan.from_masks(random_masks, half_groups, cfg),
+    }
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models")
+    return {v: write_tiny_model(d / f"{v}.gguf", v, seed=1, n_layer=3, n_ctx=64) for v in VARIANTS}
+
+
+def _run_steps(engine: LocalEngine, prompt: list[int], decode: list[int], chunk: int) -> list[np.ndarray]:
+    """Prefill in chunks, then cached decode steps; the logits of every position."""
+    out, pos = [], 0
+    for i in range(0, len(prompt), chunk):
+        part = prompt[i:i + chunk]
+        out.append(engine.primary.step([0], [part], [pos])[0])
+        pos += len(part)
+    for t in decode:
+        out.append(engine.primary.step([0], [[t]], [pos])[0])
+        pos += 1
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("split", ["all-gpu", "all-cpu", "mixed", "split-heads"])
+def test_oracle_masks_equal_dense_reference(models, variant, split):
+    path = models[variant]
+    ref = ReferenceModel.from_file(path)
+    plan = _plans(ref.cfg)[split]
+    eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="oracle", prefill_chunk=8, max_batch=2))
+    try:
+        prompt, decode = list(range(3, 20)), [7, 99, 150, 3, 42]
+        got = _run_steps(eng, prompt, decode, chunk=8)
+        cache = ref.new_cache()
+        full = ref.forward(prompt + decode, cache)  # [T, V]
+        want = [full[len(prompt[:i + 8]) - 1] for i in range(0, len(prompt), 8)]
+        want += [full[len(prompt) + j] for j in range(len(decode))]
+        for g, w in zip(got, want):
+            torch.testing.assert_close(torch.from_numpy(g), w, rtol=1e-4, atol=1e-4)
+        if split != "all-gpu":
+            assert eng.cpu is not None and eng.cpu.stats.exchanges > 0
+    finally:
+        eng.close()
+
+
+def test_batched_decode_equals_single_sequences(models):
+    """Sequences of different lengths decoded together give each its own logits."""
+    path = models["llama-gqa"]
+    ref = ReferenceModel.from_file(path)
+    eng = LocalEngine(EngineConfig(str(path), plan=_plans(ref.cfg)["split-heads"], policy="oracle",
+                                   prefill_chunk=16, max_batch=3))
+    try:
+        prompts = [[5, 6, 7], list(range(10, 22)), [200, 1, 2, 3, 4, 5, 6]]
+        for slot, p in enumerate(prompts):
+            eng.primary.step([slot], [p], [0])
+        nxt = [[11], [12], [13]]
+        got = eng.primary.step([0, 1, 2], nxt, [len(p) for p in prompts])
+        for slot, p in enumerate(prompts):
+            want = ref.forward(p + nxt[slot], ref.new_cache())[-1]
+            torch.testing.assert_close(torch.from_numpy(got[slot]), want, rtol=1e-4, atol=1e-4)
+    finally:
+        eng.close()
+
+
+def test_predictor_policy_computes_only_predicted_neurons(tmp_path):
+    """With predictors, the sparse forward equals the reference forward masked by the same
+    predictor decisions (the reference's FFNHooks.mask), and far fewer neurons are computed."""
+    path = write_tiny_model(tmp_path / "p.gguf", "llama-reglu", seed=2, n_layer=2, predictor_rank=16)
+    ref = ReferenceModel.from_file(path)
+    thr = 0.5
+
+    class PredictorMask:
+        def mask(self, l, pred_in):
+            w = ref.w
+            hid = torch.relu(pred_in @ w[K.tensor(K.FC1, l)].T)
+            return (hid @ w[K.tensor(K.FC2, l)].T) >= thr
+
+        def observe(self, l, pred_in, h):
+            pass
+
+    plan = _plans(ref.cfg)["mixed"]
+    eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="predictor", threshold=thr, prefill_chunk=16))
+    try:
+        prompt = list(range(30, 42))
+        got = eng.primary.step([0], [prompt], [0])[0]
+        want = ref.forward(prompt, ref.new_cache(), hooks=PredictorMask())[-1]
+        torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-4, atol=1e-4)
+        total = eng.primary.stats.neurons + eng.cpu.stats.neurons
+        assert 0 < total < len(prompt) * ref.cfg.n_ff * ref.cfg.n_layer
+    finally:
+        eng.close()
+
+
+def test_merge_of_disjoint_shards_equals_dense_layer(models):
+    """Partial FFN and attention outputs of disjoint shards add up to the dense layer."""
+    from powerinfer_ray.model.gguf_file import ModelFile
+    from powerinfer_ray.runtime.layers import attn_partial, ffn_partial
+
+    mf = ModelFile(models["opt"])
+    ref = ReferenceModel.from_file(mf)
+    cfg, l = ref.cfg, 1
+    x = torch.randn(5, cfg.n_embd)
+    ids = np.random.default_rng(3).permutation(cfg.n_ff)
+    parts = [ffn_partial(x, load_ffn_shard(mf, l, np.sort(s), torch.float32, torch.device("cpu")),
+                         cfg.ffn_act, "dense")[0] for s in np.array_split(ids, 3)]
+    want = ref.ffn(l, x)
+    torch.testing.assert_close(merge_partials(parts, ref.w[K.tensor(K.FFN_DOWN_T, l, bias=True)]), want,
+                               rtol=1e-5, atol=1e-5)
+    shards = [load_attn_shard(mf, l, g, torch.float32, torch.device("cpu"), 1, 16)
+              for g in (np.array([0, 2]), np.array([1, 3]))]
+    att = [attn_partial(x[None], s, cfg, [0], [0])[0] for s in shards]
+    want = ref.attention(l, x, torch.arange(5), ref.new_cache())
+    torch.testing.assert_close(merge_partials(att, ref.w[K.tensor(K.ATTN_OUT, l, bias=True)]), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_channel_round_trip_between_threads():
+    ch = Channel.create(d=8, t_max=4, b_max=2, n_mask=16)
+    peer = Channel.attach(ch.spec)
+    try:
+        def serve():
+            seq = peer.wait_request(0)
+            op, layer, n_seq, n_tok, n_mask = peer.request()
+            peer.out[:n_tok] = peer.x_ffn[:n_tok] * 2 + peer.mask[:n_tok, :n_mask].sum(1, keepdim=True).float()
+            peer.respond(seq, 0)
+
+        th = threading.Thread(target=serve)
+        th.start()
+        ch.x_ffn[:3] = torch.arange(24, dtype=torch.float32).view(3, 8)
+        ch.mask[:3, :5] = torch.tensor([[1, 0, 1, 0, 0], [0] * 5, [1] * 5], dtype=torch.uint8)
+        seq = ch.post(OP_FFN, 7, 1, 3, 5)
+        ch.wait_response(seq, timeout_s=10)
+        th.join()
+        want = torch.arange(24, dtype=torch.float32).view(3, 8) * 2 + torch.tensor([[2.0], [0.0], [5.0]])
+        assert torch.equal(ch.out[:3], want)
+    finally:
+        peer.close()
+        ch.close(unlink=True)
+
+
+def test_coordinator_stops_and_limits(models):
+    path = models["llama-reglu"]
+    eng = LocalEngine(EngineConfig(str(path), policy="dense", max_batch=2))
+    ref = ReferenceModel.from_file(path)
+    try:
+        prompt = list(range(40, 50))
+        greedy = ref.generate_greedy(prompt, 10)
+
+        async def run():
+            a = await eng.generate(prompt_token_ids=prompt, max_tokens=10, ignore_eos=True)
+            b = await eng.generate(prompt_token_ids=prompt, max_tokens=10, stop_token_ids=[greedy[4]], ignore_eos=True)
+            return a, b
+
+        a, b = asyncio.run(run())
+        assert a["token_ids"] == greedy and a["finish_reason"] == "length"
+        k = greedy.index(greedy[4])
+        assert b["token_ids"] == greedy[:k] and b["finish_reason"] == "stop"
+        with pytest.raises(ValueError, match="context"):
+            asyncio.run(eng.generate(prompt_token_ids=list(range(64)), max_tokens=2))
+        for bad in (dict(temperature=-1), dict(top_p=0), dict(max_tokens=0), dict(top_k=-2), dict(foo=1)):
+            with pytest.raises(ValueError):
+                asyncio.run(eng.generate(prompt_token_ids=prompt, **bad))
+    finally:
+        eng.close()
