@@ -94,6 +94,7 @@ class Checkpoint:
                     self.file_of[name] = path
                     self.shapes[name] = tuple(f.get_slice(name).get_shape())
         self._cached: tuple[str, torch.Tensor] | None = None
+        self.used: set[str] = set()  # names the plan reads
 
     def _files(self) -> list[Path]:
         index = self.dir / "model.safetensors.index.json"
@@ -145,7 +146,18 @@ class Checkpoint:
         stored at ``outtype``, 1-D tensors (norms, biases) at f32."""
         shape = tuple(shape if shape is not None else self.shape(hf_name))
         kind = outtype if len(shape) >= 2 else "f32"
+        self.used.add(self.name(hf_name))
         return LazyTensor(shape, kind, lambda: fn(self.load(hf_name)) if fn else self.load(hf_name))
+
+
+    def warn_unused(self) -> None:
+        """Tensors of the checkpoint that no GGUF tensor reads, beyond the known redundant ones,
+        mean the model has parts this converter does not know: say so."""
+        redundant = re.compile(r".*rotary_emb\.inv_freq|(model\.)?lm_head\.weight")  # buffers; tied head
+        unused = sorted(n for n in self.file_of if n not in self.used and not redundant.fullmatch(n))
+        if unused:
+            log.warning("%s: %d checkpoint tensors are not converted: %s", self.dir, len(unused),
+                        ", ".join(unused[:8]) + (" ..." if len(unused) > 8 else ""))
 
 
 def _const(shape: tuple[int, ...], value: float) -> LazyTensor:
@@ -170,7 +182,8 @@ def transpose(w: torch.Tensor) -> torch.Tensor:
 def falcon_qkv_layout(hf: HFConfig) -> str:
     """'new' (new_decoder_architecture: per KV group, its query heads then k then v),
     'mq' (multi-query: all query heads, one k, one v) or 'mha' (per head q, k, v)."""
-    if hf.get("new_decoder_architecture", default=False):
+    # the original falcon-40b config (model_type RefinedWeb) predates the flag but has the layout
+    if hf.get("new_decoder_architecture", default=hf.get("model_type", default="") == "RefinedWeb"):
         return "new"
     return "mq" if hf.get("multi_query", default=True) else "mha"
 
@@ -481,21 +494,44 @@ def tokenizer_metadata(hf_dir: Path, hf: HFConfig, n_vocab: int) -> dict[str, An
     path = hf_dir / "tokenizer.json"
     if not path.is_file():
         log.warning("%s: no tokenizer.json; the model file will have no tokenizer (prompts must be "
-                    "token ids)", hf_dir)
+                    "token ids). A folder with only tokenizer.model gets one by re-saving the "
+                    "tokenizer with transformers: AutoTokenizer.from_pretrained(d).save_pretrained(d)", hf_dir)
         return {}
     cfg_path = hf_dir / "tokenizer_config.json"
     tok_config = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
     fallback = {k: hf.data.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     try:
-        return hf_tokenizer_fields(path.read_text(encoding="utf-8"), tok_config,
-                                   _chat_template(hf_dir, tok_config), n_vocab, fallback)
+        fields = hf_tokenizer_fields(path.read_text(encoding="utf-8"), tok_config,
+                                     _chat_template(hf_dir, tok_config), n_vocab, fallback)
     except (ValueError, KeyError) as exc:
         raise ConvertError(f"{path}: cannot convert the tokenizer ({exc})") from None
+    n_tok = len(fields.get(K.TOK_TOKENS) or [])
+    if n_tok > n_vocab:
+        log.warning("%s: %d tokens but the embedding has %d rows; ids >= %d cannot be run",
+                    path, n_tok, n_vocab, n_vocab)
+    return fields
 
 
 # ------------------------------------------------------------------------------------------------
 # the converter
 # ------------------------------------------------------------------------------------------------
+def with_progress(tensors: dict[str, TensorLike], desc: str) -> tuple[dict[str, TensorLike], Any]:
+    """The same tensors, each lazy one ticking a tqdm bar (unit: tensor) when it is produced."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(tensors), desc=desc, unit="tensor")
+
+    def ticking(name: str, t: LazyTensor) -> LazyTensor:
+        def make() -> Any:
+            bar.set_postfix_str(name, refresh=False)
+            out = t.make()
+            bar.update(1)
+            return out
+        return LazyTensor(t.shape, t.dtype, make)
+
+    return {n: ticking(n, t) if isinstance(t, LazyTensor) else t for n, t in tensors.items()}, bar
+
+
 def convert_hf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLike[str], outtype: str = "f16",
                predictors_dir: str | os.PathLike[str] | None = None, sparse: bool | None = None,
                progress: bool = True) -> Path:
@@ -509,14 +545,20 @@ def convert_hf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLike[str],
     if outtype not in OUTTYPES:
         raise ConvertError(f"outtype is {outtype!r}, expected one of {OUTTYPES}")
     hf = HFConfig.read(hf_dir)
-    plan = planner_for(hf)(hf, Checkpoint(hf_dir), outtype, hf_dir.resolve().name)
+    ck = Checkpoint(hf_dir)
+    plan = planner_for(hf)(hf, ck, outtype, hf_dir.resolve().name)
+    ck.warn_unused()
     if predictors_dir is not None:
         plan = add_predictors(plan, Path(predictors_dir), outtype)
     metadata = {K.FILE_TYPE: FILE_TYPE[outtype], **tokenizer_metadata(hf_dir, hf, plan.cfg.n_vocab)}
+    tensors, bar = with_progress(plan.tensors, f"converting {hf_dir.name}") if progress else (plan.tensors, None)
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".part")
     try:
-        write_model(tmp, plan.cfg, plan.tensors, metadata=metadata, sparse=sparse, progress=progress)
+        write_model(tmp, plan.cfg, tensors, metadata=metadata, sparse=sparse)
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
+        if bar is not None:
+            bar.close()
     return out

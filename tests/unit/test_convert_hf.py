@@ -27,8 +27,10 @@ from powerinfer_ray.model import gguf_keys as K  # noqa: E402
 from powerinfer_ray.model.gguf_file import ModelFile  # noqa: E402
 from powerinfer_ray.model.reference import ReferenceModel  # noqa: E402
 from powerinfer_ray.model.tokenizer import SPM, Tokenizer  # noqa: E402
-from powerinfer_ray.offline.convert import (ConvertError, convert_hf, permute_qk,  # noqa: E402
-                                            predictor_files)
+from powerinfer_ray.model.gguf_file import LazyTensor  # noqa: E402
+from powerinfer_ray.offline.convert import (Checkpoint, ConvertError, HFConfig, convert_hf,  # noqa: E402
+                                            falcon_qkv_layout, permute_qk, planner_for,
+                                            predictor_files, rope_theta)
 
 D, L, F, CTX = 64, 2, 128, 128
 N_DECODE = 16
@@ -203,6 +205,8 @@ def test_parity_with_hf(tmp_path, name):
     prompt = tok.encode(PROMPT)
     assert prompt == hf_tok.encode(PROMPT) and tok.decode(prompt) == hf_tok.decode(prompt, skip_special_tokens=True)
     assert mf.fields[K.TOK_HF_JSON] == (tmp_path / "hf" / "tokenizer.json").read_text(encoding="utf-8")
+    if not name.startswith("llama"):  # the byte-level tokenizer carries a chat template
+        assert mf.fields[K.CHAT_TEMPLATE] == CHAT and tok.chat_template == CHAT
     assert_parity(hf_model, mf, prompt)
 
 
@@ -212,6 +216,51 @@ def test_llama_qk_permutation_matches_llama_cpp():
     w = torch.arange(n_head * hd, dtype=torch.float32)[:, None].repeat(1, 3)
     got = permute_qk(w, n_head)[:, 0].long().tolist()
     assert got == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
+
+
+def test_drelu_marker(tmp_path):
+    """hidden_act "drelu" (Bamboo / TurboSparse style: relu(gate) * relu(up)) becomes ffn_act drelu."""
+    save_hf("llama-relu", tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "hidden_act": "drelu"}))
+    mf = ModelFile(convert_hf(tmp_path / "hf", tmp_path / "m.gguf", "f32", progress=False))
+    assert mf.config.ffn_act == "drelu" and mf.meta(K.FFN_ACT) == "drelu"
+
+
+def test_plan_streams(tmp_path, capsys):
+    """Planning reads only safetensors headers; tensors are produced one by one while writing,
+    with a progress bar counting tensors."""
+    save_hf("falcon-new-gqa", tmp_path / "hf")
+    hf, ck = HFConfig.read(tmp_path / "hf"), Checkpoint(tmp_path / "hf")
+    plan = planner_for(hf)(hf, ck, "f16", "x")
+    assert ck._cached is None and all(isinstance(t, LazyTensor) for t in plan.tensors.values())
+    convert_hf(tmp_path / "hf", tmp_path / "m.gguf", progress=True)
+    n = len(ModelFile(tmp_path / "m.gguf").tensors)
+    assert n == len(plan.tensors) and f"{n}/{n}" in capsys.readouterr().err
+
+
+def test_unconverted_checkpoint_tensor_is_reported(tmp_path, caplog):
+    save_hf("opt", tmp_path / "hf")
+    st = tmp_path / "hf" / "model.safetensors"
+    save_file({**load_file(st), "model.decoder.extra.weight": torch.zeros(2, 2)}, st, metadata={"format": "pt"})
+    with caplog.at_level("WARNING"):
+        convert_hf(tmp_path / "hf", tmp_path / "m.gguf", progress=False)
+    assert "1 checkpoint tensors are not converted: model.decoder.extra.weight" in caplog.text
+
+
+def test_rope_theta_and_falcon_layout_from_any_config_vintage(tmp_path):
+    def cfg(**d) -> HFConfig:
+        return HFConfig(tmp_path / "config.json", d)
+
+    assert rope_theta(cfg(rope_parameters={"rope_type": "default", "rope_theta": 5e5})) == 5e5  # transformers 5
+    assert rope_theta(cfg(rope_theta=1e6, rope_scaling=None)) == 1e6  # transformers 4
+    assert rope_theta(cfg()) == 10000.0
+    with pytest.raises(ConvertError, match="rope_scaling is 'linear'"):
+        rope_theta(cfg(rope_theta=1e4, rope_scaling={"type": "linear", "factor": 2.0}))
+    assert falcon_qkv_layout(cfg(new_decoder_architecture=True)) == "new"
+    assert falcon_qkv_layout(cfg(model_type="RefinedWeb", n_head_kv=8)) == "new"  # original falcon-40b
+    assert falcon_qkv_layout(cfg(model_type="RefinedWebModel", multi_query=True)) == "mq"  # falcon-7b
+    assert falcon_qkv_layout(cfg(new_decoder_architecture=False, multi_query=False)) == "mha"
 
 
 def test_sharded_checkpoint(tmp_path):
