@@ -9,9 +9,10 @@ Two launches, no atomics, no memset, fp32 accumulation:
   2. down stage, grid cdiv(D, BD): a program owns BD output columns, streams the BD-wide
      slices of all active down_t rows, and writes y [T, BD] in y's dtype. A row whose h is zero
      for every token is not loaded (masked loads issue no memory traffic).
-T == 1 uses elementwise multiply-add kept as [BK, BD] partial sums (reduced once at the end);
-T > 1 uses tl.dot with tokens padded to 16 (tensor cores; fp16/bf16 operands when x has the
-weights' dtype, else fp32 operands with tf32x3). The down stage multiplies fp32 h with the
+Both stages use tl.dot with tokens padded to 16 (tensor cores; fp16/bf16 operands when x has
+the weights' dtype, else fp32 operands with tf32x3): tl.dot loops get cp.async software
+pipelining, which keeps enough bytes in flight even at T = 1. Elementwise kernels for T == 1
+(multiply-add kept as [BK, BD] partial sums, reduced once) remain as a Config option. The down stage multiplies fp32 h with the
 weights widened to fp32 under tf32 (fp16/bf16 weights are exact in tf32; h is rounded to tf32,
 relative 2^-11) or tf32x3 for fp32 weights.
 
@@ -30,7 +31,10 @@ ACT_CODE = {"relu": 0, "reglu": 1, "drelu": 2, "swiglu": 3}
 
 @dataclass(frozen=True)
 class Config:
-    """Tile sizes of the two stages (chosen by bench/kernels_bench.py --sweep on the H200)."""
+    """Tile sizes of the two stages (chosen by bench/kernels_bench.py --sweep on the H200).
+    up_dot / down_dot: at T == 1, use the tl.dot kernels (tokens padded to 16) instead of the
+    elementwise ones; tl.dot loops get cp.async software pipelining (num_stages), which keeps
+    more bytes in flight than the elementwise loops. T > 1 always uses tl.dot."""
 
     up_bk: int
     up_bd: int
@@ -38,12 +42,15 @@ class Config:
     down_bk: int
     down_bd: int
     down_warps: int
-    stages: int = 3
+    up_stages: int = 3
+    down_stages: int = 3
+    up_dot: bool = True
+    down_dot: bool = True
 
 
-# T == 1 (GEMV-like) and T > 1 (tl.dot) defaults.
+# T == 1 and T > 1 defaults.
 CONFIGS = {
-    "gemv": Config(up_bk=8, up_bd=512, up_warps=4, down_bk=64, down_bd=64, down_warps=4),
+    "gemv": Config(up_bk=16, up_bd=256, up_warps=4, down_bk=128, down_bd=32, down_warps=4),
     "dot": Config(up_bk=16, up_bd=256, up_warps=4, down_bk=64, down_bd=64, down_warps=4),
 }
 
@@ -214,20 +221,21 @@ def launch_up(x, up, gate, up_bias, idx, mask, n_active, act, h, cfg: Config) ->
                   MASK_MODE=mode, HAS_NACT=n_active is not None)
     ptrs = (x, up, gate if gate is not None else up, up_bias if up_bias is not None else dummy, idx,
             n_active if n_active is not None else dummy, mask if mask is not None else dummy, h)
-    if T == 1:
+    if T == 1 and not cfg.up_dot:
         grid = (triton.cdiv(K, cfg.up_bk),)
         _up_gemv_kernel[grid](*ptrs, D, K, up.stride(0), (gate if gate is not None else up).stride(0),
-                              BK=cfg.up_bk, BD=cfg.up_bd, num_warps=cfg.up_warps, num_stages=cfg.stages, **common)
+                              BK=cfg.up_bk, BD=cfg.up_bd, num_warps=cfg.up_warps, num_stages=cfg.up_stages, **common)
     else:
         bk = max(16, cfg.up_bk)
         grid = (triton.cdiv(K, bk),)
         tp = max(16, triton.next_power_of_2(T))
         dot_f32 = x.dtype != up.dtype or up.dtype == torch.float32
+        bd = min(cfg.up_bd, 64) if dot_f32 else cfg.up_bd  # tf32x3 tiles spill registers beyond 64
         _up_dot_kernel[grid](*ptrs, T, D, K, x.stride(0), up.stride(0),
                              (gate if gate is not None else up).stride(0),
                              mask.stride(0) if mode == 1 else 0, h.stride(0),
-                             DOT_F32=dot_f32, TP=tp, BK=bk, BD=cfg.up_bd, num_warps=cfg.up_warps,
-                             num_stages=cfg.stages, **common)
+                             DOT_F32=dot_f32, TP=tp, BK=bk, BD=bd, num_warps=cfg.up_warps,
+                             num_stages=cfg.up_stages, **common)
 
 
 def launch_down(h, down_t, idx, n_active, y, cfg: Config) -> None:
@@ -236,16 +244,16 @@ def launch_down(h, down_t, idx, n_active, y, cfg: Config) -> None:
     K = idx.shape[0]
     nact = n_active if n_active is not None else idx
     grid = (triton.cdiv(D, cfg.down_bd),)
-    if T == 1:
+    if T == 1 and not cfg.down_dot:
         _down_gemv_kernel[grid](h, down_t, idx, nact, y, D, K, down_t.stride(0),
                                 HAS_NACT=n_active is not None, BK=cfg.down_bk, BD=cfg.down_bd,
-                                num_warps=cfg.down_warps, num_stages=cfg.stages)
+                                num_warps=cfg.down_warps, num_stages=cfg.down_stages)
     else:
         tp = max(16, triton.next_power_of_2(T))
         prec = "tf32x3" if down_t.dtype == torch.float32 else "tf32"
         _down_dot_kernel[grid](h, down_t, idx, nact, y, T, D, K, down_t.stride(0), h.stride(0), y.stride(0),
                                HAS_NACT=n_active is not None, PREC=prec, TP=tp, BK=max(16, cfg.down_bk),
-                               BD=max(16, cfg.down_bd), num_warps=cfg.down_warps, num_stages=cfg.stages)
+                               BD=max(16, cfg.down_bd), num_warps=cfg.down_warps, num_stages=cfg.down_stages)
 
 
 def sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active,

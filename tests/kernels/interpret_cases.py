@@ -47,9 +47,13 @@ _fix_interpreter_for_numpy2()
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("act", ["relu", "reglu", "swiglu"])
 def test_triton_sparse_ffn_matches_reference(dtype, T, act):
-    if dtype == torch.bfloat16 and T > 1:
-        pytest.skip("interpreter computes bf16 tl.dot on raw bits")
-    cfg = triton_ffn.Config(up_bk=4, up_bd=32, up_warps=4, down_bk=16, down_bd=32, down_warps=4)
+    # small tiles: several programs and loop steps; T == 1 also through the elementwise kernels
+    dot = triton_ffn.Config(up_bk=4, up_bd=32, up_warps=4, down_bk=16, down_bd=32, down_warps=4)
+    cfgs = [dot] if T > 1 else [dot, triton_ffn.Config(4, 32, 4, 16, 32, 4, up_dot=False, down_dot=False)]
+    if dtype == torch.bfloat16:
+        if T > 1:
+            pytest.skip("interpreter computes bf16 tl.dot on raw bits")
+        cfgs = cfgs[1:]
     gen = torch.Generator().manual_seed(T * 100 + len(act))
     N, D, K = 80, 70, 37
     up, gate, down_t, b = make_shard(N, D, dtype, act, act == "relu", gen)
@@ -57,11 +61,13 @@ def test_triton_sparse_ffn_matches_reference(dtype, T, act):
     idx = make_idx(K, N, gen, torch.int32)
     cases = [(None, None), (torch.rand(T, K, generator=gen) < 0.6, None),
              (token_bits(torch.rand(T, K, generator=gen) < 0.6), torch.tensor([20], dtype=torch.int32))]
-    for mask, n_active in cases:
-        out = poisoned((T, D), dtype)
-        y = triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, b, out, n_active, cfg)
-        ref = sparse_ffn_ref(x, up, gate, down_t, idx, mask, act, b, n_active=n_active)
-        assert rel_err(y, ref) < TOL[dtype], f"mask={None if mask is None else mask.dtype} n_active={n_active}"
+    for cfg in cfgs:
+        for mask, n_active in cases:
+            out = poisoned((T, D), dtype)
+            y = triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, b, out, n_active, cfg)
+            ref = sparse_ffn_ref(x, up, gate, down_t, idx, mask, act, b, n_active=n_active)
+            err = rel_err(y, ref)
+            assert err < TOL[dtype], f"{cfg} mask={None if mask is None else mask.dtype} n_active={n_active}: {err:.2e}"
 
 
 def test_triton_split_matches_exact_split():

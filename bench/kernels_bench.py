@@ -1,0 +1,317 @@
+"""Benchmark of the neuron-aware sparse FFN against torch gather + matmul, with roofline numbers.
+
+Shape: Llama-2-13B FFN (D = 5120, N = 13824), ReGLU; fp16 on the GPU (Triton), fp16 and fp32 on
+the CPU (compiled kernel); densities 1, 5, 10, 20, 50 %; T = 1 and 8. Reported per case: median
+time, achieved GB/s on the ACTIVE bytes (3 x K x D x bytes per element: each active row of up,
+gate and down_t read once), the fraction of the ceiling measured in the same run (GPU: a
+device-to-device copy, bytes read + written; CPU: a multi-threaded read with the kernel's
+threads), and the torch gather + matmul baseline measured in the same run.
+
+Data: x and gate rows are positive, so relu(gate . x) > 0 and every active neuron has a nonzero
+activation: the kernels' skip of zero-activation down rows never triggers, every active byte is
+read. Index sets are random and rotate (8 sets) and GPU timings flush L2 between calls
+(triton.testing.do_bench), so neither cache holds the active rows.
+
+Usage: python bench/kernels_bench.py [--device auto|cpu|cuda] [--out DIR] [--sweep] [--quick]
+(`powerinfer-ray bench kernels` calls main(argv)). Writes DIR/kernels-<machine>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import itertools
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+try:
+    from powerinfer_ray import kernels as K
+    from powerinfer_ray.kernels import cpu_ffn
+except ImportError:  # a plain checkout without the editable install
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import kernels as K  # type: ignore[no-redef]
+    from kernels import cpu_ffn  # type: ignore[no-redef]
+
+D, N = 5120, 13824
+N_SETS = 8  # rotating index sets per case
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="powerinfer-ray bench kernels", description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: the GPU (if any) and the CPU; cpu / cuda: only that one")
+    p.add_argument("--densities", default="1,5,10,20,50", help="percent of active neurons, comma-separated")
+    p.add_argument("--tokens", default="1,8", help="T values, comma-separated")
+    p.add_argument("--cpu-dtypes", default="fp16,fp32")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default torch.get_num_threads())")
+    p.add_argument("--sweep", action="store_true", help="GPU: sweep Triton tile configs first, use the best")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke test)")
+    p.add_argument("--out", default=str(RESULTS), help="directory of the JSON result")
+    p.add_argument("--machine", default=None, help="name in the result file (default: from the hardware)")
+    p.add_argument("--commit", default=None, help="commit measured (default: git rev-parse HEAD)")
+    return p.parse_args(argv)
+
+
+DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def machine_name() -> str:
+    if torch.cuda.is_available():
+        return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
+    return f"cpu-{os.cpu_count()}c"
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def make_weights(dtype: torch.dtype, device: str, gen: torch.Generator):
+    """up (any sign), gate (positive), down_t; 1/sqrt(D) scale keeps fp16 in range."""
+    def r(pos: bool) -> torch.Tensor:
+        w = torch.randn(N, D, generator=gen, dtype=torch.float32)
+        return (w.abs() if pos else w).mul_(D ** -0.5).to(dtype).to(device)
+
+    return r(False), r(True), r(False)
+
+
+def idx_sets(density: float, device: str, gen: torch.Generator) -> tuple[int, list[torch.Tensor]]:
+    k = max(1, round(density * N))
+    return k, [torch.randperm(N, generator=gen)[:k].to(torch.int32).to(device) for _ in range(N_SETS)]
+
+
+def torch_baseline(x, up, gate, down_t, idx):
+    """torch gather + matmul in the weights' dtype: what the kernels replace."""
+    rows = idx.long()
+    u = up[rows] @ x.T  # [K, T]
+    g = gate[rows] @ x.T  # [K, T]
+    h = torch.relu(g) * u
+    return h.T @ down_t[rows]  # [T, D]
+
+
+def median_time_cpu(fn, reps: int, budget_s: float) -> float:
+    """Median wall seconds of fn() over up to reps calls (after one warm-up) within budget_s."""
+    fn()
+    times: list[float] = []
+    t_end = time.perf_counter() + budget_s
+    while len(times) < reps and (len(times) < 3 or time.perf_counter() < t_end):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def record(device, backend, dtype, T, density, k, t_kernel, t_base, ceiling, extra=None) -> dict:
+    nbytes = 3 * k * D * torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    gbps, base_gbps = nbytes / t_kernel / 1e9, nbytes / t_base / 1e9
+    row = dict(device=device, backend=backend, dtype=dtype, T=T, density=density, K=k, active_bytes=nbytes,
+               median_us=round(t_kernel * 1e6, 2), GBps=round(gbps, 2), frac_ceiling=round(gbps / ceiling, 4),
+               baseline_median_us=round(t_base * 1e6, 2), baseline_GBps=round(base_gbps, 2),
+               speedup_vs_baseline=round(t_base / t_kernel, 2))
+    row.update(extra or {})
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU
+# ---------------------------------------------------------------------------------------------
+def bench_cpu(args) -> dict:
+    threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    if not cpu_ffn.available():
+        return {"error": "compiled CPU kernel unavailable (no compiler); nothing measured"}
+    ceiling = statistics.median(cpu_ffn.read_bandwidth(1 << 30, threads, reps=5) for _ in range(3))
+    print(f"[cpu] {threads} threads, SIMD {cpu_ffn.simd_width()} lanes, read ceiling {ceiling:.1f} GB/s", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    reps, budget = (5, 0.5) if args.quick else (30, 3.0)
+    for dname in args.cpu_dtypes.split(","):
+        dtype = DTYPES[dname]
+        up, gate, down_t = make_weights(dtype, "cpu", gen)
+        for T, pct in itertools.product(map(int, args.tokens.split(",")), map(float, args.densities.split(","))):
+            k, sets = idx_sets(pct / 100, "cpu", gen)
+            x = torch.randn(T, D, generator=gen).abs().to(dtype)
+            out = torch.empty(T, D, dtype=dtype)
+            cyc = itertools.cycle(sets)
+            t_k = median_time_cpu(lambda: K.sparse_ffn(x, up, gate, down_t, next(cyc), out=out, backend="cpu",
+                                                       threads=threads), reps, budget)
+            t_b = median_time_cpu(lambda: torch_baseline(x, up, gate, down_t, next(cyc)), max(3, reps // 4), budget)
+            row = record("cpu", "compiled", dname, T, pct, k, t_k, t_b, ceiling)
+            rows.append(row)
+            print(f"[cpu] {dname} T={T} {pct:g}%: {row['median_us']:.0f} us {row['GBps']:.1f} GB/s "
+                  f"({row['frac_ceiling']:.0%} of ceiling); torch {row['baseline_median_us']:.0f} us "
+                  f"-> x{row['speedup_vs_baseline']:.1f}", flush=True)
+        del up, gate, down_t
+    return dict(threads=threads, simd_lanes=cpu_ffn.simd_width(), ceiling_read_GBps=round(ceiling, 2),
+                ceiling_method="multi-threaded sum of a 1 GiB fp32 buffer with the kernel's threads",
+                results=rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------
+def gpu_time(fn, quick: bool) -> float:
+    """Median seconds per call, L2 flushed before each call (triton.testing.do_bench)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=5 if quick else 25, rep=20 if quick else 100, return_mode="median") / 1e3
+
+
+def gpu_wall(fn, n: int = 200) -> float:
+    """Seconds per call of back-to-back calls, host launch overhead included (no flush)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n
+
+
+# (dot?, BK, BD, warps, stages) per stage; T == 1 also tries the elementwise (non-dot) kernels.
+SWEEP_UP = {1: [(False, 8, 512, 4, 3), (False, 8, 1024, 8, 3), (False, 16, 512, 4, 3), (True, 16, 128, 4, 3),
+                (True, 16, 256, 4, 3), (True, 16, 256, 4, 4), (True, 32, 256, 8, 3), (True, 16, 512, 8, 3)],
+            8: [(True, 16, 128, 4, 3), (True, 16, 256, 4, 3), (True, 16, 256, 4, 4), (True, 32, 256, 8, 3),
+                (True, 16, 512, 8, 3)]}
+SWEEP_DOWN = {1: [(False, 64, 64, 4, 3), (False, 64, 32, 4, 3), (True, 64, 32, 4, 3), (True, 128, 32, 4, 3),
+                  (True, 128, 32, 4, 4), (True, 128, 64, 4, 3), (True, 64, 64, 4, 3), (True, 128, 32, 8, 3),
+                  (True, 256, 32, 8, 3)],
+              8: [(True, 64, 32, 4, 3), (True, 128, 32, 4, 3), (True, 128, 32, 4, 4), (True, 128, 64, 4, 3),
+                  (True, 64, 64, 4, 3), (True, 128, 32, 8, 3), (True, 256, 32, 8, 3)]}
+
+
+def sweep_triton(up, gate, down_t, gen, quick: bool) -> dict:
+    """Time each stage alone over tile configs at 10 % density; return the best Config per mode."""
+    tf = importlib.import_module(K.__name__ + ".triton_ffn")
+    k, sets = idx_sets(0.10, "cuda", gen)
+    best, table = {}, []
+    for mode, T in (("gemv", 1), ("dot", 8)):
+        x = torch.randn(T, D, generator=gen, device="cuda").abs().half()
+        h = torch.rand(T, k, device="cuda") + 0.5
+        hh = torch.empty(T, k, device="cuda")
+        y = torch.empty(T, D, dtype=torch.float16, device="cuda")
+        res_up, res_down = {}, {}
+        for c in SWEEP_UP[T]:
+            cfg = tf.Config(c[1], c[2], c[3], 64, 64, 4, up_stages=c[4], up_dot=c[0])
+            cyc = itertools.cycle(sets)
+            res_up[c] = gpu_time(lambda: tf.launch_up(x, up, gate, None, next(cyc), None, None, "reglu", hh, cfg), True)
+        for c in SWEEP_DOWN[T]:
+            cfg = tf.Config(16, 256, 4, c[1], c[2], c[3], down_stages=c[4], down_dot=c[0])
+            cyc = itertools.cycle(sets)
+            res_down[c] = gpu_time(lambda: tf.launch_down(h, down_t, next(cyc), None, y, cfg), True)
+        bu, bdn = min(res_up, key=res_up.get), min(res_down, key=res_down.get)
+        best[mode] = tf.Config(bu[1], bu[2], bu[3], bdn[1], bdn[2], bdn[3], up_stages=bu[4], down_stages=bdn[4],
+                               up_dot=bu[0], down_dot=bdn[0])
+        for stage, res, nb in (("up", res_up, 2 * k * D * 2), ("down", res_down, k * D * 2)):
+            for c, t in sorted(res.items(), key=lambda kv: kv[1]):
+                table.append(dict(T=T, stage=stage, dot=c[0], bk=c[1], bd=c[2], warps=c[3], stages=c[4], us=round(t * 1e6, 2),
+                                  GBps=round(nb / t / 1e9, 1)))
+        print(f"[sweep] T={T}: best up {bu} {res_up[bu]*1e6:.1f} us ({2*k*D*2/res_up[bu]/1e9:.0f} GB/s), "
+              f"best down {bdn} {res_down[bdn]*1e6:.1f} us ({k*D*2/res_down[bdn]/1e9:.0f} GB/s)", flush=True)
+    return dict(best={m: vars(c) for m, c in best.items()}, table=table, _configs=best)
+
+
+def bench_split(gen, quick: bool) -> list[dict]:
+    """The predictor split at N = 13824 (30 % of neurons on the GPU): exact (syncs) vs packed."""
+    out = []
+    gpu = torch.rand(N, generator=gen).lt(0.3).cuda()
+    ng = int(gpu.sum())
+    loc = K.local_index(gpu)
+    for T in (1, 8):
+        logits = (torch.randn(T, N, generator=gen) - 1.0).half().cuda()
+        cases = {
+            "exact_torch (nonzero, syncs)": lambda: K.split_active(logits, 0.0, gpu, loc),
+            "packed_torch": lambda: K.split_active_packed(logits, 0.0, gpu, local_of=loc, gpu_capacity=ng,
+                                                          cpu_capacity=N - ng, backend="torch"),
+            "packed_triton": lambda: K.split_active_packed(logits, 0.0, gpu, local_of=loc, gpu_capacity=ng,
+                                                           cpu_capacity=N - ng, backend="triton"),
+        }
+        for name, fn in cases.items():
+            t, w = gpu_time(fn, quick), gpu_wall(fn, 100)
+            out.append(dict(T=T, variant=name, gpu_median_us=round(t * 1e6, 2), wall_us_per_call=round(w * 1e6, 2)))
+            print(f"[split] T={T} {name}: {t*1e6:.1f} us GPU, {w*1e6:.1f} us wall", flush=True)
+    return out
+
+
+def bench_gpu(args) -> dict:
+    tf = importlib.import_module(K.__name__ + ".triton_ffn")
+
+    gen = torch.Generator().manual_seed(1)
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(big)
+    ceiling = 2 * big.numel() / gpu_time(lambda: dst.copy_(big), args.quick) / 1e9
+    del big, dst
+    print(f"[gpu] {torch.cuda.get_device_name()}: D2D copy {ceiling:.0f} GB/s (read + write)", flush=True)
+    up, gate, down_t = make_weights(torch.float16, "cuda", gen)
+    sweep = sweep_triton(up, gate, down_t, gen, args.quick) if args.sweep else None
+    configs = sweep.pop("_configs") if sweep else dict(tf.CONFIGS)
+    rows = []
+    for T, pct in itertools.product(map(int, args.tokens.split(",")), map(float, args.densities.split(","))):
+        k, sets = idx_sets(pct / 100, "cuda", gen)
+        x = torch.randn(T, D, generator=gen).abs().half().cuda()
+        out = torch.empty(T, D, dtype=torch.float16, device="cuda")
+        cfg = configs["gemv" if T == 1 else "dot"]
+        cyc = itertools.cycle(sets)
+        run = lambda: tf.sparse_ffn_triton(x, up, gate, down_t, next(cyc), None, "reglu", None, out, None, cfg)  # noqa: E731
+        t_k = gpu_time(run, args.quick)
+        wall = gpu_wall(run)
+        t_b = gpu_time(lambda: torch_baseline(x, up, gate, down_t, next(cyc)), args.quick)
+        row = record("cuda", "triton", "fp16", T, pct, k, t_k, t_b, ceiling,
+                     dict(wall_us_per_call=round(wall * 1e6, 2), config=vars(cfg)))
+        rows.append(row)
+        print(f"[gpu] fp16 T={T} {pct:g}%: {row['median_us']:.1f} us {row['GBps']:.0f} GB/s "
+              f"({row['frac_ceiling']:.0%} of copy); torch {row['baseline_median_us']:.1f} us "
+              f"-> x{row['speedup_vs_baseline']:.1f}; wall {wall*1e6:.1f} us/call", flush=True)
+    split = bench_split(gen, args.quick)
+    res = dict(device_name=torch.cuda.get_device_name(), ceiling_copy_GBps=round(ceiling, 1),
+               ceiling_method="torch copy_ of 1 GiB device to device, bytes read + written, L2 flushed",
+               timing="triton.testing.do_bench median, L2 flushed before each call; wall_us_per_call = "
+                      "back-to-back calls incl. host launch overhead",
+               results=rows, split=split)
+    if sweep:
+        res["sweep"] = sweep
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    use_gpu = args.device in ("auto", "cuda") and torch.cuda.is_available()
+    if args.device == "cuda" and not use_gpu:
+        print("bench kernels: --device cuda but CUDA is not available", file=sys.stderr)
+        return 2
+    report = dict(
+        machine=args.machine or machine_name(), commit=args.commit or git_commit(),
+        command=" ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+        date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), torch=torch.__version__, python=platform.python_version(),
+        cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
+        load_average_at_start=os.getloadavg(),
+        shape=dict(D=D, N=N, act="reglu"), active_bytes="3 x K x D x element size",
+        data="x and gate rows positive: every active neuron has a nonzero activation, every active byte is read",
+    )
+    if use_gpu:
+        report["gpu"] = bench_gpu(args)
+    if args.device in ("auto", "cpu"):
+        report["cpu"] = bench_cpu(args)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"kernels-{report['machine']}.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""The kernels on a CUDA device: Triton sparse FFN and split, attention, CUDA-graph capture."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from kernel_checks import DENSITIES, make_idx, make_shard, n_active, poisoned, rel_err  # noqa: E402
+
+from powerinfer_ray.kernels import (head_attention, head_attention_ref, local_index, packed_views,  # noqa: E402
+                                    sparse_ffn, sparse_ffn_ref, split_active, split_active_packed, token_bits,
+                                    unpack_active)
+
+# fp32 weights go through tf32x3 dots (T > 1); fp16 / bf16 outputs are rounded once.
+GPU_TOL = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+DEV = "cuda"
+
+
+def _check_ffn(dtype, act, Ts, gen):
+    """Every density and a mask form cycling with it (each Triton specialisation compiles once,
+    so the combinations are spread rather than multiplied)."""
+    N, D = 1024, 640
+    up, gate, down_t, b = make_shard(N, D, dtype, act, act == "relu", gen, DEV)
+    for i, density in enumerate(DENSITIES):
+        K = n_active(density, N)
+        for T in Ts:
+            x = torch.randn(T, D, generator=gen).to(dtype).to(DEV)
+            idx = make_idx(K, N, gen, torch.int32 if T % 2 else torch.int64, DEV)
+            kind = i % 3
+            mask = None if kind == 0 else (torch.rand(T, K, generator=gen) < 0.6).to(DEV)
+            if kind == 2:
+                mask = token_bits(mask)
+            out = poisoned((T, D), dtype, DEV)
+            y = sparse_ffn(x, up, gate, down_t, idx, mask, act, b, out=out)
+            ref = sparse_ffn_ref(x, up, gate, down_t, idx, mask, act, b)
+            if K == 0:
+                assert torch.equal(y, torch.zeros_like(y))
+                continue
+            err = rel_err(y, ref)
+            assert err < GPU_TOL[dtype], f"{dtype} {act} T={T} K={K} mask kind {kind}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("act", ["relu", "reglu", "drelu", "swiglu"])
+def test_triton_sparse_ffn_every_activation_fp16(act):
+    _check_ffn(torch.float16, act, (1, 8), torch.Generator().manual_seed(len(act)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_triton_sparse_ffn_other_dtypes_and_token_counts(dtype):
+    _check_ffn(dtype, "reglu", (1, 2, 17, 32), torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize("T", [1, 8])
+def test_triton_at_llama13b_shape(T):
+    gen = torch.Generator().manual_seed(T)
+    N, D = 13824, 5120
+    up, gate, down_t, _ = make_shard(N, D, torch.float16, "reglu", False, gen, DEV)
+    x = torch.randn(T, D, generator=gen).half().to(DEV)
+    idx = make_idx(N // 10, N, gen, torch.int32, DEV)
+    y = sparse_ffn(x, up, gate, down_t, idx, out=poisoned((T, D), torch.float16, DEV))
+    assert rel_err(y, sparse_ffn_ref(x, up, gate, down_t, idx)) < GPU_TOL[torch.float16]
+
+
+def test_sparse_ffn_with_packed_inputs_replays_in_a_cuda_graph():
+    """predictor logits -> packed split -> sparse_ffn with the count on the device: no host sync,
+    so the whole chain is captured once and replayed for new logits."""
+    gen = torch.Generator().manual_seed(1)
+    N, D, T = 2048, 512, 4
+    up, gate, down_t, _ = make_shard(N, D, torch.float16, "reglu", False, gen, DEV)
+    x = torch.randn(T, D, generator=gen).half().to(DEV)
+    gpu = (torch.rand(N, generator=gen) < 0.5).to(DEV)
+    rows = gpu.nonzero().squeeze(1)
+    shard = [w[rows].contiguous() for w in (up, gate, down_t)]
+    loc = local_index(gpu)
+    logits = torch.randn(T, N, generator=gen).half().to(DEV) - 1.0
+    y = torch.empty(T, D, dtype=torch.float16, device=DEV)
+
+    def step():
+        packed = split_active_packed(logits, 0.0, gpu, local_of=loc, gpu_capacity=len(rows), cpu_capacity=N - len(rows))
+        idx, bits, count = packed_views(packed.gpu)
+        sparse_ffn(x, *shard, idx, bits, out=y, n_active=count)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up: compile the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(2):
+        logits.copy_(torch.randn(T, N, generator=gen).half().to(DEV) - 1.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        active = (logits.float() >= 0.0) & gpu[None, :]  # [T, N]
+        ref = sparse_ffn_ref(x, up, gate, down_t, torch.arange(N, device=DEV), active)
+        assert rel_err(y, ref) < GPU_TOL[torch.float16]
+
+
+@pytest.mark.parametrize("T", [1, 8, 32])
+def test_triton_split_equals_exact_split(T):
+    gen = torch.Generator().manual_seed(T)
+    N = 13824
+    logits = (torch.randn(T, N, generator=gen) - 1.5).half().to(DEV)
+    gpu = (torch.rand(N, generator=gen) < 0.3).to(DEV)
+    ng = int(gpu.sum())
+    for loc in (None, local_index(gpu)):
+        exact = split_active(logits, 0.0, gpu, loc)
+        for backend in ("triton", "torch"):
+            packed = split_active_packed(logits, 0.0, gpu, local_of=loc, gpu_capacity=ng, cpu_capacity=N - ng,
+                                         backend=backend)
+            for part, (idx, tok) in zip(packed, [(exact.gpu_idx, exact.gpu_tok_mask), (exact.cpu_idx, exact.cpu_tok_mask)]):
+                got_idx, got_tok = unpack_active(part.cpu(), T)
+                assert torch.equal(got_idx, idx.cpu()) and torch.equal(got_tok, tok.cpu()), backend
+
+
+@pytest.mark.parametrize("H, G", [(8, 8), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("style", ["norm", "neox"])
+def test_head_attention_on_gpu_matches_reference(H, G, style):
+    gen = torch.Generator().manual_seed(H + G)
+    B, T, D, hd, S = 3, 5, 256, 32, 64
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).half().to(DEV)  # noqa: E731
+    w = dict(wq=r(H * hd, D, scale=D ** -0.5), wk=r(G * hd, D, scale=D ** -0.5), wv=r(G * hd, D, scale=D ** -0.5),
+             wo_t=r(H * hd, D, scale=(H * hd) ** -0.5))
+    x = r(B, T, D)
+    kc, vc = r(4, G, S, hd), r(4, G, S, hd)
+    rk, rv = kc.clone(), vc.clone()
+    args = dict(slots=[3, 0, 1], start_pos=[10, 0, 40], rope_theta=10000.0, rope_style=style)
+    y = head_attention(x, k_cache=kc, v_cache=vc, **args, **w)
+    ref = head_attention_ref(x, k_cache=rk, v_cache=rv, **args, **w)
+    assert rel_err(y, ref) < 5e-3
+    assert rel_err(kc, rk) < 5e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_elementwise_kernels_at_one_token(dtype):
+    """The non-dot T == 1 kernels (a Config option the sweep compares) against the reference."""
+    from powerinfer_ray.kernels import triton_ffn
+
+    cfg = triton_ffn.Config(8, 512, 4, 64, 64, 4, up_dot=False, down_dot=False)
+    gen = torch.Generator().manual_seed(3)
+    N, D = 1024, 640
+    up, gate, down_t, _ = make_shard(N, D, dtype, "reglu", False, gen, DEV)
+    x = torch.randn(1, D, generator=gen).to(dtype).to(DEV)
+    for K in (1, 100, 1024):
+        idx = make_idx(K, N, gen, torch.int32, DEV)
+        for mask in (None, (torch.rand(1, K, generator=gen) < 0.5).to(DEV)):
+            out = poisoned((1, D), dtype, DEV)
+            y = triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, mask, "reglu", None, out, None, cfg)
+            assert rel_err(y, sparse_ffn_ref(x, up, gate, down_t, idx, mask)) < GPU_TOL[dtype]
