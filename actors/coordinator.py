@@ -139,7 +139,15 @@ class Coordinator:
     def model_info(self) -> dict[str, Any]:
         return {"name": self.model_name, "n_ctx": self.n_ctx, "n_vocab": self.cfg.n_vocab,
                 "chat_template": self.tokenizer.chat_template if self.tokenizer else None,
-                "has_tokenizer": self.tokenizer is not None}
+                "has_tokenizer": self.tokenizer is not None, **self._special_tokens()}
+
+    def _special_tokens(self) -> dict[str, Any]:
+        """BOS/EOS as text (for chat templates) and whether encode() adds BOS itself."""
+        tok = self.tokenizer
+        if tok is None:
+            return {"bos_token": None, "eos_token": None, "add_bos": False}
+        bos, eos = (None if i is None else tok.tok.id_to_token(i) for i in (tok.bos_id, tok.eos_id))
+        return {"bos_token": bos, "eos_token": eos, "add_bos": tok.add_bos}
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
