@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 
 from ..model import gguf_keys as K
-from ..model.config import ModelConfig
+from ..model.config import ConfigError, ModelConfig
 from ..model.gguf_file import LazyTensor, TensorLike, write_model
 from ..model.tokenizer import hf_tokenizer_fields
 
@@ -149,7 +149,6 @@ class Checkpoint:
         self.used.add(self.name(hf_name))
         return LazyTensor(shape, kind, lambda: fn(self.load(hf_name)) if fn else self.load(hf_name))
 
-
     def warn_unused(self) -> None:
         """Tensors of the checkpoint that no GGUF tensor reads, beyond the known redundant ones,
         mean the model has parts this converter does not know: say so."""
@@ -230,8 +229,7 @@ def rope_theta(hf: HFConfig) -> float:
 LLAMA_ACTS = {"relu": "reglu", "silu": "swiglu", "swish": "swiglu", "drelu": "drelu"}
 
 
-def plan_llama(hf: HFConfig, ck: Checkpoint, outtype: str, name: str) -> Plan:
-    """LlamaForCausalLM: RMSNorm, RoPE (Q/K permuted for GGML mode 0), GQA, gated FFN."""
+def _llama_config(hf: HFConfig, ck: Checkpoint, outtype: str, name: str) -> ModelConfig:
     act = str(hf.get("hidden_act", default="silu"))
     hf.require("hidden_act", act.lower() in LLAMA_ACTS, act,
                "expected relu (ReGLU), silu (SwiGLU) or drelu")
@@ -241,17 +239,22 @@ def plan_llama(hf: HFConfig, ck: Checkpoint, outtype: str, name: str) -> Plan:
     G = int(hf.get("num_key_value_heads", default=H))
     hd = hf.get("head_dim", default=D // H)
     hf.require("head_dim", hd == D // H, hd, f"expected hidden_size / num_attention_heads = {D // H}")
-    tied = bool(hf.get("tie_word_embeddings", default=False))
-    cfg = ModelConfig(
+    return ModelConfig(
         arch="llama", ffn_act=LLAMA_ACTS[act.lower()], n_vocab=ck.shape("model.embed_tokens.weight")[0],
         n_embd=D, n_layer=int(hf.get("num_hidden_layers")), n_head=H, n_head_kv=G,
         n_ff=int(hf.get("intermediate_size")), n_ctx=int(hf.get("max_position_embeddings", default=2048)),
         norm_eps=float(hf.get("rms_norm_eps", default=1e-6)), rope_theta=rope_theta(hf),
-        tied_output=tied, dtype=outtype, name=name)
+        tied_output=bool(hf.get("tie_word_embeddings", default=False)), dtype=outtype, name=name)
+
+
+def plan_llama(hf: HFConfig, ck: Checkpoint, outtype: str, name: str) -> Plan:
+    """LlamaForCausalLM: RMSNorm, RoPE (Q/K permuted for GGML mode 0), GQA, gated FFN."""
+    cfg = _llama_config(hf, ck, outtype, name)
+    H, G = cfg.n_head, cfg.n_head_kv
     p = Plan(cfg)
     p.tensors[K.global_tensor(K.TOKEN_EMBD)] = ck.lazy("model.embed_tokens.weight", outtype)
     p.tensors[K.global_tensor(K.OUTPUT_NORM)] = ck.lazy("model.norm.weight", outtype)
-    if not tied:
+    if not cfg.tied_output:
         p.tensors[K.global_tensor(K.OUTPUT)] = ck.lazy("lm_head.weight", outtype)
     for l in range(cfg.n_layer):
         hl = f"model.layers.{l}."
@@ -295,8 +298,7 @@ def _linear(ck: Checkpoint, p: Plan, tmpl: str, l: int, hf_prefix: str, outtype:
         p.tensors[K.tensor(tmpl, l, True)] = ck.lazy(hf_prefix + ".bias", outtype)
 
 
-def plan_opt(hf: HFConfig, ck: Checkpoint, outtype: str, name: str) -> Plan:
-    """OPTForCausalLM: pre-LN, learned positions (offset 2), biases, ReLU FFN, tied head."""
+def _opt_config(hf: HFConfig, ck: Checkpoint, outtype: str, name: str) -> ModelConfig:
     act = hf.get("activation_function", default="relu")
     hf.require("activation_function", act == "relu", act, "expected relu (OPT's sparse FFN)")
     hf.require("do_layer_norm_before", hf.get("do_layer_norm_before", default=True), False,
@@ -306,21 +308,25 @@ def plan_opt(hf: HFConfig, ck: Checkpoint, outtype: str, name: str) -> Plan:
     D = int(hf.get("hidden_size"))
     proj = hf.get("word_embed_proj_dim", default=D)
     hf.require("word_embed_proj_dim", proj == D, proj, f"expected hidden_size = {D} (no project_in/out)")
-    bias = bool(hf.get("enable_bias", default=True))
-    affine = bool(hf.get("layer_norm_elementwise_affine", default=True))
-    tied = bool(hf.get("tie_word_embeddings", default=True))
     H = int(hf.get("num_attention_heads"))
-    cfg = ModelConfig(
+    return ModelConfig(
         arch="opt", ffn_act="relu", n_vocab=ck.shape("model.decoder.embed_tokens.weight")[0], n_embd=D,
         n_layer=int(hf.get("num_hidden_layers")), n_head=H, n_head_kv=H, n_ff=int(hf.get("ffn_dim")),
         n_ctx=int(hf.get("max_position_embeddings")), norm_eps=1e-5,  # torch LayerNorm's default
-        bias=bias, tied_output=tied, dtype=outtype, name=name)
+        bias=bool(hf.get("enable_bias", default=True)),
+        tied_output=bool(hf.get("tie_word_embeddings", default=True)), dtype=outtype, name=name)
+
+
+def plan_opt(hf: HFConfig, ck: Checkpoint, outtype: str, name: str) -> Plan:
+    """OPTForCausalLM: pre-LN, learned positions (offset 2), biases, ReLU FFN, tied head."""
+    cfg = _opt_config(hf, ck, outtype, name)
+    bias, affine = cfg.bias, bool(hf.get("layer_norm_elementwise_affine", default=True))
     p = Plan(cfg)
     dec = "model.decoder."
     p.tensors[K.global_tensor(K.TOKEN_EMBD)] = ck.lazy(dec + "embed_tokens.weight", outtype)
     p.tensors[K.global_tensor(K.POS_EMBD)] = ck.lazy(dec + "embed_positions.weight", outtype)
     _norm(ck, p, K.OUTPUT_NORM, None, dec + "final_layer_norm", outtype, affine)
-    if not tied:
+    if not cfg.tied_output:
         p.tensors[K.global_tensor(K.OUTPUT)] = ck.lazy("lm_head.weight", outtype)
     for l in range(cfg.n_layer):
         hl = f"{dec}layers.{l}."
@@ -546,7 +552,10 @@ def convert_hf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLike[str],
         raise ConvertError(f"outtype is {outtype!r}, expected one of {OUTTYPES}")
     hf = HFConfig.read(hf_dir)
     ck = Checkpoint(hf_dir)
-    plan = planner_for(hf)(hf, ck, outtype, hf_dir.resolve().name)
+    try:
+        plan = planner_for(hf)(hf, ck, outtype, hf_dir.resolve().name)
+    except ConfigError as exc:  # sizes that contradict each other, e.g. heads not dividing hidden_size
+        raise ConvertError(f"{hf.path}: {exc}") from None
     ck.warn_unused()
     if predictors_dir is not None:
         plan = add_predictors(plan, Path(predictors_dir), outtype)
