@@ -55,6 +55,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default torch.get_num_threads())")
     p.add_argument("--sweep", action="store_true", help="GPU: sweep Triton tile configs first, use the best")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke test)")
+    p.add_argument("--budget", type=float, default=1.0, help="CPU: seconds of repetitions per measurement")
     p.add_argument("--out", default=str(RESULTS), help="directory of the JSON result")
     p.add_argument("--machine", default=None, help="name in the result file (default: from the hardware)")
     p.add_argument("--commit", default=None, help="commit measured (default: git rev-parse HEAD)")
@@ -137,7 +138,7 @@ def bench_cpu(args) -> dict:
     print(f"[cpu] {threads} threads, SIMD {cpu_ffn.simd_width()} lanes, read ceiling {ceiling:.1f} GB/s", flush=True)
     gen = torch.Generator().manual_seed(0)
     rows = []
-    reps, budget = (5, 0.5) if args.quick else (30, 3.0)
+    reps, budget = (5, 0.3) if args.quick else (30, args.budget)
     for dname in args.cpu_dtypes.split(","):
         dtype = DTYPES[dname]
         up, gate, down_t = make_weights(dtype, "cpu", gen)

@@ -31,6 +31,7 @@ enum { ACT_RELU = 0, ACT_REGLU = 1, ACT_DRELU = 2, ACT_SWIGLU = 3 };
 enum { MASK_NONE = 0, MASK_BOOL = 1, MASK_BITS = 2 };
 
 constexpr int R = 8;  // rows per block: A_i is touched once per R down rows
+constexpr int PF_LINES = 8;  // cache lines prefetched at the head of a row about to be streamed
 
 // ---- scalar conversions (tails and the portable path) ---------------------------------------
 inline float f16_to_f32(uint16_t h) {
@@ -268,6 +269,8 @@ void axpy_all_tokens(const typename W::T* const* rows, int nr, const float* h, i
     constexpr int TB2 = TBMAX * 2 > 16 ? 16 : TBMAX * 2;  // axpy keeps TB accumulators only
     int64_t t0 = 0;
     for (; t0 + TB2 <= T; t0 += TB2) axpy_rows<W, TB2>(rows, nr, h, T, t0, A, D);
+    if (TB2 > 8)
+        for (; t0 + 8 <= T; t0 += 8) axpy_rows<W, 8>(rows, nr, h, T, t0, A, D);
     for (; t0 + 4 <= T; t0 += 4) axpy_rows<W, 4>(rows, nr, h, T, t0, A, D);
     for (; t0 + 2 <= T; t0 += 2) axpy_rows<W, 2>(rows, nr, h, T, t0, A, D);
     for (; t0 < T; ++t0) axpy_rows<W, 1>(rows, nr, h, T, t0, A, D);
@@ -317,6 +320,13 @@ void run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
         int nr = 0;
         for (int64_t k = kb; k < kb + R && k < k1; ++k) {
             int64_t row = row_id(a, k);
+            if (k + 1 < k1) {  // start the next row's up / gate streams before this row's dot
+                int64_t nx = row_id(a, k + 1);
+                for (int l = 0; l < PF_LINES; ++l) {
+                    __builtin_prefetch((const char*)(up + nx * a.ld_up) + 64 * l);
+                    if (GATE) __builtin_prefetch((const char*)(gate + nx * a.ld_gate) + 64 * l);
+                }
+            }
             dot_all_tokens<W, GATE>(up + row * a.ld_up, GATE ? gate + row * a.ld_gate : nullptr, a.x, T, D, u, g);
             float b = a.bias ? bias_at(a, row) : 0.f;
             bool any = false;
@@ -325,7 +335,11 @@ void run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
                 h[nr * T + t] = v;
                 any |= v != 0.f;
             }
-            if (any) rows[nr++] = down + row * a.ld_down;  // all-zero activation: skip the down row
+            if (any) {  // all-zero activation: skip the down row
+                rows[nr] = down + row * a.ld_down;
+                for (int l = 0; l < PF_LINES; ++l) __builtin_prefetch((const char*)rows[nr] + 64 * l);
+                ++nr;
+            }
         }
         if (nr) axpy_all_tokens<W>(rows, nr, h, T, A, D);
     }
