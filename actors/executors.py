@@ -92,6 +92,7 @@ class GPUExecutor:
     def stats(self) -> dict[str, Any]:
         st = self.impl.stats.as_dict()
         st.update(name=self.name, device=self.device, weight_bytes=self.impl.weight_bytes(),
+                  read_bytes_per_step=self.impl.read_bytes_per_step(),
                   vram_used_bytes=_vram_used(self.impl.device), vram_budget_bytes=self.budget)
         return st
 

@@ -94,7 +94,7 @@ class Coordinator:
         self._task: asyncio.Task | None = None
         self.counters = {"requests": 0, "finished": 0, "failed": 0, "aborted": 0, "tokens": 0,
                          "prompt_tokens": 0, "steps": 0, "step_s": 0.0, "decode_steps": 0, "decode_s": 0.0,
-                         "decode_tokens": 0}
+                         "decode_tokens": 0, "prefill_s": 0.0}
 
     # --- public --------------------------------------------------------------------------------
     def submit(self, prompt: str | list[int] | None = None, *, prompt_token_ids: list[int] | None = None,
@@ -208,7 +208,9 @@ class Coordinator:
         pre = next((r for r in self.running if r.prefilling), None)
         if pre is not None:
             chunk = pre.prompt_ids[pre.pos: pre.pos + self.prefill_chunk]
+            t0 = time.perf_counter()
             logits = await self._execute([pre], [chunk])
+            self.counters["prefill_s"] += time.perf_counter() - t0
             pre.pos += len(chunk)
             self.counters["prompt_tokens"] += len(chunk)
             if not pre.prefilling and not pre.done:

@@ -108,8 +108,9 @@ class PrimaryExecutor:
         name = K.global_tensor(tmpl, bias) if l is None else K.tensor(tmpl, l, bias)
         if not self.src.has(name):
             return None
-        t = self.src.global_(tmpl, torch.float32, bias) if l is None else self.src.layer(tmpl, l, dtype=torch.float32, bias=bias)
-        return t.to(self.device)
+        if l is None:
+            return self.src.global_(tmpl, torch.float32, bias).to(self.device)
+        return self.src.layer(tmpl, l, dtype=torch.float32, bias=bias, device=self.device)
 
     def _norm_pair(self, tmpl: str, l: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self._vec(tmpl, l), self._vec(tmpl, l, bias=True)
@@ -126,9 +127,9 @@ class PrimaryExecutor:
             norm_ffn_t = K.ATTN_NORM_2 if cfg.two_norms else (None if cfg.parallel_attn else K.FFN_NORM)
             fc1 = fc2g = fc2c = None
             if self.policy == "predictor":
-                fc1 = self.src.layer(K.FC1, l, dtype=dt).to(dev)
-                fc2g = self.src.layer(K.FC2, l, rows=lp.gpu_neurons, dtype=dt).to(dev)
-                fc2c = self.src.layer(K.FC2, l, rows=lp.cpu_neurons, dtype=dt).to(dev)
+                fc1 = self.src.layer(K.FC1, l, dtype=dt, device=dev)
+                fc2g = self.src.layer(K.FC2, l, rows=lp.gpu_neurons, dtype=dt, device=dev)
+                fc2c = self.src.layer(K.FC2, l, rows=lp.cpu_neurons, dtype=dt, device=dev)
             self.layers.append(LayerWeights(
                 norm_attn=self._norm_pair(K.ATTN_NORM, l),
                 norm_ffn=self._norm_pair(norm_ffn_t, l) if norm_ffn_t else None,
@@ -145,6 +146,15 @@ class PrimaryExecutor:
         total = sum(t.numel() * t.element_size() for t in ts if t is not None)
         for lw in self.layers:
             total += lw.ffn.nbytes + lw.attn.weight_bytes + lw.attn.cache_bytes
+            total += sum(t.numel() * t.element_size() for t in (lw.fc1, lw.fc2_gpu, lw.fc2_cpu) if t is not None)
+        return total
+
+    def read_bytes_per_step(self) -> int:
+        """Weight bytes every step reads besides the active FFN rows: attention of its heads,
+        predictors, output head (the roofline numerator of the dense parts)."""
+        total = self.out_w.numel() * self.out_w.element_size()
+        for lw in self.layers:
+            total += lw.attn.weight_bytes
             total += sum(t.numel() * t.element_size() for t in (lw.fc1, lw.fc2_gpu, lw.fc2_cpu) if t is not None)
         return total
 
@@ -352,6 +362,7 @@ class CPUExecutor:
             x = ch.x_attn[:n_tok].view(n_seq, n_tok // n_seq, cfg.n_embd)
             slots, start = ch.slots[:n_seq].tolist(), ch.start_pos[:n_seq].tolist()
             parts.append(attn_partial(x, self.attn[l], cfg, slots, start).view(n_tok, cfg.n_embd))
+            self.stats.active_bytes += self.attn[l].weight_bytes  # read in full by every step
         if op in (OP_FFN, OP_ATTN_FFN) and self.ffn[l].n:
             mask = ch.mask[:n_tok, :n_mask].bool() if self.policy == "predictor" else None
             y, computed = ffn_partial(ch.x_ffn[:n_tok], self.ffn[l], cfg.ffn_act, self.policy, mask,

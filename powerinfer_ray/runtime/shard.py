@@ -76,7 +76,7 @@ def load_ffn_shard(src: WeightSource, l: int, ids: np.ndarray, dtype: torch.dtyp
 
     def rows(tmpl: str, bias: bool = False) -> torch.Tensor:
         return src.layer(tmpl, l, rows=ids, dtype=dtype if not bias else torch.float32,
-                         bias=bias).to(device).contiguous()
+                         bias=bias, device=device).contiguous()
 
     return FFNShard(ids=np.asarray(ids, np.int64), up=rows(K.FFN_UP),
                     gate=rows(K.FFN_GATE) if cfg.gated else None, down_t=rows(K.FFN_DOWN_T),
@@ -91,11 +91,14 @@ def load_attn_shard(src: WeightSource, l: int, groups: np.ndarray, dtype: torch.
     def rows(tmpl: str, r: np.ndarray, bias: bool = False) -> torch.Tensor | None:
         if bias and not cfg.bias:
             return None
-        t = src.layer(tmpl, l, rows=r, dtype=dtype if not bias else torch.float32, bias=bias)
-        return t.to(device).contiguous()
+        t = src.layer(tmpl, l, rows=r, dtype=dtype if not bias else torch.float32, bias=bias, device=device)
+        return t.contiguous()
 
-    wo = src.layer(K.ATTN_OUT, l, dtype=dtype)  # [D, H*hd]; columns of our heads, transposed
-    wo_t = wo[:, torch.from_numpy(q_rows)].T.contiguous().to(device)
+    if len(groups) == 0:  # nothing of this layer's attention here: skip reading attn_output
+        wo_t = torch.empty(0, cfg.n_embd, dtype=dtype, device=device)
+    else:
+        wo = src.layer(K.ATTN_OUT, l, dtype=dtype, device=device)  # [D, H*hd]
+        wo_t = wo[:, torch.from_numpy(q_rows).to(device)].T.contiguous()  # our heads' columns
     cache_shape = (slots, len(groups), n_ctx, cfg.head_dim)
     return AttnShard(groups=np.asarray(groups, np.int64), wq=rows(K.ATTN_Q, q_rows), wk=rows(K.ATTN_K, kv_rows),
                      wv=rows(K.ATTN_V, kv_rows), wo_t=wo_t, bq=rows(K.ATTN_Q, q_rows, True),

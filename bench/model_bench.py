@@ -1,0 +1,231 @@
+"""End-to-end benchmark of the engine on planted (or real) models: hybrid vs baselines.
+
+    powerinfer-ray bench hybrid -m planted:llama2-13b?dtype=f16 --vram-budget 16
+    powerinfer-ray bench layer-offload -m ... --vram-budget 16     # llama.cpp -ngl style
+    powerinfer-ray bench dense-gpu -m ...                           # no budget: the upper bound
+    powerinfer-ray bench cpu-only -m ...
+    powerinfer-ray bench suite -m ... --vram-budget 16 --modes hybrid,layer-offload,dense-gpu
+
+Every run goes through the real engine (the Coordinator actor and its executors on a local Ray
+cluster) with B concurrent requests of random prompts, ignore_eos. It reports decode tokens/s
+(decode steps only), upstream's (prompt + output) / time figure separately, prefill tokens/s,
+achieved GB/s per device (bytes each executor's weights read over the decode time), the GPU's
+share of activated neurons, the per-layer sync time, the per-layer time split and VRAM used.
+Results go to bench/results/<name>.json (one record per configuration).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 1 << 30
+MODES = ("hybrid", "layer-offload", "dense-gpu", "cpu-only")
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            info["gpu"] = p.name
+            info["gpu_mem_gib"] = round(p.total_memory / GIB, 1)
+    except ImportError:
+        pass
+    return info
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("POWERINFER_COMMIT", "unknown")
+
+
+# ------------------------------------------------------------------------------------------------
+def layer_offload_plan(model: str, budget_gib: float, n_ctx: int, batch: int):  # noqa: ANN201
+    """llama.cpp -ngl: as many whole layers (attention + dense FFN) on the GPU as the budget
+    holds after the embeddings/head, the KV cache of those layers and the workspace; the rest
+    entirely on the CPU."""
+    from powerinfer_ray.model.source import open_model
+    from powerinfer_ray.runtime.engine import model_costs
+    from powerinfer_ray.runtime.plan import Plan
+
+    cfg = open_model(model).config
+    c = model_costs(cfg.with_(predictor_ranks=()), n_ctx, batch)
+    per_layer = [c.n_kv_groups * (c.attn_group_bytes[l] + c.kv_group_bytes[l]) + c.n_ff[l] * c.neuron_bytes[l]
+                 for l in range(cfg.n_layer)]
+    room = budget_gib * GIB - c.dense_bytes - c.workspace_bytes
+    k = 0
+    while k < cfg.n_layer and room >= per_layer[k]:
+        room -= per_layer[k]
+        k += 1
+    on = [np.full(cfg.n_ff, l < k) for l in range(cfg.n_layer)]
+    groups = [np.full(cfg.n_head_kv, l < k) for l in range(cfg.n_layer)]
+    return Plan.from_masks(on, groups, cfg), k
+
+
+def engine_kwargs(mode: str, a: argparse.Namespace, n_ctx: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    kw: dict[str, Any] = dict(max_batch=max(a.batch), n_ctx=n_ctx, prefill_chunk=a.prefill_chunk,
+                              threads=a.threads, timeout_s=600.0)
+    extra: dict[str, Any] = {}
+    if mode == "hybrid":
+        kw.update(vram_budget=a.vram_budget, policy="predictor", method=a.method)
+    elif mode == "layer-offload":
+        plan, k = layer_offload_plan(a.model, a.vram_budget, n_ctx, max(a.batch))
+        kw.update(plan=plan, policy="dense")
+        extra["gpu_layers"] = k
+    elif mode == "dense-gpu":
+        kw.update(policy="dense")
+    elif mode == "cpu-only":
+        from powerinfer_ray.model.source import open_model
+        from powerinfer_ray.runtime.plan import Plan
+
+        kw.update(plan=Plan.all_cpu(open_model(a.model).config), policy="predictor", device="cpu")
+    else:
+        raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+    return kw, extra
+
+
+def _delta(after: dict, before: dict, key: str) -> float:
+    return float(after.get(key, 0) or 0) - float(before.get(key, 0) or 0)
+
+
+def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, output_len: int,
+               n_vocab: int) -> dict[str, Any]:
+    """One measurement: `batch` concurrent requests; the numbers of this run only (deltas)."""
+    import ray
+
+    rng = np.random.default_rng(prompt_len * 1000 + batch)
+    prompts = [rng.integers(3, n_vocab, prompt_len).tolist() for _ in range(batch)]
+    s0 = ray.get(engine.stats.remote())
+    t0 = time.perf_counter()
+    outs = ray.get([engine.generate.remote(prompt_token_ids=p, max_tokens=output_len, ignore_eos=True)
+                    for p in prompts])
+    wall = time.perf_counter() - t0
+    s1 = ray.get(engine.stats.remote())
+    c0, c1 = s0["coordinator"], s1["coordinator"]
+    g0, g1 = s0["gpu_executor"], s1["gpu_executor"]
+    cpu0, cpu1 = s0.get("cpu_executor", {}), s1.get("cpu_executor", {})
+    decode_s, decode_steps = _delta(c1, c0, "decode_s"), _delta(c1, c0, "decode_steps")
+    decode_tokens = _delta(c1, c0, "decode_tokens")
+    steps = _delta(g1, g0, "steps")
+    gpu_bytes = _delta(g1, g0, "active_bytes") + steps * g1.get("read_bytes_per_step", 0)
+    cpu_bytes = _delta(cpu1, cpu0, "active_bytes")
+    exchanges = _delta(g1, g0, "exchanges")
+    gn, cn = _delta(g1, g0, "neurons"), _delta(cpu1, cpu0, "neurons")
+    n_layer = a.n_layer
+    per_layer = {k: 1e6 * (g1["layer_s"][k] - g0["layer_s"][k]) / max(steps * n_layer, 1)
+                 for k in ("attn", "ffn", "wait")}
+    generated = sum(o["stats"]["completion_tokens"] for o in outs)
+    assert generated == batch * output_len, f"lost tokens: {generated} of {batch * output_len}"
+    return {
+        "batch": batch, "prompt_len": prompt_len, "output_len": output_len,
+        "decode_tok_s": decode_tokens / decode_s if decode_s else 0.0,
+        "e2e_tok_s": batch * (prompt_len + output_len) / wall,
+        "prefill_tok_s": _delta(c1, c0, "prompt_tokens") / max(_delta(c1, c0, "prefill_s"), 1e-9),
+        "wall_s": wall, "decode_steps": decode_steps,
+        "gpu_activation_share": gn / (gn + cn) if gn + cn else 1.0,
+        "per_layer_sync_us": 1e6 * _delta(g1, g0, "sync_s") / exchanges if exchanges else 0.0,
+        "cpu_compute_us_per_exchange": 1e6 * _delta(g1, g0, "peer_compute_s") / exchanges if exchanges else 0.0,
+        "per_layer_us": per_layer,
+        "gpu_gbps": gpu_bytes / decode_s / 1e9 if decode_s else 0.0,
+        "cpu_gbps": cpu_bytes / decode_s / 1e9 if decode_s else 0.0,
+        "gpu_bytes_per_token": gpu_bytes / max(steps, 1) / batch,
+        "cpu_bytes_per_token": cpu_bytes / max(steps, 1) / batch,
+        "vram_used_gib": g1.get("vram_used_bytes", 0) / GIB,
+        "gpu_weight_gib": g1.get("weight_bytes", 0) / GIB,
+        "cpu_weight_gib": cpu1.get("weight_bytes", 0) / GIB if cpu1 else 0.0,
+    }
+
+
+def run_mode(mode: str, a: argparse.Namespace) -> list[dict[str, Any]]:
+    import ray
+
+    from powerinfer_ray.actors.coordinator import Coordinator
+    from powerinfer_ray.model.source import open_model
+
+    cfg = open_model(a.model).config
+    a.n_layer = cfg.n_layer
+    n_ctx = max(a.prompt) + max(a.output) + 8
+    kw, extra = engine_kwargs(mode, a, n_ctx)
+    t0 = time.perf_counter()
+    engine = Coordinator.options(name=f"bench-{mode}", max_concurrency=1000).remote(a.model, **kw)
+    info = ray.get(engine.ready.remote())
+    load_s = time.perf_counter() - t0
+    print(f"[{mode}] loaded in {load_s:.1f} s: {info}", flush=True)
+    ray.get(engine.generate.remote(prompt_token_ids=[5, 6, 7, 8], max_tokens=4, ignore_eos=True))  # warm up
+    records = []
+    for batch in a.batch:
+        for p in a.prompt:
+            for o in a.output:
+                r = run_config(engine, a, batch, p, o, cfg.n_vocab)
+                r.update(mode=mode, model=a.model, vram_budget_gib=a.vram_budget if mode != "dense-gpu" else None,
+                         load_s=load_s, plan_s=info.get("plan_s"), **extra)
+                print(f"[{mode}] B={batch} prompt={p} out={o}: decode {r['decode_tok_s']:.2f} tok/s, "
+                      f"e2e {r['e2e_tok_s']:.2f}, GPU {r['gpu_gbps']:.0f} GB/s, CPU {r['cpu_gbps']:.1f} GB/s, "
+                      f"GPU share {r['gpu_activation_share']:.1%}, sync {r['per_layer_sync_us']:.0f} us, "
+                      f"layer {r['per_layer_us']}, VRAM {r['vram_used_gib']:.2f} GiB", flush=True)
+                records.append(r)
+    ray.get(engine.shutdown.remote())
+    ray.kill(engine)
+    time.sleep(2)
+    return records
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="powerinfer-ray bench <mode>")
+    ap.add_argument("-m", "--model", default="planted:llama2-7b?dtype=f16")
+    ap.add_argument("--vram-budget", type=float, default=8.0, help="GiB")
+    ap.add_argument("--modes", default=None, help="for 'suite': comma-separated modes")
+    ap.add_argument("--batch", default="1", help="comma-separated batch sizes")
+    ap.add_argument("--prompt", default="64", help="comma-separated prompt lengths")
+    ap.add_argument("--output", default="128", help="comma-separated output lengths")
+    ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--prefill-chunk", type=int, default=64)
+    ap.add_argument("--method", default="ilp", choices=("ilp", "greedy"))
+    ap.add_argument("--name", default=None, help="results file name (default: derived)")
+    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--num-cpus", type=int, default=None, help="Ray CPUs (default: all)")
+    return ap
+
+
+def main(mode: str, argv: list[str]) -> int:
+    a = build_parser().parse_args(argv)
+    for f in ("batch", "prompt", "output"):
+        setattr(a, f, [int(x) for x in str(getattr(a, f)).split(",")])
+    modes = (a.modes or "hybrid,layer-offload,dense-gpu").split(",") if mode == "suite" else [mode]
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"mode {m!r}: expected one of {MODES} or 'suite'")
+    from powerinfer_ray.generate import init_ray
+
+    init_ray(num_cpus=a.num_cpus)
+    records = []
+    for m in modes:
+        records += run_mode(m, a)
+    doc = {"machine": machine(), "commit": commit(), "command": "powerinfer-ray bench " + " ".join([mode] + argv),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "records": records}
+    name = a.name or f"{mode}-{a.model.replace('planted:', '').split('?')[0]}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out = Path(a.out_dir) / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2:]))

@@ -1,0 +1,131 @@
+"""Microbenchmark of the per-layer synchronisation between the GPU executor and the CPU executor.
+
+Two Ray actors on one node, set up through Ray exactly as the engine does: the "primary" creates
+the shared-memory channel (pinned with cudaHostRegister when CUDA is present), the "peer"
+attaches and serves. Per round trip: the primary copies a hidden state (D floats) and an
+active-neuron mask into the channel (D2H from the GPU when present), publishes, spins for the
+answer, and copies the peer's output back (H2D). The peer spins on the request flag, copies
+input to output, answers. Beside it, the same payload as a plain Ray actor call.
+
+    powerinfer-ray bench sync [--d 5120] [--iters 2000]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@ray.remote
+class Peer:
+    def attach(self, spec) -> None:  # noqa: ANN001
+        import threading
+
+        from powerinfer_ray.runtime.channel import OP_STOP, Channel
+
+        self.ch = Channel.attach(spec)
+
+        def serve() -> None:
+            last = 0
+            while True:
+                last = self.ch.wait_request(last)
+                t = time.monotonic_ns()
+                op, _, _, n_tok, _ = self.ch.request()
+                self.ch.out[:n_tok].copy_(self.ch.x_ffn[:n_tok])
+                self.ch.respond(last, t)
+                if op == OP_STOP:
+                    return
+
+        threading.Thread(target=serve, daemon=True).start()
+
+    def echo(self, x):  # noqa: ANN001, ANN201
+        return x
+
+
+@ray.remote
+class Primary:
+    def run(self, peer, d: int, n_mask: int, iters: int) -> dict:  # noqa: ANN001
+        import torch
+
+        from powerinfer_ray.runtime.channel import OP_FFN, OP_STOP, Channel
+
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        ch = Channel.create(d=d, t_max=1, b_max=1, n_mask=n_mask)
+        ch.pin_for_cuda()
+        ray.get(peer.attach.remote(ch.spec))
+        x = torch.randn(1, d, device=dev)
+        mask = (torch.rand(1, n_mask, device=dev) < 0.1).to(torch.uint8)
+        t_rt, t_notify, t_return = [], [], []
+        for i in range(iters + 100):
+            t0 = time.perf_counter_ns()
+            ch.x_ffn[:1].copy_(x, non_blocking=True)
+            ch.mask[:1, :n_mask].copy_(mask, non_blocking=True)
+            if dev.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            tp = time.monotonic_ns()
+            seq = ch.post(OP_FFN, 0, 1, 1, n_mask)
+            ts, te = ch.wait_response(seq, timeout_s=10)
+            tseen = time.monotonic_ns()
+            y = ch.out[:1].to(dev, non_blocking=True)
+            if dev.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            t1 = time.perf_counter_ns()
+            if i >= 100:
+                t_rt.append((t1 - t0) / 1e3)
+                t_notify.append((ts - tp) / 1e3)
+                t_return.append((tseen - te) / 1e3)
+        assert torch.equal(y, x), "echo mismatch"
+        ch.wait_response(ch.post(OP_STOP, 0, 0, 0, 0), timeout_s=5)
+        ray_rt = []
+        payload = np.random.rand(d // 2).astype(np.float32)  # 10 KB at d=5120
+        for i in range(200):
+            t0 = time.perf_counter_ns()
+            ray.get(peer.echo.remote(payload))
+            if i >= 20:
+                ray_rt.append((time.perf_counter_ns() - t0) / 1e3)
+        ch.close(unlink=True)
+        med = lambda v: float(np.median(v))  # noqa: E731
+        return {"device": str(dev), "pinned": ch.pinned, "iters": iters,
+                "round_trip_us_median": med(t_rt), "round_trip_us_p90": float(np.percentile(t_rt, 90)),
+                "notify_us_median": med(t_notify), "return_us_median": med(t_return),
+                "ray_call_us_median": med(ray_rt)}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="powerinfer-ray bench sync")
+    ap.add_argument("--d", type=int, default=5120)
+    ap.add_argument("--n-mask", type=int, default=13824)
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--name", default=None)
+    a = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT / "bench"))
+    from model_bench import commit, machine
+
+    from powerinfer_ray.generate import init_ray
+
+    init_ray()
+    gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    peer = Peer.options(num_cpus=1).remote()
+    prim = Primary.options(num_gpus=gpus, num_cpus=1).remote()
+    res = ray.get(prim.run.remote(peer, a.d, a.n_mask, a.iters))
+    res.update(d=a.d, n_mask=a.n_mask, per_layer_sync_us=res["round_trip_us_median"])
+    doc = {"machine": machine(), "commit": commit(), "command": "powerinfer-ray bench sync " + " ".join(argv),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "result": res}
+    print(json.dumps(res, indent=2))
+    out = Path(a.out_dir) / f"{a.name or 'sync-' + machine()['host']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
