@@ -237,7 +237,10 @@ def hf_tokenizer_fields(tokenizer_json: str, tokenizer_config: Mapping[str, Any]
                     "(supported: BPE, byte-level or SentencePiece-style); stored as HF json only",
                     (spec.get("model") or {}).get("type"))
     else:
-        fields.update(vocab_fields(spec, kind, n_vocab))
+        try:
+            fields.update(vocab_fields(spec, kind, n_vocab))
+        except ValueError as exc:  # the HF json alone still tokenizes exactly
+            log.warning("%s; stored as HF json only", exc)
     fields.update(special_token_fields(tok, config, fallback_ids or {}))
     template = chat_template if chat_template is not None else config.get("chat_template")
     if isinstance(template, str) and template:
