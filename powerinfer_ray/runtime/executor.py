@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as Fn
 
 from ..model import gguf_keys as K
 from ..model.reference import layer_norm, rms_norm
@@ -67,8 +68,7 @@ class LayerWeights:
     attn_out_bias: torch.Tensor | None
     down_bias: torch.Tensor | None
     fc1: torch.Tensor | None  # [r, D]
-    fc2_gpu: torch.Tensor | None  # [n_gpu, r]
-    fc2_cpu: torch.Tensor | None  # [n_cpu, r]
+    fc2: torch.Tensor | None  # [n_gpu + n_cpu, r]: the primary's neurons' rows, then the CPU's
     ffn: FFNShard
     attn: AttnShard
 
@@ -125,17 +125,17 @@ class PrimaryExecutor:
         for l in range(cfg.n_layer):
             lp = self.plan[l]
             norm_ffn_t = K.ATTN_NORM_2 if cfg.two_norms else (None if cfg.parallel_attn else K.FFN_NORM)
-            fc1 = fc2g = fc2c = None
+            fc1 = fc2 = None
             if self.policy == "predictor":
                 fc1 = self.src.layer(K.FC1, l, dtype=dt, device=dev)
-                fc2g = self.src.layer(K.FC2, l, rows=lp.gpu_neurons, dtype=dt, device=dev)
-                fc2c = self.src.layer(K.FC2, l, rows=lp.cpu_neurons, dtype=dt, device=dev)
+                rows = np.concatenate([lp.gpu_neurons, lp.cpu_neurons])
+                fc2 = self.src.layer(K.FC2, l, rows=rows, dtype=dt, device=dev)
             self.layers.append(LayerWeights(
                 norm_attn=self._norm_pair(K.ATTN_NORM, l),
                 norm_ffn=self._norm_pair(norm_ffn_t, l) if norm_ffn_t else None,
                 attn_out_bias=self._vec(K.ATTN_OUT, l, bias=True),
                 down_bias=self._vec(K.FFN_DOWN_T, l, bias=True),
-                fc1=fc1, fc2_gpu=fc2g, fc2_cpu=fc2c,
+                fc1=fc1, fc2=fc2,
                 ffn=load_ffn_shard(self.src, l, lp.gpu_neurons, dt, dev),
                 attn=load_attn_shard(self.src, l, lp.gpu_groups, dt, dev, self.slots, self.n_ctx)))
             log.debug("primary: layer %d loaded", l)
@@ -146,7 +146,7 @@ class PrimaryExecutor:
         total = sum(t.numel() * t.element_size() for t in ts if t is not None)
         for lw in self.layers:
             total += lw.ffn.nbytes + lw.attn.weight_bytes + lw.attn.cache_bytes
-            total += sum(t.numel() * t.element_size() for t in (lw.fc1, lw.fc2_gpu, lw.fc2_cpu) if t is not None)
+            total += sum(t.numel() * t.element_size() for t in (lw.fc1, lw.fc2) if t is not None)
         return total
 
     def read_bytes_per_step(self) -> int:
@@ -155,7 +155,7 @@ class PrimaryExecutor:
         total = self.out_w.numel() * self.out_w.element_size()
         for lw in self.layers:
             total += lw.attn.weight_bytes
-            total += sum(t.numel() * t.element_size() for t in (lw.fc1, lw.fc2_gpu, lw.fc2_cpu) if t is not None)
+            total += sum(t.numel() * t.element_size() for t in (lw.fc1, lw.fc2) if t is not None)
         return total
 
     # --- channel -----------------------------------------------------------------------------------
@@ -175,18 +175,22 @@ class PrimaryExecutor:
 
     # --- the step ----------------------------------------------------------------------------------
     def _norm(self, x: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        """The norm of the fp32 residual x [N, D], in the compute dtype (fused kernels on CUDA)."""
         if self.cfg.norm == "rms":
-            return rms_norm(x, pair[0], self.cfg.norm_eps)
-        return layer_norm(x, pair[0], pair[1], self.cfg.norm_eps)
+            y = Fn.rms_norm(x, (x.shape[-1],), pair[0], self.cfg.norm_eps) if x.is_cuda \
+                else rms_norm(x, pair[0], self.cfg.norm_eps)
+        else:
+            y = layer_norm(x, pair[0], pair[1], self.cfg.norm_eps)
+        return y.to(self.dtype)
 
     def _predict(self, lw: LayerWeights, pred_in: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Predicted activity of the primary's and the CPU's neurons: bool [N, n_gpu], [N, n_cpu]."""
         if self.policy != "predictor":
             return None, None
         hidden = torch.relu(pred_in.to(self.dtype) @ lw.fc1.T)  # [N, r]
-        gpu = (hidden @ lw.fc2_gpu.T) >= self.threshold  # [N, n_gpu]
-        cpu = (hidden @ lw.fc2_cpu.T) >= self.threshold if lw.fc2_cpu.shape[0] else None  # [N, n_cpu]
-        return gpu, cpu
+        active = (hidden @ lw.fc2.T) >= self.threshold  # [N, n_gpu + n_cpu]
+        ng = lw.ffn.n
+        return active[:, :ng], (active[:, ng:] if active.shape[1] > ng else None)
 
     def _post(self, op: int, l: int, n_seq: int, x_attn: torch.Tensor | None, x_ffn: torch.Tensor | None,
               cpu_mask: torch.Tensor | None) -> tuple[int, int]:
@@ -277,14 +281,14 @@ class PrimaryExecutor:
         if self.channel is not None:
             self.channel.slots[:B] = slots
             self.channel.start_pos[:B] = start_pos
-        h = self.embd[tok]  # [N, D]
+        h = self.embd[tok].float()  # [N, D]: the residual stream stays fp32
         if self.pos_embd is not None:
             pos = torch.tensor([[s + t for t in range(T)] for s in start], device=dev).reshape(-1)  # [N]
-            h = h + self.pos_embd[pos + self.cfg.pos_offset]
+            h = h + self.pos_embd[pos + self.cfg.pos_offset].float()
         for l in range(self.cfg.n_layer):
             h = self._layer(l, h, list(slots), start, B)
         last = h.view(B, T, -1)[:, -1]  # [B, D]
-        logits = (self._norm(last, self.out_norm).to(self.dtype) @ self.out_w.T).float()  # [B, V]
+        logits = (self._norm(last, self.out_norm) @ self.out_w.T).float()  # [B, V]
         out = logits.cpu().numpy()
         st = self.stats
         st.steps += 1
