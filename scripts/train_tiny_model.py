@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="pick the sparsest run within this many nats of the best held-out loss")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seconds", type=float, help="stop each training run after this long")
     p.add_argument("--vocab", type=int, default=1024)
     p.add_argument("--n-embd", type=int, default=192)
     p.add_argument("--n-layer", type=int, default=6)
@@ -56,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--sequential", action="store_true", help="train the L1 runs one after another")
     p.add_argument("--predictors", action="store_true", help="also profile and train predictors")
-    p.add_argument("--predictor-tokens", type=int, default=200_000)
+    p.add_argument("--predictor-tokens", type=int, default=150_000)
     p.add_argument("--recall-target", type=float, default=0.95)
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # internal: one run -> this file
     return p.parse_args(argv)
@@ -64,7 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def settings_for(args: argparse.Namespace, l1: float) -> TrainSettings:
     return TrainSettings(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
-                         dropout=args.dropout, l1=l1, eval_every=args.eval_every, seed=args.seed)
+                         dropout=args.dropout, l1=l1, eval_every=args.eval_every, seed=args.seed,
+                         max_seconds=args.max_seconds)
 
 
 def load_data(args: argparse.Namespace, tok_file: Path | None = None):  # noqa: ANN201
@@ -148,10 +151,12 @@ def main(argv: list[str] | None = None) -> None:
         "runs": [{"l1": r["l1"], **r["summary"]} for r in runs],
         "export_check": check, "heldout_ppl_reference": math.exp(check["reference_loss"]),
     }
-    if args.predictors:
-        report["predictors"] = make_sparse(args, dense)
     report["seconds"] = time.time() - t0
     (args.out / "train_report.json").write_text(json.dumps(report, indent=1) + "\n")
+    if args.predictors:
+        report["predictors"] = make_sparse(args, dense)
+        report["seconds"] = time.time() - t0
+        (args.out / "train_report.json").write_text(json.dumps(report, indent=1) + "\n")
     print(f"done in {report['seconds']:.0f} s: {args.out}", flush=True)
 
 
@@ -160,8 +165,12 @@ def make_sparse(args: argparse.Namespace, dense: Path) -> dict:
     from powerinfer_ray.offline.predictors import train_predictors
     from powerinfer_ray.offline.profile import run_profile
 
-    stats = run_profile(dense, "builtin:train", args.out, max_tokens=args.predictor_tokens,
-                        seq_len=args.seq_len, progress=False, device=args.device)
+    with tempfile.TemporaryDirectory() as tmp:  # keep OUT to a few files (the device tool's limit)
+        stats = run_profile(dense, "builtin:train", tmp, max_tokens=args.predictor_tokens,
+                            seq_len=args.seq_len, progress=False, device=args.device)
+        for name in ("activation.parquet", "rank_frequency.png"):
+            if (Path(tmp) / name).exists():
+                shutil.copy(Path(tmp) / name, args.out / name)
     result = train_predictors(dense, "builtin:train", args.out / SPARSE_FILE,
                               recall_target=args.recall_target, max_tokens=args.predictor_tokens,
                               seq_len=args.seq_len, device=args.device, progress=False)

@@ -227,7 +227,7 @@ def collect_samples(ref: ReferenceModel, tok: Tokenizer, corpus: Corpus, max_tok
 @dataclass
 class FitSettings:
     epochs: int = 10
-    batch: int = 512
+    batch: int = 1024
     lr: float = 3e-3
     weight_decay: float = 0.0
     recall_target: float = 0.95
@@ -346,18 +346,24 @@ def _measure(fc1: torch.Tensor, fc2: torch.Tensor, ex: torch.Tensor, ey: torch.T
 # ------------------------------------------------------------------------------------------------
 # width sizing
 # ------------------------------------------------------------------------------------------------
-def initial_width(active_frac: float, share80: float, n_ff: int, n_embd: int) -> int:
+def initial_width(active_frac: float, share80: float, n_ff: int, n_embd: int, hi: int | None = None) -> int:
     """A first guess of a layer's predictor width: proportional to the neurons a token
     activates (F * p), scaled by skewness (share of neurons covering 80 % of activations,
     relative to the 0.8 of a uniform layer: a skewed layer is easier to predict), times 2.
     At upstream's Llama-2-13B point (F 13824, p 0.156, share 0.2) this gives ~1100 (upstream
     used 1024-2048)."""
     guess = 2.0 * n_ff * active_frac * (share80 / 0.8)
-    return _round_width(guess, max_width(n_ff, n_embd))
+    return _round_width(guess, hi if hi is not None else max_width(n_ff, n_embd))
 
 
-def max_width(n_ff: int, n_embd: int) -> int:
-    return max(MIN_WIDTH, min(n_ff // 2, 2 * n_embd) // WIDTH_STEP * WIDTH_STEP)
+def max_width(n_ff: int, n_embd: int, n_layer: int = 1, model_bytes: int | None = None,
+              budget: float | None = None, dtype_bytes: int = 2) -> int:
+    """The widest predictor a layer may get: min(F / 2, 2 D), and, with a ``budget`` (share of
+    ``model_bytes`` for all predictors together), that budget split evenly over the layers."""
+    hi = min(n_ff // 2, 2 * n_embd)
+    if budget is not None and model_bytes:
+        hi = min(hi, int(budget * model_bytes / (n_layer * dtype_bytes * (n_embd + n_ff))))
+    return max(MIN_WIDTH, hi // WIDTH_STEP * WIDTH_STEP)
 
 
 def _round_width(w: float, hi: int) -> int:
@@ -468,11 +474,12 @@ def train_predictors(model_path: str | Path, corpus: Corpus, out_path: str | Pat
                      widths: list[int] | None = None, settings: FitSettings | None = None,
                      memory_cap: int = 1 << 30, spill_dir: str | Path | None = None,
                      device: str | torch.device | None = None, progress: bool = True,
-                     tokenizer: Tokenizer | None = None,
+                     tokenizer: Tokenizer | None = None, budget: float | None = 0.2,
                      log: Callable[[str], None] = print) -> PredictorResult:
     """Train one predictor per layer of the model at ``model_path`` on ``corpus`` and write the
     model with them (and ``powerinfer.sparse_threshold``) to ``out_path`` (PWRI-stamped).
-    ``widths`` fixes each layer's width (skips the sizing search)."""
+    ``widths`` fixes each layer's width (skips the sizing search); ``budget`` caps all
+    predictors together at that share of the model's bytes (None: no cap)."""
     t0 = time.time()
     s = replace(settings or FitSettings(), recall_target=recall_target)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -481,6 +488,8 @@ def train_predictors(model_path: str | Path, corpus: Corpus, out_path: str | Pat
     tok = tokenizer or Tokenizer(mf.fields)
     ref = ReferenceModel.from_file(mf, device=dev)
     L, D, F = cfg.n_layer, cfg.n_embd, cfg.n_ff
+    model_bytes = sum(int(t.n_bytes) for n, t in mf.tensors.items() if not _is_predictor(n))
+    hi = max_width(F, D, L, model_bytes, budget, cfg.dtype_bytes)
     train_store = SampleStore(L, D, F, memory_cap, spill_dir)
     held_store = SampleStore(L, D, F, 1 << 62)
     try:
@@ -498,15 +507,14 @@ def train_predictors(model_path: str | Path, corpus: Corpus, out_path: str | Pat
             counts = train_store.active[l]
             p = counts.sum() / max(train_store.counts[l] * F, 1)
             share = _share80(counts)
-            hi = max_width(F, D)
             log(f"layer {l}: active {100 * p:.2f} %, 80 % of activations in {100 * share:.1f} % of neurons")
             if widths is not None:
                 best = fit_width(data, ex, ey, widths[l], s, dev)
                 trials = [best]
             else:
-                best, trials = size_layer(data, ex, ey, initial_width(p, share, F, D), hi, s, dev, log=log)
+                best, trials = size_layer(data, ex, ey, initial_width(p, share, F, D, hi), hi, s, dev, log=log)
             chosen.append(best)
-            reports.append(LayerReport(l, best.width, 2 * best.width * (D + F), best.recall, best.precision,
+            reports.append(LayerReport(l, best.width, cfg.dtype_bytes * best.width * (D + F), best.recall, best.precision,
                                        best.true_sparsity, best.pred_sparsity, best.pos_weight, share,
                                        [t.row() for t in trials]))
             del data, ex, ey
@@ -515,7 +523,6 @@ def train_predictors(model_path: str | Path, corpus: Corpus, out_path: str | Pat
         train_store.close()
         held_store.close()
     write_with_predictors(mf, out_path, [t.fc1 for t in chosen], [t.fc2 for t in chosen], THRESHOLD)
-    model_bytes = sum(int(t.n_bytes) for n, t in mf.tensors.items() if not _is_predictor(n))
     result = PredictorResult(Path(out_path), reports, sum(r.bytes for r in reports), model_bytes,
                              recall_target, THRESHOLD, n_train, n_eval, time.time() - t0)
     log(result.table())

@@ -177,6 +177,7 @@ class TrainSettings:
     eval_every: int = 50
     eval_windows: int = 64
     seed: int = 0
+    max_seconds: float | None = None  # safety stop on a shared device (the best step is kept)
 
 
 @dataclass
@@ -232,6 +233,9 @@ def train(cfg: ModelConfig, train_ids: torch.Tensor, heldout_ids: torch.Tensor, 
             if loss < best[0]:
                 best = (loss, step, {k: v.detach().clone() for k, v in model.p.items()}, frac)
         if step == s.steps:
+            break
+        if s.max_seconds is not None and time.time() - t0 > s.max_seconds:
+            log(f"stopping at step {step}: max_seconds={s.max_seconds} reached")
             break
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s)
