@@ -50,7 +50,7 @@ def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) ->
 
 def rope_cos_sin(pos: torch.Tensor, n_rot: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Angles pos * theta^(-2i/n_rot) for i < n_rot/2: cos, sin [T, n_rot/2]."""
-    inv = theta ** (-torch.arange(0, n_rot, 2, dtype=torch.float64) / n_rot)  # [n_rot/2]
+    inv = theta ** (-torch.arange(0, n_rot, 2, dtype=torch.float64, device=pos.device) / n_rot)  # [n_rot/2]
     ang = pos.to(torch.float64)[:, None] * inv[None, :]  # [T, n_rot/2]
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
