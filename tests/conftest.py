@@ -23,11 +23,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
+    """ray.init(num_cpus=2) with the node's Prometheus /metrics endpoint on a known port
+    (``ray_cluster.metrics_port``), so tests can read what the dashboard would show."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=int(os.environ.get("POWERINFER_TEST_METRICS_PORT", "0")) or None)
+    port = free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=port)
+    ray.metrics_port = port
     yield ray
     ray.shutdown()
