@@ -41,6 +41,9 @@ except ImportError:  # a plain checkout without the editable install
     from kernels import cpu_ffn  # type: ignore[no-redef]
 
 D, N = 5120, 13824
+GPU = "cuda"  # the device of the GPU part (a CPU harness may point it elsewhere)
+COPY_BYTES = 1 << 30  # the D2D ceiling copy
+FLUSH_BYTES = 1 << 30  # CPU: read between timed calls, larger than any L3 seen (300 MiB)
 N_SETS = 8  # rotating index sets per case
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -103,16 +106,26 @@ def torch_baseline(x, up, gate, down_t, idx):
     return h.T @ down_t[rows]  # [T, D]
 
 
-def median_time_cpu(fn, reps: int, budget_s: float) -> float:
-    """Median wall seconds of fn() over up to reps calls (after one warm-up) within budget_s."""
+def median_time_cpu(fn, reps: int, budget_s: float, flush=None) -> float:
+    """Median wall seconds of fn() over up to reps calls (after one warm-up) within budget_s;
+    flush() runs before each timed call, untimed."""
     fn()
     times: list[float] = []
     t_end = time.perf_counter() + budget_s
     while len(times) < reps and (len(times) < 3 or time.perf_counter() < t_end):
+        if flush is not None:
+            flush()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def cpu_flusher(threads: int, nbytes: int = FLUSH_BYTES):
+    """A callable that streams nbytes through the caches (evicts the weights' rows from L3)."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    lib = cpu_ffn.library()
+    return lambda: lib.pi_read_sum(buf.data_ptr(), buf.numel(), threads)
 
 
 def record(device, backend, dtype, T, density, k, t_kernel, t_base, ceiling, extra=None) -> dict:
@@ -139,6 +152,7 @@ def bench_cpu(args) -> dict:
     gen = torch.Generator().manual_seed(0)
     rows = []
     reps, budget = (5, 0.3) if args.quick else (30, args.budget)
+    flush = cpu_flusher(threads)
     for dname in args.cpu_dtypes.split(","):
         dtype = DTYPES[dname]
         up, gate, down_t = make_weights(dtype, "cpu", gen)
@@ -148,8 +162,9 @@ def bench_cpu(args) -> dict:
             out = torch.empty(T, D, dtype=dtype)
             cyc = itertools.cycle(sets)
             t_k = median_time_cpu(lambda: K.sparse_ffn(x, up, gate, down_t, next(cyc), out=out, backend="cpu",
-                                                       threads=threads), reps, budget)
-            t_b = median_time_cpu(lambda: torch_baseline(x, up, gate, down_t, next(cyc)), max(3, reps // 4), budget)
+                                                       threads=threads), reps, budget, flush)
+            t_b = median_time_cpu(lambda: torch_baseline(x, up, gate, down_t, next(cyc)), max(3, reps // 4), budget,
+                                  flush)
             row = record("cpu", "compiled", dname, T, pct, k, t_k, t_b, ceiling)
             rows.append(row)
             print(f"[cpu] {dname} T={T} {pct:g}%: {row['median_us']:.0f} us {row['GBps']:.1f} GB/s "
@@ -158,6 +173,7 @@ def bench_cpu(args) -> dict:
         del up, gate, down_t
     return dict(threads=threads, simd_lanes=cpu_ffn.simd_width(), ceiling_read_GBps=round(ceiling, 2),
                 ceiling_method="multi-threaded sum of a 1 GiB fp32 buffer with the kernel's threads",
+                timing="median wall time per call; a 1 GiB read flushes the caches before each timed call",
                 results=rows)
 
 
@@ -183,27 +199,28 @@ def gpu_wall(fn, n: int = 200) -> float:
 
 
 # (dot?, BK, BD, warps, stages) per stage; T == 1 also tries the elementwise (non-dot) kernels.
-SWEEP_UP = {1: [(False, 8, 512, 4, 3), (False, 8, 1024, 8, 3), (False, 16, 512, 4, 3), (True, 16, 128, 4, 3),
-                (True, 16, 256, 4, 3), (True, 16, 256, 4, 4), (True, 32, 256, 8, 3), (True, 16, 512, 8, 3)],
-            8: [(True, 16, 128, 4, 3), (True, 16, 256, 4, 3), (True, 16, 256, 4, 4), (True, 32, 256, 8, 3),
-                (True, 16, 512, 8, 3)]}
-SWEEP_DOWN = {1: [(False, 64, 64, 4, 3), (False, 64, 32, 4, 3), (True, 64, 32, 4, 3), (True, 128, 32, 4, 3),
-                  (True, 128, 32, 4, 4), (True, 128, 64, 4, 3), (True, 64, 64, 4, 3), (True, 128, 32, 8, 3),
-                  (True, 256, 32, 8, 3)],
-              8: [(True, 64, 32, 4, 3), (True, 128, 32, 4, 3), (True, 128, 32, 4, 4), (True, 128, 64, 4, 3),
-                  (True, 64, 64, 4, 3), (True, 128, 32, 8, 3), (True, 256, 32, 8, 3)]}
+SWEEP_UP = {1: [(False, 4, 1024, 4, 3), (False, 4, 2048, 8, 3), (False, 8, 512, 4, 3), (False, 8, 1024, 8, 3),
+                (True, 16, 128, 4, 3), (True, 16, 256, 4, 3), (True, 16, 256, 4, 4), (True, 16, 512, 8, 3),
+                (True, 16, 512, 8, 4), (True, 32, 256, 8, 3)],
+            8: [(True, 16, 128, 4, 3), (True, 16, 256, 4, 3), (True, 16, 256, 4, 4), (True, 16, 512, 8, 3),
+                (True, 16, 512, 8, 4), (True, 32, 256, 8, 3)]}
+SWEEP_DOWN = {1: [(False, 64, 64, 4, 3), (False, 64, 32, 4, 3), (False, 128, 32, 8, 3), (True, 64, 32, 4, 3),
+                  (True, 128, 32, 4, 3), (True, 128, 32, 4, 4), (True, 256, 32, 4, 4), (True, 128, 16, 4, 4),
+                  (True, 128, 64, 4, 3), (True, 128, 32, 8, 3), (True, 256, 32, 8, 3)],
+              8: [(True, 64, 32, 4, 3), (True, 128, 32, 4, 3), (True, 128, 32, 4, 4), (True, 256, 32, 4, 4),
+                  (True, 128, 16, 4, 4), (True, 128, 64, 4, 3), (True, 128, 32, 8, 3), (True, 256, 32, 8, 3)]}
 
 
 def sweep_triton(up, gate, down_t, gen, quick: bool) -> dict:
     """Time each stage alone over tile configs at 10 % density; return the best Config per mode."""
     tf = importlib.import_module(K.__name__ + ".triton_ffn")
-    k, sets = idx_sets(0.10, "cuda", gen)
+    k, sets = idx_sets(0.10, GPU, gen)
     best, table = {}, []
     for mode, T in (("gemv", 1), ("dot", 8)):
-        x = torch.randn(T, D, generator=gen, device="cuda").abs().half()
-        h = torch.rand(T, k, device="cuda") + 0.5
-        hh = torch.empty(T, k, device="cuda")
-        y = torch.empty(T, D, dtype=torch.float16, device="cuda")
+        x = torch.randn(T, D, generator=gen).abs().half().to(GPU)
+        h = torch.rand(T, k, generator=gen).add_(0.5).to(GPU)
+        hh = torch.empty(T, k, device=GPU)
+        y = torch.empty(T, D, dtype=torch.float16, device=GPU)
         res_up, res_down = {}, {}
         for c in SWEEP_UP[T]:
             cfg = tf.Config(c[1], c[2], c[3], 64, 64, 4, up_stages=c[4], up_dot=c[0])
@@ -228,11 +245,11 @@ def sweep_triton(up, gate, down_t, gen, quick: bool) -> dict:
 def bench_split(gen, quick: bool) -> list[dict]:
     """The predictor split at N = 13824 (30 % of neurons on the GPU): exact (syncs) vs packed."""
     out = []
-    gpu = torch.rand(N, generator=gen).lt(0.3).cuda()
+    gpu = torch.rand(N, generator=gen).lt(0.3).to(GPU)
     ng = int(gpu.sum())
     loc = K.local_index(gpu)
     for T in (1, 8):
-        logits = (torch.randn(T, N, generator=gen) - 1.0).half().cuda()
+        logits = (torch.randn(T, N, generator=gen) - 1.0).half().to(GPU)
         cases = {
             "exact_torch (nonzero, syncs)": lambda: K.split_active(logits, 0.0, gpu, loc),
             "packed_torch": lambda: K.split_active_packed(logits, 0.0, gpu, local_of=loc, gpu_capacity=ng,
@@ -247,35 +264,50 @@ def bench_split(gen, quick: bool) -> list[dict]:
     return out
 
 
+def check_gpu(x, up, gate, down_t, idx, cfg, tf) -> float:
+    """Relative L2 error of the timed configuration against the float64 reference (NaN-poisoned out)."""
+    out = torch.full_like(x, float("nan"))
+    y = tf.sparse_ffn_triton(x, up, gate, down_t, idx, None, "reglu", None, out, None, cfg).double()
+    ref = K.sparse_ffn_ref(x, up, gate, down_t, idx)
+    return float("inf") if not torch.isfinite(y).all() else float((y - ref).norm() / ref.norm())
+
+
 def bench_gpu(args) -> dict:
     tf = importlib.import_module(K.__name__ + ".triton_ffn")
 
     gen = torch.Generator().manual_seed(1)
-    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    big = torch.empty(COPY_BYTES, dtype=torch.uint8, device=GPU)
     dst = torch.empty_like(big)
     ceiling = 2 * big.numel() / gpu_time(lambda: dst.copy_(big), args.quick) / 1e9
     del big, dst
     print(f"[gpu] {torch.cuda.get_device_name()}: D2D copy {ceiling:.0f} GB/s (read + write)", flush=True)
-    up, gate, down_t = make_weights(torch.float16, "cuda", gen)
+    up, gate, down_t = make_weights(torch.float16, GPU, gen)
     sweep = sweep_triton(up, gate, down_t, gen, args.quick) if args.sweep else None
     configs = sweep.pop("_configs") if sweep else dict(tf.CONFIGS)
     rows = []
     for T, pct in itertools.product(map(int, args.tokens.split(",")), map(float, args.densities.split(","))):
-        k, sets = idx_sets(pct / 100, "cuda", gen)
-        x = torch.randn(T, D, generator=gen).abs().half().cuda()
-        out = torch.empty(T, D, dtype=torch.float16, device="cuda")
+        k, sets = idx_sets(pct / 100, GPU, gen)
+        x = torch.randn(T, D, generator=gen).abs().half().to(GPU)
+        out = torch.empty(T, D, dtype=torch.float16, device=GPU)
         cfg = configs["gemv" if T == 1 else "dot"]
         cyc = itertools.cycle(sets)
         run = lambda: tf.sparse_ffn_triton(x, up, gate, down_t, next(cyc), None, "reglu", None, out, None, cfg)  # noqa: E731
         t_k = gpu_time(run, args.quick)
         wall = gpu_wall(run)
         t_b = gpu_time(lambda: torch_baseline(x, up, gate, down_t, next(cyc)), args.quick)
+        h = torch.empty(T, k, device=GPU)
+        t_up = gpu_time(lambda: tf.launch_up(x, up, gate, None, next(cyc), None, None, "reglu", h, cfg), args.quick)
+        h.uniform_(0.5, 1.5)  # nonzero activations: every down row is read
+        t_dn = gpu_time(lambda: tf.launch_down(h, down_t, next(cyc), None, out, cfg), args.quick)
+        err = check_gpu(x, up, gate, down_t, sets[0], cfg, tf)
         row = record("cuda", "triton", "fp16", T, pct, k, t_k, t_b, ceiling,
-                     dict(wall_us_per_call=round(wall * 1e6, 2), config=vars(cfg)))
+                     dict(wall_us_per_call=round(wall * 1e6, 2), up_stage_us=round(t_up * 1e6, 2),
+                          down_stage_us=round(t_dn * 1e6, 2), rel_err_vs_fp64=float(f"{err:.3g}"), config=vars(cfg)))
         rows.append(row)
         print(f"[gpu] fp16 T={T} {pct:g}%: {row['median_us']:.1f} us {row['GBps']:.0f} GB/s "
-              f"({row['frac_ceiling']:.0%} of copy); torch {row['baseline_median_us']:.1f} us "
-              f"-> x{row['speedup_vs_baseline']:.1f}; wall {wall*1e6:.1f} us/call", flush=True)
+              f"({row['frac_ceiling']:.0%} of copy; up {t_up*1e6:.1f} + down {t_dn*1e6:.1f} us alone); "
+              f"torch {row['baseline_median_us']:.1f} us -> x{row['speedup_vs_baseline']:.1f}; "
+              f"wall {wall*1e6:.1f} us/call; err {err:.1e}", flush=True)
     split = bench_split(gen, args.quick)
     res = dict(device_name=torch.cuda.get_device_name(), ceiling_copy_GBps=round(ceiling, 1),
                ceiling_method="torch copy_ of 1 GiB device to device, bytes read + written, L2 flushed",
