@@ -244,6 +244,7 @@ def sweep_triton(up, gate, down_t, gen, quick: bool) -> dict:
 
 def bench_split(gen, quick: bool) -> list[dict]:
     """The predictor split at N = 13824 (30 % of neurons on the GPU): exact (syncs) vs packed."""
+    ts = importlib.import_module(K.__name__ + ".triton_split")
     out = []
     gpu = torch.rand(N, generator=gen).lt(0.3).to(GPU)
     ng = int(gpu.sum())
@@ -256,6 +257,7 @@ def bench_split(gen, quick: bool) -> list[dict]:
                                                           cpu_capacity=N - ng, backend="torch"),
             "packed_triton": lambda: K.split_active_packed(logits, 0.0, gpu, local_of=loc, gpu_capacity=ng,
                                                            cpu_capacity=N - ng, backend="triton"),
+            "packed_triton_bn4096": lambda: ts.split_pack(logits, 0.0, gpu, loc, ng, N - ng, bn=4096),
         }
         for name, fn in cases.items():
             t, w = gpu_time(fn, quick), gpu_wall(fn, 100)
