@@ -10,6 +10,7 @@ and per-request statistics. It talks to the primary executor once per step throu
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 import time
@@ -119,8 +120,12 @@ class Coordinator:
 
     async def generate(self, prompt: str | list[int] | None = None, **kw: Any) -> dict[str, Any]:
         req = self.submit(prompt, **kw)
-        async for _ in self._events(req):
-            pass
+        try:
+            async for _ in self._events(req):
+                pass
+        finally:
+            if not req.done:  # the caller was cancelled (e.g. an HTTP client went away): free the slot
+                self.abort(req.id)
         return req.result()
 
     async def generate_stream(self, prompt: str | list[int] | None = None, **kw: Any) -> AsyncIterator[dict]:
@@ -175,7 +180,11 @@ class Coordinator:
 
     def _ensure_loop(self) -> None:
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+            # the loop runs in a fresh context, not in that of the request that happened to start
+            # it: Ray tracks a task's children through contextvars, and cancelling that request
+            # (ray.cancel, Serve on a client disconnect) would otherwise cancel every later step
+            loop = asyncio.get_running_loop()
+            self._task = contextvars.Context().run(loop.create_task, self._loop())
 
     async def _loop(self) -> None:
         while True:
