@@ -224,30 +224,53 @@ def test_bad_request_gets_400_and_the_app_keeps_serving(url, path, body, param):
 
 
 # --- cancellation and overload -----------------------------------------------------------------------
-def _open_stream(base: str, headers: dict) -> requests.Response:
+def _open_stream(base: str, headers: dict) -> tuple[requests.Response, object]:
+    """A streamed completion under way (the line iterator is returned too: dropping it closes
+    the connection)."""
     r = requests.post(f"{base}/v1/completions", headers=headers, stream=True, timeout=60,
                       json={"model": MODEL, "prompt": "Hold", "max_tokens": N_CTX - 10, "temperature": 0,
                             "ignore_eos": True, "stream": True})
     assert r.status_code == 200, r.text
     lines = r.iter_lines()
-    assert next(lines).startswith(b"data: {")  # generation is under way
-    return r
+    assert next(lines).startswith(b"data: {")
+    return r, lines
+
+
+def _counters(engine) -> dict:
+    st = ray.get(engine.stats.remote())
+    return {**st["coordinator"], "restarts": st["restarts"]}
+
+
+def _assert_aborted_cleanly(engine, before: dict) -> None:
+    """One more request aborted, its slot free, nothing failed, no executor restarted."""
+    st = _wait_idle(engine)
+    after = _counters(engine)
+    assert st["running"] == 0 and after["aborted"] == before["aborted"] + 1
+    assert after["failed"] == before["failed"] and after["restarts"] == before["restarts"]
+    assert after["tokens"] - before["tokens"] < N_CTX - 10  # it did not run to its max_tokens
 
 
 def test_disconnected_stream_frees_its_slot(engine, url):
-    aborted = ray.get(engine.stats.remote())["coordinator"]["aborted"]
-    r = _open_stream(url, AUTH)
-    assert ray.get(engine.stats.remote())["coordinator"]["running"] == 1
+    before = _counters(engine)
+    r, _lines = _open_stream(url, AUTH)
+    assert _counters(engine)["running"] == 1
     r.close()  # the client goes away mid-stream
-    st = _wait_idle(engine)
-    assert st["running"] == 0 and st["aborted"] == aborted + 1
-    assert st["tokens"] < st["requests"] * N_CTX  # it did not run to its max_tokens
+    _assert_aborted_cleanly(engine, before)
+    _ok(url)
+
+
+def test_disconnected_plain_request_frees_its_slot(engine, url):
+    before = _counters(engine)
+    with pytest.raises(requests.exceptions.ReadTimeout):  # the client gives up and closes
+        requests.post(f"{url}/v1/completions", headers=AUTH, timeout=(5, 0.5),
+                      json={"model": MODEL, "prompt": "Hold", "max_tokens": N_CTX - 10, "ignore_eos": True})
+    _assert_aborted_cleanly(engine, before)
     _ok(url)
 
 
 def test_ingress_in_flight_limit_gives_429(engine, url):
     tight = f"{url}/tight"
-    held = _open_stream(tight, {})  # max_in_flight=1: this one fills the ingress
+    held, _lines = _open_stream(tight, {})  # max_in_flight=1: this one fills the ingress
     r = requests.post(f"{tight}/v1/completions", json=GOOD, timeout=30)
     err = _assert_openai_error(r, 429, type_="rate_limit_error")
     assert "in flight" in err["message"] and r.headers.get("retry-after") == "1"
