@@ -5,7 +5,7 @@
 //
 //   y[t, :] = sum_k  mask[t, k] * act(gate[idx[k]] . x[t], up[idx[k]] . x[t] + b[idx[k]]) * down_t[idx[k], :]
 //
-// Work split: thread i takes a contiguous slice of idx. For each block of R rows it computes the
+// Work split: threads take chunks of 4R consecutive idx entries dynamically. For each block of R rows it computes the
 // activations h [R, T] (phase 1: one pass over the up/gate rows, all tokens at once), then adds
 // h * down_t rows into its private fp32 accumulator A_i [T, D] (phase 2: one pass over the down
 // rows, R rows interleaved so A_i is loaded and stored once per R rows). Rows whose activation is
@@ -394,18 +394,24 @@ int64_t pi_sparse_ffn(const float* x, int64_t T, int64_t D,
         const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
         float* A = scratch + i * TD;
         std::memset(A, 0, TD * sizeof(float));
-        const int64_t k0 = K * i / n, k1 = K * (i + 1) / n;
-        switch (w_dt) {
-            case DT_F32: run_slice_w<WF32>(a, k0, k1, A); break;
-            case DT_F16: run_slice_w<WF16>(a, k0, k1, A); break;
-            default: run_slice_w<WBF16>(a, k0, k1, A); break;
-        }
-#pragma omp barrier
+        // Chunks of CH rows handed out dynamically: a thread that the OS preempts (cores shared
+        // with other processes) delays the barrier by one chunk, not by a whole slice.
+        constexpr int64_t CH = 4 * R;
+        const int64_t nch = (K + CH - 1) / CH;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < nch; ++c) {
+            const int64_t k0 = c * CH, k1 = k0 + CH < K ? k0 + CH : K;
+            switch (w_dt) {
+                case DT_F32: run_slice_w<WF32>(a, k0, k1, A); break;
+                case DT_F16: run_slice_w<WF16>(a, k0, k1, A); break;
+                default: run_slice_w<WBF16>(a, k0, k1, A); break;
+            }
+        }  // implicit barrier
         // Reduction over threads, split over D in chunks of 256 columns.
         constexpr int64_t C = 256;
         float buf[C];
         const int64_t nchunks = (D + C - 1) / C;
-#pragma omp for schedule(static) collapse(2)
+#pragma omp for schedule(dynamic, 4) collapse(2)
         for (int64_t t = 0; t < T; ++t)
             for (int64_t c = 0; c < nchunks; ++c) {
                 const int64_t d0 = c * C, d1 = d0 + C < D ? d0 + C : D;
