@@ -44,7 +44,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 from urllib.parse import parse_qsl
 
 import numpy as np
@@ -63,7 +63,10 @@ ATTN_VAR, FFN_VAR = 0.25, 0.75  # per-dim variance all attention / all FFN outpu
 POS_VAR = 0.1  # per-dim variance of OPT's learned position rows
 SELF_SCORE = 10.0  # q_t . k_t / sqrt(hd): attention mostly attends to the token itself
 LOGIT_STD = 2.5  # std of the output logits
-JITTER_MEAN, JITTER_SHARE = 0.10, 0.015  # per-layer variation: log-mean std, top-share std
+JITTER_MEAN, JITTER_SHARE = 0.06, 0.015  # per-layer variation: log-mean std, top-share std
+if TYPE_CHECKING:
+    from .reference import ReferenceModel
+
 _VAR8, _VAR4 = (256**2 - 1) / 3, (16**2 - 1) / 3  # variance of odd ints in [-255, 255] / [-15, 15]
 _TORCH_DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -200,7 +203,8 @@ def preset_config(spec: str | PlantedSpec) -> ModelConfig:
 # ------------------------------------------------------------------------------------------------
 # calibration: p(rank) = min(p_max, a * rank^-b)
 # ------------------------------------------------------------------------------------------------
-def power_law_for_mean(n: int, b: float, mean: float, p_max: float = P_MAX) -> np.ndarray:
+def power_law_for_mean(n: int, b: float, mean: float, p_max: float = P_MAX,
+                       log_rank: np.ndarray | None = None) -> np.ndarray:
     """p [n] sorted hot -> cold, ``min(p_max, a * rank^-b)`` with ``a`` solved so p.mean() == mean.
 
     Exact in one pass: if the n_sat hottest ranks saturate, mean = (n_sat p_max + a T) / n with
@@ -208,10 +212,10 @@ def power_law_for_mean(n: int, b: float, mean: float, p_max: float = P_MAX) -> n
     so a search over n_sat finds the segment and then a.
     """
     assert 0 < mean < p_max, f"mean activation {mean} must lie in (0, {p_max})"
-    w = np.arange(1, n + 1, dtype=np.float64) ** -b  # [n]
+    lr = np.log(np.arange(1, n + 1, dtype=np.float64)) if log_rank is None else log_rank
+    w = np.exp(-b * lr)  # [n] rank^-b
     tail = np.cumsum(w[::-1])[::-1]  # tail[i] = sum_{j >= i} w_j
-    sat = np.arange(n)
-    reach = (sat * p_max + p_max / w * tail) / n  # mean when rank sat+1 just saturates
+    reach = (np.arange(n) * p_max + p_max / w * tail) / n  # mean when rank sat+1 just saturates
     k = int(np.searchsorted(reach, mean))
     a = (n * mean - k * p_max) / tail[k]
     return np.clip(np.minimum(p_max, a * w), P_MIN, p_max)
@@ -225,16 +229,33 @@ def top_share(p: np.ndarray, top_frac: float) -> float:
 
 def calibrate(n: int, mean: float, top_frac: float, share: float, p_max: float = P_MAX) -> tuple[np.ndarray, float]:
     """(p sorted hot -> cold, exponent b): the power law with this mean whose hottest ``top_frac``
-    carry ``share``. The share grows with b at a fixed mean, so bisection on b finds it."""
+    carry ``share``. At a fixed mean the share grows with b (b = 0 is uniform: share = top_frac),
+    so a bracketing root search on b (Illinois regula falsi) finds it in a dozen steps."""
+    if not top_frac < share < 1.0:
+        raise PlantedSpecError(f"top share {share} must lie in ({top_frac}, 1) for top_frac={top_frac}")
+    lr, n_top = np.log(np.arange(1, n + 1, dtype=np.float64)), max(1, round(top_frac * n))
+
+    def excess(b: float) -> tuple[float, np.ndarray]:
+        p = power_law_for_mean(n, b, mean, p_max, lr)  # sorted hot -> cold
+        return p[:n_top].sum() / p.sum() - share, p
+
     lo, hi = 0.0, 16.0
-    floor = top_frac  # b = 0 (uniform) carries exactly top_frac
-    if not floor < share < 1.0:
-        raise PlantedSpecError(f"top share {share} must lie in ({floor}, 1) for top_frac={top_frac}")
-    for _ in range(60):
-        b = 0.5 * (lo + hi)
-        lo, hi = (b, hi) if top_share(power_law_for_mean(n, b, mean, p_max), top_frac) < share else (lo, b)
-    b = 0.5 * (lo + hi)
-    return power_law_for_mean(n, b, mean, p_max), b
+    f_lo, f_hi = excess(lo)[0], excess(hi)[0]
+    if f_hi < 0:
+        raise PlantedSpecError(f"top share {share} unreachable with mean {mean} (p_max {p_max})")
+    side = 0
+    for _ in range(100):
+        b = (lo * f_hi - hi * f_lo) / (f_hi - f_lo)
+        f, p = excess(b)
+        if abs(f) < 1e-9 or hi - lo < 1e-12:
+            return p, b
+        if f < 0:
+            lo, f_lo = b, f
+            f_hi, side = (f_hi / 2, -1) if side == -1 else (f_hi, -1)
+        else:
+            hi, f_hi = b, f
+            f_lo, side = (f_lo / 2, 1) if side == 1 else (f_lo, 1)
+    return p, b
 
 
 # ------------------------------------------------------------------------------------------------
@@ -259,26 +280,39 @@ def _srl(z: torch.Tensor, s: int) -> torch.Tensor:
     return (z >> s) & ((1 << (64 - s)) - 1)
 
 
+_STEPS = {}  # (n_words, device) -> (i + 1) * gamma [W]: the counters of every stream
+
+
 def splitmix64(keys: torch.Tensor, n_words: int) -> torch.Tensor:
     """keys [S] int64 -> [S, n_words] int64: word i of stream s is splitmix64(key_s + (i+1) gamma).
-    int64 multiplication wraps modulo 2^64 on CPU and CUDA alike."""
-    i = torch.arange(1, n_words + 1, dtype=torch.int64, device=keys.device)
-    z = keys[:, None] + i[None, :] * _GAMMA  # [S, W]
-    z = (z ^ _srl(z, 30)) * _M1
-    z = (z ^ _srl(z, 27)) * _M2
-    return z ^ _srl(z, 31)
+    int64 multiplication wraps modulo 2^64 on CPU and CUDA alike; ops run in place."""
+    steps = _STEPS.get((n_words, keys.device))
+    if steps is None:
+        steps = torch.arange(1, n_words + 1, dtype=torch.int64, device=keys.device) * _GAMMA
+        if len(_STEPS) >= 16:  # a handful of widths recur (one per tensor kind)
+            _STEPS.pop(next(iter(_STEPS)))
+        _STEPS[(n_words, keys.device)] = steps
+    z = keys[:, None] + steps[None, :]  # [S, W]
+    t = torch.empty_like(z)
+    for shift, mult in ((30, _M1), (27, _M2), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=t)
+        t &= (1 << (64 - shift)) - 1  # logical shift
+        z ^= t
+        if mult is not None:
+            z *= mult
+    return z
 
 
 def odd_ints(keys: torch.Tensor, n: int, bits: int = 8) -> torch.Tensor:
     """keys [S] -> [S, n] float32 odd integers uniform in [-(2^bits - 1), 2^bits - 1] (mean 0,
     variance (4^bits - 1) / 3), from the little-endian bytes of the streams."""
     words = splitmix64(keys, (n + 7) // 8)  # [S, W]
-    b = words.contiguous().view(torch.uint8)[:, :n]  # [S, n]
-    if bits == 4:
-        b = b & 15
-    else:
-        assert bits == 8, f"bits={bits}: expected 4 or 8"
-    return b.to(torch.float32) * 2.0 - float(2**bits - 1)
+    if bits == 8:  # a byte read as int8 b in [-128, 127] -> 2b + 1
+        out = torch.mul(words.view(torch.int8)[:, :n], 2.0)
+        return out.add_(1.0)
+    assert bits == 4, f"bits={bits}: expected 4 or 8"
+    nib = words.view(torch.uint8)[:, :n] & 15
+    return torch.mul(nib, 2.0).sub_(15.0)
 
 
 def _keys(seed: int, parts: tuple, blocks: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -365,6 +399,7 @@ class PlantedModel:
         self.fields = _fields(self.config)
         self.shapes = expected_shapes(self.config)
         self._plans: dict[int, LayerPlan] = {}
+        self._sketch: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._jitter = _std_normal(self.spec.seed, "layer-jitter", 2 * self.full_layers).reshape(2, -1)
         self._jitter -= self._jitter.mean(axis=1, keepdims=True)
         self._gens = self._generators()
@@ -385,9 +420,12 @@ class PlantedModel:
         # per-layer variation, centred over layers so the model-wide means hit the targets
         scale = math.exp(JITTER_MEAN * self._jitter[0, l])
         norm = float(np.mean(np.exp(JITTER_MEAN * self._jitter[0])))
-        share = float(np.clip(t.top_share + JITTER_SHARE * self._jitter[1, l], t.top_frac + 0.01, 0.99))
-        p_rank, b = calibrate(F, min(t.active * scale / norm, 0.9), t.top_frac, share)
-        q_rank, _ = calibrate(F, min(t.marked * scale / norm, 0.9), t.top_frac, share)
+        active, marked = min(t.active * scale / norm, 0.9), min(t.marked * scale / norm, 0.9)
+        # the hottest top_frac can carry at most top_frac * p_max / mean of the activations
+        most = 0.98 * t.top_frac * P_MAX / max(active, marked)
+        share = float(np.clip(t.top_share + JITTER_SHARE * self._jitter[1, l], t.top_frac + 0.01, min(0.99, most)))
+        p_rank, b = calibrate(F, active, t.top_frac, share)
+        q_rank, _ = calibrate(F, marked, t.top_frac, share)
         order = self.permutation(l)  # order[i] = neuron id of rank i
         p, q = np.empty(F), np.empty(F)
         p[order], q[order] = p_rank, q_rank
@@ -407,7 +445,7 @@ class PlantedModel:
         """[F] neuron ids in rank order (hottest first): a seeded shuffle, so hot neurons are
         scattered over the rows."""
         keys = splitmix64(torch.tensor([stream_key(self.spec.seed, "perm", l)]), self.config.n_ff)[0]
-        return torch.argsort(keys, stable=True).numpy()
+        return np.argsort(keys.numpy(), kind="stable")
 
     def activation_probs(self, l: int) -> np.ndarray:
         """[F] planted probability that neuron j of layer l fires (its gate/up logit > 0)."""
@@ -456,6 +494,15 @@ class PlantedModel:
         """Every tensor of the model by GGUF name (only sensible for small models)."""
         return {name: self.get(name, dtype, device) for name in self.shapes}
 
+    def reference(self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "ReferenceModel":
+        """The dense ReferenceModel of this model (materialises every weight: small models only)."""
+        from .reference import ReferenceModel
+
+        w = self.weights(device=device)
+        if self.config.tied_output:
+            w[K.global_tensor(K.OUTPUT)] = w[K.global_tensor(K.TOKEN_EMBD)]
+        return ReferenceModel(self.config, w, dtype, device)
+
     # --- generation ----------------------------------------------------------------------------
     def storage_dtype(self, name: str) -> str:
         """How a file stores the tensor: matrices at the model dtype, 1-D tensors at f32."""
@@ -503,17 +550,18 @@ class PlantedModel:
         """token_embd rows: rest dims with rms exactly 1, the bias channel at C_VALUE."""
         x = self._ints((K.TOKEN_EMBD,), 0, blocks, self.config.n_embd, 8, dev)  # [R, D]
         x[:, CHANNEL] = 0.0
-        x = x * (math.sqrt(self.config.n_embd - 1) / _row_norm(x).clamp_min(1.0)).float()[:, None]
+        x.mul_((math.sqrt(self.config.n_embd - 1) / _row_norm(x).clamp_min(1.0)).float()[:, None])
         x[:, CHANNEL] = C_VALUE
         return x
 
     def _gen_pos(self, l: int, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
         x = self._ints((K.POS_EMBD,), 0, blocks, self.config.n_embd, 8, dev)
         x[:, CHANNEL] = 0.0
-        return x * math.sqrt(POS_VAR / _VAR8)
+        return x.mul_(math.sqrt(POS_VAR / _VAR8))
 
     def _gen_output(self, l: int, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
-        return self._ints((K.OUTPUT,), 0, blocks, self.config.n_embd, 8, dev) * (LOGIT_STD / math.sqrt(self.config.n_embd * _VAR8))
+        x = self._ints((K.OUTPUT,), 0, blocks, self.config.n_embd, 8, dev)
+        return x.mul_(LOGIT_STD / math.sqrt(self.config.n_embd * _VAR8))
 
     def _gen_output_norm(self, l: int, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
         # tied heads reuse the embedding (rows of norm sqrt(D)): scale the logits down to LOGIT_STD
@@ -537,41 +585,45 @@ class PlantedModel:
     def _gen_k(self, l: int, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
         x = self._ints((K.ATTN_K,), l, blocks, self.config.n_embd, 8, dev)
         x[:, CHANNEL] = 0.0
-        return x * self._k_scale()
+        return x.mul_(self._k_scale())
 
     def _gen_q(self, l: int, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
         """q row of head h, dim t = k row of h's KV group, dim t, plus small integer noise."""
         c, D = self.config, self.config.n_embd
-        rows = (blocks[:, None] * BLOCK_ROWS + np.arange(BLOCK_ROWS)).reshape(-1)  # [R]
-        rows = np.minimum(rows, c.n_head * c.head_dim - 1)
-        krows = (rows // c.head_dim) // c.n_gqa * c.head_dim + rows % c.head_dim
-        k = _assemble(lambda b: self._ints((K.ATTN_K,), l, b, D, 8, dev), (c.n_head_kv * c.head_dim, D),
-                      krows, torch.float32, dev)
-        x = k + self._ints((K.ATTN_Q,), l, blocks, D, 4, dev)
+        if c.n_gqa == 1:  # q row i pairs with k row i: the same blocks
+            k = self._ints((K.ATTN_K,), l, blocks, D, 8, dev)
+        else:
+            rows = (blocks[:, None] * BLOCK_ROWS + np.arange(BLOCK_ROWS)).reshape(-1)  # [R]
+            rows = np.minimum(rows, c.n_head * c.head_dim - 1)
+            krows = (rows // c.head_dim) // c.n_gqa * c.head_dim + rows % c.head_dim
+            k = _assemble(lambda b: self._ints((K.ATTN_K,), l, b, D, 8, dev),
+                          (c.n_head_kv * c.head_dim, D), krows, torch.float32, dev)
+        x = k.add_(self._ints((K.ATTN_Q,), l, blocks, D, 4, dev))
         x[:, CHANNEL] = 0.0
-        return x * self._k_scale()
+        return x.mul_(self._k_scale())
 
     def _gen_v(self, l: int, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
         x = self._ints((K.ATTN_V,), l, blocks, self.config.n_embd, 8, dev)
         x[:, CHANNEL] = 0.0
-        return x / math.sqrt(self.config.n_embd * _VAR8)  # v components ~ unit variance
+        return x.mul_(1.0 / math.sqrt(self.config.n_embd * _VAR8))  # v components ~ unit variance
 
     def _gen_o(self, l: int, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
         c = self.config
         x = self._ints((K.ATTN_OUT,), l, blocks, c.n_head * c.head_dim, 8, dev)
-        rows = torch.as_tensor(blocks, device=dev).repeat_interleave(BLOCK_ROWS) * BLOCK_ROWS + \
-            torch.arange(BLOCK_ROWS, device=dev).repeat(len(blocks))
-        x[rows == CHANNEL] = 0.0  # attention never writes the bias channel
+        if blocks[0] == CHANNEL // BLOCK_ROWS:  # blocks are sorted: only the first can hold it
+            x[CHANNEL % BLOCK_ROWS] = 0.0  # attention never writes the bias channel
         # attention output per dim: (H hd) unit-variance values * s^2 VAR8 = ATTN_VAR / L
-        return x * math.sqrt(ATTN_VAR / self.full_layers / (c.n_head * c.head_dim * _VAR8))
+        return x.mul_(math.sqrt(ATTN_VAR / self.full_layers / (c.n_head * c.head_dim * _VAR8)))
 
     # FFN -------------------------------------------------------------------------------------------
     def _bucket(self, l: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer's CountSketch P [k, D]: (bucket [D] int64, sign [D] f32, bucket sizes [k])
-        with balanced buckets over the rest dims; the bias channel's sign is 0."""
+        with balanced buckets over the rest dims; the bias channel's sign is 0. Cached."""
+        if (l, dev) in self._sketch:
+            return self._sketch[(l, dev)]
         D, k = self.config.n_embd, self.code_dim(l)
         keys = splitmix64(torch.tensor([stream_key(self.spec.seed, "sketch", l)]), 2 * D)[0]
-        order = torch.argsort(keys[:D], stable=True)  # [D]
+        order = torch.from_numpy(np.argsort(keys[:D].numpy(), kind="stable"))  # [D]
         bucket = torch.empty(D, dtype=torch.int64)
         bucket[order] = torch.arange(D) % k
         sign = torch.where((keys[D:] & 1) == 1, 1.0, -1.0)
@@ -579,7 +631,10 @@ class PlantedModel:
         bucket_rest[CHANNEL] = k  # a bucket of its own, dropped
         sign[CHANNEL] = 0.0
         sizes = torch.bincount(bucket_rest, minlength=k + 1)[:k].double()
-        return bucket.to(dev), sign.to(dev), sizes.to(dev)
+        if len(self._sketch) > 8:
+            self._sketch.clear()
+        self._sketch[(l, dev)] = out = (bucket.to(dev), sign.to(dev), sizes.to(dev))
+        return out
 
     def code_dim(self, l: int) -> int:
         """k: the predictor sees a k-dimensional sketch of the residual (fc1 = [P; -P; bias])."""
@@ -618,7 +673,7 @@ class PlantedModel:
         """ReGLU's up rows: random, unit expected norm, blind to the bias channel."""
         x = self._ints((K.FFN_UP,), l, blocks, self.config.n_embd, 8, dev)
         x[:, CHANNEL] = 0.0
-        return x / math.sqrt((self.config.n_embd - 1) * _VAR8)
+        return x.mul_(1.0 / math.sqrt((self.config.n_embd - 1) * _VAR8))
 
     def _gen_down(self, l: int, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
         """ffn_down_t rows [F, D]; for plain ReLU each block's mean output sum_j E[h_j] d_j is
@@ -627,7 +682,7 @@ class PlantedModel:
         d = self._ints((K.FFN_DOWN_T,), l, blocks, D, 8, dev)
         d[:, CHANNEL] = 0.0
         if self.config.gated:
-            return d * plan.down_scale
+            return d.mul_(plan.down_scale)
         e = self._row_vals(plan.relu_mean, blocks, dev).view(len(blocks), BLOCK_ROWS)  # [nb, B]
         d64 = d.double().view(len(blocks), BLOCK_ROWS, D)
         v = torch.einsum("nb,nbd->nd", e, d64)  # [nb, D] block mean direction (exact)
@@ -700,12 +755,15 @@ def _assemble(gen: Callable[[np.ndarray], torch.Tensor], shape: tuple[int, ...],
     if want.size and (want.min() < 0 or want.max() >= n):
         raise IndexError(f"rows out of range 0..{n - 1}: min {want.min()}, max {want.max()}")
     blocks = np.unique(want // BLOCK_ROWS)
-    per_call = max(1, (1 << (26 if dev.type == "cuda" else 24)) // (BLOCK_ROWS * cols))
+    per_call = max(1, (1 << (26 if dev.type == "cuda" else 22)) // (BLOCK_ROWS * cols))
     out = torch.empty((len(want), cols), dtype=dtype, device=dev)
     for s in range(0, len(blocks), per_call):
         chunk = blocks[s: s + per_call]
         vals = gen(chunk)[:, :cols]  # [len(chunk) * B, cols]
-        lo, hi = chunk[0] * BLOCK_ROWS, (chunk[-1] + 1) * BLOCK_ROWS
+        lo, hi = chunk[0] * BLOCK_ROWS, min(n, (chunk[-1] + 1) * BLOCK_ROWS)
+        if rows is None:  # whole tensor: the chunk is a contiguous slice
+            out[lo:hi].copy_(vals[: hi - lo])
+            continue
         sel = np.nonzero((want >= lo) & (want < hi))[0]
         pos = np.searchsorted(chunk, want[sel] // BLOCK_ROWS) * BLOCK_ROWS + want[sel] % BLOCK_ROWS
         out[torch.as_tensor(sel, device=dev)] = vals[torch.as_tensor(pos, device=dev)].to(dtype)
