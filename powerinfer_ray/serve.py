@@ -564,29 +564,53 @@ def build_app(engine: str | ActorHandle = DEFAULT_ENGINE, model_name: str | None
                                                       max_in_flight=max_in_flight)
 
 
+# serve_config args and their types (``serve run module:app_builder k=v`` passes strings)
+ARG_TYPES: dict[str, type] = {
+    "model": str, "vram_budget": float, "threads": int, "device": str, "n_ctx": int, "max_batch": int,
+    "policy": str, "reset_gpu_index": bool, "disable_gpu_index": bool, "prefill_chunk": int, "dtype": str,
+    "max_ongoing": int, "engine_name": str, "model_name": str, "api_key": str, "max_in_flight": int,
+    "max_queued": int,
+}
 ENGINE_ARGS = ("vram_budget", "threads", "device", "n_ctx", "max_batch", "policy", "reset_gpu_index",
                "disable_gpu_index", "prefill_chunk", "dtype", "max_ongoing")
 
 
+def parse_args(args: dict[str, Any]) -> dict[str, Any]:
+    """Typed serve_config args (None values dropped); unknown names and bad values raise ValueError."""
+    unknown = sorted(set(args) - set(ARG_TYPES))
+    if unknown:
+        raise ValueError(f"unknown serve_config args {unknown}; expected some of {sorted(ARG_TYPES)}")
+    return {k: _typed(k, v) for k, v in args.items() if v is not None}
+
+
+def _typed(name: str, value: Any) -> Any:
+    kind, text = ARG_TYPES[name], str(value).lower()
+    if kind is bool and text in ("true", "false", "1", "0", "yes", "no"):
+        return text in ("true", "1", "yes")
+    if kind is not bool and not isinstance(value, bool):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    raise ValueError(f"serve_config arg {name}={value!r}: expected {kind.__name__}")
+
+
 def app_builder(args: dict[str, Any]) -> serve.Application:
     """Application builder of ``serve run serve_config.yaml``: the ingress creates (or finds) the
-    engine named ``engine_name`` in namespace ``powerinfer`` with the given ``args``.
+    engine named ``engine_name`` in namespace ``powerinfer``, owned by the ingress replica.
 
-    args: model (path or planted:<shape>; default: the embedded tiny model), vram_budget (GiB),
+    args: model (GGUF path or planted:<shape>; default: the embedded tiny model), vram_budget (GiB),
     threads, device, n_ctx, max_batch, policy, reset_gpu_index, disable_gpu_index, prefill_chunk,
-    dtype, max_ongoing (engine queue), engine_name, model_name, api_key (or env POWERINFER_API_KEY),
-    max_in_flight, max_queued.
+    dtype, max_ongoing (engine queue), engine_name, model_name, api_key (default: env
+    POWERINFER_API_KEY), max_in_flight, max_queued.
     """
-    known = set(ENGINE_ARGS) | {"model", "engine_name", "model_name", "api_key", "max_in_flight", "max_queued"}
-    unknown = sorted(set(args) - known)
-    if unknown:
-        raise ValueError(f"unknown serve_config args {unknown}; expected some of {sorted(known)}")
-    engine_kwargs = {k: args[k] for k in ENGINE_ARGS if args.get(k) is not None}
-    engine_kwargs["model"] = str(args.get("model") or _default_model())
-    max_in_flight = int(args.get("max_in_flight", DEFAULT_MAX_IN_FLIGHT))
-    dep = deployment(max_in_flight, int(args.get("max_queued", DEFAULT_MAX_QUEUED)))
-    return dep.bind(args.get("engine_name", DEFAULT_ENGINE), args.get("model_name"),
-                    api_key=args.get("api_key") or os.environ.get("POWERINFER_API_KEY"),
+    a = parse_args(args)
+    engine_kwargs = {k: a[k] for k in ENGINE_ARGS if k in a}
+    engine_kwargs["model"] = a.get("model") or _default_model()
+    max_in_flight = a.get("max_in_flight", DEFAULT_MAX_IN_FLIGHT)
+    dep = deployment(max_in_flight, a.get("max_queued", DEFAULT_MAX_QUEUED))
+    return dep.bind(a.get("engine_name", DEFAULT_ENGINE), a.get("model_name"),
+                    api_key=a.get("api_key") or os.environ.get("POWERINFER_API_KEY"),
                     max_in_flight=max_in_flight, engine_kwargs=engine_kwargs, namespace=ENGINE_NAMESPACE)
 
 
@@ -609,10 +633,11 @@ def serve_cli(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key:
     engine_kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
     engine, info = start_engine(model, name=name, **engine_kwargs)
     serve.start(http_options={"host": host, "port": port})
-    application = build_app(engine, info["model"], api_key=api_key)
-    print(_banner(host, port, info["model"], name, api_key), flush=True)
     try:
-        serve.run(application, blocking=True)
+        serve.run(build_app(engine, info["model"], api_key=api_key), name="powerinfer")  # returns when ready
+        print(_banner(host, port, info["model"], name, api_key), flush=True)
+        while True:  # serve.run(blocking=True), with the banner printed once the app answers
+            time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
