@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-BN = 1024
+BN = 4096  # H200, N = 13824: 22.8 us (T = 1) and 26.4 us (T = 8) vs 74 / 57 us at BN = 1024
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def _split_pack_kernel(logits_ptr, gpu_mask_ptr, local_ptr, out_ptr, T, N, s_l, 
 
 
 def split_pack(logits: torch.Tensor, threshold: float, gpu_mask: torch.Tensor, local_of: torch.Tensor | None,
-               cap_g: int, cap_c: int, bn: int = BN, num_warps: int = 8) -> torch.Tensor:
+               cap_g: int, cap_c: int, bn: int | None = None, num_warps: int = 8) -> torch.Tensor:
     """int32 [(1 + 2 cap_g) + (1 + 2 cap_c)]: the GPU part then the CPU part (see predictor.py).
     Slots past a part's count are left unwritten (garbage): readers use the count."""
     T, N = logits.shape
@@ -58,6 +58,7 @@ def split_pack(logits: torch.Tensor, threshold: float, gpu_mask: torch.Tensor, l
     gm = gpu_mask.contiguous().view(torch.uint8)
     loc = local_of.contiguous() if local_of is not None else gm
     tp = max(2, triton.next_power_of_2(T))
+    bn = bn or min(BN, 32768 // tp)  # a [TP, BN] tile of at most 32K values (no register spills)
     _split_pack_kernel[(2,)](logits, gm, loc, out, T, N, logits.stride(0), float(threshold), cap_g, cap_c,
                              HAS_LOCAL=local_of is not None, TP=tp, BN=bn, num_warps=num_warps)
     return out
