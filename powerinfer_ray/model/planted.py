@@ -658,13 +658,15 @@ class PlantedModel:
         rho, D = self.spec.rho, self.config.n_embd
         u, u_norm = self._code(l, blocks, dev)
         bucket, sign, _ = self._bucket(l, dev)
-        a = u[:, bucket] * sign[None, :]  # [R, D] = u P, small ints (channel 0)
+        # a = u P in one gather from [u, -u, 0]: column d reads u[bucket_d] signed (channel: 0)
+        signed = bucket + torch.where(sign < 0, u.shape[1], 0) + torch.where(sign == 0, 2 * u.shape[1] - bucket, 0)
+        a = torch.index_select(torch.cat((u, -u, torch.zeros_like(u[:, :1])), dim=1), 1, signed)  # [R, D]
         e = self._ints(("planted",), l, blocks, D, 8, dev)
         e[:, CHANNEL] = 0.0
         e_norm = _row_norm(e)
         cos = (a * e).sum(dim=1, dtype=torch.float64) / (u_norm * e_norm)  # exact integer dot
         ca, ce = rho / u_norm, math.sqrt(1 - rho * rho) / e_norm  # [R] float64
-        g = a * ca.float()[:, None] + e * ce.float()[:, None]
+        g = e.mul_(ce.float()[:, None]).add_(a.mul_(ca.float()[:, None]))  # [R, D]
         g_norm = (rho**2 + (1 - rho**2) + 2 * rho * math.sqrt(1 - rho**2) * cos).sqrt()
         g[:, CHANNEL] = (self._row_vals(self.plan(l).m, blocks, dev) * g_norm).float()
         return g
