@@ -9,14 +9,15 @@ import time
 from typing import Any
 
 
-def init_ray(num_cpus: int | None = None, dashboard: bool = False, quiet: bool = True) -> None:
-    """Join the cluster named by RAY_ADDRESS, or start a local one."""
+def init_ray(num_cpus: int | None = None, dashboard: bool = False, quiet: bool = True,
+             namespace: str | None = None) -> None:
+    """Join the cluster named by RAY_ADDRESS, or start a local one (named actors go to ``namespace``)."""
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
         return
-    kw: dict[str, Any] = {"include_dashboard": dashboard, "log_to_driver": not quiet}
+    kw: dict[str, Any] = {"include_dashboard": dashboard, "log_to_driver": not quiet, "namespace": namespace}
     if not os.environ.get("RAY_ADDRESS") and num_cpus is not None:
         kw["num_cpus"] = num_cpus
     ray.init(**kw)

@@ -628,8 +628,7 @@ def serve_cli(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key:
     """``powerinfer-ray serve``: start Ray and the engine, then serve the app until interrupted."""
     from .generate import init_ray, start_engine
 
-    os.environ.setdefault("RAY_NAMESPACE", ENGINE_NAMESPACE)  # other drivers find the engine there
-    init_ray(dashboard=True, quiet=False)
+    init_ray(dashboard=True, quiet=False, namespace=ENGINE_NAMESPACE)  # other drivers find the engine there
     engine_kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
     engine, info = start_engine(model, name=name, **engine_kwargs)
     serve.start(http_options={"host": host, "port": port})

@@ -1,0 +1,53 @@
+"""``powerinfer-ray serve`` as a user runs it: its own local Ray, the engine, the app on 127.0.0.1,
+a banner with the URL once the app answers, a clean exit on Ctrl-C."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import requests
+
+from powerinfer_ray.model.tiny import write_tiny_model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_cli_serves_until_interrupted(tmp_path):
+    model = write_tiny_model(tmp_path / "m.gguf", "llama-reglu", seed=2, n_layer=2, n_ctx=128)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a fresh local Ray, not the tests'
+    cmd = [sys.executable, "-m", "powerinfer_ray.cli", "serve", "-m", str(model), "--port", str(port),
+           "--device", "cpu", "-t", "1", "--api-key", "sk-cli"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=tmp_path)
+    try:
+        lines, deadline = [], time.time() + 120
+        while time.time() < deadline:
+            line = proc.stdout.readline()
+            assert line or proc.poll() is None, "".join(lines[-30:])
+            lines.append(line)
+            if line.startswith("serving "):
+                break
+        url = re.search(r"at (http://\S+)/v1", lines[-1]).group(1)
+        assert url == f"http://127.0.0.1:{port}"
+        auth = {"Authorization": "Bearer sk-cli"}
+        assert requests.get(f"{url}/v1/models", timeout=30).status_code == 401
+        model_id = requests.get(f"{url}/v1/models", headers=auth, timeout=30).json()["data"][0]["id"]
+        r = requests.post(f"{url}/v1/completions", headers=auth, timeout=60,
+                          json={"model": model_id, "prompt": "Hi", "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
