@@ -16,6 +16,7 @@ import ast
 import gzip
 import io
 import json
+import random
 import sysconfig
 import warnings
 from pathlib import Path
@@ -25,6 +26,7 @@ DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 CORPUS_FILE = "corpus.jsonl.gz"
 HELDOUT_EVERY = 20  # every 20th document (index % 20 == HELDOUT_PHASE) is held out: 5 %
 HELDOUT_PHASE = 7
+BUILTIN_ORDER_SEED = 0
 MIN_DOC_CHARS = 80  # shorter docstrings are mostly "Return x." one-liners
 # stdlib folders whose docstrings are test scaffolding, not prose
 _SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "__phello__"}
@@ -101,8 +103,10 @@ def frozen_corpus_path() -> Path:
     return path
 
 
-def frozen_documents(split: str | None = None) -> list[str]:
-    """Texts of the frozen built-in corpus; ``split`` is 'train', 'heldout' or None (all)."""
+def frozen_documents(split: str | None = None, shuffle_seed: int | None = None) -> list[str]:
+    """Texts of the frozen built-in corpus; ``split`` is 'train', 'heldout' or None (all).
+    ``shuffle_seed`` puts them in a seeded random order (the file's order groups documents by
+    stdlib module, so a prefix of it is not a sample of it)."""
     if split not in (None, "train", "heldout"):
         raise ValueError(f"split {split!r}: expected 'train', 'heldout' or None")
     docs = []
@@ -111,6 +115,8 @@ def frozen_documents(split: str | None = None) -> list[str]:
             rec = json.loads(line)
             if split is None or rec["split"] == split:
                 docs.append(rec["text"])
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(docs)
     return docs
 
 
@@ -120,9 +126,11 @@ def frozen_documents(split: str | None = None) -> list[str]:
 def iter_texts(corpus: Corpus, text_column: str = "text", split: str | None = None) -> Iterator[str]:
     """Stream the documents of ``corpus``: a path (.txt/.text/.md[.gz] by paragraphs, .jsonl[.gz]
     by line with field ``text_column``, .parquet by batch with column ``text_column``), the word
-    'builtin' (the frozen corpus; ``split`` picks train/heldout), or an iterable of strings."""
+    'builtin' or 'builtin:train' / 'builtin:heldout' (the frozen corpus in a fixed shuffled
+    order, so that any prefix samples all of it; ``split`` picks the part for plain
+    'builtin'), or an iterable of strings."""
     if isinstance(corpus, str) and corpus in ("builtin", "builtin:train", "builtin:heldout"):
-        yield from frozen_documents(corpus.partition(":")[2] or split)
+        yield from frozen_documents(corpus.partition(":")[2] or split, shuffle_seed=BUILTIN_ORDER_SEED)
         return
     if not isinstance(corpus, (str, Path)):
         yield from corpus
