@@ -106,9 +106,10 @@ def torch_baseline(x, up, gate, down_t, idx):
     return h.T @ down_t[rows]  # [T, D]
 
 
-def median_time_cpu(fn, reps: int, budget_s: float, flush=None) -> float:
-    """Median wall seconds of fn() over up to reps calls (after one warm-up) within budget_s;
-    flush() runs before each timed call, untimed."""
+def median_time_cpu(fn, reps: int, budget_s: float, flush=None) -> tuple[float, float]:
+    """(median, min) wall seconds of fn() over up to reps calls (after one warm-up) within
+    budget_s; flush() runs before each timed call, untimed. The min is reported beside the
+    median because shared machines preempt threads (a preempted thread stalls the barrier)."""
     fn()
     times: list[float] = []
     t_end = time.perf_counter() + budget_s
@@ -118,7 +119,7 @@ def median_time_cpu(fn, reps: int, budget_s: float, flush=None) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(times), min(times)
 
 
 def cpu_flusher(threads: int, nbytes: int = FLUSH_BYTES):
@@ -147,7 +148,7 @@ def bench_cpu(args) -> dict:
     torch.set_num_threads(threads)
     if not cpu_ffn.available():
         return {"error": "compiled CPU kernel unavailable (no compiler); nothing measured"}
-    ceiling = statistics.median(cpu_ffn.read_bandwidth(1 << 30, threads, reps=5) for _ in range(3))
+    ceiling = max(cpu_ffn.read_bandwidth(1 << 30, threads, reps=5) for _ in range(3))  # best of 3 medians
     print(f"[cpu] {threads} threads, SIMD {cpu_ffn.simd_width()} lanes, read ceiling {ceiling:.1f} GB/s", flush=True)
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -161,14 +162,18 @@ def bench_cpu(args) -> dict:
             x = torch.randn(T, D, generator=gen).abs().to(dtype)
             out = torch.empty(T, D, dtype=dtype)
             cyc = itertools.cycle(sets)
-            t_k = median_time_cpu(lambda: K.sparse_ffn(x, up, gate, down_t, next(cyc), out=out, backend="cpu",
-                                                       threads=threads), reps, budget, flush)
-            t_b = median_time_cpu(lambda: torch_baseline(x, up, gate, down_t, next(cyc)), max(3, reps // 4), budget,
-                                  flush)
-            row = record("cpu", "compiled", dname, T, pct, k, t_k, t_b, ceiling)
+            t_k, m_k = median_time_cpu(lambda: K.sparse_ffn(x, up, gate, down_t, next(cyc), out=out, backend="cpu",
+                                                            threads=threads), reps, budget, flush)
+            t_b, m_b = median_time_cpu(lambda: torch_baseline(x, up, gate, down_t, next(cyc)), max(3, reps // 4),
+                                       budget, flush)
+            nb = 3 * k * D * up.element_size()
+            row = record("cpu", "compiled", dname, T, pct, k, t_k, t_b, ceiling,
+                         dict(min_us=round(m_k * 1e6, 2), GBps_at_min=round(nb / m_k / 1e9, 2),
+                              baseline_min_us=round(m_b * 1e6, 2)))
             rows.append(row)
             print(f"[cpu] {dname} T={T} {pct:g}%: {row['median_us']:.0f} us {row['GBps']:.1f} GB/s "
-                  f"({row['frac_ceiling']:.0%} of ceiling); torch {row['baseline_median_us']:.0f} us "
+                  f"({row['frac_ceiling']:.0%} of ceiling; min {row['min_us']:.0f} us {row['GBps_at_min']:.1f} GB/s); "
+                  f"torch {row['baseline_median_us']:.0f} us (min {row['baseline_min_us']:.0f}) "
                   f"-> x{row['speedup_vs_baseline']:.1f}", flush=True)
         del up, gate, down_t
     return dict(threads=threads, simd_lanes=cpu_ffn.simd_width(), ceiling_read_GBps=round(ceiling, 2),

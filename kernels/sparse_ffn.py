@@ -173,6 +173,10 @@ def sparse_ffn(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, dow
         elif x.device.type == "cpu" and up.dtype in (torch.float32, torch.float16, torch.bfloat16):
             from . import cpu_ffn
             backend = "cpu" if cpu_ffn.available() else "torch"
+    if backend == "cpu" and x.device.type != "cpu":
+        raise ValueError(f"sparse_ffn: backend 'cpu' needs CPU tensors, got {x.device}")
+    if backend == "triton" and not x.is_cuda:
+        raise ValueError(f"sparse_ffn: backend 'triton' needs CUDA tensors, got {x.device}")
     if backend == "triton":
         try:
             from . import triton_ffn

@@ -148,6 +148,8 @@ def test_out_of_range_idx_raises():
     (dict(up_bias=torch.zeros(5)), "up_bias.shape"),
     (dict(out=torch.zeros(1, 8, dtype=torch.float16)), "out"),
     (dict(idx=torch.tensor([0.5])), "idx"),
+    (dict(backend="triton"), "CUDA tensors"),
+    (dict(backend="gpu"), "backend"),
 ])
 def test_bad_arguments_name_the_field(kwargs, match):
     up = torch.randn(10, 8)
