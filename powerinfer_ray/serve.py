@@ -447,8 +447,7 @@ class OpenAIServer:
         prompt, ids = parse_prompt(body.get("prompt"), self.n_vocab)
         stream, include_usage = parse_stream(body)
         call = GenerationCall(prompt, ids, parse_sampling(body, default_max_tokens=16), stream, include_usage)
-        fmt = ResponseFormat(False, f"cmpl-{uuid.uuid4().hex}", self.model_name, parse_flag(body, "return_token_ids"))
-        return await self._serve(call, fmt)
+        return await self._serve(call, self._format(False, body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Any:
@@ -459,8 +458,11 @@ class OpenAIServer:
         stream, include_usage = parse_stream(body)
         sampling = parse_sampling(body, default_max_tokens=self.n_ctx, max_tokens_field="max_completion_tokens")
         call = GenerationCall(prompt, None, sampling, stream, include_usage)
-        fmt = ResponseFormat(True, f"chatcmpl-{uuid.uuid4().hex}", self.model_name, parse_flag(body, "return_token_ids"))
-        return await self._serve(call, fmt)
+        return await self._serve(call, self._format(True, body))
+
+    def _format(self, chat: bool, body: dict[str, Any]) -> ResponseFormat:
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        return ResponseFormat(chat, rid, self.model_name, token_ids=parse_flag(body, "return_token_ids"))
 
     # --- generation --------------------------------------------------------------------------------
     async def _serve(self, call: GenerationCall, fmt: ResponseFormat) -> Any:

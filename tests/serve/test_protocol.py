@@ -27,9 +27,11 @@ def test_sampling_fields_and_extensions():
 
 
 def test_chat_max_completion_tokens_wins_over_max_tokens():
-    assert parse_sampling({"max_completion_tokens": 7, "max_tokens": 9}, 100, "max_completion_tokens")["max_tokens"] == 7
-    assert parse_sampling({"max_tokens": 9}, 100, "max_completion_tokens")["max_tokens"] == 9
-    assert parse_sampling({}, 100, "max_completion_tokens")["max_tokens"] == 100
+    def max_tokens(body: dict) -> int:
+        return parse_sampling(body, 100, "max_completion_tokens")["max_tokens"]
+
+    assert max_tokens({"max_completion_tokens": 7, "max_tokens": 9}) == 7
+    assert max_tokens({"max_tokens": 9}) == 9 and max_tokens({}) == 100
 
 
 @pytest.mark.parametrize("field,value", [
