@@ -184,11 +184,14 @@ def _run(spec: str, n_seq: int = 8, T: int = 64) -> tuple[PlantedModel, _Recorde
     return m, rec
 
 
-# (spec, relative tolerance of the mean, minimum Pearson r, minimum recall / precision)
+# (spec, relative tolerance of the mean, minimum Pearson r, minimum recall / precision).
+# Plain-ReLU tiny models fire 3-11 % more than planted: at D = 128 the variance of g_j . x differs
+# from neuron to neuron by ~10 %, which raises the rare (cold) neurons' rates (convex tail); the
+# effect shrinks like 1/sqrt(D) (at D = 512, 60 layers: within ~3 %).
 _TINY_RUNS = [("tiny?dtype=f32", 0.03, 0.99, 0.6, 0.9),  # 22 % active, 15.6 % marked: recall <= 0.71
               ("tiny?dtype=f32&marked=0.22", 0.03, 0.99, 0.9, 0.9),
-              ("tiny-opt?dtype=f32", 0.10, 0.98, 0.8, 0.8),
-              ("tiny-falcon?dtype=f32", 0.10, 0.98, 0.8, 0.8)]
+              ("tiny-opt?dtype=f32", 0.15, 0.98, 0.8, 0.8),
+              ("tiny-falcon?dtype=f32", 0.15, 0.98, 0.8, 0.8)]
 
 
 @pytest.mark.parametrize("spec,mean_tol,min_r,min_recall,min_precision", _TINY_RUNS)
