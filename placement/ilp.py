@@ -29,9 +29,11 @@ How it is handed to HiGHS (same optimum, solved in about a second at 70B instead
     a relaxed to [0,1]: for integer n[l] the LP puts a = 1 on the n[l] hottest groups, and the
     placement is read back as exactly that prefix. A smaller last group (n_ff % group_size) keeps
     its own binary s[l]. HiGHS branches on L counts instead of L x G binaries.
-  * Cuts valid for prefix solutions, which make each layer's LP relaxation its convex hull:
-    a[l,g] <= y[l] (eq. 6 per group) and a[l,g] >= y[l] for the m_l hottest groups that eq. 5
-    forces whenever the layer is used, m_l = ceil((C_l - r_l) / group_size).
+  * The m_l = ceil((C_l - r_l) / group_size) hottest full groups, which eq. 5 forces whenever
+    the layer is used (r_l: size of the smaller last group, else 0), are tied to y[l] (a = y, so
+    they are no variables). Valid for prefix solutions; in the LP relaxation a fractional y[l]
+    then buys a fraction of the whole block, not its hottest groups at full value, which makes
+    the relaxation tight: branch-and-bound closes at the root or after a few nodes.
   * Attention units (problem.py) that are interchangeable (same bytes, same impact) become one
     integer count per class; the chosen count fills layers in order, whole layers first.
   * eq. 4 is divided by the gcd of all unit sizes and the capacity floored: exact in integers,
@@ -42,6 +44,7 @@ How it is handed to HiGHS (same optimum, solved in about a second at 70B instead
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import cvxpy as cp
@@ -49,7 +52,7 @@ import numpy as np
 
 from .costs import GIB
 from .problem import InfeasibleBudgetError, PlacementProblem
-from .result import Placement
+from .result import Placement, PlacementError
 
 DEFAULT_TIME_LIMIT_S = 60.0
 DEFAULT_MIP_GAP = 1e-4  # relative gap: 0.01 % of the objective
@@ -90,27 +93,46 @@ def solve_ilp(problem: PlacementProblem, time_limit_s: float = DEFAULT_TIME_LIMI
     if not 0 <= mip_gap < 1:
         raise ValueError(f"mip_gap: expected in [0, 1), got {mip_gap}")
     t0 = time.perf_counter()
-    incumbent = solve_greedy(problem, communication=True)
-    capacity = problem.gpu_capacity
-    for _ in range(_MAX_ROUNDING_RETRIES):
-        solved = _solve_once(problem, capacity, time_limit_s, mip_gap, verbose)
-        if solved is None:  # time limit without a HiGHS solution: the incumbent stands
-            return _as_ilp(incumbent, "time_limit:greedy_incumbent", time.perf_counter() - t0)
-        a, h, status = solved
-        over = _gpu_bytes(problem, a, h) - problem.gpu_capacity
-        if over <= 0:
-            break
-        capacity -= over  # a count HiGHS left within its integrality tolerance; tighten, re-solve
-    else:
-        raise SolverError(f"ILP: rounded solution exceeds the GPU capacity by {over} bytes after "
-                          f"{_MAX_ROUNDING_RETRIES} tries")
+    incumbent = _incumbent(problem)
+    solved = _solve_rounded(problem, time_limit_s, mip_gap, verbose)
     seconds = time.perf_counter() - t0
+    if solved is None:  # time limit without a HiGHS solution: the incumbent stands
+        if incumbent is None:
+            raise SolverError(f"HiGHS found no solution within {time_limit_s} s and the greedy "
+                              f"incumbent breaks the CPU capacity; raise time_limit_s")
+        return _as_ilp(incumbent, "time_limit:greedy_incumbent", seconds)
+    a, h, status = solved
     placement = problem.to_placement(a, h, status=status, method="ilp", seconds=seconds,
                                      enforce_communication=True)
-    if incumbent.objective > placement.objective:  # HiGHS stopped within its gap, below it
+    if incumbent is not None and incumbent.objective > placement.objective:  # stopped within the gap
         placement = _as_ilp(incumbent, f"{status}:greedy_incumbent", seconds)
     placement.verify(problem.costs, problem.budget_bytes, problem.cpu_capacity)
     return placement
+
+
+def _solve_rounded(problem: PlacementProblem, time_limit_s: float, mip_gap: float,
+                   verbose: bool) -> tuple[np.ndarray, np.ndarray, str] | None:
+    """HiGHS's (a, h, status) after rounding, re-solved with less capacity in the rare case
+    where a count it left within its integrality tolerance rounds over eq. 4."""
+    capacity = problem.gpu_capacity
+    for _ in range(_MAX_ROUNDING_RETRIES):
+        solved = _solve_once(problem, capacity, time_limit_s, mip_gap, verbose)
+        if solved is None:
+            return None
+        over = _gpu_bytes(problem, solved[0], solved[1]) - problem.gpu_capacity
+        if over <= 0:
+            return solved
+        capacity -= over
+    raise SolverError(f"ILP: rounded solution exceeds the GPU capacity by {over} bytes after "
+                      f"{_MAX_ROUNDING_RETRIES} tries")
+
+
+def _incumbent(problem: PlacementProblem) -> Placement | None:
+    """The greedy that respects eq. 5, or None where it breaks the CPU capacity (eq. 4)."""
+    try:
+        return solve_greedy(problem, communication=True)
+    except PlacementError:
+        return None
 
 
 def _as_ilp(placement: Placement, status: str, seconds: float) -> Placement:
@@ -128,9 +150,11 @@ def _solve_once(problem: PlacementProblem, capacity: int, time_limit_s: float, m
     """One HiGHS solve: (a [L, Gm] bool, h [L, K] bool, status), or None at the time limit
     without a solution."""
     model = _Model(problem, capacity)
-    # HiGHS presolve spends seconds probing this model for no reduction: off
-    model.prob.solve(solver=cp.HIGHS, verbose=verbose, time_limit=float(time_limit_s),
-                     mip_rel_gap=float(mip_gap), presolve="off", output_flag=verbose)
+    with warnings.catch_warnings():  # cvxpy warns at HiGHS's time limit; our status says it
+        warnings.filterwarnings("ignore", message="Solution may be inaccurate")
+        # HiGHS presolve spends seconds probing this model for no reduction: off
+        model.prob.solve(solver=cp.HIGHS, verbose=verbose, time_limit=float(time_limit_s),
+                         mip_rel_gap=float(mip_gap), presolve="off", output_flag=verbose)
     status = _check_status(model.prob, problem, time_limit_s)
     return None if status is None else (*model.selection(), status)
 
