@@ -60,6 +60,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--predictors", action="store_true", help="also profile and train predictors")
     p.add_argument("--predictor-tokens", type=int, default=150_000)
     p.add_argument("--recall-target", type=float, default=0.95)
+    p.add_argument("--recall-margin", type=float, default=0.01)
+    p.add_argument("--magnitude-power", type=float, default=0.5,
+                   help="predictor loss: weight of an active neuron ~ (its contribution) ** this")
+    p.add_argument("--memory-cap-gb", type=float, default=1.0, help="predictor samples held in memory")
+    p.add_argument("--from-dense", type=Path,
+                   help="skip training: profile this dense GGUF and train its predictors")
+    p.add_argument("--tag", default="", help="prefix of the output names (with --from-dense)")
+    p.add_argument("--no-profile", action="store_true", help="skip the activation profile")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # internal: one run -> this file
     return p.parse_args(argv)
 
@@ -125,6 +133,12 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
+    if args.from_dense is not None:
+        report = {"command": command_line(), "device": device_name(args), "torch": torch.__version__,
+                  "dense": str(args.from_dense), **make_sparse(args, args.from_dense)}
+        report["seconds"] = time.time() - t0
+        (args.out / f"{args.tag}predictors_report.json").write_text(json.dumps(report, indent=1) + "\n")
+        return
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         fields, train_ids, held_ids = load_data(args)
@@ -141,8 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"export check: reference {check['reference_loss']:.5f} vs training model "
           f"{check['training_model_loss']:.5f} (|diff| {check['abs_diff']:.2e})", flush=True)
     report = {
-        "command": "PYTHONPATH=. python3 scripts/train_tiny_model.py " + " ".join(sys.argv[1:]),
-        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "command": command_line(), "device": device_name(args),
         "torch": torch.__version__, "python": sys.version.split()[0],
         "config": {k: v for k, v in asdict(cfg).items() if k != "extra"},
         "n_params": sum(w.numel() for w in chosen["weights"].values()),
@@ -160,21 +173,42 @@ def main(argv: list[str] | None = None) -> None:
     print(f"done in {report['seconds']:.0f} s: {args.out}", flush=True)
 
 
-def make_sparse(args: argparse.Namespace, dense: Path) -> dict:
-    """Profile the dense model and train its predictors (on the train split)."""
-    from powerinfer_ray.offline.predictors import train_predictors
-    from powerinfer_ray.offline.profile import run_profile
+def command_line() -> str:
+    return "PYTHONPATH=. python3 scripts/train_tiny_model.py " + " ".join(sys.argv[1:])
 
-    with tempfile.TemporaryDirectory() as tmp:  # keep OUT to a few files (the device tool's limit)
-        stats = run_profile(dense, "builtin:train", tmp, max_tokens=args.predictor_tokens,
-                            seq_len=args.seq_len, progress=False, device=args.device)
-        for name in ("activation.parquet", "rank_frequency.png"):
-            if (Path(tmp) / name).exists():
-                shutil.copy(Path(tmp) / name, args.out / name)
-    result = train_predictors(dense, "builtin:train", args.out / SPARSE_FILE,
-                              recall_target=args.recall_target, max_tokens=args.predictor_tokens,
-                              seq_len=args.seq_len, device=args.device, progress=False)
-    return {"profile": stats.summary(), "table": result.to_dict()}
+
+def device_name(args: argparse.Namespace) -> str:
+    return torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+
+
+def make_sparse(args: argparse.Namespace, dense: Path) -> dict:
+    """Profile the dense model, train its predictors (train split), and measure their quality
+    on the held-out split."""
+    from powerinfer_ray.offline.predictors import FitSettings, train_predictors
+    from powerinfer_ray.offline.profile import run_profile
+    from powerinfer_ray.offline.quality import format_report, quality_report
+
+    out: dict = {}
+    if not args.no_profile:
+        with tempfile.TemporaryDirectory() as tmp:  # keep OUT to a few files (the device tool's limit)
+            stats = run_profile(dense, "builtin:train", tmp, max_tokens=args.predictor_tokens,
+                                seq_len=args.seq_len, progress=False, device=args.device)
+            for name in ("activation.parquet", "rank_frequency.png"):
+                if (Path(tmp) / name).exists():
+                    shutil.copy(Path(tmp) / name, args.out / (args.tag + name))
+        out["profile"] = stats.summary()
+    fit = FitSettings(recall_margin=args.recall_margin, magnitude_power=args.magnitude_power, seed=args.seed)
+    sparse = args.out / (args.tag + SPARSE_FILE)
+    result = train_predictors(dense, "builtin:train", sparse, recall_target=args.recall_target,
+                              max_tokens=args.predictor_tokens, seq_len=args.seq_len, settings=fit,
+                              memory_cap=int(args.memory_cap_gb * (1 << 30)), device=args.device,
+                              progress=False)
+    out["fit_settings"] = asdict(fit)
+    out["table"] = result.to_dict()
+    quality = quality_report(sparse, "builtin:heldout", seq_len=256, max_tokens=1 << 20, device=args.device)
+    print(format_report(quality), flush=True)
+    out["quality_heldout"] = quality
+    return out
 
 
 if __name__ == "__main__":

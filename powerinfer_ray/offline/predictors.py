@@ -93,10 +93,29 @@ class PredictorHooks:
 # ------------------------------------------------------------------------------------------------
 # training samples: memory up to a cap, then Arrow IPC shards
 # ------------------------------------------------------------------------------------------------
+# An activation is stored as a one-byte code of its contribution c = |h_j| * ||down_t[j]||
+# (how far it moves the layer output): 0 = inactive, else 1 + 8 log2(c) + 127 clipped to
+# 1..255, i.e. 8 steps per octave over 2^-16..2^16. The mask is code > 0; the magnitudes weight
+# the loss so that the misses that remain are the activations that matter least.
+_CODE_STEPS, _CODE_ZERO = 8.0, 128.0
+
+
+def encode_magnitude(c: torch.Tensor) -> torch.Tensor:
+    """Contributions c [T, F] (0 where inactive) -> uint8 codes [T, F]."""
+    q = (torch.log2(c.clamp_min(1e-30)) * _CODE_STEPS + _CODE_ZERO).round().clamp(1, 255)
+    return torch.where(c > 0, q, torch.zeros_like(q)).to(torch.uint8)
+
+
+def decode_magnitude(q: torch.Tensor) -> torch.Tensor:
+    """uint8 codes -> contributions (0 where inactive), float32."""
+    c = torch.exp2((q.float() - _CODE_ZERO) / _CODE_STEPS)
+    return torch.where(q > 0, c, torch.zeros_like(c))
+
+
 class SampleStore:
-    """Per-layer (x [D] float32, active mask [F] bit-packed) samples. Buffers in memory until
-    all layers together exceed ``memory_cap`` bytes, then writes the largest layer's buffer as
-    an Arrow IPC shard under ``spill_dir``."""
+    """Per-layer samples (x [D] float32, activation code [F] uint8). Buffers in memory until all
+    layers together exceed ``memory_cap`` bytes, then writes the largest layer's buffer as an
+    Arrow IPC shard (columns x, code) under ``spill_dir``."""
 
     def __init__(self, n_layer: int, n_embd: int, n_ff: int, memory_cap: int = 1 << 30,
                  spill_dir: str | Path | None = None) -> None:
@@ -109,19 +128,25 @@ class SampleStore:
         self.shards: list[list[Path]] = [[] for _ in range(n_layer)]
         self.counts = [0] * n_layer
         self.active = np.zeros((n_layer, n_ff), dtype=np.int64)
+        self.mass = np.zeros(n_layer)  # sum of decoded contributions, for the mean
 
     # --- writing ------------------------------------------------------------------------------
-    def add(self, layer: int, x: torch.Tensor, active: torch.Tensor) -> None:
-        """x [T, D], active [T, F] bool."""
+    def add(self, layer: int, x: torch.Tensor, code: torch.Tensor) -> None:
+        """x [T, D]; code [T, F] uint8 (``encode_magnitude``) or bool (active, magnitude 1)."""
+        if code.dtype == torch.bool:
+            code = code.to(torch.uint8) * int(_CODE_ZERO)
         xa = x.detach().float().cpu().numpy()
-        ma = active.detach().cpu().numpy()
-        self.active[layer] += ma.sum(0)
-        packed = np.packbits(ma, axis=1)  # [T, ceil(F / 8)]
-        self.buf[layer].append((xa, packed))
-        self.buf_bytes[layer] += xa.nbytes + packed.nbytes
+        qa = code.detach().cpu().numpy()
+        self.active[layer] += (qa > 0).sum(0)
+        self.mass[layer] += float(decode_magnitude(code.detach()).sum())
+        self.buf[layer].append((xa, qa))
+        self.buf_bytes[layer] += xa.nbytes + qa.nbytes
         self.counts[layer] += xa.shape[0]
         while sum(self.buf_bytes) > self.memory_cap:
             self._spill(int(np.argmax(self.buf_bytes)))
+
+    def mean_magnitude(self, layer: int) -> float:
+        return float(self.mass[layer] / max(self.active[layer].sum(), 1))
 
     @property
     def spill_dir(self) -> Path:
@@ -134,11 +159,11 @@ class SampleStore:
     def _spill(self, layer: int) -> None:
         import pyarrow as pa
 
-        x, m = self._concat(layer)
+        x, q = self._concat(layer)
         path = self.spill_dir / f"layer{layer}_shard{len(self.shards[layer])}.arrow"
         batch = pa.record_batch([pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), self.D),
-                                 pa.FixedSizeListArray.from_arrays(pa.array(m.reshape(-1)), m.shape[1])],
-                                names=["x", "mask"])
+                                 pa.FixedSizeListArray.from_arrays(pa.array(q.reshape(-1)), self.F)],
+                                names=["x", "code"])
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as writer:
             writer.write_batch(batch)
         self.shards[layer].append(path)
@@ -147,7 +172,7 @@ class SampleStore:
     def _concat(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         parts = self.buf[layer]
         if not parts:
-            return np.zeros((0, self.D), np.float32), np.zeros((0, (self.F + 7) // 8), np.uint8)
+            return np.zeros((0, self.D), np.float32), np.zeros((0, self.F), np.uint8)
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def _read_shard(self, path: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -156,16 +181,16 @@ class SampleStore:
         with pa.memory_map(str(path)) as src:
             table = pa.ipc.open_file(src).read_all()
         x = table.column("x").combine_chunks().flatten().to_numpy().reshape(-1, self.D)
-        m = table.column("mask").combine_chunks().flatten().to_numpy().reshape(x.shape[0], -1)
-        return x.copy(), m.copy()
+        q = table.column("code").combine_chunks().flatten().to_numpy().reshape(-1, self.F)
+        return x.copy(), q.copy()
 
     # --- reading ------------------------------------------------------------------------------
     def spilled(self, layer: int) -> bool:
         return bool(self.shards[layer])
 
     def chunks(self, layer: int, rng: np.random.Generator | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(x [N, D], packed mask [N, F/8]) chunks: each shard, then the memory buffer; shard
-        order shuffled when ``rng`` is given."""
+        """(x [N, D], code [N, F]) chunks: each shard, then the memory buffer; shard order
+        shuffled when ``rng`` is given."""
         order = list(range(len(self.shards[layer])))
         if rng is not None:
             rng.shuffle(order)
@@ -174,13 +199,10 @@ class SampleStore:
         if self.buf[layer]:
             yield self._concat(layer)
 
-    def unpack(self, packed: np.ndarray) -> np.ndarray:
-        return np.unpackbits(packed, axis=1, count=self.F).astype(bool)
-
     def all(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """Every sample of a layer: x [N, D], mask [N, F] bool (loads shards)."""
-        xs, ms = zip(*self.chunks(layer)) if self.counts[layer] else ((np.zeros((0, self.D)),), (np.zeros((0, 1), np.uint8),))
-        return np.concatenate(xs), self.unpack(np.concatenate(ms))
+        """Every sample of a layer: x [N, D] float32, code [N, F] uint8 (loads shards)."""
+        parts = list(self.chunks(layer)) or [self._concat(layer)]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def close(self) -> None:
         if self._tmp is not None:
@@ -192,14 +214,17 @@ class SampleStore:
 
 
 class _CollectHooks:
-    def __init__(self, store: SampleStore) -> None:
-        self.store = store
+    """Observe (predictor input, activation codes) into a store; ``down_norms[l]`` [F] are the
+    row norms of layer l's ffn_down_t."""
+
+    def __init__(self, store: SampleStore, down_norms: list[torch.Tensor]) -> None:
+        self.store, self.down_norms = store, down_norms
 
     def mask(self, layer: int, pred_in: torch.Tensor) -> None:
         return None
 
     def observe(self, layer: int, pred_in: torch.Tensor, h: torch.Tensor) -> None:
-        self.store.add(layer, pred_in, h != 0)
+        self.store.add(layer, pred_in, encode_magnitude(h.abs().float() * self.down_norms[layer]))
 
 
 def collect_samples(ref: ReferenceModel, tok: Tokenizer, corpus: Corpus, max_tokens: int, seq_len: int,
@@ -207,7 +232,8 @@ def collect_samples(ref: ReferenceModel, tok: Tokenizer, corpus: Corpus, max_tok
                     progress: bool = False) -> None:
     """Run the reference over windows of ``corpus``; every ``eval_every``-th window's samples
     go to ``held`` (held-out tokens for measuring recall), the rest to ``train``."""
-    hooks = (_CollectHooks(train), _CollectHooks(held))
+    norms = [ref.w[K.tensor(K.FFN_DOWN_T, l)].float().norm(dim=1) for l in range(ref.cfg.n_layer)]
+    hooks = (_CollectHooks(train, norms), _CollectHooks(held, norms))
     bar = None
     if progress:
         from tqdm import tqdm
@@ -231,8 +257,9 @@ class FitSettings:
     lr: float = 3e-3
     weight_decay: float = 0.0
     recall_target: float = 0.95
-    recall_margin: float = 0.02  # aim this far above the target: unseen text loses about that much
-    max_rounds: int = 5  # pos_weight raises to reach the target
+    recall_margin: float = 0.01  # aim this far above the target on the held-out split
+    magnitude_power: float = 0.5  # positive weight ~ (contribution / mean) ** power; 0: plain
+    max_rounds: int = 6  # pos_weight raises to reach the target
     round_epochs: int = 3
     seed: int = 0
 
@@ -251,6 +278,7 @@ class Trial:
     seconds: float
     fc1: torch.Tensor = field(repr=False)  # [r, D]
     fc2: torch.Tensor = field(repr=False)  # [F, r]
+    mass_recall: float = 1.0  # share of the activations' contribution the kept neurons carry
 
     def meets(self, target: float) -> bool:
         return self.recall >= target
@@ -265,29 +293,31 @@ class LayerData:
     def __init__(self, store: SampleStore, layer: int, device: torch.device) -> None:
         self.store, self.layer, self.device = store, layer, device
         self.n = store.counts[layer]
+        self.mean_magnitude = store.mean_magnitude(layer)
         self.resident: tuple[torch.Tensor, torch.Tensor] | None = None
         if not store.spilled(layer):
-            x, m = store.all(layer)
-            self.resident = (torch.from_numpy(x).to(device), torch.from_numpy(m).to(device))
+            x, q = store.all(layer)
+            self.resident = (torch.from_numpy(x).to(device), torch.from_numpy(q).to(device))
 
     def batches(self, batch: int, gen: torch.Generator, rng: np.random.Generator) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         chunks = [self.resident] if self.resident is not None else (
-            (torch.from_numpy(x).to(self.device), torch.from_numpy(self.store.unpack(m)).to(self.device))
-            for x, m in self.store.chunks(self.layer, rng))
-        for x, m in chunks:
+            (torch.from_numpy(x).to(self.device), torch.from_numpy(q).to(self.device))
+            for x, q in self.store.chunks(self.layer, rng))
+        for x, q in chunks:
             perm = torch.randperm(x.shape[0], generator=gen).to(self.device)
             for i in range(0, x.shape[0], batch):
                 idx = perm[i:i + batch]
-                yield x[idx], m[idx]
+                yield x[idx], q[idx]
 
 
-def fit_width(data: LayerData, ex: torch.Tensor, ey: torch.Tensor, width: int, s: FitSettings,
+def fit_width(data: LayerData, ex: torch.Tensor, eq: torch.Tensor, width: int, s: FitSettings,
               device: torch.device) -> Trial:
     """Train fc1 [width, D] -> ReLU -> fc2 [F, width] with BCE whose positive class weight
     starts balanced ((1 - p) / p) and doubles until held-out recall at threshold 0 reaches the
-    target (plus margin); each raise fine-tunes ``round_epochs`` epochs."""
+    target (plus margin); each raise fine-tunes ``round_epochs`` epochs. ``eq`` [N, F] are the
+    held-out activation codes."""
     t0 = time.time()
-    D, F = ex.shape[1], ey.shape[1]
+    D, F = ex.shape[1], eq.shape[1]
     gen = torch.Generator().manual_seed(s.seed + width)
     rng = np.random.default_rng(s.seed + width)
     fc1 = (torch.randn(width, D, generator=gen) / math.sqrt(D)).to(device).requires_grad_()
@@ -299,7 +329,7 @@ def fit_width(data: LayerData, ex: torch.Tensor, ey: torch.Tensor, width: int, s
     for rnd in range(s.max_rounds + 1):
         epochs = s.epochs if rnd == 0 else s.round_epochs
         _train_epochs(data, fc1, fc2, pos_weight, epochs, steps_per_epoch, s, gen, rng, lr_scale=1.0 if rnd == 0 else 0.5)
-        result = _measure(fc1, fc2, ex, ey, width, pos_weight, rnd, t0)
+        result = _measure(fc1, fc2, ex, eq, width, pos_weight, rnd, t0)
         if result.recall >= s.recall_target + s.recall_margin:
             break
         pos_weight *= 2.0
@@ -315,14 +345,14 @@ def _train_epochs(data: LayerData, fc1: torch.Tensor, fc2: torch.Tensor, pos_wei
     warm = max(1, total // 20) if lr_scale == 1.0 else 0  # fine-tuning rounds start warm
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: (i + 1) / warm if i < warm else
                                               0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * (i - warm) / max(1, total - warm))))
-    pw = torch.tensor(pos_weight, device=fc1.device)
     step = 0
     for _ in range(epochs):
-        for x, y in data.batches(s.batch, gen, rng):
+        for x, q in data.batches(s.batch, gen, rng):
             if step >= total:
                 break
             logits = torch.relu(x @ fc1.T) @ fc2.T  # [B, F]
-            loss = Fn.binary_cross_entropy_with_logits(logits, y.float(), pos_weight=pw)
+            y = q > 0
+            loss = Fn.binary_cross_entropy_with_logits(logits, y.float(), weight=_weights(q, y, pos_weight, data.mean_magnitude, s))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -330,17 +360,30 @@ def _train_epochs(data: LayerData, fc1: torch.Tensor, fc2: torch.Tensor, pos_wei
             step += 1
 
 
+def _weights(q: torch.Tensor, y: torch.Tensor, pos_weight: float, mean_mag: float, s: FitSettings) -> torch.Tensor:
+    """Per-element BCE weights [B, F]: 1 where inactive; where active pos_weight, times
+    (contribution / mean contribution) ** magnitude_power, the ratio clipped to 1/20..20."""
+    w = torch.full(q.shape, pos_weight, device=q.device)
+    if s.magnitude_power:
+        rel = (decode_magnitude(q) / max(mean_mag, 1e-30)).clamp(0.05, 20.0)
+        w = w * rel.pow(s.magnitude_power)
+    return torch.where(y, w, torch.ones_like(w))
+
+
 @torch.no_grad()
-def _measure(fc1: torch.Tensor, fc2: torch.Tensor, ex: torch.Tensor, ey: torch.Tensor, width: int,
+def _measure(fc1: torch.Tensor, fc2: torch.Tensor, ex: torch.Tensor, eq: torch.Tensor, width: int,
              pos_weight: float, rounds: int, t0: float) -> Trial:
     w1, w2 = fc1.detach().half().float(), fc2.detach().half().float()  # as stored in the file
     pred = (torch.relu(ex @ w1.T) @ w2.T) >= THRESHOLD  # [N, F]
+    ey = eq > 0
     tp = float((pred & ey).sum())
     n_true, n_pred = float(ey.sum()), float(pred.sum())
+    mag = decode_magnitude(eq)
     return Trial(width=width, recall=tp / max(n_true, 1.0), precision=tp / max(n_pred, 1.0),
                  pred_sparsity=1 - n_pred / ey.numel(), true_sparsity=1 - n_true / ey.numel(),
                  pos_weight=pos_weight, rounds=rounds, seconds=time.time() - t0,
-                 fc1=w1.cpu(), fc2=w2.cpu())
+                 fc1=w1.cpu(), fc2=w2.cpu(),
+                 mass_recall=float((mag * pred).sum() / mag.sum().clamp_min(1e-30)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -382,7 +425,7 @@ def choose(trials: list[Trial], target: float, sparsity_tol: float) -> Trial:
     return min(good, key=lambda t: t.width)
 
 
-def size_layer(data: LayerData, ex: torch.Tensor, ey: torch.Tensor, r0: int, hi: int, s: FitSettings,
+def size_layer(data: LayerData, ex: torch.Tensor, eq: torch.Tensor, r0: int, hi: int, s: FitSettings,
                device: torch.device, sparsity_tol: float = 0.05,
                log: Callable[[str], None] | None = None) -> tuple[Trial, list[Trial]]:
     """Try r0 and 2*r0, then move along the doubling ladder: grow while no tried width meets the
@@ -391,10 +434,10 @@ def size_layer(data: LayerData, ex: torch.Tensor, ey: torch.Tensor, r0: int, hi:
     tried: dict[int, Trial] = {}
 
     def trial(w: int) -> None:
-        tried[w] = fit_width(data, ex, ey, w, s, device)
+        tried[w] = fit_width(data, ex, eq, w, s, device)
         if log is not None:
             t = tried[w]
-            log(f"  width {w:5d}: recall {t.recall:.4f} precision {t.precision:.3f} "
+            log(f"  width {w:5d}: recall {t.recall:.4f} (mass {t.mass_recall:.4f}) precision {t.precision:.3f} "
                 f"predicted sparsity {t.pred_sparsity:.3f} (true {t.true_sparsity:.3f}) "
                 f"pos_weight {t.pos_weight:.1f} ({t.seconds:.1f} s)")
 
@@ -428,6 +471,7 @@ class LayerReport:
     pred_sparsity: float
     pos_weight: float
     share80: float
+    mass_recall: float  # share of the layer's activation contribution the kept neurons carry
     tried: list[dict[str, float]]
 
 
@@ -448,11 +492,11 @@ class PredictorResult:
         return self.predictor_bytes / max(self.model_bytes, 1)
 
     def table(self) -> str:
-        rows = [f"{'layer':>5} {'width':>6} {'bytes':>9} {'recall':>7} {'precision':>9} "
+        rows = [f"{'layer':>5} {'width':>6} {'bytes':>9} {'recall':>7} {'mass rec.':>9} {'precision':>9} "
                 f"{'true sparsity':>13} {'pred sparsity':>13}"]
         for r in self.layers:
-            rows.append(f"{r.layer:>5} {r.width:>6} {r.bytes:>9} {r.recall:>7.4f} {r.precision:>9.3f} "
-                        f"{r.true_sparsity:>13.3f} {r.pred_sparsity:>13.3f}")
+            rows.append(f"{r.layer:>5} {r.width:>6} {r.bytes:>9} {r.recall:>7.4f} {r.mass_recall:>9.4f} "
+                        f"{r.precision:>9.3f} {r.true_sparsity:>13.3f} {r.pred_sparsity:>13.3f}")
         rows.append(f"predictors: {self.predictor_bytes} bytes = {100 * self.share_of_model:.2f} % of "
                     f"the model's {self.model_bytes} bytes; recall target {self.recall_target} "
                     f"at threshold {self.threshold}; held-out tokens {self.n_eval_tokens}")
@@ -498,22 +542,22 @@ def train_predictors(model_path: str | Path, corpus: Corpus, out_path: str | Pat
         reports, chosen = [], []
         for l in range(L):
             data = LayerData(train_store, l, dev)
-            hx, hm = held_store.all(l)
-            ex, ey = torch.from_numpy(hx).to(dev), torch.from_numpy(hm).to(dev)
+            hx, hq = held_store.all(l)
+            ex, eq = torch.from_numpy(hx).to(dev), torch.from_numpy(hq).to(dev)
             counts = train_store.active[l]
             p = counts.sum() / max(train_store.counts[l] * F, 1)
             share = _share80(counts)
             log(f"layer {l}: active {100 * p:.2f} %, 80 % of activations in {100 * share:.1f} % of neurons")
             if widths is not None:
-                best = fit_width(data, ex, ey, widths[l], s, dev)
+                best = fit_width(data, ex, eq, widths[l], s, dev)
                 trials = [best]
             else:
-                best, trials = size_layer(data, ex, ey, initial_width(p, share, F, D, hi), hi, s, dev, log=log)
+                best, trials = size_layer(data, ex, eq, initial_width(p, share, F, D, hi), hi, s, dev, log=log)
             chosen.append(best)
             reports.append(LayerReport(l, best.width, cfg.dtype_bytes * best.width * (D + F), best.recall, best.precision,
                                        best.true_sparsity, best.pred_sparsity, best.pos_weight, share,
-                                       [t.row() for t in trials]))
-            del data, ex, ey
+                                       best.mass_recall, [t.row() for t in trials]))
+            del data, ex, eq
         n_train, n_eval = train_store.counts[0], held_store.counts[0]
     finally:
         train_store.close()

@@ -11,8 +11,8 @@ from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import tiny_config, tiny_weights
 from powerinfer_ray.model.tokenizer import byte_level_fields
 from powerinfer_ray.offline.corpus import frozen_documents
-from powerinfer_ray.offline.predictors import (FitSettings, PredictorHooks, SampleStore, choose, Trial,
-                                               train_predictors)
+from powerinfer_ray.offline.predictors import (FitSettings, PredictorHooks, SampleStore, Trial, choose,
+                                               decode_magnitude, encode_magnitude, train_predictors)
 from powerinfer_ray.offline.profile import profile_activations
 
 N_DEAD = 192  # of 256 neurons per layer: 75 % planted always-off
@@ -101,13 +101,22 @@ def test_sample_store_spills_and_reads_back(tmp_path):
         store.add(1, x, m)
     assert store.spilled(1) and not store.spilled(0)
     assert all(p.suffix == ".arrow" for p in store.shards[1])
-    x, m = store.all(1)
+    x, q = store.all(1)
     np.testing.assert_array_equal(x, torch.cat(xs).numpy())
-    np.testing.assert_array_equal(m, torch.cat(ms).numpy())
+    np.testing.assert_array_equal(q > 0, torch.cat(ms).numpy())
     np.testing.assert_array_equal(store.active[1], torch.cat(ms).sum(0).numpy())
     shards = list(store.shards[1])
     store.close()
     assert not any(p.exists() for p in shards)
+
+
+def test_magnitude_codes_round_trip():
+    c = torch.tensor([[0.0, 1e-3, 0.5, 1.0, 7.0, 3e4]])
+    q = encode_magnitude(c)
+    assert q.dtype == torch.uint8 and int(q[0, 0]) == 0 and (q[0, 1:] > 0).all()
+    back = decode_magnitude(q)
+    assert float(back[0, 0]) == 0.0
+    torch.testing.assert_close(back[0, 1:], c[0, 1:], rtol=0.05, atol=0)  # 8 steps per octave
 
 
 def _trial(width, recall, pred_sparsity):
