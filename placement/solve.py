@@ -61,7 +61,8 @@ def run_solve(
 ) -> Placement:
     """What `powerinfer-ray solve` does: read, solve, write.
 
-    stats         a Parquet file (layer, neuron, count; metadata n_tokens), or the per-layer
+    stats         a Parquet file (layer, neuron, count; metadata n_tokens) or a directory holding
+                  one, or the per-layer
                   count arrays the caller loaded from upstream's activation_{l}.pt files
                   (see stats.activation_pt_files), with n_tokens given
     costs         ModelCosts, or a JSON file of them (ModelCosts.save / {"shape": {...}})
@@ -84,14 +85,25 @@ def run_solve(
     return placement
 
 
+def _parquet_in(path: Path) -> Path:
+    """The Parquet file itself, or the one Parquet file of a directory."""
+    if not path.is_dir():
+        return path
+    found = sorted(path.glob("*.parquet"))
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise StatsError(f"{path}: expected one Parquet file of activation counts, found "
+                         f"{[p.name for p in found]}; pass the file")
+    raise StatsError(f"{path}: no Parquet file; for upstream's activation_{{l}}.pt files, load them "
+                     f"with torch (placement.activation_pt_files lists them in order) and pass the "
+                     f"arrays with n_tokens")
+
+
 def _load_stats(stats: str | Path | Sequence[np.ndarray], n_tokens: int | None,
                 costs: ModelCosts) -> tuple[list[np.ndarray], int]:
     if isinstance(stats, (str, Path)):
-        path = Path(stats)
-        if path.is_dir():
-            raise StatsError(f"{path}: a directory; load its activation_{{l}}.pt files with torch "
-                             f"(placement.activation_pt_files lists them in order) and pass the "
-                             f"arrays with n_tokens, or pass a Parquet file")
+        path = _parquet_in(Path(stats))
         loaded = read_activation_parquet(path, costs.n_ff)
         if n_tokens is not None and n_tokens != loaded.n_tokens:
             raise StatsError(f"{path}: n_tokens given as {n_tokens}, but the file says {loaded.n_tokens}")

@@ -7,8 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from powerinfer_ray.placement import (GIB, HostProfile, ModelCosts, StatsError, activation_pt_files,
-                                      gpuidx_path, load_placement, read_activation_parquet, read_gpuidx,
+from powerinfer_ray.placement import (GIB, HostProfile, ModelCosts, PlacementError, StatsError, activation_pt_files,
+                                      gpuidx_path, load_placement, placement_from_gpuidx,
+                                      read_activation_parquet, read_gpuidx,
                                       run_solve, save_placement, solve_placement, write_activation_parquet,
                                       write_gpuidx)
 from powerinfer_ray.placement.gpuidx import GpuIndexError
@@ -77,6 +78,17 @@ def test_gpuidx_wrong_magic_and_shape(tmp_path):
         read_gpuidx(path, n_ff=[6, 6, 6])
     with pytest.raises(GpuIndexError, match="expected 2 layers"):
         read_gpuidx(path, n_ff=[5, 5])
+
+
+def test_placement_from_upstream_split_file(tmp_path):
+    write_gpuidx(tmp_path / "u.gpuidx", MASKS, vram_capacity=99)
+    placement = placement_from_gpuidx(read_gpuidx(tmp_path / "u.gpuidx"), n_kv_groups=2, budget_bytes=1000)
+    assert placement.gpu_counts() == [3, 0, 2] and placement.gpu_attention.all()
+    costs = ModelCosts(n_layer=3, n_ff=(5,) * 3, neuron_bytes=(100,) * 3, n_kv_groups=2, attn_group_bytes=(0,) * 3,
+                       kv_group_bytes=(0,) * 3, predictor_bytes=(0,) * 3, dense_bytes=0, workspace_bytes=0)
+    placement.verify(costs)
+    with pytest.raises(PlacementError, match="eq. 4"):
+        placement.verify(costs, budget_bytes=499)
 
 
 def test_placement_file_round_trip(tmp_path):
@@ -169,5 +181,8 @@ def test_run_solve_end_to_end(tmp_path):
     assert [m.tolist() for m in same.gpu_neurons] == [m.tolist() for m in placement.gpu_neurons]
     with pytest.raises(StatsError, match="n_tokens"):
         run_solve(counts, costs, budget_gib)
-    with pytest.raises(StatsError, match="directory"):
-        run_solve(tmp_path, costs, budget_gib)
+    assert run_solve(tmp_path, costs, budget_gib, host=HostProfile(sync_us=0.005),  # its one .parquet
+                     group_size=16).objective == placement.objective
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(StatsError, match="no Parquet file.*activation_pt_files"):
+        run_solve(tmp_path / "empty", costs, budget_gib)
