@@ -106,20 +106,23 @@ def torch_baseline(x, up, gate, down_t, idx):
     return h.T @ down_t[rows]  # [T, D]
 
 
-def median_time_cpu(fn, reps: int, budget_s: float, flush=None) -> tuple[float, float]:
-    """(median, min) wall seconds of fn() over up to reps calls (after one warm-up) within
-    budget_s; flush() runs before each timed call, untimed. The min is reported beside the
-    median because shared machines preempt threads (a preempted thread stalls the barrier)."""
-    fn()
-    times: list[float] = []
-    t_end = time.perf_counter() + budget_s
-    while len(times) < reps and (len(times) < 3 or time.perf_counter() < t_end):
-        if flush is not None:
-            flush()
-        t0 = time.perf_counter()
+def median_times_cpu(fns, reps: int, budget_s: float, flush=None) -> list[tuple[float, float]]:
+    """(median, min) wall seconds of each fn over up to reps rounds (after one warm-up) within
+    budget_s. A round calls every fn once, flush() untimed before each, so the kernel and its
+    baseline see the same machine load; the min is reported beside the median because shared
+    machines preempt threads (a preempted thread stalls a parallel region's barrier)."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times)
+    times: list[list[float]] = [[] for _ in fns]
+    t_end = time.perf_counter() + budget_s
+    while len(times[0]) < reps and (len(times[0]) < 3 or time.perf_counter() < t_end):
+        for fn, ts in zip(fns, times):
+            if flush is not None:
+                flush()
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return [(statistics.median(ts), min(ts)) for ts in times]
 
 
 def cpu_flusher(threads: int, nbytes: int = FLUSH_BYTES):
@@ -162,10 +165,9 @@ def bench_cpu(args) -> dict:
             x = torch.randn(T, D, generator=gen).abs().to(dtype)
             out = torch.empty(T, D, dtype=dtype)
             cyc = itertools.cycle(sets)
-            t_k, m_k = median_time_cpu(lambda: K.sparse_ffn(x, up, gate, down_t, next(cyc), out=out, backend="cpu",
-                                                            threads=threads), reps, budget, flush)
-            t_b, m_b = median_time_cpu(lambda: torch_baseline(x, up, gate, down_t, next(cyc)), max(3, reps // 4),
-                                       budget, flush)
+            (t_k, m_k), (t_b, m_b) = median_times_cpu(
+                [lambda: K.sparse_ffn(x, up, gate, down_t, next(cyc), out=out, backend="cpu", threads=threads),
+                 lambda: torch_baseline(x, up, gate, down_t, next(cyc))], reps, budget, flush)
             nb = 3 * k * D * up.element_size()
             row = record("cpu", "compiled", dname, T, pct, k, t_k, t_b, ceiling,
                          dict(min_us=round(m_k * 1e6, 2), GBps_at_min=round(nb / m_k / 1e9, 2),
@@ -179,7 +181,8 @@ def bench_cpu(args) -> dict:
     return dict(threads=threads, simd_lanes=cpu_ffn.simd_width(), ceiling_read_GBps=round(ceiling, 2),
                 ceiling_method=("multi-threaded sum of a 1 GiB fp32 buffer with the kernel's threads, "
                                 "4 interleaved streams per thread"),
-                timing="median wall time per call; a 1 GiB read flushes the caches before each timed call",
+                timing=("median (and min) wall time per call; kernel and torch baseline timed in alternation; "
+                        "a 1 GiB read flushes the caches before each timed call"),
                 results=rows)
 
 
