@@ -113,7 +113,6 @@ def bench_one(costs, counts, n_tokens: int, budget_gib: float, host) -> dict[str
 
 def machine_info(name: str | None) -> dict[str, Any]:
     import cvxpy
-    import highspy  # noqa: F401
 
     return {"machine": name or f"cpu-{os.cpu_count()}c", "host": platform.node(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "cvxpy": cvxpy.__version__,

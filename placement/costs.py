@@ -95,6 +95,11 @@ class ModelCosts:
 
     # --- derived sizes ----------------------------------------------------------------------
     @property
+    def attn_layer_bytes(self) -> tuple[int, ...]:
+        """[L] q/k/v/o bytes of a whole layer (all KV groups), without the KV cache."""
+        return tuple(self.n_kv_groups * a for a in self.attn_group_bytes)
+
+    @property
     def attn_unit_bytes(self) -> tuple[int, ...]:
         """[L] GPU bytes one KV-head group takes where it lives: weights + its KV cache."""
         return tuple(a + k for a, k in zip(self.attn_group_bytes, self.kv_group_bytes))

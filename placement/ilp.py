@@ -291,21 +291,23 @@ def solve_greedy(problem: PlacementProblem, communication: bool = False) -> Plac
 
 
 def _greedy_units(problem: PlacementProblem, communication: bool) -> list[tuple]:
-    """Units (density, kind, layer, col_begin, col_end, bytes); kind 0 = FFN groups, 1 = attention."""
+    """Units (density, kind, layer, col_begin, col_end, bytes, needs): kind 0 = FFN groups,
+    1 = attention; needs = the column that must be on the GPU first (the block), else -1."""
     units = []
     cum = np.cumsum(problem.group_sizes, axis=1)  # [L, Gm] neurons in groups 0..g
+    n_groups = problem.n_groups
     for l in range(problem.costs.n_layer):
-        c, n_real = int(problem.min_gpu_neurons[l]), int(problem.n_groups[l])
-        if communication and c > cum[l, -1]:
+        c = int(problem.min_gpu_neurons[l]) if communication else 0
+        if c > cum[l, -1]:
             continue  # no number of GPU neurons is worth a sync in this layer
-        first = int(np.searchsorted(cum[l], c)) + 1 if communication and c > 0 else 1
-        spans = [(0, first)] + [(g, g + 1) for g in range(first, n_real)]
+        first = int(np.searchsorted(cum[l], c)) + 1 if c > 0 else 1  # groups 0..first-1 reach C_l
+        spans = [(0, first)] + [(g, g + 1) for g in range(first, int(n_groups[l]))]
         for b, e in spans:
             impact, size = problem.group_impact[l, b:e].sum(), int(problem.group_bytes[l, b:e].sum())
-            units.append((impact / size, 0, l, b, e, size))
+            units.append((impact / size, 0, l, b, e, size, 0 if c > 0 and b > 0 else -1))
     if problem.attention_placeable:
         for (l, k), size in np.ndenumerate(problem.attn_bytes):
-            units.append((problem.attn_impact[l, k] / max(int(size), 1), 1, l, k, k + 1, int(size)))
+            units.append((problem.attn_impact[l, k] / max(int(size), 1), 1, l, k, k + 1, int(size), -1))
     return units
 
 
@@ -314,10 +316,10 @@ def _greedy_fill(problem: PlacementProblem, communication: bool) -> tuple[np.nda
     a = np.zeros(problem.group_sizes.shape, dtype=bool)
     h = np.zeros(problem.attn_bytes.shape, dtype=bool)
     left = problem.gpu_capacity
-    for _, kind, l, b, e, size in sorted(_greedy_units(problem, communication),
-                                         key=lambda u: (-u[0], u[1], u[2], u[3])):
-        if size > left or (kind == 0 and b > 0 and not a[l, b - 1]):
-            continue  # does not fit, or a later group whose layer's earlier groups are off
+    for _, kind, l, b, e, size, needs in sorted(_greedy_units(problem, communication),
+                                                key=lambda u: (-u[0], u[1], u[2], u[3])):
+        if size > left or (needs >= 0 and not a[l, needs]):
+            continue  # does not fit, or its layer's block (eq. 5) is not on the GPU
         (a if kind == 0 else h)[l, b:e] = True
         left -= size
     return a, h

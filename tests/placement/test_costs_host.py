@@ -17,6 +17,7 @@ def test_from_shape_matches_hand_count():
     # head_dim 2, 2 query heads per KV group: q 4 rows (64 B) + o 4 columns (64 B)
     # + k 2 rows (32 B) + v 2 rows (32 B) = 192 B
     assert c.attn_group_bytes == (192, 192)
+    assert c.attn_layer_bytes == (384, 384)  # 2 KV groups
     # K and V: 2 x head_dim 2 x (6 ctx x 2 batch) tokens x 2 B = 96 B per group
     assert c.kv_group_bytes == (96, 96)
     # fc1 8x3 + fc2 3x16 = 72 params = 144 B; fc1 8x5 + fc2 5x16 = 120 params = 240 B
