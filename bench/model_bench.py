@@ -82,7 +82,9 @@ def engine_kwargs(mode: str, a: argparse.Namespace, n_ctx: int) -> tuple[dict[st
     kw: dict[str, Any] = dict(max_batch=max(a.batch), n_ctx=n_ctx, prefill_chunk=a.prefill_chunk,
                               threads=a.threads, timeout_s=600.0)
     extra: dict[str, Any] = {}
-    if mode == "hybrid":
+    if mode == "hybrid" and a.gpu_fraction is not None:  # the hottest fraction per layer, no solver
+        kw.update(gpu_fraction=a.gpu_fraction, policy="predictor")
+    elif mode == "hybrid":
         kw.update(vram_budget=a.vram_budget, policy="predictor", method=a.method)
     elif mode == "layer-offload":
         plan, k = layer_offload_plan(a.model, a.vram_budget, n_ctx, max(a.batch))
@@ -197,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--prefill-chunk", type=int, default=64)
     ap.add_argument("--method", default="ilp", choices=("ilp", "greedy"))
+    ap.add_argument("--gpu-fraction", type=float, default=None,
+                    help="hybrid: put this fraction of each layer's hottest neurons on the GPU instead of solving")
     ap.add_argument("--name", default=None, help="results file name (default: derived)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--num-cpus", type=int, default=None, help="Ray CPUs (default: all)")

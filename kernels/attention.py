@@ -33,8 +33,31 @@ def _rope_angles(pos: torch.Tensor, n_rot: int, theta: float, dtype: torch.dtype
     return ang.cos().to(dtype), ang.sin().to(dtype)
 
 
+class _StepCache:
+    """Positions and rotary angles of the current step, shared by every layer's call.
+
+    A decode step calls head_attention once per layer with the same start positions; building
+    pos and cos/sin costs a dozen small kernels and a host-to-device copy each time, which on a
+    GPU is host time of the same order as the attention itself. Keyed by everything they
+    depend on; holds the last few entries only."""
+
+    def __init__(self, size: int = 4) -> None:
+        self.size, self.entries = size, {}
+
+    def get(self, key, make):  # noqa: ANN001, ANN201
+        hit = self.entries.get(key)
+        if hit is None:
+            if len(self.entries) >= self.size:
+                self.entries.pop(next(iter(self.entries)))
+            hit = self.entries[key] = make()
+        return hit
+
+
+_step_cache = _StepCache()
+
+
 def rope(x: torch.Tensor, pos: torch.Tensor, theta: float = 10000.0, style: str = "norm",
-         n_rot: int | None = None) -> torch.Tensor:
+         n_rot: int | None = None, angles: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Rotary embedding of x [.., T, H, hd] at positions pos [.., T]; returns x's dtype.
 
     style 'norm' (GGML mode 0) rotates adjacent pairs (x[2i], x[2i+1]) -- llama GGUF files
@@ -48,7 +71,7 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float = 10000.0, style: str 
     if n_rot % 2 or n_rot > hd:
         raise ValueError(f"rope: n_rot is {n_rot}, expected an even number <= head_dim {hd}")
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    cos, sin = _rope_angles(pos, n_rot, theta, cdt)  # [.., T, 1, n_rot/2]
+    cos, sin = angles if angles is not None else _rope_angles(pos, n_rot, theta, cdt)  # [.., T, 1, n_rot/2]
     xr = x[..., :n_rot].to(cdt)  # [.., T, H, n_rot]
     if style == "norm":
         a, b = xr[..., 0::2], xr[..., 1::2]
@@ -108,7 +131,19 @@ def head_attention(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
     Hs, Gs, hd = _check(x, wq, wk, wv, wo_t, k_cache, v_cache)
     B, T, D = x.shape
     n_gqa = Hs // Gs
-    pos, L = _positions(start_pos, B, T, x.device)  # [B, T]
+    angles = None
+    if isinstance(start_pos, torch.Tensor):
+        pos, L = _positions(start_pos, B, T, x.device)  # [B, T]
+    else:  # host positions: build pos and the rotary angles once per step, not once per layer
+        n_r = n_rot or hd
+        cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        key = (tuple(int(v) for v in start_pos), B, T, str(x.device), rope_theta, n_r, cdt, rope_style is None)
+
+        def make():  # noqa: ANN202
+            p, length = _positions(start_pos, B, T, x.device)
+            return p, length, (None if rope_style is None else _rope_angles(p, n_r, rope_theta, cdt))
+
+        pos, L, angles = _step_cache.get(key, make)
     if L > k_cache.shape[2]:
         raise ValueError(f"head_attention: positions reach {L}, expected <= S_max {k_cache.shape[2]}")
     slots_t = torch.as_tensor(slots, dtype=torch.long).to(x.device, non_blocking=True).reshape(B)  # [B]
@@ -116,8 +151,8 @@ def head_attention(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
     k = F.linear(x, wk, bk).view(B, T, Gs, hd)
     v = F.linear(x, wv, bv).view(B, T, Gs, hd)
     if rope_style is not None:
-        q = rope(q, pos, rope_theta, rope_style, n_rot)
-        k = rope(k, pos, rope_theta, rope_style, n_rot)
+        q = rope(q, pos, rope_theta, rope_style, n_rot, angles)
+        k = rope(k, pos, rope_theta, rope_style, n_rot, angles)
     sl = slots_t[:, None].expand(B, T)  # [B, T]
     k_cache[sl, :, pos] = k.to(k_cache.dtype)  # advanced indices first: [B, T, Gs, hd]
     v_cache[sl, :, pos] = v.to(v_cache.dtype)

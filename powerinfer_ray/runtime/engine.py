@@ -91,11 +91,6 @@ def activation_counts(src: WeightSource, model_path: str) -> tuple[list[np.ndarr
     return None
 
 
-def split_path(model_path: str) -> Path:
-    return Path(str(model_path) + ".generated.gpuidx") if not str(model_path).endswith(".gguf") \
-        else Path(str(model_path)[: -len(".gguf")] + ".generated.gpuidx")
-
-
 def resolve_plan(ec: EngineConfig, src: WeightSource | None = None) -> Plan:
     """The plan an engine runs with (see the module docstring)."""
     src = src or open_model(ec.model)
@@ -119,13 +114,13 @@ def _budget_plan(ec: EngineConfig, src: WeightSource) -> Plan:
     cfg = src.config
     budget = int(ec.vram_budget_gib * GIB)
     is_file = not str(ec.model).startswith("planted:")
-    cache = split_path(ec.model) if is_file and not ec.disable_gpu_index else None
+    cache = gpuidx.gpuidx_path(ec.model) if is_file and not ec.disable_gpu_index else None
     if cache is not None and cache.exists() and not ec.reset_gpu_index:
         split = gpuidx.read_gpuidx(cache)
-        if len(split.gpu_idx) == cfg.n_layer:
+        if len(split.gpu_neurons) == cfg.n_layer and split.vram_capacity <= budget:  # upstream's rule
             log.info("using cached split %s", cache)
-            return Plan.from_masks([m.astype(bool) for m in split.gpu_idx], None, cfg)
-        log.warning("cached split %s has %d layers, model has %d: re-solving", cache, len(split.gpu_idx), cfg.n_layer)
+            return Plan.from_masks([np.asarray(m, bool) for m in split.gpu_neurons], None, cfg)
+        log.warning("cached split %s was solved for another model or budget: re-solving", cache)
     costs = model_costs(cfg, engine_n_ctx(ec, cfg), ec.max_batch)
     stats = activation_counts(src, ec.model)
     if stats is None:

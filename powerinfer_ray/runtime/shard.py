@@ -91,7 +91,7 @@ def load_attn_shard(src: WeightSource, l: int, groups: np.ndarray, dtype: torch.
     def rows(tmpl: str, r: np.ndarray, bias: bool = False) -> torch.Tensor | None:
         if bias and not cfg.bias:
             return None
-        t = src.layer(tmpl, l, rows=r, dtype=dtype if not bias else torch.float32, bias=bias, device=device)
+        t = src.layer(tmpl, l, rows=r, dtype=dtype, bias=bias, device=device)  # F.linear wants one dtype
         return t.contiguous()
 
     if len(groups) == 0:  # nothing of this layer's attention here: skip reading attn_output

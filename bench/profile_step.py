@@ -1,0 +1,61 @@
+"""Profile decode steps of the in-process engine (no Ray) with torch.profiler: where a token's
+time goes on the GPU executor, per op, on CPU and CUDA.
+
+    python bench/profile_step.py -m "planted:llama2-13b?dtype=f16&layers=4" --policy dense
+    python bench/profile_step.py -m ... --policy predictor --gpu-fraction 0.3
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from powerinfer_ray.kernels import cpu_ffn
+from powerinfer_ray.model.source import open_model
+from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
+from powerinfer_ray.runtime.plan import Plan
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("--policy", default="dense")
+    ap.add_argument("--gpu-fraction", type=float, default=None)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args()
+    cfg = open_model(a.model).config
+    kw = dict(gpu_fraction=a.gpu_fraction) if a.gpu_fraction is not None else dict(plan=Plan.all_gpu(cfg))
+    t0 = time.perf_counter()
+    e = LocalEngine(EngineConfig(a.model, policy=a.policy, max_batch=1, n_ctx=256, prefill_chunk=64,
+                                 threads=a.threads, **kw))
+    print(f"loaded in {time.perf_counter() - t0:.1f} s; cpu kernel available: {cpu_ffn.available()}", flush=True)
+    p = e.primary
+    p.step([0], [list(range(10, 74))], [0])
+    for i in range(5):
+        p.step([0], [[5]], [64 + i])
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(a.steps):
+        p.step([0], [[5]], [69 + i])
+    dt = (time.perf_counter() - t0) / a.steps
+    print(f"decode step {dt * 1e3:.2f} ms ({cfg.n_layer} layers: {dt * 1e6 / cfg.n_layer:.0f} us/layer)", flush=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        for i in range(5):
+            p.step([0], [[5]], [100 + i])
+    sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=a.rows))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=a.rows))
+    if e.cpu is not None:
+        print("cpu executor:", e.cpu.stats.as_dict())
+    print("primary:", p.stats.as_dict())
+    e.close()
+
+
+if __name__ == "__main__":
+    main()
