@@ -119,7 +119,8 @@ def head_attention(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
                    start_pos: torch.Tensor | Sequence[int], rope_theta: float = 10000.0,
                    rope_style: str | None = "norm", n_rot: int | None = None,
                    bq: torch.Tensor | None = None, bk: torch.Tensor | None = None,
-                   bv: torch.Tensor | None = None) -> torch.Tensor:
+                   bv: torch.Tensor | None = None, *, wqkv: torch.Tensor | None = None,
+                   bqkv: torch.Tensor | None = None) -> torch.Tensor:
     """Partial attention output y [B, T, D] of the shard's heads (see the module docstring).
 
     x [B, T, D] (already normed); wq [Hs*hd, D]; wk, wv [Gs*hd, D]; wo_t [Hs*hd, D];
@@ -127,9 +128,19 @@ def head_attention(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
     rope_style 'norm' | 'neox' | None (learned positions, e.g. OPT); bq [Hs*hd], bk/bv [Gs*hd].
     Scale 1/sqrt(hd). torch SDPA on every device; GQA without copying K/V per query head (the
     query heads of a group are stacked along the query axis).
+    wqkv [(Hs+2Gs)*hd, D] (and bqkv): the three projections stacked, when the caller holds them
+    so (wq/wk/wv are then its row views): one matmul instead of three.
+
+    One sequence with host positions (the decode and prefill steps of a single request) takes
+    a short path: one projection, one rotary call for q and k, slice writes into the cache,
+    and no mask at T = 1 -- about a third of the kernel launches of the general path, which
+    matters because at decode sizes the host's launch time, not the GPU, sets the pace.
     """
     Hs, Gs, hd = _check(x, wq, wk, wv, wo_t, k_cache, v_cache)
     B, T, D = x.shape
+    if B == 1 and not isinstance(start_pos, torch.Tensor) and not isinstance(slots, torch.Tensor):
+        return _one_sequence(x, wq, wk, wv, wo_t, k_cache, v_cache, int(slots[0]), int(start_pos[0]),
+                             rope_theta, rope_style, n_rot, bq, bk, bv, wqkv, bqkv)
     n_gqa = Hs // Gs
     angles = None
     if isinstance(start_pos, torch.Tensor):
@@ -169,6 +180,43 @@ def head_attention(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
                                        scale=1.0 / math.sqrt(hd))  # [B, Gs, n_gqa*T, hd]
     o = o.view(B, Gs, n_gqa, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, Hs * hd)
     return o @ wo_t.to(o.dtype)  # [B, T, D]
+
+
+def _one_sequence(x, wq, wk, wv, wo_t, k_cache, v_cache, s: int, p: int, theta, style, n_rot,
+                  bq, bk, bv, wqkv, bqkv) -> torch.Tensor:  # noqa: ANN001
+    """head_attention for B = 1 at host position p of cache slot s (see its docstring)."""
+    _, T, D = x.shape
+    Hs, hd, Gs = wq.shape[0] // k_cache.shape[-1], k_cache.shape[-1], k_cache.shape[1]
+    L = p + T
+    if L > k_cache.shape[2]:
+        raise ValueError(f"head_attention: positions reach {L}, expected <= S_max {k_cache.shape[2]}")
+    if wqkv is not None:
+        qkv = F.linear(x[0], wqkv, bqkv).view(T, Hs + 2 * Gs, hd)  # [T, Hs+2Gs, hd]
+    else:
+        qkv = torch.cat([F.linear(x[0], w, b) for w, b in ((wq, bq), (wk, bk), (wv, bv))], -1).view(T, Hs + 2 * Gs, hd)
+    qk, v = qkv[:, : Hs + Gs], qkv[:, Hs + Gs:]  # [T, Hs+Gs, hd], [T, Gs, hd]
+    if style is not None:
+        n_r = n_rot or hd
+        cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        key = ((p,), 1, T, str(x.device), theta, n_r, cdt, False)
+
+        def make():  # noqa: ANN202
+            pos, length = _positions([p], 1, T, x.device)
+            return pos, length, _rope_angles(pos, n_r, theta, cdt)
+
+        pos, _, (cos, sin) = _step_cache.get(key, make)
+        qk = rope(qk, pos[0], theta, style, n_rot, (cos[0], sin[0]))
+    q, k = qk[:, :Hs], qk[:, Hs:]
+    k_cache[s, :, p:L].copy_(k.transpose(0, 1))  # [Gs, T, hd]
+    v_cache[s, :, p:L].copy_(v.transpose(0, 1))
+    kc, vc = k_cache[s:s + 1, :, :L].to(q.dtype), v_cache[s:s + 1, :, :L].to(q.dtype)  # [1, Gs, L, hd]
+    mask = None
+    if T > 1:  # causal within the new tokens, everything before them visible
+        mask = torch.arange(L, device=x.device)[None, :] <= torch.arange(p, L, device=x.device)[:, None]  # [T, L]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc, vc, attn_mask=mask,
+                                       scale=1.0 / math.sqrt(hd), enable_gqa=Hs != Gs)  # [1, Hs, T, hd]
+    o = o[0].transpose(0, 1).reshape(T, Hs * hd)
+    return (o @ wo_t.to(o.dtype))[None]  # [1, T, D]
 
 
 def head_attention_ref(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo_t: torch.Tensor,

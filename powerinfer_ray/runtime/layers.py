@@ -70,7 +70,7 @@ def attn_partial(x: torch.Tensor, shard: AttnShard, cfg: ModelConfig, slots: lis
 
     return head_attention(x, shard.wq, shard.wk, shard.wv, shard.wo_t, shard.k_cache, shard.v_cache,
                           slots, start_pos, cfg.rope_theta, cfg.rope_style, cfg.rot_dims,
-                          bq=shard.bq, bk=shard.bk, bv=shard.bv)
+                          bq=shard.bq, bk=shard.bk, bv=shard.bv, wqkv=shard.wqkv, bqkv=shard.bqkv)
 
 
 def merge_partials(parts: list[torch.Tensor | None], bias: torch.Tensor | None = None) -> torch.Tensor:

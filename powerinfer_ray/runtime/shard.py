@@ -38,7 +38,9 @@ class FFNShard:
 @dataclass
 class AttnShard:
     groups: np.ndarray  # [Gs] KV-head groups
-    wq: torch.Tensor  # [Hs*hd, D]
+    wqkv: torch.Tensor  # [(Hs+2Gs)*hd, D]: q, k, v rows stacked (one matmul)
+    bqkv: torch.Tensor | None
+    wq: torch.Tensor  # [Hs*hd, D]  (row views of wqkv, likewise wk, wv and the biases)
     wk: torch.Tensor  # [Gs*hd, D]
     wv: torch.Tensor  # [Gs*hd, D]
     wo_t: torch.Tensor  # [Hs*hd, D]: transposed columns of attn_output for these heads
@@ -54,7 +56,7 @@ class AttnShard:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.wq, self.wk, self.wv, self.wo_t))
+        return sum(t.numel() * t.element_size() for t in (self.wqkv, self.wo_t))
 
     @property
     def cache_bytes(self) -> int:
@@ -100,8 +102,13 @@ def load_attn_shard(src: WeightSource, l: int, groups: np.ndarray, dtype: torch.
         wo = src.layer(K.ATTN_OUT, l, dtype=dtype, device=device)  # [D, H*hd]
         wo_t = wo[:, torch.from_numpy(q_rows).to(device)].T.contiguous()  # our heads' columns
     cache_shape = (slots, len(groups), n_ctx, cfg.head_dim)
-    return AttnShard(groups=np.asarray(groups, np.int64), wq=rows(K.ATTN_Q, q_rows), wk=rows(K.ATTN_K, kv_rows),
-                     wv=rows(K.ATTN_V, kv_rows), wo_t=wo_t, bq=rows(K.ATTN_Q, q_rows, True),
-                     bk=rows(K.ATTN_K, kv_rows, True), bv=rows(K.ATTN_V, kv_rows, True),
+    nq, nkv = len(q_rows), len(kv_rows)
+    wqkv = torch.cat([rows(K.ATTN_Q, q_rows), rows(K.ATTN_K, kv_rows), rows(K.ATTN_V, kv_rows)])
+    bqkv = torch.cat([rows(K.ATTN_Q, q_rows, True), rows(K.ATTN_K, kv_rows, True),
+                      rows(K.ATTN_V, kv_rows, True)]) if cfg.bias else None
+    part = lambda t, a, b: None if t is None else t[a:b]  # noqa: E731
+    return AttnShard(groups=np.asarray(groups, np.int64), wqkv=wqkv, bqkv=bqkv,
+                     wq=wqkv[:nq], wk=wqkv[nq:nq + nkv], wv=wqkv[nq + nkv:], wo_t=wo_t,
+                     bq=part(bqkv, 0, nq), bk=part(bqkv, nq, nq + nkv), bv=part(bqkv, nq + nkv, nq + 2 * nkv),
                      k_cache=torch.zeros(cache_shape, dtype=dtype, device=device),
                      v_cache=torch.zeros(cache_shape, dtype=dtype, device=device))

@@ -122,3 +122,33 @@ def test_head_attention_rejects_inconsistent_shapes():
     with pytest.raises(ValueError, match="S_max"):
         head_attention(torch.zeros(1, 2, D), torch.zeros(4 * hd, D), torch.zeros(2 * hd, D), torch.zeros(2 * hd, D),
                        torch.zeros(4 * hd, D), kc, kc.clone(), [0], [7])
+
+
+@pytest.mark.parametrize("H, G", [(4, 4), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("style", ["norm", "neox", None])
+@pytest.mark.parametrize("fused", [True, False], ids=["wqkv", "separate"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_sequence_path_matches_reference(H, G, style, fused, bias):
+    """B = 1 with host positions takes the short path (one projection, slice cache writes, no
+    mask at T = 1): prefill then decode steps equal the float64 reference, cache included."""
+    gen = torch.Generator().manual_seed(7)
+    hd, D, S = 8, 32, 24
+    w = _weights(H, G, hd, D, torch.float32, gen, bias)
+    extra = {}
+    if fused:
+        extra["wqkv"] = torch.cat([w["wq"], w["wk"], w["wv"]])
+        if bias:
+            extra["bqkv"] = torch.cat([w["bq"], w["bk"], w["bv"]])
+    cache = [torch.zeros(2, G, S, hd) for _ in range(2)]
+    ref_cache = [torch.zeros(2, G, S, hd, dtype=torch.float64) for _ in range(2)]
+    x = torch.randn(1, 9, D, generator=gen)
+    pieces = [(0, 5), (5, 6), (6, 7), (7, 9)]  # a 5-token prefill, two decode steps, a 2-token chunk
+    for a, b in pieces:
+        y = head_attention(x[:, a:b], k_cache=cache[0], v_cache=cache[1], slots=[1], start_pos=[a],
+                           rope_theta=500.0, rope_style=style, **w, **extra)
+        ref = head_attention_ref(x[:, a:b].double(), k_cache=ref_cache[0], v_cache=ref_cache[1], slots=[1],
+                                 start_pos=[a], rope_theta=500.0, rope_style=style,
+                                 **{k: v.double() for k, v in w.items()})
+        assert rel_err(y, ref) < 1e-5
+    assert rel_err(cache[0][1, :, :9], ref_cache[0][1, :, :9]) < 1e-5
+    assert torch.equal(cache[0][0], torch.zeros_like(cache[0][0]))  # the other slot untouched
