@@ -27,17 +27,23 @@ from ..model.reference import ReferenceModel, apply_rope, ffn_activation, rms_no
 from ..model.tokenizer import BYTE_VOCAB_SIZE, Tokenizer, byte_level_fields
 from .corpus import DATA_DIR
 
-DEFAULT_MODEL_FILE = "tiny-reglu.powerinfer.gguf"
+DEFAULT_MODEL_FILE = "tiny-reglu.powerinfer.gguf"  # the name model.default looks for
 DEFAULT_STATS_FILE = "tiny-reglu.activation.parquet"
 
 
-def default_model_path() -> Path:
-    """The embedded default model: the trained tiny ReGLU model with its predictors."""
+def trained_model_path() -> Path:
+    """The trained tiny ReGLU model with its predictors, as shipped in package data
+    (``powerinfer_ray.model.default.default_model_path()`` returns it when present)."""
     path = DATA_DIR / DEFAULT_MODEL_FILE
     if not path.exists():
         raise FileNotFoundError(f"{path}: the embedded model is missing; train it with "
                                 "scripts/train_tiny_model.py")
     return path
+
+
+def trained_stats_path() -> Path:
+    """Activation statistics of the shipped model (Parquet, ``profile.ActivationStats``)."""
+    return DATA_DIR / DEFAULT_STATS_FILE
 
 
 def tiny_reglu_config(n_vocab: int = 1024, n_embd: int = 192, n_layer: int = 6, n_head: int = 4,
