@@ -50,6 +50,7 @@ class EngineConfig:
     method: str = "ilp"
     timeout_s: float = 120.0
     dtype: str | None = None
+    prefill_dense_min: int | None = None  # None: 32 tokens on CUDA, off on the CPU
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if k != "plan"}
@@ -156,7 +157,7 @@ class LocalEngine:
         device = ec.device or ("cuda" if _cuda() else "cpu")
         self.primary = PrimaryExecutor(src, plan, device=device, policy=policy, threshold=ec.threshold,
                                        slots=ec.max_batch, n_ctx=n_ctx, t_max=t_max, dtype=ec.dtype,
-                                       timeout_s=ec.timeout_s)
+                                       timeout_s=ec.timeout_s, prefill_dense_min=ec.prefill_dense_min)
         spec = self.primary.create_channel()
         if spec is not None:
             self.cpu = CPUExecutor(src, plan, policy=policy, slots=ec.max_batch, n_ctx=n_ctx, threads=ec.threads)

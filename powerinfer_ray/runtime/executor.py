@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as Fn
 
 from ..model import gguf_keys as K
-from ..model.reference import layer_norm, rms_norm
+from ..model.reference import ffn_activation, layer_norm, rms_norm
 from ..model.source import WeightSource, open_model
 from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec
 from .layers import POLICIES, attn_partial, ffn_partial, merge_partials
@@ -84,7 +84,7 @@ class PrimaryExecutor:
     def __init__(self, model: str | WeightSource, plan: Plan, *, device: str = "cpu",
                  policy: str = "predictor", threshold: float | None = None, slots: int = 8,
                  n_ctx: int | None = None, t_max: int = 128, dtype: str | None = None,
-                 timeout_s: float = 60.0) -> None:
+                 timeout_s: float = 60.0, prefill_dense_min: int | None = None) -> None:
         self.src = open_model(model)
         self.cfg = cfg = self.src.config
         plan.verify(cfg)
@@ -101,6 +101,10 @@ class PrimaryExecutor:
         self.slots, self.n_ctx, self.t_max = slots, min(n_ctx or cfg.n_ctx, cfg.n_ctx), t_max
         self.stats = ExecStats()
         self.channel: Channel | None = None
+        # prompts of at least this many tokens run the CPU shard's neurons densely on this
+        # device, streaming their rows from pinned host memory (upstream: dense prefill)
+        self.prefill_dense_min = (32 if self.device.type == "cuda" else 0) if prefill_dense_min is None \
+            else prefill_dense_min
         if self.device.type == "cuda":
             # cuDNN's SDPA plans per shape: every decode step has a new key length, and the
             # re-plan costs ~8 ms of host time per call (measured on the H200 host)
@@ -143,6 +147,16 @@ class PrimaryExecutor:
                 ffn=load_ffn_shard(self.src, l, lp.gpu_neurons, dt, dev),
                 attn=load_attn_shard(self.src, l, lp.gpu_groups, dt, dev, self.slots, self.n_ctx)))
             log.debug("primary: layer %d loaded", l)
+        self.cold: list[FFNShard] | None = None
+        if self.prefill_dense_min > 0 and any(len(lp.cpu_neurons) for lp in self.plan.layers):
+            self.cold = [self._host_shard(l) for l in range(cfg.n_layer)]
+
+    def _host_shard(self, l: int) -> FFNShard:
+        """The CPU executor's rows of layer l, in (pinned) host memory, for dense prefill."""
+        sh = load_ffn_shard(self.src, l, self.plan[l].cpu_neurons, self.dtype, self.device)
+        pin = self.device.type == "cuda"
+        host = lambda t: None if t is None else (t.cpu().pin_memory() if pin else t)  # noqa: E731
+        return FFNShard(sh.ids, host(sh.up), host(sh.gate), host(sh.down_t), host(sh.up_bias))
 
     def weight_bytes(self) -> int:
         """Bytes this executor holds (weights + KV cache), as counted against a VRAM budget."""
@@ -232,11 +246,34 @@ class PrimaryExecutor:
         self.stats.active_bytes += computed * self.cfg.neuron_bytes
         return y
 
+    def _cold_ffn(self, l: int, x: torch.Tensor, mask: torch.Tensor | None, rows: int = 4096) -> torch.Tensor:
+        """The CPU shard's FFN output [N, D] computed densely here, its rows streamed from host
+        memory in chunks of ``rows`` (the chunk is what this costs in device memory)."""
+        cold, dev = self.cold[l], self.device
+        y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=dev)
+        for a in range(0, cold.n, rows):
+            b = min(a + rows, cold.n)
+            up = cold.up[a:b].to(dev, non_blocking=True)
+            gate = cold.gate[a:b].to(dev, non_blocking=True) if cold.gate is not None else None
+            u = x @ up.T  # [N, b-a]
+            if cold.up_bias is not None:
+                u = u + cold.up_bias[a:b].to(dev, non_blocking=True)
+            hid = ffn_activation(self.cfg.ffn_act, u, x @ gate.T if gate is not None else None)
+            if mask is not None:
+                hid = hid * mask[:, a:b]
+            y += (hid @ cold.down_t[a:b].to(dev, non_blocking=True)).float()
+        pairs = int(mask.sum()) if mask is not None else x.shape[0] * cold.n
+        self.stats.neurons += pairs
+        self.stats.active_bytes += cold.n * self.cfg.neuron_bytes
+        return y
+
     def _layer(self, l: int, h: torch.Tensor, slots: list[int], start: list[int], B: int) -> torch.Tensor:
         """One transformer block over h [N, D] (N = B*T tokens)."""
         cfg, lw, lp = self.cfg, self.layers[l], self.plan[l]
         N, D = h.shape
         cpu_heads, cpu_neurons = len(lp.cpu_groups) > 0, len(lp.cpu_neurons) > 0
+        dense_cold = cpu_neurons and self.cold is not None and N >= self.prefill_dense_min
+        cpu_neurons = cpu_neurons and not dense_cold  # the CPU executor's part of the FFN
         x_a = self._norm(h, lw.norm_attn)  # [N, D]
         attn = lambda: attn_partial(x_a.view(B, N // B, D), lw.attn, cfg, slots, start).view(N, D) \
             if lw.attn.n_groups else None  # noqa: E731
@@ -244,12 +281,15 @@ class PrimaryExecutor:
         if cfg.parallel_attn:
             x_f = self._norm(h, lw.norm_ffn) if lw.norm_ffn else x_a
             gmask, cmask = self._predict(lw, h)
-            pend = self._post(OP_ATTN_FFN, l, B, x_a if cpu_heads else None, x_f if cpu_neurons else None,
-                              cmask) if lp.cpu_has_work else None
+            op = OP_ATTN_FFN if cpu_neurons else OP_ATTN
+            pend = self._post(op, l, B, x_a if cpu_heads else None, x_f if cpu_neurons else None,
+                              cmask if cpu_neurons else None) if cpu_heads or cpu_neurons else None
             a = attn()
             t1 = time.perf_counter()
             f = self._ffn(lw, x_f, gmask)
             cpu = self._collect(*pend, N) if pend else None
+            if dense_cold:
+                f = merge_partials([f, self._cold_ffn(l, x_f, cmask)])
             out = h + merge_partials([a, f, cpu], _add(lw.attn_out_bias, lw.down_bias)).to(h.dtype)
         else:
             pend = self._post(OP_ATTN, l, B, x_a, None, None) if cpu_heads else None
@@ -262,6 +302,8 @@ class PrimaryExecutor:
             pend = self._post(OP_FFN, l, B, None, x_f, cmask) if cpu_neurons else None
             f = self._ffn(lw, x_f, gmask)
             cpu_f = self._collect(*pend, N) if pend else None
+            if dense_cold:
+                cpu_f = self._cold_ffn(l, x_f, cmask)
             out = h + merge_partials([f, cpu_f], lw.down_bias).to(h.dtype)
         self.stats.layer_s["attn"] += t1 - t0
         self.stats.layer_s["ffn"] += time.perf_counter() - t1
@@ -365,23 +407,23 @@ class CPUExecutor:
     @torch.no_grad()
     def _compute(self, op: int, l: int, n_seq: int, n_tok: int, n_mask: int) -> None:
         ch, cfg = self.channel, self.cfg
-        parts: list[torch.Tensor | None] = []
+        out = ch.out[:n_tok]  # [N, D]: the partial outputs are written (and summed) in place
+        wrote = False
+        if op in (OP_FFN, OP_ATTN_FFN) and self.ffn[l].n:
+            mask = ch.mask[:n_tok, :n_mask].bool() if self.policy == "predictor" else None
+            _, computed = ffn_partial(ch.x_ffn[:n_tok], self.ffn[l], cfg.ffn_act, self.policy, mask,
+                                      out=out, threads=self.threads)
+            self.stats.neurons += computed
+            self.stats.active_bytes += computed * cfg.neuron_bytes
+            wrote = True
         if op in (OP_ATTN, OP_ATTN_FFN) and self.attn[l].n_groups:
             x = ch.x_attn[:n_tok].view(n_seq, n_tok // n_seq, cfg.n_embd)
             slots, start = ch.slots[:n_seq].tolist(), ch.start_pos[:n_seq].tolist()
-            parts.append(attn_partial(x, self.attn[l], cfg, slots, start).view(n_tok, cfg.n_embd))
+            a = attn_partial(x, self.attn[l], cfg, slots, start).view(n_tok, cfg.n_embd)
+            out.add_(a) if wrote else out.copy_(a)
             self.stats.active_bytes += self.attn[l].weight_bytes  # read in full by every step
-        if op in (OP_FFN, OP_ATTN_FFN) and self.ffn[l].n:
-            mask = ch.mask[:n_tok, :n_mask].bool() if self.policy == "predictor" else None
-            y, computed = ffn_partial(ch.x_ffn[:n_tok], self.ffn[l], cfg.ffn_act, self.policy, mask,
-                                      threads=self.threads)
-            parts.append(y)
-            self.stats.neurons += computed
-            self.stats.active_bytes += computed * cfg.neuron_bytes
-        out = ch.out[:n_tok]
-        if parts:
-            out.copy_(merge_partials(parts))
-        else:
+            wrote = True
+        if not wrote:
             out.zero_()
         self.stats.exchanges += 1
         self.stats.tokens += n_tok if l == 0 else 0
