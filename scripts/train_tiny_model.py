@@ -31,7 +31,7 @@ import torch
 
 from powerinfer_ray.model.tokenizer import Tokenizer
 from powerinfer_ray.offline import corpus
-from powerinfer_ray.offline.train_tiny import (TrainResult, TrainSettings, check_export, encode_stream,
+from powerinfer_ray.offline.train_tiny import (TrainSettings, check_export, encode_stream,
                                                eval_windows, export, tiny_reglu_config, train,
                                                train_tokenizer)
 

@@ -5,13 +5,15 @@ the layer input for falcon) to one logit per neuron: ``fc2 @ relu(fc1 @ x)`` wit
 fc2 [F, r] and no biases (upstream PowerInfer's layout); neuron j is computed iff its logit
 >= ``powerinfer.sparse_threshold`` (0 here).
 
-``train_predictors`` collects (x, active mask) pairs from the dense reference over a corpus
-(spilling to Arrow IPC shards on disk beyond a memory cap), trains each layer with
-class-weighted BCE, sizes each layer's width adaptively and writes a new GGUF with the
-predictors. Recall alone is the wrong objective (upstream issue #124: a predictor that marks
-everything active has recall 1): each width's precision and predicted sparsity are measured on
-held-out tokens, and the chosen width is the smallest one that reaches the recall target with
-a predicted sparsity close to the best any tried width reached.
+``train_predictors`` collects (x, activation) pairs from the dense reference over a corpus
+(each neuron's activation as a one-byte code of its contribution |h| * ||down row||, 0 when
+inactive; spilled to Arrow IPC shards on disk beyond a memory cap), trains each layer with
+class-weighted BCE (active neurons weighted up, and more so the ones that move the output
+most), sizes each layer's width adaptively and writes a new GGUF with the predictors.
+Recall alone is the wrong objective (upstream issue #124: a predictor that marks everything
+active has recall 1): each width's precision and predicted sparsity are measured on held-out
+tokens, and the chosen width is the smallest one that reaches the recall target with a
+predicted sparsity close to the best any tried width reached.
 """
 from __future__ import annotations
 
