@@ -35,12 +35,15 @@ class ActivationStats:
     n_tokens: int
 
 
-def write_activation_parquet(path: str | Path, counts: Sequence[np.ndarray], n_tokens: int) -> None:
-    """Write counts [L][n_ff_l] as one row per (layer, neuron)."""
+def write_activation_parquet(path: str | Path, counts: Sequence[np.ndarray], n_tokens: int,
+                             extra_metadata: dict[str, str] | None = None) -> None:
+    """Write counts [L][n_ff_l] as one row per (layer, neuron); extra_metadata (e.g. the model
+    name) goes into the key/value metadata beside n_tokens and n_ff."""
     layer = np.concatenate([np.full(len(c), l, dtype=np.int32) for l, c in enumerate(counts)])
     neuron = np.concatenate([np.arange(len(c), dtype=np.int32) for c in counts])
     count = np.concatenate([np.asarray(c, dtype=np.int64) for c in counts])
     meta = {N_TOKENS_KEY: str(int(n_tokens)).encode(), N_FF_KEY: json.dumps([len(c) for c in counts]).encode()}
+    meta.update({k.encode(): v.encode() for k, v in (extra_metadata or {}).items()})
     table = pa.table({"layer": layer, "neuron": neuron, "count": count}).replace_schema_metadata(meta)
     pq.write_table(table, str(path))
 

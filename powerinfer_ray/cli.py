@@ -8,8 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
-from typing import Callable
 
 
 def _model_arg(p: argparse.ArgumentParser, required: bool = False) -> None:

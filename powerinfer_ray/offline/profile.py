@@ -10,7 +10,6 @@ layer, neuron, count; metadata n_tokens and model) and as upstream PowerInfer's
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -26,8 +25,7 @@ from .corpus import Corpus, iter_texts, token_windows
 PARQUET_FILE = "activation.parquet"
 PT_DIR = "activation"
 PLOT_FILE = "rank_frequency.png"
-_META_N_TOKENS, _META_MODEL = b"n_tokens", b"model"
-_PT_NAME = re.compile(r"^activation_(\d+)\.pt$")
+_META_MODEL = b"model"
 
 
 class ActivationStatsError(ValueError):
@@ -105,33 +103,26 @@ class ActivationStats:
 
     # --- Parquet ----------------------------------------------------------------------------
     def save_parquet(self, path: str | Path) -> Path:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+        """The project's Parquet format (placement.stats: layer, neuron, count; n_tokens)."""
+        from ..placement.stats import write_activation_parquet
 
-        L, F = self.counts.shape
-        table = pa.table({"layer": pa.array(np.repeat(np.arange(L, dtype=np.int32), F)),
-                          "neuron": pa.array(np.tile(np.arange(F, dtype=np.int32), L)),
-                          "count": pa.array(self.counts.reshape(-1))})
-        table = table.replace_schema_metadata({_META_N_TOKENS: str(self.n_tokens).encode(),
-                                               _META_MODEL: self.model.encode()})
-        pq.write_table(table, path)
+        write_activation_parquet(path, list(self.counts), self.n_tokens, {"model": self.model})
         return Path(path)
 
     @classmethod
     def load_parquet(cls, path: str | Path) -> "ActivationStats":
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
-        meta = table.schema.metadata or {}
-        missing = {"layer", "neuron", "count"} - set(table.column_names)
-        if missing or _META_N_TOKENS not in meta:
-            raise ActivationStatsError(f"{path}: expected columns layer, neuron, count and metadata "
-                                       f"n_tokens; missing {sorted(missing) or 'n_tokens'}")
-        layer = table.column("layer").to_numpy().astype(np.int64)
-        neuron = table.column("neuron").to_numpy().astype(np.int64)
-        counts = np.zeros((layer.max() + 1, neuron.max() + 1), dtype=np.int64)
-        counts[layer, neuron] = table.column("count").to_numpy()
-        return cls(counts, int(meta[_META_N_TOKENS]), meta.get(_META_MODEL, b"").decode())
+        from ..placement.stats import StatsError, read_activation_parquet
+
+        try:
+            st = read_activation_parquet(path)
+        except StatsError as exc:
+            raise ActivationStatsError(str(exc)) from None
+        if len({len(c) for c in st.counts}) != 1:
+            raise ActivationStatsError(f"{path}: layers have different neuron counts")
+        meta = pq.read_schema(path).metadata or {}
+        return cls(np.stack(st.counts), int(st.n_tokens), meta.get(_META_MODEL, b"").decode())
 
     # --- upstream activation/activation_{l}.pt ----------------------------------------------
     def save_pt(self, folder: str | Path) -> Path:
@@ -147,14 +138,13 @@ class ActivationStats:
     def load_pt(cls, folder: str | Path, n_tokens: int | None = None) -> "ActivationStats":
         """Read upstream's per-layer count files (sorted numerically: 10 after 9). Without
         ``meta.json`` (upstream writes none) pass ``n_tokens``; else the largest count is used."""
+        from ..placement.stats import StatsError, activation_pt_files
+
         folder = Path(folder)
-        found = sorted(((int(m.group(1)), p) for p in folder.iterdir()
-                        if (m := _PT_NAME.match(p.name))), key=lambda lp: lp[0])
-        if not found:
-            raise ActivationStatsError(f"{folder}: no activation_<layer>.pt files")
-        layers = [l for l, _ in found]
-        if layers != list(range(len(layers))):
-            raise ActivationStatsError(f"{folder}: expected layers 0..{len(layers) - 1}, found {layers}")
+        try:
+            found = list(enumerate(activation_pt_files(folder)))  # numeric order, 0..L-1 checked
+        except StatsError as exc:
+            raise ActivationStatsError(str(exc)) from None
         counts = [torch.load(p, weights_only=True) for _, p in found]
         for l, c in enumerate(counts):
             if not isinstance(c, torch.Tensor) or c.ndim != 1:

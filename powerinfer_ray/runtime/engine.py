@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..model.config import ModelConfig
+from ..model.costs import model_costs  # noqa: F401  (re-exported for the benchmarks)
 from ..model.source import WeightSource, open_model
 from ..model import gguf_keys as K
 from ..model.tokenizer import Tokenizer
@@ -70,25 +71,18 @@ def resolve_policy(ec: EngineConfig, cfg: ModelConfig) -> str:
 # ------------------------------------------------------------------------------------------------
 # the plan
 # ------------------------------------------------------------------------------------------------
-def model_costs(cfg: ModelConfig, n_ctx: int, batch: int):  # noqa: ANN201  (placement.ModelCosts)
-    from ..placement.costs import ModelCosts
-
-    return ModelCosts.from_shape(cfg.n_layer, cfg.n_embd, cfg.n_ff, cfg.n_head, cfg.n_head_kv, cfg.n_vocab,
-                                 cfg.gated, cfg.dtype_bytes, list(cfg.predictor_ranks) or [0] * cfg.n_layer,
-                                 n_ctx, batch, tied_embeddings=cfg.tied_output, bias=cfg.bias)
-
-
 def activation_counts(src: WeightSource, model_path: str) -> tuple[list[np.ndarray], int] | None:
     """The model's activation statistics: planted ones, or a profile saved next to the file."""
     if hasattr(src, "activation_counts"):
         return src.activation_counts(100_000)
-    from ..offline.profile import ActivationStats
+    from ..offline.solve import load_counts
 
     base = Path(model_path)
-    for cand in (base.with_suffix(".activation.parquet"), base.parent / "activation"):
+    stem = base.name.split(".")[0]
+    for cand in (base.parent / f"{stem}.activation.parquet", base.parent / "activation.parquet",
+                 base.parent / "activation"):
         if cand.exists():
-            stats = ActivationStats.load(cand)
-            return list(stats.counts), int(stats.n_tokens)
+            return load_counts(cand)
     return None
 
 

@@ -63,7 +63,7 @@ def test_pt_round_trip_sorts_layers_numerically(tmp_path):
 def test_pt_missing_layer_is_an_error(tmp_path):
     folder = fake_stats(n_layer=3).save_pt(tmp_path / "act")
     (folder / "activation_1.pt").unlink()
-    with pytest.raises(ActivationStatsError, match="expected layers 0..1"):
+    with pytest.raises(ActivationStatsError, match="activation_0.pt .. activation_2.pt"):
         ActivationStats.load_pt(folder)
 
 
