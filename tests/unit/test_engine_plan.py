@@ -1,0 +1,94 @@
+"""--vram-budget: the plan is solved on the fly, cached as <model>.generated.gpuidx and reused
+like upstream; a budget that cannot hold the dense parts fails before loading, naming the
+minimum."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from powerinfer_ray.model.costs import model_costs
+from powerinfer_ray.model.default import default_model_path
+from powerinfer_ray.model.source import open_model
+from powerinfer_ray.placement.gpuidx import gpuidx_path, read_gpuidx
+from powerinfer_ray.runtime.engine import GIB, EngineConfig, LocalEngine, resolve_plan
+
+
+@pytest.fixture()
+def host(tmp_path):
+    """A host where a sync is nearly free: the tiny model's neurons (1 KB each) are then worth
+    placing (at 45 us the solver rightly keeps every layer's FFN on the CPU)."""
+    from powerinfer_ray.placement.host import HostProfile
+
+    path = tmp_path / "host.json"
+    HostProfile(sync_us=0.01).save(path)
+    return str(path)
+
+
+@pytest.fixture()
+def model(tmp_path):
+    """The trained tiny model and its activation profile, copied (the split file lands beside)."""
+    src = default_model_path()
+    dst = tmp_path / src.name
+    shutil.copy(src, dst)
+    stats = src.parent / (src.name.split(".")[0] + ".activation.parquet")
+    shutil.copy(stats, tmp_path / stats.name)
+    return dst
+
+
+def _budget(cfg, gpu_share_of_ffn: float) -> float:
+    c = model_costs(cfg, min(cfg.n_ctx, 4096), 8)
+    return (c.fixed_bytes + c.attention_bytes + gpu_share_of_ffn * c.ffn_bytes) / GIB
+
+
+def test_budget_solves_caches_and_reuses_the_split(model, host):
+    cfg = open_model(model).config
+    budget = _budget(cfg, 0.3)
+    ec = EngineConfig(str(model), vram_budget_gib=budget, host_profile=host)
+    plan = resolve_plan(ec)
+    split = gpuidx_path(model)
+    assert split.exists()
+    idx = read_gpuidx(split)
+    assert [np.flatnonzero(m).tolist() for m in idx.gpu_neurons] == [lp.gpu_neurons.tolist() for lp in plan.layers]
+    n_gpu = sum(len(lp.gpu_neurons) for lp in plan.layers)
+    assert 0 < n_gpu < cfg.n_layer * cfg.n_ff  # a real split: hot neurons on the GPU, the rest on the CPU
+    # reused as is (upstream's rule: the cached split fits the budget) ...
+    idx.gpu_neurons[0][:] = True
+    from powerinfer_ray.placement.gpuidx import write_gpuidx
+
+    write_gpuidx(split, idx.gpu_neurons, idx.vram_capacity)
+    assert resolve_plan(ec).layers[0].gpu_neurons.size == cfg.n_ff
+    # ... unless --reset-gpu-index, which re-solves and rewrites it
+    again = resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, reset_gpu_index=True, host_profile=host))
+    assert [lp.gpu_neurons.tolist() for lp in again.layers] == [lp.gpu_neurons.tolist() for lp in plan.layers]
+    # --disable-gpu-index neither reads nor writes
+    split.unlink()
+    resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, disable_gpu_index=True, host_profile=host))
+    assert not split.exists()
+
+
+def test_sync_cost_keeps_small_neurons_on_the_cpu(model):
+    """At the default 45 us per sync, none of the tiny model's layers is worth splitting."""
+    plan = resolve_plan(EngineConfig(str(model), vram_budget_gib=_budget(open_model(model).config, 0.3)))
+    assert all(len(lp.gpu_neurons) == 0 for lp in plan.layers)
+
+
+def test_hotter_neurons_go_to_the_gpu(model, host):
+    from powerinfer_ray.offline.solve import load_counts
+
+    counts, _ = load_counts(model.parent / (model.name.split(".")[0] + ".activation.parquet"))
+    plan = resolve_plan(EngineConfig(str(model), vram_budget_gib=_budget(open_model(model).config, 0.3),
+                                     host_profile=host))
+    share = plan.gpu_activation_share(counts)
+    gpu_frac = sum(len(lp.gpu_neurons) for lp in plan.layers) / sum(len(c) for c in counts)
+    assert share > gpu_frac + 0.2  # the solver picked the hot ones: far more activations than neurons
+
+
+def test_too_small_budget_fails_before_loading_and_names_the_minimum(model):
+    cfg = open_model(model).config
+    c = model_costs(cfg, min(cfg.n_ctx, 4096), 8)
+    with pytest.raises(ValueError) as exc:
+        LocalEngine(EngineConfig(str(model), vram_budget_gib=0.001))
+    msg = str(exc.value)
+    assert "GiB" in msg and f"{c.min_budget_bytes(True) / GIB:.3f}"[:5] in msg, msg
