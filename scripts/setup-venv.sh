@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Create (once) the project's virtual environment in .venv and install the project into it.
-# Usage: source scripts/setup-venv.sh [extras]     e.g. "test"
+# Usage: source scripts/setup-venv.sh EXTRAS     EXTRAS: "base" (none) or e.g. "test"
+# (always pass it: a sourced script without arguments sees its caller's arguments)
 # torch: on these machines 'torch==2.13.0' resolves to the local CPU build; override with
 # TORCH_SPEC (e.g. TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu").
 set -e
+extras=${1:?usage: source scripts/setup-venv.sh base|test}
+[ "$extras" = base ] && extras=""
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 py=${PYTHON:-python3}
 "$py" -c 'import sys; assert sys.version_info >= (3, 10), "Python >= 3.10 is required, found " + sys.version' 
@@ -12,12 +15,12 @@ if [ ! -x "$root/.venv/bin/python" ]; then
   "$py" -m venv "$root/.venv"
 fi
 vpy="$root/.venv/bin/python"
-stamp="$root/.venv/.installed-${1:-base}"
+stamp="$root/.venv/.installed-${extras:-base}"
 if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
-  echo "[setup] installing powerinfer-ray${1:+[$1]} (first run takes a few minutes)" >&2
+  echo "[setup] installing powerinfer-ray${extras:+[$extras]} (first run takes a few minutes)" >&2
   "$vpy" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   "$vpy" -c 'import torch' 2>/dev/null || "$vpy" -m pip install -q ${TORCH_SPEC:-torch==2.13.0} 2>&1 | grep -v "^WARNING: Location" >&2 || true
-  "$vpy" -m pip install -q -e "$root${1:+[$1]}" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+  "$vpy" -m pip install -q -e "$root${extras:+[$extras]}" 2>&1 | grep -v "^WARNING: Location" >&2 || true
   "$vpy" -c 'import powerinfer_ray, torch, ray, gguf, cvxpy' && touch "$stamp"
 fi
 export PATH="$root/.venv/bin:$PATH"
