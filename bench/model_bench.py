@@ -55,6 +55,17 @@ def commit() -> str:
         return os.environ.get("POWERINFER_COMMIT", "unknown")
 
 
+def write_results(out_dir: str | Path, name: str, command: str, **payload: Any) -> Path:
+    """bench/results/<name>.json: machine, commit, command, date, then the payload."""
+    doc = {"machine": machine(), "commit": commit(), "command": command,
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), **payload}
+    out = Path(out_dir) / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=2))
+    print(f"wrote {out}")
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 def layer_offload_plan(model: str, budget_gib: float, n_ctx: int, batch: int):  # noqa: ANN201
     """llama.cpp -ngl: as many whole layers (attention + dense FFN) on the GPU as the budget
@@ -221,13 +232,8 @@ def main(mode: str, argv: list[str]) -> int:
     records = []
     for m in modes:
         records += run_mode(m, a)
-    doc = {"machine": machine(), "commit": commit(), "command": "powerinfer-ray bench " + " ".join([mode] + argv),
-           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "records": records}
     name = a.name or f"{mode}-{a.model.replace('planted:', '').split('?')[0]}-{time.strftime('%Y%m%d-%H%M%S')}"
-    out = Path(a.out_dir) / f"{name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2))
-    print(f"wrote {out}")
+    write_results(a.out_dir, name, "powerinfer-ray bench " + " ".join([mode] + argv), records=records)
     return 0
 
 

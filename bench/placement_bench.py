@@ -18,7 +18,6 @@ many layers hold GPU neurons, attention groups on the GPU, C_l. Target: 70B in <
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import json
 import os
@@ -44,23 +43,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 BUDGETS_GIB = {"llama2-70b": [24, 40, 64, 80], "llama2-13b": [8, 12, 16, 24]}
 
 
-def _placement():
-    """powerinfer_ray.placement, from the install or mapped from this checkout."""
-    try:
-        import powerinfer_ray.placement as placement
-        return placement
-    except ModuleNotFoundError:
-        sys.path.insert(0, str(ROOT))
-        spec = importlib.util.spec_from_file_location(
-            "powerinfer_ray.placement", ROOT / "placement" / "__init__.py",
-            submodule_search_locations=[str(ROOT / "placement")])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["powerinfer_ray.placement"] = module
-        spec.loader.exec_module(module)
-        return module
-
-
-P = _placement()
+import powerinfer_ray.placement as P  # noqa: E402
 
 
 def power_law_counts(n_layer: int, n_ff: int, n_tokens: int, active: float, seed: int) -> list[np.ndarray]:

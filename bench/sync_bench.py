@@ -107,7 +107,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--name", default=None)
     a = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "bench"))
-    from model_bench import commit, machine
+    from model_bench import machine, write_results
 
     from powerinfer_ray.generate import init_ray
 
@@ -117,13 +117,9 @@ def main(argv: list[str]) -> int:
     prim = Primary.options(num_gpus=gpus, num_cpus=1).remote()
     res = ray.get(prim.run.remote(peer, a.d, a.n_mask, a.iters))
     res.update(d=a.d, n_mask=a.n_mask, per_layer_sync_us=res["round_trip_us_median"])
-    doc = {"machine": machine(), "commit": commit(), "command": "powerinfer-ray bench sync " + " ".join(argv),
-           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "result": res}
     print(json.dumps(res, indent=2))
-    out = Path(a.out_dir) / f"{a.name or 'sync-' + machine()['host']}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=2))
-    print(f"wrote {out}")
+    write_results(a.out_dir, a.name or "sync-" + machine()["host"], "powerinfer-ray bench sync " + " ".join(argv),
+                  result=res)
     return 0
 
 
