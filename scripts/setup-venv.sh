@@ -18,9 +18,12 @@ vpy="$root/.venv/bin/python"
 stamp="$root/.venv/.installed-${extras:-base}"
 if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
   echo "[setup] installing powerinfer-ray${extras:+[$extras]} (first run takes a few minutes)" >&2
-  "$vpy" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  "$vpy" -c 'import torch' 2>/dev/null || "$vpy" -m pip install -q ${TORCH_SPEC:-torch==2.13.0} 2>&1 | grep -v "^WARNING: Location" >&2 || true
-  "$vpy" -m pip install -q -e "$root${extras:+[$extras]}" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+  log="$root/.venv/install.log"
+  "$vpy" -m pip install -q --upgrade pip >"$log" 2>&1 || true
+  "$vpy" -c 'import torch' 2>/dev/null || "$vpy" -m pip install ${TORCH_SPEC:-torch==2.13.0} >>"$log" 2>&1 \
+    || { tail -20 "$log" >&2; echo "[setup] installing torch failed: see $log" >&2; return 1 2>/dev/null || exit 1; }
+  "$vpy" -m pip install -e "$root${extras:+[$extras]}" >>"$log" 2>&1 \
+    || { tail -20 "$log" >&2; echo "[setup] installing the project failed: see $log" >&2; return 1 2>/dev/null || exit 1; }
   "$vpy" -c 'import powerinfer_ray, torch, ray, gguf, cvxpy' && touch "$stamp"
 fi
 export PATH="$root/.venv/bin:$PATH"
