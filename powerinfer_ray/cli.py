@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # bad input, missing or unwritable files: one clear line
         print(f"powerinfer-ray {args.cmd}: error: {exc}", file=sys.stderr)
         return 2
 
