@@ -2,8 +2,8 @@
 
 Two Ray actors on one node, set up through Ray exactly as the engine does: the "primary" creates
 the shared-memory channel (pinned with cudaHostRegister when CUDA is present), the "peer"
-attaches and serves. Per round trip: the primary copies a hidden state (D floats) and an
-active-neuron mask into the channel (D2H from the GPU when present), publishes, spins for the
+attaches and serves. Per round trip: the primary copies a hidden state (D values in the
+compute dtype: fp16 from a GPU) and an active-neuron mask (packed 8 a byte) into the channel (D2H from the GPU when present), publishes, spins for the
 answer, and copies the peer's output back (H2D). The peer spins on the request flag, copies
 input to output, answers. Beside it, the same payload as a plain Ray actor call.
 
@@ -38,7 +38,7 @@ class Peer:
                 last = self.ch.wait_request(last)
                 t = time.monotonic_ns()
                 op, _, _, n_tok, _ = self.ch.request()
-                self.ch.out[:n_tok].copy_(self.ch.x_ffn[:n_tok])
+                self.ch.out[:n_tok].copy_(self.ch.x_ffn[:n_tok].float())
                 self.ch.respond(last, t)
                 if op == OP_STOP:
                     return
@@ -54,19 +54,21 @@ class Primary:
     def run(self, peer, d: int, n_mask: int, iters: int) -> dict:  # noqa: ANN001
         import torch
 
-        from powerinfer_ray.runtime.channel import OP_FFN, OP_STOP, Channel
+        from powerinfer_ray.runtime.channel import OP_FFN, OP_STOP, Channel, pack_mask
 
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        ch = Channel.create(d=d, t_max=1, b_max=1, n_mask=n_mask)
+        x_dtype = "f16" if dev.type == "cuda" else "f32"  # what the engine sends from each device
+        ch = Channel.create(d=d, t_max=1, b_max=1, n_mask=n_mask, x_dtype=x_dtype)
         ch.pin_for_cuda()
         ray.get(peer.attach.remote(ch.spec))
-        x = torch.randn(1, d, device=dev)
-        mask = (torch.rand(1, n_mask, device=dev) < 0.1).to(torch.uint8)
+        x = torch.randn(1, d, device=dev).to(ch.x_ffn.dtype)
+        mask = torch.rand(1, n_mask, device=dev) < 0.1
         t_rt, t_notify, t_return = [], [], []
         for i in range(iters + 100):
             t0 = time.perf_counter_ns()
             ch.x_ffn[:1].copy_(x, non_blocking=True)
-            ch.mask[:1, :n_mask].copy_(mask, non_blocking=True)
+            packed = pack_mask(mask)  # [1, n/8]: as the engine sends it
+            ch.mask[:1, :packed.shape[1]].copy_(packed, non_blocking=True)
             if dev.type == "cuda":
                 torch.cuda.current_stream().synchronize()
             tp = time.monotonic_ns()
@@ -81,7 +83,7 @@ class Primary:
                 t_rt.append((t1 - t0) / 1e3)
                 t_notify.append((ts - tp) / 1e3)
                 t_return.append((tseen - te) / 1e3)
-        assert torch.equal(y, x), "echo mismatch"
+        assert torch.equal(y, x.float()), "echo mismatch"
         ch.wait_response(ch.post(OP_STOP, 0, 0, 0, 0), timeout_s=5)
         ray_rt = []
         payload = np.random.rand(d // 2).astype(np.float32)  # 10 KB at d=5120

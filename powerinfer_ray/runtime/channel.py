@@ -8,8 +8,9 @@ hidden states, the CPU shard's active mask), bumps ``req_seq``; the CPU executor
 engine costs no CPU. On x86 (TSO) a store to the data before the store to the flag is seen in
 that order by the other process; numpy writes are plain stores.
 
-Layout (int64 header, then float32 x_attn, x_ffn, out buffers [T_max, D], then uint8 mask
-[T_max, N_max]):
+Layout (int64 header, then x_attn, x_ffn [T_max, D] in the primary's compute dtype (fp16/bf16
+on a GPU: half the bytes to copy), out [T_max, D] float32, then the active-neuron mask packed
+eight neurons to a byte, [T_max, ceil(N_max / 8)] uint8, little bit order):
   0 req_seq   1 resp_seq   2 op   3 layer   4 n_seq   5 n_tok   6 n_mask   7 status
   8 peer_pid  9 (unused)  10 t_start_ns  11 t_end_ns (CLOCK_MONOTONIC, comparable across
   processes)   16.. slots[B_max]   16+B_max.. start_pos[B_max]
@@ -40,6 +41,10 @@ class PeerDied(RuntimeError):
     """The executor on the other side of a channel is gone (or stopped answering)."""
 
 
+_X_DTYPES = {"f32": (np.float32, torch.float32), "f16": (np.float16, torch.float16),
+             "bf16": (np.uint16, torch.bfloat16)}
+
+
 @dataclass(frozen=True)
 class ChannelSpec:
     """What both sides need to map the same segment (sent through Ray once)."""
@@ -49,6 +54,7 @@ class ChannelSpec:
     t_max: int  # tokens per exchange
     b_max: int  # sequences per exchange
     n_mask: int  # width of the active-neuron mask (the CPU shard's largest layer)
+    x_dtype: str = "f32"  # f32 | f16 | bf16: the hidden states' dtype
 
     @property
     def path(self) -> Path:
@@ -59,8 +65,35 @@ class ChannelSpec:
         return _HDR_FIXED + 2 * self.b_max
 
     @property
+    def mask_bytes(self) -> int:
+        return (self.n_mask + 7) // 8
+
+    @property
+    def x_bytes(self) -> int:
+        return self.t_max * self.d * np.dtype(_X_DTYPES[self.x_dtype][0]).itemsize
+
+    @property
     def nbytes(self) -> int:
-        return 8 * self.header_len + 3 * 4 * self.t_max * self.d + self.t_max * self.n_mask
+        return 8 * self.header_len + 2 * self.x_bytes + 4 * self.t_max * self.d + self.t_max * self.mask_bytes
+
+
+_BIT_WEIGHTS: dict[str, torch.Tensor] = {}
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """bool [N, n] -> uint8 [N, ceil(n/8)], neuron j in bit j % 8 of byte j // 8 (on mask's device)."""
+    N, n = mask.shape
+    pad = (-n) % 8
+    m = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(N, -1, 8)  # [N, B, 8]
+    key = str(mask.device)
+    if key not in _BIT_WEIGHTS:
+        _BIT_WEIGHTS[key] = (2 ** torch.arange(8, device=mask.device)).to(torch.uint8)
+    return (m * _BIT_WEIGHTS[key]).sum(-1, dtype=torch.uint8)  # [N, B]
+
+
+def unpack_mask(packed: np.ndarray, n: int) -> torch.Tensor:
+    """uint8 [N, B] -> bool [N, n] (the inverse of pack_mask)."""
+    return torch.from_numpy(np.unpackbits(packed, axis=1, count=n, bitorder="little").view(np.bool_))
 
 
 class Channel:
@@ -79,12 +112,16 @@ class Channel:
         buf = np.frombuffer(self._mm, dtype=np.uint8)
         off = 8 * spec.header_len
         self.header = buf[:off].view(np.int64)  # [header_len]
-        fbytes = 4 * spec.t_max * spec.d
-        views = [buf[off + i * fbytes: off + (i + 1) * fbytes].view(np.float32).reshape(spec.t_max, spec.d)
-                 for i in range(3)]
-        self.x_attn_np, self.x_ffn_np, self.out_np = views  # [T_max, D] each
-        self.mask_np = buf[off + 3 * fbytes:].reshape(spec.t_max, spec.n_mask)  # [T_max, N_max]
-        self.x_attn, self.x_ffn, self.out = (torch.from_numpy(v) for v in views)
+        np_dt, torch_dt = _X_DTYPES[spec.x_dtype]
+        xb, ob = spec.x_bytes, 4 * spec.t_max * spec.d
+
+        def x_view(start: int) -> torch.Tensor:
+            t = torch.from_numpy(buf[start:start + xb].view(np_dt).reshape(spec.t_max, spec.d))
+            return t.view(torch_dt) if spec.x_dtype == "bf16" else t
+
+        self.x_attn, self.x_ffn = x_view(off), x_view(off + xb)  # [T_max, D] each
+        self.out = torch.from_numpy(buf[off + 2 * xb: off + 2 * xb + ob].view(np.float32).reshape(spec.t_max, spec.d))
+        self.mask_np = buf[off + 2 * xb + ob:].reshape(spec.t_max, spec.mask_bytes)  # [T_max, ceil(N/8)]
         self.mask = torch.from_numpy(self.mask_np)
         self.slots = self.header[_HDR_FIXED:_HDR_FIXED + spec.b_max]
         self.start_pos = self.header[_HDR_FIXED + spec.b_max:_HDR_FIXED + 2 * spec.b_max]
@@ -92,8 +129,9 @@ class Channel:
         self.pinned = False
 
     @classmethod
-    def create(cls, d: int, t_max: int, b_max: int, n_mask: int) -> "Channel":
-        spec = ChannelSpec(f"powerinfer-ray-{os.getpid()}-{uuid.uuid4().hex[:8]}", d, t_max, b_max, max(n_mask, 1))
+    def create(cls, d: int, t_max: int, b_max: int, n_mask: int, x_dtype: str = "f32") -> "Channel":
+        spec = ChannelSpec(f"powerinfer-ray-{os.getpid()}-{uuid.uuid4().hex[:8]}", d, t_max, b_max, max(n_mask, 1),
+                           x_dtype)
         return cls(spec, create=True)
 
     @classmethod
@@ -109,7 +147,7 @@ class Channel:
         """Page-lock the segment (cudaHostRegister) so D2H/H2D copies are true async DMA."""
         if self.pinned or not torch.cuda.is_available():
             return
-        base = self.x_attn.data_ptr() - 8 * self.spec.header_len
+        base = self.header.ctypes.data
         err = torch.cuda.cudart().cudaHostRegister(base, self.spec.nbytes, 0)
         self.pinned = int(err) == 0
 

@@ -26,7 +26,7 @@ import torch.nn.functional as Fn
 from ..model import gguf_keys as K
 from ..model.reference import ffn_activation, layer_norm, rms_norm
 from ..model.source import WeightSource, open_model
-from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec
+from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec, pack_mask, unpack_mask
 from .layers import POLICIES, attn_partial, ffn_partial, merge_partials
 from .plan import Plan
 from .shard import AttnShard, FFNShard, load_attn_shard, load_ffn_shard
@@ -181,7 +181,8 @@ class PrimaryExecutor:
         """Create the shared-memory channel to the CPU executor (None: the plan needs no CPU)."""
         if not self.plan.needs_cpu_executor:
             return None
-        self.channel = Channel.create(self.cfg.n_embd, self.t_max, self.slots, self.plan.max_cpu_neurons)
+        x_dtype = {torch.float16: "f16", torch.bfloat16: "bf16"}.get(self.dtype, "f32")
+        self.channel = Channel.create(self.cfg.n_embd, self.t_max, self.slots, self.plan.max_cpu_neurons, x_dtype)
         if self.device.type == "cuda":
             self.channel.pin_for_cuda()
         return self.channel.spec
@@ -222,7 +223,8 @@ class PrimaryExecutor:
         n_mask = 0
         if cpu_mask is not None:
             n_mask = cpu_mask.shape[1]
-            ch.mask[:N, :n_mask].copy_(cpu_mask, non_blocking=True)
+            packed = pack_mask(cpu_mask)  # [N, ceil(n/8)]: an eighth of the bytes to copy
+            ch.mask[:N, :packed.shape[1]].copy_(packed, non_blocking=True)
         _sync(self.device)
         t1 = time.monotonic_ns()
         self.stats.sync_s += (t1 - t0) * 1e-9  # D2H
@@ -410,14 +412,14 @@ class CPUExecutor:
         out = ch.out[:n_tok]  # [N, D]: the partial outputs are written (and summed) in place
         wrote = False
         if op in (OP_FFN, OP_ATTN_FFN) and self.ffn[l].n:
-            mask = ch.mask[:n_tok, :n_mask].bool() if self.policy == "predictor" else None
-            _, computed = ffn_partial(ch.x_ffn[:n_tok], self.ffn[l], cfg.ffn_act, self.policy, mask,
+            mask = unpack_mask(ch.mask_np[:n_tok, :(n_mask + 7) // 8], n_mask) if self.policy == "predictor" else None
+            _, computed = ffn_partial(ch.x_ffn[:n_tok].float(), self.ffn[l], cfg.ffn_act, self.policy, mask,
                                       out=out, threads=self.threads)
             self.stats.neurons += computed
             self.stats.active_bytes += computed * cfg.neuron_bytes
             wrote = True
         if op in (OP_ATTN, OP_ATTN_FFN) and self.attn[l].n_groups:
-            x = ch.x_attn[:n_tok].view(n_seq, n_tok // n_seq, cfg.n_embd)
+            x = ch.x_attn[:n_tok].float().view(n_seq, n_tok // n_seq, cfg.n_embd)
             slots, start = ch.slots[:n_seq].tolist(), ch.start_pos[:n_seq].tolist()
             a = attn_partial(x, self.attn[l], cfg, slots, start).view(n_tok, cfg.n_embd)
             out.add_(a) if wrote else out.copy_(a)

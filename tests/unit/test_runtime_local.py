@@ -12,7 +12,7 @@ import torch
 from powerinfer_ray.model import gguf_keys as K
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import write_tiny_model
-from powerinfer_ray.runtime.channel import OP_FFN, Channel
+from powerinfer_ray.runtime.channel import OP_FFN, Channel, pack_mask, unpack_mask
 from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
 from powerinfer_ray.runtime.layers import merge_partials
 from powerinfer_ray.runtime.plan import Plan
@@ -167,25 +167,33 @@ def test_merge_of_disjoint_shards_equals_dense_layer(models):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_channel_round_trip_between_threads():
-    ch = Channel.create(d=8, t_max=4, b_max=2, n_mask=16)
+@pytest.mark.parametrize("x_dtype", ["f32", "f16", "bf16"])
+def test_channel_round_trip_between_threads(x_dtype):
+    """Hidden states in the channel's dtype and the mask packed 8 neurons a byte arrive intact."""
+    ch = Channel.create(d=8, t_max=4, b_max=2, n_mask=21, x_dtype=x_dtype)
     peer = Channel.attach(ch.spec)
+    mask = torch.rand(3, 21, generator=torch.Generator().manual_seed(0)) < 0.4  # [N, n]
     try:
         def serve():
             seq = peer.wait_request(0)
             op, layer, n_seq, n_tok, n_mask = peer.request()
-            peer.out[:n_tok] = peer.x_ffn[:n_tok] * 2 + peer.mask[:n_tok, :n_mask].sum(1, keepdim=True).float()
+            got = unpack_mask(peer.mask_np[:n_tok, :(n_mask + 7) // 8], n_mask)  # [N, n]
+            peer.out[:n_tok] = peer.x_ffn[:n_tok].float() * 2 + got.sum(1, keepdim=True).float()
             peer.respond(seq, 0)
 
         th = threading.Thread(target=serve)
         th.start()
-        ch.x_ffn[:3] = torch.arange(24, dtype=torch.float32).view(3, 8)
-        ch.mask[:3, :5] = torch.tensor([[1, 0, 1, 0, 0], [0] * 5, [1] * 5], dtype=torch.uint8)
-        seq = ch.post(OP_FFN, 7, 1, 3, 5)
+        x = torch.arange(24, dtype=torch.float32).view(3, 8)
+        ch.x_ffn[:3] = x
+        packed = pack_mask(mask)
+        ch.mask[:3, :packed.shape[1]] = packed
+        seq = ch.post(OP_FFN, 7, 1, 3, 21)
         ch.wait_response(seq, timeout_s=10)
         th.join()
-        want = torch.arange(24, dtype=torch.float32).view(3, 8) * 2 + torch.tensor([[2.0], [0.0], [5.0]])
+        want = x * 2 + mask.sum(1, keepdim=True).float()
         assert torch.equal(ch.out[:3], want)
+        assert ch.x_ffn.dtype == {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[x_dtype]
+        assert torch.equal(unpack_mask(packed.numpy(), 21), mask)
     finally:
         peer.close()
         ch.close(unlink=True)
