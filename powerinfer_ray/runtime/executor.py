@@ -42,7 +42,7 @@ class ExecStats:
     steps: int = 0
     tokens: int = 0
     neurons: int = 0  # (token, neuron) pairs computed
-    active_bytes: int = 0  # weight bytes those neurons read
+    active_bytes: int = 0  # weight bytes read: active rows once per step, attention in full
     busy_s: float = 0.0
     exchanges: int = 0
     sync_s: float = 0.0  # notify + return latency + host copies, summed over exchanges
@@ -243,9 +243,9 @@ class PrimaryExecutor:
         return y
 
     def _ffn(self, lw: LayerWeights, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        y, computed = ffn_partial(x, lw.ffn, self.cfg.ffn_act, self.policy, mask)
-        self.stats.neurons += computed
-        self.stats.active_bytes += computed * self.cfg.neuron_bytes
+        y, pairs, rows = ffn_partial(x, lw.ffn, self.cfg.ffn_act, self.policy, mask)
+        self.stats.neurons += pairs
+        self.stats.active_bytes += rows * self.cfg.neuron_bytes  # a row is read once per step
         return y
 
     def _cold_ffn(self, l: int, x: torch.Tensor, mask: torch.Tensor | None, rows: int = 4096) -> torch.Tensor:
@@ -413,10 +413,10 @@ class CPUExecutor:
         wrote = False
         if op in (OP_FFN, OP_ATTN_FFN) and self.ffn[l].n:
             mask = unpack_mask(ch.mask_np[:n_tok, :(n_mask + 7) // 8], n_mask) if self.policy == "predictor" else None
-            _, computed = ffn_partial(ch.x_ffn[:n_tok].float(), self.ffn[l], cfg.ffn_act, self.policy, mask,
-                                      out=out, threads=self.threads)
-            self.stats.neurons += computed
-            self.stats.active_bytes += computed * cfg.neuron_bytes
+            _, pairs, rows = ffn_partial(ch.x_ffn[:n_tok].float(), self.ffn[l], cfg.ffn_act, self.policy, mask,
+                                         out=out, threads=self.threads)
+            self.stats.neurons += pairs
+            self.stats.active_bytes += rows * cfg.neuron_bytes
             wrote = True
         if op in (OP_ATTN, OP_ATTN_FFN) and self.attn[l].n_groups:
             x = ch.x_attn[:n_tok].float().view(n_seq, n_tok // n_seq, cfg.n_embd)

@@ -41,14 +41,14 @@ def oracle_mask(x: torch.Tensor, shard: FFNShard, act: str) -> torch.Tensor:
 
 def ffn_partial(x: torch.Tensor, shard: FFNShard, act: str, policy: str,
                 mask: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                threads: int | None = None) -> tuple[torch.Tensor, int]:
-    """The shard's FFN output y [T, D] for x [T, D] (without the down bias), and the number of
-    (token, neuron) pairs computed. ``mask`` [T, n] bool is the predicted activity (policy
-    'predictor')."""
+                threads: int | None = None) -> tuple[torch.Tensor, int, int]:
+    """The shard's FFN output y [T, D] for x [T, D] (without the down bias), the number of
+    (token, neuron) pairs computed, and the number of neuron rows read (each once per call).
+    ``mask`` [T, n] bool is the predicted activity (policy 'predictor')."""
     T = x.shape[0]
     if shard.n == 0:
         y = out.zero_() if out is not None else torch.zeros_like(x)
-        return y, 0
+        return y, 0, 0
     if policy == "oracle":
         mask = oracle_mask(x, shard, act)
     if policy == "dense" or mask is None:
@@ -59,7 +59,7 @@ def ffn_partial(x: torch.Tensor, shard: FFNShard, act: str, policy: str,
         computed = int(mask.sum()) if tok_mask is not None else idx.numel()
     y = sparse_ffn(x, shard.up, shard.gate, shard.down_t, idx, tok_mask, act, shard.up_bias, out,
                    threads=threads)
-    return y, computed
+    return y, computed, idx.numel()
 
 
 def attn_partial(x: torch.Tensor, shard: AttnShard, cfg: ModelConfig, slots: list[int],
