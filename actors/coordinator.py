@@ -158,14 +158,11 @@ class Coordinator:
         """Coordinator counters and each executor's load (neurons, bytes, busy s, sync, memory)."""
         out: dict[str, Any] = {"coordinator": self.core.stats(), "restarts": self.restarts,
                                "policy": self.policy, "n_ctx": self.n_ctx}
-        gpu = await self.gpu.stats.remote()
+        peer = None
         if self.cpu is not None:
-            cpu = await self.cpu.stats.remote()
-            out["cpu_executor"] = cpu
-            tot = gpu["neurons"] + cpu["neurons"]
-            gpu["gpu_activation_share"] = gpu["neurons"] / tot if tot else 0.0
-            await self.gpu.set_peer_neurons.remote(cpu["neurons"])
-        out["gpu_executor"] = gpu
+            out["cpu_executor"] = await self.cpu.stats.remote()
+            peer = out["cpu_executor"]["neurons"]
+        out["gpu_executor"] = await self.gpu.stats.remote(peer)
         self.m_requests.set(out["coordinator"]["running"], tags={"engine": self.name})
         return out
 

@@ -86,10 +86,10 @@ class GPUExecutor:
             self.metrics.update(self.stats())
         return out
 
-    def set_peer_neurons(self, n: int) -> None:
-        self.impl.stats.peer_neurons = n
-
-    def stats(self) -> dict[str, Any]:
+    def stats(self, peer_neurons: int | None = None) -> dict[str, Any]:
+        """Counters; ``peer_neurons`` (the CPU executor's) completes the GPU share of activations."""
+        if peer_neurons is not None:
+            self.impl.stats.peer_neurons = peer_neurons
         st = self.impl.stats.as_dict()
         st.update(name=self.name, device=self.device, weight_bytes=self.impl.weight_bytes(),
                   read_bytes_per_step=self.impl.read_bytes_per_step(),

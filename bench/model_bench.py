@@ -72,7 +72,7 @@ def layer_offload_plan(model: str, budget_gib: float, n_ctx: int, batch: int):  
     holds after the embeddings/head, the KV cache of those layers and the workspace; the rest
     entirely on the CPU."""
     from powerinfer_ray.model.source import open_model
-    from powerinfer_ray.runtime.engine import model_costs
+    from powerinfer_ray.model.costs import model_costs
     from powerinfer_ray.runtime.plan import Plan
 
     cfg = open_model(model).config

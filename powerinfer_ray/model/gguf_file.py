@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.constants import GGUF_MAGIC as _GGUF_MAGIC_U32
 
 from . import gguf_keys as K
@@ -61,7 +61,7 @@ class ModelFile:
         self.reader = open_gguf(self.path)
         self.magic = self.path.open("rb").read(4)
         self.fields: dict[str, Any] = {
-            f.name: _field_value(f) for f in self.reader.fields.values() if not f.name.startswith("GGUF.")
+            f.name: f.contents() for f in self.reader.fields.values() if not f.name.startswith("GGUF.")
         }
         self.tensors = {t.name: t for t in self.reader.tensors}
         for t in self.tensors.values():
@@ -162,13 +162,6 @@ def open_gguf(path: Path) -> GGUFReader:
             raise ModelFileError(f"{path}: truncated: tensor {t.name!r} needs bytes up to {end}, "
                                  f"the file has {size}")
     return reader
-
-
-def _field_value(field: Any) -> Any:
-    value = field.contents()
-    if field.types and field.types[0] == GGUFValueType.ARRAY and isinstance(value, list):
-        return value
-    return value
 
 
 def _to_torch(arr: np.ndarray, kind: str, dtype: torch.dtype | None, device: Any) -> torch.Tensor:

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..model.config import ModelConfig
-from ..model.costs import model_costs  # noqa: F401  (re-exported for the benchmarks)
+from ..model.costs import model_costs
 from ..model.source import WeightSource, open_model
 from ..model import gguf_keys as K
 from ..model.tokenizer import Tokenizer
@@ -52,9 +52,6 @@ class EngineConfig:
     timeout_s: float = 120.0
     dtype: str | None = None
     prefill_dense_min: int | None = None  # None: 32 tokens on CUDA, off on the CPU
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k != "plan"}
 
 
 def engine_n_ctx(ec: EngineConfig, cfg: ModelConfig) -> int:
@@ -168,9 +165,11 @@ class LocalEngine:
         return await self.coordinator.generate(prompt, **kw)
 
     def stats(self) -> dict:
-        s = {"coordinator": self.coordinator.stats(), "primary": self.primary.stats.as_dict()}
+        s = {"coordinator": self.coordinator.stats()}
         if self.cpu is not None:
             s["cpu"] = self.cpu.stats.as_dict()
+            self.primary.stats.peer_neurons = self.cpu.stats.neurons  # for the GPU share
+        s["primary"] = self.primary.stats.as_dict()
         return s
 
     def close(self) -> None:

@@ -344,9 +344,6 @@ class PrimaryExecutor:
         st.busy_s += time.perf_counter() - t0
         return out
 
-    def add_peer_stats(self, neurons: int) -> None:
-        self.stats.peer_neurons += neurons
-
 
 def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
     return b if a is None else (a if b is None else a + b)
