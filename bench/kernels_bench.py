@@ -14,6 +14,9 @@ read. Index sets are random and rotate (8 sets) and GPU timings flush L2 between
 
 Usage: python bench/kernels_bench.py [--device auto|cpu|cuda] [--out DIR] [--sweep] [--quick]
 (`powerinfer-ray bench kernels` calls main(argv)). Writes DIR/kernels-<machine>.json.
+
+--cpu-exchange runs only the CPU executor's per-layer exchange section (see bench_cpu_exchange) and
+writes DIR/kernels-exchange-<machine>.json.
 """
 from __future__ import annotations
 
@@ -62,6 +65,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=str(RESULTS), help="directory of the JSON result")
     p.add_argument("--machine", default=None, help="name in the result file (default: from the hardware)")
     p.add_argument("--commit", default=None, help="commit measured (default: git rev-parse HEAD)")
+    p.add_argument("--cpu-exchange", action="store_true",
+                   help="only the CPU executor's exchange (packed mask -> y), OMP_WAIT_POLICY unset vs ACTIVE")
+    p.add_argument("--exchange-k", default="64,160,320", help="--cpu-exchange: active rows K, comma-separated")
+    p.add_argument("--exchange-reps", type=int, default=300, help="--cpu-exchange: timed calls per variant")
+    p.add_argument("--exchange-gap-ms", type=float, default=1.0,
+                   help="--cpu-exchange: sleep between calls (the layer cadence: OpenMP workers may fall asleep)")
+    p.add_argument("--exchange-worker", default=None, help=argparse.SUPPRESS)  # internal: JSON path of one worker
     return p.parse_args(argv)
 
 
@@ -184,6 +194,152 @@ def bench_cpu(args) -> dict:
                 timing=("median (and min) wall time per call; kernel and torch baseline timed in alternation; "
                         "a 1 GiB read flushes the caches before each timed call"),
                 results=rows)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU executor exchange: packed uint8 mask (as the channel holds it) -> y [T, D]
+# ---------------------------------------------------------------------------------------------
+EX_N = 8600  # rows of the CPU shard (Llama-2-13B, ~60-65 % of 13824 neurons on the CPU)
+EX_SET_BYTES = 96 << 20  # rotating masks cover at least this many active bytes (3x this L3): cold rows
+EX_POLICIES = ("unset", "ACTIVE")
+
+
+def exchange_masks(K: int, T: int, n: int, sets: int, gen: torch.Generator):
+    """`sets` packed masks uint8 [T, ceil(n/8)] (channel layout: neuron j in bit j % 8 of byte j // 8),
+    each with K rows active for at least one token; at T > 1 each token takes each of the K rows
+    with probability 1/2 (rows no token took go to a random token)."""
+    from powerinfer_ray.runtime.channel import pack_mask
+
+    out = []
+    for _ in range(sets):
+        rows = torch.randperm(n, generator=gen)[:K]
+        tok = torch.rand(T, K, generator=gen) < 0.5 if T > 1 else torch.ones(1, K, dtype=torch.bool)
+        lone = ~tok.any(0)
+        tok[torch.randint(T, (int(lone.sum()),), generator=gen), lone.nonzero().reshape(-1)] = True
+        m = torch.zeros(T, n, dtype=torch.bool)
+        m[:, rows] = tok
+        out.append(pack_mask(m).numpy())
+    return out
+
+
+def _exchange_worker(args) -> dict:
+    """One process (OMP_WAIT_POLICY as inherited): median wall time per call of each variant, calls
+    separated by args.exchange_gap_ms of sleep, variants interleaved call by call."""
+    import ctypes  # noqa: F401  (the kernel's handle)
+
+    import numpy as np
+
+    from powerinfer_ray.runtime.channel import unpack_mask
+    from powerinfer_ray.runtime.layers import active_rows, ffn_partial
+    from powerinfer_ray.runtime.shard import FFNShard
+
+    threads = args.threads or os.cpu_count()
+    torch.set_num_threads(threads)
+    lib = cpu_ffn.library()
+    gen = torch.Generator().manual_seed(2)
+    up, gate, down_t = (w[:EX_N].contiguous() for w in make_weights(torch.float16, "cpu", gen))
+    shard = FFNShard(np.arange(EX_N), up, gate, down_t, None)
+    B = (EX_N + 7) // 8
+    bitmask = getattr(cpu_ffn, "sparse_ffn_bitmask", None)
+    gap = args.exchange_gap_ms / 1e3
+    reps = 20 if args.quick else args.exchange_reps
+    rows_out = []
+    for T, K in itertools.product(map(int, args.tokens.split(",")), map(int, args.exchange_k.split(","))):
+        nsets = max(8, -(-EX_SET_BYTES // (3 * K * D * 2)))
+        masks = exchange_masks(K, T, EX_N, nsets, gen)
+        # channel-like buffers: x [T_max, D] fp16, out [T_max, D] fp32, mask [T_max, B] (views of rows :T)
+        x_ch = torch.randn(8, D, generator=gen).abs().half()
+        out_ch = torch.empty(8, D, dtype=torch.float32)
+        m_ch = np.zeros((8, B), dtype=np.uint8)
+        x, out = x_ch[:T], out_ch[:T]
+        # the kernel alone: idx / mask / x decoded beforehand, as ffn_partial hands them to the kernel
+        pre = []
+        for m in masks:
+            idx, tok = active_rows(unpack_mask(m, EX_N))
+            pre.append((idx.contiguous(), None if tok is None else tok.contiguous()))
+        xs = x.float().contiguous()
+        scratch = torch.empty(threads * T * D, dtype=torch.float32)
+        state = {"i": 0}
+
+        def load():  # the next mask into the channel buffer (untimed)
+            state["i"] = (state["i"] + 1) % nsets
+            m_ch[:T] = masks[state["i"]]
+
+        def old_path():  # CPUExecutor._compute before this change
+            mask = unpack_mask(m_ch[:T, :(EX_N + 7) // 8], EX_N)
+            ffn_partial(x.float(), shard, "reglu", "predictor", mask, out=out, threads=threads)
+
+        def decode_only():  # its Python decoding alone: unpackbits + active_rows
+            active_rows(unpack_mask(m_ch[:T, :(EX_N + 7) // 8], EX_N))
+
+        def kernel_only():  # the ctypes call alone (mask mode bool [T, K], or none at T = 1)
+            idx, tok = pre[state["i"]]
+            rc = lib.pi_sparse_ffn(xs.data_ptr(), T, D, up.data_ptr(), gate.data_ptr(), down_t.data_ptr(), 1,
+                                   D, D, D, EX_N, None, 0, idx.data_ptr(), 1, idx.numel(),
+                                   None if tok is None else tok.data_ptr(), 0 if tok is None else 1,
+                                   0 if tok is None else tok.shape[1], 1, out.data_ptr(), 0, scratch.data_ptr(),
+                                   threads)
+            assert rc == 0, rc
+
+        variants = {"exchange_ffn_partial": old_path, "decode_python": decode_only, "kernel_call": kernel_only}
+        if bitmask is not None:
+            variants["exchange_bitmask"] = lambda: bitmask(x, up, gate, down_t, m_ch[:T, :B], EX_N, "reglu", None,
+                                                       out, threads)
+        times = {v: [] for v in variants}
+        for v in variants.values():  # warm-up (the kernel's build, page faults)
+            load()
+            v()
+        for _ in range(reps):
+            for name, fn in variants.items():
+                load()
+                time.sleep(gap)
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        nbytes = 3 * K * D * 2
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            rows_out.append(dict(variant=name, T=T, K=K, median_us=round(med * 1e6, 1),
+                                 p10_us=round(sorted(ts)[len(ts) // 10] * 1e6, 1),
+                                 p90_us=round(sorted(ts)[len(ts) * 9 // 10] * 1e6, 1),
+                                 GBps=round(nbytes / med / 1e9, 2) if name != "decode_python" else None))
+        print(f"[exchange {os.environ.get('OMP_WAIT_POLICY', 'unset')}] T={T} K={K}: " + ", ".join(
+            f"{r['variant']} {r['median_us']:.0f} us" for r in rows_out[-len(times):]), flush=True)
+    return dict(threads=threads, rows=rows_out)
+
+
+def bench_cpu_exchange(args) -> dict:
+    """The CPU executor's per-layer answer at the Llama-2-13B shape (D = 5120, fp16 weights, a CPU
+    shard of 8600 rows, ReGLU), from the packed mask in a channel-like buffer to y in the fp32 out
+    buffer. Variants: exchange_ffn_partial = unpack_mask + ffn_partial as CPUExecutor._compute does;
+    decode_python = its Python decoding alone (unpackbits + active_rows); kernel_call = the ctypes
+    kernel call alone (inputs decoded beforehand); exchange_bitmask = kernels.cpu_ffn.sparse_ffn_bitmask
+    (when present). Each variant runs in
+    two processes, OMP_WAIT_POLICY unset and ACTIVE (libgomp reads it at load)."""
+    import tempfile
+
+    if not cpu_ffn.available():
+        return {"error": "compiled CPU kernel unavailable (no compiler); nothing measured"}
+    res = dict(shape=dict(D=D, n=EX_N, act="reglu", weights="fp16", x="fp16 (channel)", out="fp32 (channel)"),
+               gap_ms=args.exchange_gap_ms,
+               timing=("median wall time per call over interleaved calls, each after a sleep of gap_ms; "
+                       f"rotating masks whose active rows cover >= {EX_SET_BYTES >> 20} MiB (cold caches)"),
+               policies={})
+    for pol in EX_POLICIES:
+        env = dict(os.environ)
+        env.pop("OMP_WAIT_POLICY", None)
+        if pol != "unset":
+            env["OMP_WAIT_POLICY"] = pol
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "worker.json"
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--exchange-worker", str(path),
+                   "--tokens", args.tokens, "--exchange-k", args.exchange_k, "--exchange-reps",
+                   str(args.exchange_reps), "--exchange-gap-ms", str(args.exchange_gap_ms)]
+            cmd += ["--quick"] if args.quick else []
+            cmd += ["--threads", str(args.threads)] if args.threads else []
+            subprocess.run(cmd, env=env, check=True)
+            res["policies"][pol] = json.loads(path.read_text())
+    return res
 
 
 # ---------------------------------------------------------------------------------------------
@@ -332,6 +488,9 @@ def bench_gpu(args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    if args.exchange_worker:
+        Path(args.exchange_worker).write_text(json.dumps(_exchange_worker(args)))
+        return 0
     use_gpu = args.device in ("auto", "cuda") and torch.cuda.is_available()
     if args.device == "cuda" and not use_gpu:
         print("bench kernels: --device cuda but CUDA is not available", file=sys.stderr)
@@ -345,13 +504,18 @@ def main(argv: list[str] | None = None) -> int:
         shape=dict(D=D, N=N, act="reglu"), active_bytes="3 x K x D x element size",
         data="x and gate rows positive: every active neuron has a nonzero activation, every active byte is read",
     )
-    if use_gpu:
-        report["gpu"] = bench_gpu(args)
-    if args.device in ("auto", "cpu"):
-        report["cpu"] = bench_cpu(args)
+    if args.cpu_exchange:
+        if args.tokens == "1,8":
+            args.tokens = "1,4"
+        report["cpu_exchange"] = bench_cpu_exchange(args)
+    else:
+        if use_gpu:
+            report["gpu"] = bench_gpu(args)
+        if args.device in ("auto", "cpu"):
+            report["cpu"] = bench_cpu(args)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"kernels-{report['machine']}.json"
+    path = out_dir / f"kernels-{'exchange-' if args.cpu_exchange else ''}{report['machine']}.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {path}")
     return 0
