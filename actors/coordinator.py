@@ -77,7 +77,7 @@ class Coordinator:
             name=f"{self.name}.gpu-executor.{dev_name}", num_gpus=1 if device == "cuda" else 0, num_cpus=1,
         ).remote(f"{self.name}.gpu-executor.{dev_name}", ec.model, self.plan, budget_bytes=budget,
                  device=device, threshold=ec.threshold, t_max=t_max, dtype=ec.dtype, timeout_s=ec.timeout_s,
-                 prefill_dense_min=ec.prefill_dense_min, **common)
+                 prefill_dense_min=ec.prefill_dense_min, graphs=ec.graphs, **common)
         self.cpu = None
         if self.plan.needs_cpu_executor:
             # every core but the GPU executor's and one for the coordinator/driver

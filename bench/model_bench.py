@@ -141,8 +141,10 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
     exchanges = _delta(g1, g0, "exchanges")
     gn, cn = _delta(g1, g0, "neurons"), _delta(cpu1, cpu0, "neurons")
     n_layer = a.n_layer
-    per_layer = {k: 1e6 * (g1["layer_s"][k] - g0["layer_s"][k]) / max(steps * n_layer, 1)
-                 for k in ("attn", "ffn", "wait")}
+    # host time per layer: attn / ffn (eager steps), wait (for the CPU executor's answer),
+    # gpu_wait (graph steps: for the GPU's segment before a post)
+    per_layer = {k: 1e6 * (g1["layer_s"][k] - g0["layer_s"].get(k, 0.0)) / max(steps * n_layer, 1)
+                 for k in g1["layer_s"]}
     generated = sum(o["stats"]["completion_tokens"] for o in outs)
     assert generated == batch * output_len, f"lost tokens: {generated} of {batch * output_len}"
     return {

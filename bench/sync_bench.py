@@ -68,7 +68,7 @@ class Primary:
             t0 = time.perf_counter_ns()
             ch.x_ffn[:1].copy_(x, non_blocking=True)
             packed = pack_mask(mask)  # [1, n/8]: as the engine sends it
-            ch.mask[:1, :packed.shape[1]].copy_(packed, non_blocking=True)
+            torch.from_numpy(ch.mask_rows(1, n_mask)).copy_(packed, non_blocking=True)
             if dev.type == "cuda":
                 torch.cuda.current_stream().synchronize()
             tp = time.monotonic_ns()

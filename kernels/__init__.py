@@ -4,18 +4,21 @@
   OpenMP kernel on the CPU, torch as fallback everywhere).
 - predictor_logits, split_active, split_active_packed (+ packed_views, unpack_active,
   local_index): which neurons are active, split between GPU and CPU.
-- rope, head_attention / head_attention_ref: attention over a shard of heads with a KV cache.
+- rope, head_attention / head_attention_ref: attention over a shard of heads with a KV cache;
+  head_attention_step / decode_attention / rope_table: the decode token with device-side slots
+  and positions (Triton on CUDA), for CUDA-graph capture.
 
 Imports torch and numpy only; triton and the C++ compiler are used lazily when present.
 """
-from .attention import head_attention, head_attention_ref, rope
+from .attention import decode_attention, head_attention, head_attention_ref, head_attention_step, rope, rope_table
 from .predictor import (ActiveSplit, PackedSplit, local_index, packed_views, predictor_logits,
                         predictor_logits_ref, split_active, split_active_packed, token_bits, unpack_active)
 from .sparse_ffn import ACTS, bits_to_mask, sparse_ffn, sparse_ffn_ref, sparse_ffn_torch
 
 __all__ = [
-    "ACTS", "ActiveSplit", "PackedSplit", "bits_to_mask", "head_attention", "head_attention_ref",
+    "ACTS", "ActiveSplit", "PackedSplit", "bits_to_mask", "decode_attention", "head_attention",
+    "head_attention_ref", "head_attention_step",
     "local_index", "packed_views", "predictor_logits", "predictor_logits_ref", "rope", "sparse_ffn",
-    "sparse_ffn_ref", "sparse_ffn_torch", "split_active", "split_active_packed", "token_bits",
+    "rope_table", "sparse_ffn_ref", "sparse_ffn_torch", "split_active", "split_active_packed", "token_bits",
     "unpack_active",
 ]

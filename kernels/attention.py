@@ -219,6 +219,60 @@ def _one_sequence(x, wq, wk, wv, wo_t, k_cache, v_cache, s: int, p: int, theta, 
     return (o @ wo_t.to(o.dtype))[None]  # [1, T, D]
 
 
+def rope_table(n_ctx: int, n_rot: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [n_ctx, n_rot/2] float32 of every position: a decode step gathers its rows by
+    device positions (`head_attention_step`), no host work per step."""
+    cos, sin = _rope_angles(torch.arange(n_ctx, device=device), n_rot, theta, torch.float32)  # [n_ctx, 1, n_rot/2]
+    return cos[:, 0].contiguous(), sin[:, 0].contiguous()
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     pos: torch.Tensor, scale: float, backend: str = "auto") -> torch.Tensor:
+    """o [B, Hs, hd]: each sequence's one new query per head attends to keys 0 .. pos[b] of
+    cache slot slots[b]. q [B, Hs, hd]; caches [S_slots, Gs, S_max, hd]; slots, pos [B] int
+    tensors on q's device (read there: no host sync). backend 'auto' (Triton on CUDA when
+    hd is a power of two >= 16) | 'triton' | 'torch' (masked, over the whole cache length)."""
+    B, Hs, hd = q.shape
+    if backend == "auto":
+        backend = "triton" if q.is_cuda and hd >= 16 and hd & (hd - 1) == 0 else "torch"
+    if backend == "triton":
+        from .triton_attention import decode_attention_triton
+
+        return decode_attention_triton(q, k_cache.to(q.dtype), v_cache.to(q.dtype), slots, pos, scale)
+    Gs, S = k_cache.shape[1], k_cache.shape[2]
+    kc = k_cache.index_select(0, slots.long()).to(q.dtype)  # [B, Gs, S, hd]
+    vc = v_cache.index_select(0, slots.long()).to(q.dtype)
+    qg = q.view(B, Gs, Hs // Gs, hd)  # [B, Gs, n_gqa, hd]
+    s = torch.einsum("bgnd,bgsd->bgns", qg.float(), kc.float()) * scale  # [B, Gs, n_gqa, S]
+    allowed = torch.arange(S, device=q.device)[None, :] <= pos.long()[:, None]  # [B, S]
+    p = torch.softmax(s.masked_fill(~allowed[:, None, None, :], float("-inf")), dim=-1)
+    return torch.einsum("bgns,bgsd->bgnd", p, vc.float()).reshape(B, Hs, hd).to(q.dtype)
+
+
+def head_attention_step(x: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None, wo_t: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
+                        cos: torch.Tensor | None, sin: torch.Tensor | None, rope_style: str | None = "norm",
+                        n_rot: int | None = None) -> torch.Tensor:
+    """One decode token per sequence, with slots and positions as device tensors: the partial
+    attention output y [B, D] of the shard's heads; writes K/V at pos[b] of slot slots[b].
+
+    x [B, D] (normed); wqkv [(Hs+2Gs)*hd, D], bqkv; wo_t [Hs*hd, D]; slots, pos [B] int64 on
+    x's device; cos, sin [B, n_rot/2] (rows of `rope_table` at pos) or None with rope_style
+    None. Fixed shapes and no host reads: the decode step captures this in a CUDA graph.
+    """
+    B, D = x.shape
+    Gs, hd = k_cache.shape[1], k_cache.shape[3]
+    Hs = wqkv.shape[0] // hd - 2 * Gs
+    qkv = F.linear(x, wqkv, bqkv).view(B, Hs + 2 * Gs, hd)
+    qk, v = qkv[:, : Hs + Gs], qkv[:, Hs + Gs:]  # [B, Hs+Gs, hd], [B, Gs, hd]
+    if rope_style is not None:
+        qk = rope(qk, None, 0.0, rope_style, n_rot, (cos[:, None], sin[:, None]))  # theta is in the table
+    k_cache[slots, :, pos] = qk[:, Hs:].to(k_cache.dtype)  # [B, Gs, hd]
+    v_cache[slots, :, pos] = v.to(v_cache.dtype)
+    o = decode_attention(qk[:, :Hs], k_cache, v_cache, slots, pos, 1.0 / math.sqrt(hd))  # [B, Hs, hd]
+    return o.reshape(B, Hs * hd) @ wo_t.to(o.dtype)  # [B, D]
+
+
 def head_attention_ref(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo_t: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots, start_pos, rope_theta: float = 10000.0,
                        rope_style: str | None = "norm", n_rot: int | None = None, bq=None, bk=None,

@@ -10,7 +10,8 @@ that order by the other process; numpy writes are plain stores.
 
 Layout (int64 header, then x_attn, x_ffn [T_max, D] in the primary's compute dtype (fp16/bf16
 on a GPU: half the bytes to copy), out [T_max, D] float32, then the active-neuron mask packed
-eight neurons to a byte, [T_max, ceil(N_max / 8)] uint8, little bit order):
+eight neurons to a byte, little bit order: an exchange of n_tok tokens and n_mask neurons uses
+the first n_tok * ceil(n_mask / 8) bytes as [n_tok, ceil(n_mask / 8)], contiguous (`mask_rows`)):
   0 req_seq   1 resp_seq   2 op   3 layer   4 n_seq   5 n_tok   6 n_mask   7 status
   8 peer_pid  9 (unused)  10 t_start_ns  11 t_end_ns (CLOCK_MONOTONIC, comparable across
   processes)   16.. slots[B_max]   16+B_max.. start_pos[B_max]
@@ -121,7 +122,7 @@ class Channel:
 
         self.x_attn, self.x_ffn = x_view(off), x_view(off + xb)  # [T_max, D] each
         self.out = torch.from_numpy(buf[off + 2 * xb: off + 2 * xb + ob].view(np.float32).reshape(spec.t_max, spec.d))
-        self.mask_np = buf[off + 2 * xb + ob:].reshape(spec.t_max, spec.mask_bytes)  # [T_max, ceil(N/8)]
+        self.mask_np = buf[off + 2 * xb + ob:]  # [T_max * ceil(N_max/8)]: see mask_rows
         self.mask = torch.from_numpy(self.mask_np)
         self.slots = self.header[_HDR_FIXED:_HDR_FIXED + spec.b_max]
         self.start_pos = self.header[_HDR_FIXED + spec.b_max:_HDR_FIXED + 2 * spec.b_max]
@@ -150,6 +151,11 @@ class Channel:
         base = self.header.ctypes.data
         err = torch.cuda.cudart().cudaHostRegister(base, self.spec.nbytes, 0)
         self.pinned = int(err) == 0
+
+    def mask_rows(self, n_tok: int, n_mask: int) -> np.ndarray:
+        """The packed mask of an exchange: uint8 [n_tok, ceil(n_mask/8)], a contiguous view."""
+        w = (n_mask + 7) // 8
+        return self.mask_np[: n_tok * w].reshape(n_tok, w)
 
     # --- primary side -------------------------------------------------------------------------
     def post(self, op: int, layer: int, n_seq: int, n_tok: int, n_mask: int) -> int:

@@ -52,6 +52,7 @@ class EngineConfig:
     timeout_s: float = 120.0
     dtype: str | None = None
     prefill_dense_min: int | None = None  # None: 32 tokens on CUDA, off on the CPU
+    graphs: bool | None = None  # decode steps as CUDA graphs; None: on CUDA (CPU: True runs them eagerly)
 
 
 def engine_n_ctx(ec: EngineConfig, cfg: ModelConfig) -> int:
@@ -148,7 +149,8 @@ class LocalEngine:
         device = ec.device or ("cuda" if _cuda() else "cpu")
         self.primary = PrimaryExecutor(src, plan, device=device, policy=policy, threshold=ec.threshold,
                                        slots=ec.max_batch, n_ctx=n_ctx, t_max=t_max, dtype=ec.dtype,
-                                       timeout_s=ec.timeout_s, prefill_dense_min=ec.prefill_dense_min)
+                                       timeout_s=ec.timeout_s, prefill_dense_min=ec.prefill_dense_min,
+                                       graphs=ec.graphs)
         spec = self.primary.create_channel()
         if spec is not None:
             self.cpu = CPUExecutor(src, plan, policy=policy, slots=ec.max_batch, n_ctx=n_ctx, threads=ec.threads)

@@ -27,6 +27,7 @@ from ..model import gguf_keys as K
 from ..model.reference import ffn_activation, layer_norm, rms_norm
 from ..model.source import WeightSource, open_model
 from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec, pack_mask, unpack_mask
+from .graphs import GRAPH_POLICIES, DecodeGraphs, GraphCaptureError
 from .layers import POLICIES, attn_partial, ffn_partial, merge_partials
 from .plan import Plan
 from .shard import AttnShard, FFNShard, load_attn_shard, load_ffn_shard
@@ -48,7 +49,9 @@ class ExecStats:
     sync_s: float = 0.0  # notify + return latency + host copies, summed over exchanges
     peer_compute_s: float = 0.0
     peer_neurons: int = 0
-    layer_s: dict[str, float] = field(default_factory=lambda: {"attn": 0.0, "ffn": 0.0, "wait": 0.0})
+    # host seconds: attn / ffn of eager steps, wait for the CPU's answers, gpu_wait of graph
+    # steps (for the GPU's segment to finish before a post)
+    layer_s: dict[str, float] = field(default_factory=lambda: {"attn": 0.0, "ffn": 0.0, "wait": 0.0, "gpu_wait": 0.0})
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -84,7 +87,8 @@ class PrimaryExecutor:
     def __init__(self, model: str | WeightSource, plan: Plan, *, device: str = "cpu",
                  policy: str = "predictor", threshold: float | None = None, slots: int = 8,
                  n_ctx: int | None = None, t_max: int = 128, dtype: str | None = None,
-                 timeout_s: float = 60.0, prefill_dense_min: int | None = None) -> None:
+                 timeout_s: float = 60.0, prefill_dense_min: int | None = None,
+                 graphs: bool | None = None) -> None:
         self.src = open_model(model)
         self.cfg = cfg = self.src.config
         plan.verify(cfg)
@@ -105,6 +109,11 @@ class PrimaryExecutor:
         # device, streaming their rows from pinned host memory (upstream: dense prefill)
         self.prefill_dense_min = (32 if self.device.type == "cuda" else 0) if prefill_dense_min is None \
             else prefill_dense_min
+        # decode steps (one token per sequence) as captured CUDA graphs (graphs.py); on a CPU
+        # device True runs the same fixed-shape segments eagerly (what the CPU tests check)
+        self.use_graphs = (self.device.type == "cuda") if graphs is None else bool(graphs)
+        self.use_graphs = self.use_graphs and policy in GRAPH_POLICIES
+        self._graphs: dict[int, DecodeGraphs] = {}
         if self.device.type == "cuda":
             # cuDNN's SDPA plans per shape: every decode step has a new key length, and the
             # re-plan costs ~8 ms of host time per call (measured on the H200 host)
@@ -147,6 +156,15 @@ class PrimaryExecutor:
                 ffn=load_ffn_shard(self.src, l, lp.gpu_neurons, dt, dev),
                 attn=load_attn_shard(self.src, l, lp.gpu_groups, dt, dev, self.slots, self.n_ctx)))
             log.debug("primary: layer %d loaded", l)
+        # what the graph decode step reads: rotary rows of every position, the predictor's
+        # GPU rows (they come first in fc2), every GPU row (policy 'dense')
+        self.rope_cos = self.rope_sin = None
+        if cfg.rope_style is not None:
+            from ..kernels.attention import rope_table
+            self.rope_cos, self.rope_sin = rope_table(self.n_ctx, cfg.rot_dims or cfg.head_dim, cfg.rope_theta, dev)
+        self.gpu_first = [torch.arange(lw.ffn.n + len(lp.cpu_neurons), device=dev) < lw.ffn.n
+                          for lw, lp in zip(self.layers, self.plan.layers)]
+        self.all_rows = [torch.arange(lw.ffn.n, dtype=torch.int32, device=dev) for lw in self.layers]
         self.cold: list[FFNShard] | None = None
         if self.prefill_dense_min > 0 and any(len(lp.cpu_neurons) for lp in self.plan.layers):
             self.cold = [self._host_shard(l) for l in range(cfg.n_layer)]
@@ -224,7 +242,7 @@ class PrimaryExecutor:
         if cpu_mask is not None:
             n_mask = cpu_mask.shape[1]
             packed = pack_mask(cpu_mask)  # [N, ceil(n/8)]: an eighth of the bytes to copy
-            ch.mask[:N, :packed.shape[1]].copy_(packed, non_blocking=True)
+            torch.from_numpy(ch.mask_rows(N, n_mask)).copy_(packed, non_blocking=True)
         _sync(self.device)
         t1 = time.monotonic_ns()
         self.stats.sync_s += (t1 - t0) * 1e-9  # D2H
@@ -323,6 +341,21 @@ class PrimaryExecutor:
         if end > self.n_ctx:
             raise ValueError(f"sequence reaches {end} tokens, beyond the context n_ctx={self.n_ctx}")
         t0 = time.perf_counter()
+        if T == 1 and self.use_graphs and (self.channel is None or B <= self.t_max):
+            if self.channel is not None:
+                self.channel.slots[:B] = slots
+                self.channel.start_pos[:B] = start_pos
+            g = self._graphs.get(B)
+            if g is None:
+                g = self._graphs[B] = DecodeGraphs(self, B)
+            try:
+                out = g.run(list(slots), [t[0] for t in tokens], list(start_pos))
+                self._count_step(B, t0)
+                return out
+            except GraphCaptureError as e:  # before any exchange or replay: the eager step is safe
+                log.warning("primary: decode graphs unavailable, running eager steps (%s)", e)
+                self.use_graphs = False
+                self._graphs.clear()
         dev = self.device
         tok = torch.tensor(tokens, dtype=torch.long, device=dev).reshape(-1)  # [N]
         start = list(start_pos)  # host lists: the attention kernel slices the cache without a sync
@@ -338,11 +371,14 @@ class PrimaryExecutor:
         last = h.view(B, T, -1)[:, -1]  # [B, D]
         logits = (self._norm(last, self.out_norm) @ self.out_w.T).float()  # [B, V]
         out = logits.cpu().numpy()
+        self._count_step(B * T, t0)
+        return out
+
+    def _count_step(self, n_tok: int, t0: float) -> None:
         st = self.stats
         st.steps += 1
-        st.tokens += B * T
+        st.tokens += n_tok
         st.busy_s += time.perf_counter() - t0
-        return out
 
 
 def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
@@ -409,7 +445,7 @@ class CPUExecutor:
         out = ch.out[:n_tok]  # [N, D]: the partial outputs are written (and summed) in place
         wrote = False
         if op in (OP_FFN, OP_ATTN_FFN) and self.ffn[l].n:
-            mask = unpack_mask(ch.mask_np[:n_tok, :(n_mask + 7) // 8], n_mask) if self.policy == "predictor" else None
+            mask = unpack_mask(ch.mask_rows(n_tok, n_mask), n_mask) if self.policy == "predictor" else None
             _, pairs, rows = ffn_partial(ch.x_ffn[:n_tok].float(), self.ffn[l], cfg.ffn_act, self.policy, mask,
                                          out=out, threads=self.threads)
             self.stats.neurons += pairs

@@ -153,3 +153,28 @@ def test_elementwise_kernels_at_one_token(dtype):
             out = poisoned((1, D), dtype, DEV)
             y = triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, mask, "reglu", None, out, None, cfg)
             assert rel_err(y, sparse_ffn_ref(x, up, gate, down_t, idx, mask)) < GPU_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("H, G", [(40, 40), (64, 8)], ids=["13b", "70b"])
+def test_triton_decode_attention_at_real_shapes(dtype, H, G):
+    """hd = 128, keys 0..pos[b] of slot slots[b], against the float64 softmax."""
+    import math
+
+    from powerinfer_ray.kernels import decode_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(H)
+    hd, S, n_slots = 128, 600, 4
+    kc = torch.randn(n_slots, G, S, hd, generator=gen, device="cuda").to(dtype)
+    vc = torch.randn(n_slots, G, S, hd, generator=gen, device="cuda").to(dtype)
+    q = torch.randn(3, H, hd, generator=gen, device="cuda").to(dtype)
+    slots, pos = torch.tensor([3, 0, 1], device="cuda"), torch.tensor([0, 63, 517], device="cuda")
+    o = decode_attention(q, kc, vc, slots, pos, 1.0 / math.sqrt(hd))
+    for b in range(3):
+        k = kc[slots[b], :, : pos[b] + 1].double()  # [G, n, hd]
+        v = vc[slots[b], :, : pos[b] + 1].double()
+        qg = q[b].double().view(G, H // G, hd)
+        p = torch.softmax(qg @ k.transpose(1, 2) / math.sqrt(hd), -1)  # [G, n_gqa, n]
+        want = (p @ v).reshape(H, hd)
+        err = float((o[b].double() - want).abs().max() / want.abs().max())
+        assert err < (1e-2 if dtype == torch.float16 else 3e-2), (b, err)

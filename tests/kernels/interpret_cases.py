@@ -84,3 +84,27 @@ def test_triton_split_matches_exact_split():
             for part, (idx, tok) in zip(parts, [(exact.gpu_idx, exact.gpu_tok_mask), (exact.cpu_idx, exact.cpu_tok_mask)]):
                 got_idx, got_tok = unpack_active(part, T)
                 assert torch.equal(got_idx, idx) and torch.equal(got_tok, tok)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("H, G", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_triton_decode_attention_matches_float64(dtype, H, G):
+    """Keys 0..pos[b] of slot slots[b], blocks of 16 keys (several blocks, a partial last one)."""
+    import math
+
+    from powerinfer_ray.kernels.triton_attention import decode_attention_triton
+
+    _fix_interpreter_for_numpy2()
+    gen = torch.Generator().manual_seed(H + G)
+    hd, S, n_slots = 16, 48, 4
+    kc = torch.randn(n_slots, G, S, hd, generator=gen).to(dtype)
+    vc = torch.randn(n_slots, G, S, hd, generator=gen).to(dtype)
+    q = torch.randn(3, H, hd, generator=gen).to(dtype)
+    slots, pos = torch.tensor([2, 0, 3]), torch.tensor([0, 17, 40])
+    o = decode_attention_triton(q, kc, vc, slots, pos, 1.0 / math.sqrt(hd), block=16)
+    for b in range(3):
+        for h in range(H):
+            g = h // (H // G)
+            k, v = kc[slots[b], g, : pos[b] + 1].double(), vc[slots[b], g, : pos[b] + 1].double()
+            p = torch.softmax(k @ q[b, h].double() / math.sqrt(hd), 0)
+            assert rel_err(o[b, h], p @ v) < TOL[dtype], (b, h)

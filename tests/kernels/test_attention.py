@@ -152,3 +152,38 @@ def test_one_sequence_path_matches_reference(H, G, style, fused, bias):
         assert rel_err(y, ref) < 1e-5
     assert rel_err(cache[0][1, :, :9], ref_cache[0][1, :, :9]) < 1e-5
     assert torch.equal(cache[0][0], torch.zeros_like(cache[0][0]))  # the other slot untouched
+
+
+@pytest.mark.parametrize("H, G", [(4, 4), (8, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("style", ["norm", "neox", None])
+def test_step_attention_with_device_positions_matches_reference(H, G, style):
+    """head_attention_step (slots and positions as tensors, rope rows gathered from the table):
+    three sequences at different lengths, decoded token by token, equal the float64 reference,
+    caches included, and a slot of no sequence stays untouched."""
+    from powerinfer_ray.kernels import head_attention_step, rope_table
+
+    gen = torch.Generator().manual_seed(11)
+    hd, D, S, n_slots = 8, 32, 24, 4
+    bias = style is None
+    w = _weights(H, G, hd, D, torch.float32, gen, bias)
+    wqkv = torch.cat([w["wq"], w["wk"], w["wv"]])
+    bqkv = torch.cat([w["bq"], w["bk"], w["bv"]]) if bias else None
+    n_rot = 6 if style == "neox" else hd
+    cos_t, sin_t = rope_table(S, n_rot, 500.0, "cpu")
+    hist = [torch.randn(n_slots, G, S, hd, generator=gen) for _ in range(2)]  # earlier tokens' K/V
+    cache, ref_cache = [c.clone() for c in hist], [c.double() for c in hist]
+    slots, pos = [3, 0, 1], [5, 0, 11]
+    for _ in range(3):
+        x = torch.randn(3, D, generator=gen)
+        sl, ps = torch.tensor(slots), torch.tensor(pos)
+        cos, sin = (cos_t[ps], sin_t[ps]) if style else (None, None)
+        y = head_attention_step(x, wqkv, bqkv, w["wo_t"], cache[0], cache[1], sl, ps, cos, sin, style,
+                                n_rot if style == "neox" else None)
+        ref = head_attention_ref(x[:, None].double(), k_cache=ref_cache[0], v_cache=ref_cache[1], slots=slots,
+                                 start_pos=pos, rope_theta=500.0, rope_style=style,
+                                 n_rot=n_rot if style == "neox" else None, **{k: v.double() for k, v in w.items()})
+        assert y.shape == (3, D)
+        assert rel_err(y, ref[:, 0]) < 1e-5
+        pos = [p + 1 for p in pos]
+    assert rel_err(cache[0], ref_cache[0]) < 1e-5 and rel_err(cache[1], ref_cache[1]) < 1e-5
+    assert torch.equal(cache[0][2], hist[0][2])  # slot 2 belongs to no sequence

@@ -115,6 +115,65 @@ def test_batched_decode_equals_single_sequences(models):
         eng.close()
 
 
+def _decode_batch(eng: LocalEngine, prompts: list[list[int]], nxt: list[list[int]]) -> list[np.ndarray]:
+    """Prefill each prompt in its slot, then decode steps of all sequences together (each at
+    its own position), then one step of the first sequence alone; the logits of every step."""
+    for slot, p in enumerate(prompts):
+        eng.primary.step([slot], [p], [0])
+    pos, out = [len(p) for p in prompts], []
+    for toks in nxt:
+        out.append(eng.primary.step(list(range(len(prompts))), [[t] for t in toks], pos))
+        pos = [q + 1 for q in pos]
+    out.append(eng.primary.step([0], [[8]], [pos[0]]))
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("split", ["all-gpu", "mixed", "split-heads"])
+def test_graph_decode_segments_equal_dense_reference(models, variant, split):
+    """The decode step as fixed-shape segments (graphs.py; captured as CUDA graphs on a GPU, run
+    eagerly here) over every split, batched at different positions, equals the dense forward."""
+    path = models[variant]
+    ref = ReferenceModel.from_file(path)
+    eng = LocalEngine(EngineConfig(str(path), plan=_plans(ref.cfg)[split], policy="dense", prefill_chunk=16,
+                                   max_batch=3, graphs=True))
+    try:
+        prompts, nxt = [[5, 6, 7], list(range(10, 22)), [200, 1, 2, 3]], [[11, 12, 13], [40, 41, 42]]
+        got = _decode_batch(eng, prompts, nxt)
+        assert set(eng.primary._graphs) == {1, 3}  # the decode steps took the segment path
+        for slot, p in enumerate(prompts):
+            full = ref.forward(p + [t[slot] for t in nxt] + ([8] if slot == 0 else []), ref.new_cache())
+            for j in range(len(nxt)):
+                torch.testing.assert_close(torch.from_numpy(got[j][slot]), full[len(p) + j], rtol=1e-4, atol=1e-4)
+        full0 = ref.forward(prompts[0] + [t[0] for t in nxt] + [8], ref.new_cache())
+        torch.testing.assert_close(torch.from_numpy(got[-1][0]), full0[-1], rtol=1e-4, atol=1e-4)
+        if split != "all-gpu":
+            assert eng.cpu.stats.exchanges > 0
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("variant", ["llama-reglu", "opt", "falcon-gqa"])
+def test_graph_decode_with_predictors_equals_the_eager_step(tmp_path, variant):
+    """With predictors the segment path computes the same neurons as the eager step: equal
+    logits and equal neuron and byte counts on both executors."""
+    path = write_tiny_model(tmp_path / "m.gguf", variant, seed=5, n_layer=3, n_ctx=64, predictor_rank=16)
+    plan = _plans(ReferenceModel.from_file(path).cfg)["split-heads"]
+    runs = {}
+    for graphs in (False, True):
+        eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="predictor", threshold=0.2, prefill_chunk=16,
+                                       max_batch=3, graphs=graphs))
+        try:
+            got = _decode_batch(eng, [[5, 6, 7], list(range(10, 22)), [200, 1, 2, 3]], [[11, 12, 13], [40, 41, 42]])
+            st = eng.primary.stats
+            runs[graphs] = (got, st.neurons, st.active_bytes, eng.cpu.stats.neurons, eng.cpu.stats.active_bytes)
+        finally:
+            eng.close()
+    for a, b in zip(runs[False][0], runs[True][0]):
+        torch.testing.assert_close(torch.from_numpy(b), torch.from_numpy(a), rtol=1e-4, atol=1e-4)
+    assert runs[True][1:] == runs[False][1:] and runs[True][1] > 0 and runs[True][3] > 0
+
+
 def test_predictor_policy_computes_only_predicted_neurons(tmp_path):
     """With predictors, the sparse forward equals the reference forward masked by the same
     predictor decisions (the reference's FFNHooks.mask), and far fewer neurons are computed."""
@@ -177,7 +236,7 @@ def test_channel_round_trip_between_threads(x_dtype):
         def serve():
             seq = peer.wait_request(0)
             op, layer, n_seq, n_tok, n_mask = peer.request()
-            got = unpack_mask(peer.mask_np[:n_tok, :(n_mask + 7) // 8], n_mask)  # [N, n]
+            got = unpack_mask(peer.mask_rows(n_tok, n_mask), n_mask)  # [N, n]
             peer.out[:n_tok] = peer.x_ffn[:n_tok].float() * 2 + got.sum(1, keepdim=True).float()
             peer.respond(seq, 0)
 
@@ -186,7 +245,7 @@ def test_channel_round_trip_between_threads(x_dtype):
         x = torch.arange(24, dtype=torch.float32).view(3, 8)
         ch.x_ffn[:3] = x
         packed = pack_mask(mask)
-        ch.mask[:3, :packed.shape[1]] = packed
+        ch.mask_rows(3, 21)[:] = packed.numpy()
         seq = ch.post(OP_FFN, 7, 1, 3, 21)
         ch.wait_response(seq, timeout_s=10)
         th.join()
