@@ -48,6 +48,9 @@ def machine() -> dict[str, Any]:
 
 
 def commit() -> str:
+    """The source's commit: $POWERINFER_COMMIT when set (a copied tree's .git may be stale), else git."""
+    if os.environ.get("POWERINFER_COMMIT"):
+        return os.environ["POWERINFER_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, check=True).stdout.strip()

@@ -2,7 +2,7 @@
 time goes on the GPU executor, per op, on CPU and CUDA.
 
     python bench/profile_step.py -m "planted:llama2-13b?dtype=f16&layers=4" --policy dense
-    python bench/profile_step.py -m ... --policy predictor --gpu-fraction 0.3
+    python bench/profile_step.py -m ... --policy predictor --gpu-fraction 0.3 [--prefill] [--no-graphs]
 """
 from __future__ import annotations
 
@@ -26,15 +26,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--prefill", action="store_true", help="profile a 64-token prefill instead of decode steps")
+    ap.add_argument("--no-graphs", action="store_true", help="eager decode steps (no CUDA graphs)")
     a = ap.parse_args()
     cfg = open_model(a.model).config
     kw = dict(gpu_fraction=a.gpu_fraction) if a.gpu_fraction is not None else dict(plan=Plan.all_gpu(cfg))
     t0 = time.perf_counter()
     e = LocalEngine(EngineConfig(a.model, policy=a.policy, max_batch=1, n_ctx=256, prefill_chunk=64,
-                                 threads=a.threads, **kw))
+                                 threads=a.threads, graphs=False if a.no_graphs else None, **kw))
     print(f"loaded in {time.perf_counter() - t0:.1f} s; cpu kernel available: {cpu_ffn.available()}", flush=True)
     p = e.primary
-    p.step([0], [list(range(10, 74))], [0])
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for i in range(2):
+        t0 = time.perf_counter()
+        p.step([0], [list(range(10, 74))], [0])
+        sync()
+        print(f"prefill of 64 tokens: {(time.perf_counter() - t0) * 1e3:.1f} ms", flush=True)
     for i in range(5):
         p.step([0], [[5]], [64 + i])
     if torch.cuda.is_available():
@@ -46,8 +53,11 @@ def main() -> None:
     print(f"decode step {dt * 1e3:.2f} ms ({cfg.n_layer} layers: {dt * 1e6 / cfg.n_layer:.0f} us/layer)", flush=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
-        for i in range(5):
-            p.step([0], [[5]], [100 + i])
+        if a.prefill:
+            p.step([0], [list(range(10, 74))], [0])
+        else:
+            for i in range(5):
+                p.step([0], [[5]], [100 + i])
     sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=a.rows))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=a.rows))

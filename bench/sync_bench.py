@@ -3,8 +3,10 @@
 Two Ray actors on one node, set up through Ray exactly as the engine does: the "primary" creates
 the shared-memory channel (pinned with cudaHostRegister when CUDA is present), the "peer"
 attaches and serves. Per round trip: the primary copies a hidden state (D values in the
-compute dtype: fp16 from a GPU) and an active-neuron mask (packed 8 a byte) into the channel (D2H from the GPU when present), publishes, spins for the
-answer, and copies the peer's output back (H2D). The peer spins on the request flag, copies
+compute dtype: fp16 from a GPU) and an active-neuron mask (packed 8 a byte) into the channel
+(D2H from the GPU when present), publishes, spins for the answer, and copies the peer's output
+back (H2D). On CUDA the copies (and the mask packing) run as captured CUDA graphs, as in the
+decode step (round_trip_us_median); the eager form is reported beside it. The peer spins on the request flag, copies
 input to output, answers. Beside it, the same payload as a plain Ray actor call.
 
     powerinfer-ray bench sync [--d 5120] [--iters 2000]
@@ -63,26 +65,52 @@ class Primary:
         ray.get(peer.attach.remote(ch.spec))
         x = torch.randn(1, d, device=dev).to(ch.x_ffn.dtype)
         mask = torch.rand(1, n_mask, device=dev) < 0.1
-        t_rt, t_notify, t_return = [], [], []
-        for i in range(iters + 100):
-            t0 = time.perf_counter_ns()
+        y = torch.zeros(1, d, device=dev)
+
+        def send() -> None:  # what the decode step's graph does before a post
             ch.x_ffn[:1].copy_(x, non_blocking=True)
             packed = pack_mask(mask)  # [1, n/8]: as the engine sends it
             torch.from_numpy(ch.mask_rows(1, n_mask)).copy_(packed, non_blocking=True)
-            if dev.type == "cuda":
-                torch.cuda.current_stream().synchronize()
-            tp = time.monotonic_ns()
-            seq = ch.post(OP_FFN, 0, 1, 1, n_mask)
-            ts, te = ch.wait_response(seq, timeout_s=10)
-            tseen = time.monotonic_ns()
-            y = ch.out[:1].to(dev, non_blocking=True)
-            if dev.type == "cuda":
-                torch.cuda.current_stream().synchronize()
-            t1 = time.perf_counter_ns()
-            if i >= 100:
-                t_rt.append((t1 - t0) / 1e3)
-                t_notify.append((ts - tp) / 1e3)
-                t_return.append((tseen - te) / 1e3)
+
+        def recv() -> None:  # and what the next graph does first
+            y.copy_(ch.out[:1], non_blocking=True)
+
+        def timed(send, recv, n):  # noqa: ANN001, ANN202
+            t_rt, t_notify, t_return = [], [], []
+            for i in range(n + 100):
+                t0 = time.perf_counter_ns()
+                send()
+                if dev.type == "cuda":
+                    torch.cuda.current_stream().synchronize()
+                tp = time.monotonic_ns()
+                seq = ch.post(OP_FFN, 0, 1, 1, n_mask)
+                ts, te = ch.wait_response(seq, timeout_s=10)
+                tseen = time.monotonic_ns()
+                recv()
+                if dev.type == "cuda":
+                    torch.cuda.current_stream().synchronize()
+                t1 = time.perf_counter_ns()
+                if i >= 100:
+                    t_rt.append((t1 - t0) / 1e3)
+                    t_notify.append((ts - tp) / 1e3)
+                    t_return.append((tseen - te) / 1e3)
+            return t_rt, t_notify, t_return
+
+        eager = timed(send, recv, iters // 2)
+        t_rt, t_notify, t_return = eager
+        graphs = None
+        if dev.type == "cuda":  # the runtime's form: both sides of the exchange in CUDA graphs
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                send(), recv()
+            torch.cuda.current_stream().wait_stream(side)
+            g_send, g_recv = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g_send):
+                send()
+            with torch.cuda.graph(g_recv):
+                recv()
+            t_rt, t_notify, t_return = graphs = timed(g_send.replay, g_recv.replay, iters)
         assert torch.equal(y, x.float()), "echo mismatch"
         ch.wait_response(ch.post(OP_STOP, 0, 0, 0, 0), timeout_s=5)
         ray_rt = []
@@ -94,10 +122,10 @@ class Primary:
                 ray_rt.append((time.perf_counter_ns() - t0) / 1e3)
         ch.close(unlink=True)
         med = lambda v: float(np.median(v))  # noqa: E731
-        return {"device": str(dev), "pinned": ch.pinned, "iters": iters,
+        return {"device": str(dev), "pinned": ch.pinned, "iters": iters, "cuda_graphs": graphs is not None,
                 "round_trip_us_median": med(t_rt), "round_trip_us_p90": float(np.percentile(t_rt, 90)),
                 "notify_us_median": med(t_notify), "return_us_median": med(t_return),
-                "ray_call_us_median": med(ray_rt)}
+                "round_trip_eager_us_median": med(eager[0]), "ray_call_us_median": med(ray_rt)}
 
 
 def main(argv: list[str]) -> int:

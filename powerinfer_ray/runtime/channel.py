@@ -18,6 +18,7 @@ the first n_tok * ceil(n_mask / 8) bytes as [n_tok, ceil(n_mask / 8)], contiguou
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import time
@@ -28,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 
 # ops
@@ -149,8 +151,11 @@ class Channel:
         if self.pinned or not torch.cuda.is_available():
             return
         base = self.header.ctypes.data
-        err = torch.cuda.cudart().cudaHostRegister(base, self.spec.nbytes, 0)
-        self.pinned = int(err) == 0
+        err = int(torch.cuda.cudart().cudaHostRegister(base, self.spec.nbytes, 0))
+        self.pinned = err == 0
+        if err:  # the copies stay correct, only synchronous; clear CUDA's last error, which the
+            _clear_cuda_error()  # next kernel launch check would otherwise raise
+            log.warning("channel: cudaHostRegister failed (error %d); host copies will not be async", err)
 
     def mask_rows(self, n_tok: int, n_mask: int) -> np.ndarray:
         """The packed mask of an exchange: uint8 [n_tok, ceil(n_mask/8)], a contiguous view."""
@@ -206,12 +211,27 @@ class Channel:
         self.header[_H_RESP] = seq
 
     def close(self, unlink: bool = False) -> None:
+        if self.pinned:  # a later segment mapped at the same address could not be registered
+            torch.cuda.cudart().cudaHostUnregister(self.header.ctypes.data)
+            self.pinned = False
         try:
             self._mm.close()
         except BufferError:
             pass  # views still alive; the mapping goes with the process
         if unlink:
             self.spec.path.unlink(missing_ok=True)
+
+
+def _clear_cuda_error() -> None:
+    """cudaGetLastError() of the CUDA runtime this process loaded (torch exposes no binding)."""
+    import ctypes
+
+    try:
+        libs = {line.split()[-1] for line in open("/proc/self/maps") if "libcudart" in line}
+        for path in libs:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError:
+        pass
 
 
 def _wait(ready, timeout_s, spin_s, alive, what: str, max_sleep_s: float = 0.0005) -> None:  # noqa: ANN001

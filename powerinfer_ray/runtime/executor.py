@@ -107,6 +107,7 @@ class PrimaryExecutor:
         self.channel: Channel | None = None
         # prompts of at least this many tokens run the CPU shard's neurons densely on this
         # device, streaming their rows from pinned host memory (upstream: dense prefill)
+        self._prefill_auto = prefill_dense_min is None
         self.prefill_dense_min = (32 if self.device.type == "cuda" else 0) if prefill_dense_min is None \
             else prefill_dense_min
         # decode steps (one token per sequence) as captured CUDA graphs (graphs.py); on a CPU
@@ -167,7 +168,15 @@ class PrimaryExecutor:
         self.all_rows = [torch.arange(lw.ffn.n, dtype=torch.int32, device=dev) for lw in self.layers]
         self.cold: list[FFNShard] | None = None
         if self.prefill_dense_min > 0 and any(len(lp.cpu_neurons) for lp in self.plan.layers):
-            self.cold = [self._host_shard(l) for l in range(cfg.n_layer)]
+            cold_bytes = sum(len(lp.cpu_neurons) for lp in self.plan.layers) * cfg.neuron_bytes
+            avail = _host_available_bytes()
+            if self._prefill_auto and avail is not None and cold_bytes > avail // 3:
+                # a second host copy of the CPU shard would crowd the CPU executor's own
+                log.warning("primary: dense prefill off: the CPU shard's %.1f GiB would take more than a third "
+                            "of the host's %.1f GiB available", cold_bytes / 2**30, avail / 2**30)
+                self.prefill_dense_min = 0
+            else:
+                self.cold = [self._host_shard(l) for l in range(cfg.n_layer)]
 
     def _host_shard(self, l: int) -> FFNShard:
         """The CPU executor's rows of layer l, in (pinned) host memory, for dense prefill."""
@@ -379,6 +388,16 @@ class PrimaryExecutor:
         st.steps += 1
         st.tokens += n_tok
         st.busy_s += time.perf_counter() - t0
+
+
+def _host_available_bytes() -> int | None:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
