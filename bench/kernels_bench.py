@@ -258,7 +258,12 @@ def _exchange_worker(args) -> dict:
             idx, tok = active_rows(unpack_mask(m, EX_N))
             pre.append((idx.contiguous(), None if tok is None else tok.contiguous()))
         xs = x.float().contiguous()
-        scratch = torch.empty(threads * T * D, dtype=torch.float32)
+        splits = ("rows", "cols") if hasattr(lib, "pi_scratch_bytes") else ("rows",)
+        if hasattr(lib, "pi_scratch_bytes"):  # bytes for the largest K of the sets, either split
+            nb = max(lib.pi_scratch_bytes(T, D, EX_N, threads, 0, cpu_ffn._SPLIT[sp], 0) for sp in splits)
+            scratch = torch.empty(nb, dtype=torch.uint8)
+        else:  # the kernel before the column split: per-thread accumulators only
+            scratch = torch.empty(threads * T * D * 4, dtype=torch.uint8)
         state = {"i": 0}
 
         def load():  # the next mask into the channel buffer (untimed)
@@ -272,16 +277,19 @@ def _exchange_worker(args) -> dict:
         def decode_only():  # its Python decoding alone: unpackbits + active_rows
             active_rows(unpack_mask(m_ch[:T, :(EX_N + 7) // 8], EX_N))
 
-        def kernel_only():  # the ctypes call alone (mask mode bool [T, K], or none at T = 1)
+        def kernel_only(split):  # the ctypes call alone (mask mode bool [T, K], or none at T = 1)
             idx, tok = pre[state["i"]]
+            extra = (cpu_ffn._SPLIT[split],) if len(splits) > 1 else ()
             rc = lib.pi_sparse_ffn(xs.data_ptr(), T, D, up.data_ptr(), gate.data_ptr(), down_t.data_ptr(), 1,
                                    D, D, D, EX_N, None, 0, idx.data_ptr(), 1, idx.numel(),
                                    None if tok is None else tok.data_ptr(), 0 if tok is None else 1,
                                    0 if tok is None else tok.shape[1], 1, out.data_ptr(), 0, scratch.data_ptr(),
-                                   threads)
+                                   threads, *extra)
             assert rc == 0, rc
 
-        variants = {"exchange_ffn_partial": old_path, "decode_python": decode_only, "kernel_call": kernel_only}
+        variants = {"exchange_ffn_partial": old_path, "decode_python": decode_only}
+        for sp in splits:
+            variants[f"kernel_call_{sp}"] = lambda sp=sp: kernel_only(sp)
         if bitmask is not None:
             variants["exchange_bitmask"] = lambda: bitmask(x, up, gate, down_t, m_ch[:T, :B], EX_N, "reglu", None,
                                                        out, threads)
@@ -312,8 +320,9 @@ def bench_cpu_exchange(args) -> dict:
     """The CPU executor's per-layer answer at the Llama-2-13B shape (D = 5120, fp16 weights, a CPU
     shard of 8600 rows, ReGLU), from the packed mask in a channel-like buffer to y in the fp32 out
     buffer. Variants: exchange_ffn_partial = unpack_mask + ffn_partial as CPUExecutor._compute does;
-    decode_python = its Python decoding alone (unpackbits + active_rows); kernel_call = the ctypes
-    kernel call alone (inputs decoded beforehand); exchange_bitmask = kernels.cpu_ffn.sparse_ffn_bitmask
+    decode_python = its Python decoding alone (unpackbits + active_rows); kernel_call_<split> = the
+    ctypes kernel call alone (inputs decoded beforehand) with the work split over rows (per-thread
+    accumulators + reduction, the kernel before this change) or columns; exchange_bitmask = kernels.cpu_ffn.sparse_ffn_bitmask
     (when present). Each variant runs in
     two processes, OMP_WAIT_POLICY unset and ACTIVE (libgomp reads it at load)."""
     import tempfile

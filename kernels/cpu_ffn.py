@@ -22,8 +22,10 @@ import subprocess
 import tempfile
 import threading
 import warnings
+import weakref
 from pathlib import Path
 
+import numpy as np
 import torch
 
 SOURCE = Path(__file__).with_name("csrc") / "sparse_ffn.cpp"
@@ -33,11 +35,15 @@ FALLBACK_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]  # compil
 _W_DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _ACT = {"relu": 0, "reglu": 1, "drelu": 2, "swiglu": 3}
 _MAX_T = 64  # tokens per kernel call (the kernel's stack buffers); more are split into calls
+_SPLIT = {"auto": 0, "rows": 1, "cols": 2}  # the kernel's work split (csrc/sparse_ffn.cpp, NOTES.md)
+_BAD_ARGS = -1000000000
 
 _lock = threading.Lock()  # one build, and one call at a time per process (shared scratch)
 _lib: ctypes.CDLL | None = None
 _lib_failed = False
 _scratch: torch.Tensor | None = None
+_stats = (ctypes.c_int64 * 2)()  # pi_sparse_ffn_bitmask's (pairs, rows); used under _lock
+_scratch_bytes: dict[tuple, int] = {}  # pi_scratch_bytes by its arguments
 
 
 def cache_dir() -> Path:
@@ -91,7 +97,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.pi_sparse_ffn.restype = i64
     lib.pi_sparse_ffn.argtypes = [p, i64, i64, p, p, p, i32, i64, i64, i64, i64, p, i32,
-                                  p, i32, i64, p, i32, i64, i32, p, i32, p, i32]
+                                  p, i32, i64, p, i32, i64, i32, p, i32, p, i32, i32]
+    lib.pi_sparse_ffn_bitmask.restype = i64
+    lib.pi_sparse_ffn_bitmask.argtypes = [p, i32, i64, i64, i64, p, p, p, i32, i64, i64, i64, i64, p, i32,
+                                          p, i64, i64, i32, p, i32, p, i32, i32, p]
+    lib.pi_scratch_bytes.restype = i64
+    lib.pi_scratch_bytes.argtypes = [i64, i64, i64, i32, i32, i32, i32]
     lib.pi_read_sum.restype = ctypes.c_double
     lib.pi_read_sum.argtypes = [p, i64, i32]
     lib.pi_simd_width.restype = i32
@@ -126,11 +137,12 @@ def simd_width() -> int:
     return int(lib.pi_simd_width()) if lib is not None else 0
 
 
-def _scratch_for(n: int) -> torch.Tensor:
+def _scratch_for(nbytes: int) -> int:
+    """Address of at least nbytes of the process's kernel scratch (grown, never shrunk); hold _lock."""
     global _scratch
-    if _scratch is None or _scratch.numel() < n:
-        _scratch = torch.empty(n, dtype=torch.float32)
-    return _scratch
+    if _scratch is None or _scratch.numel() < nbytes:
+        _scratch = torch.empty(max(nbytes, 64), dtype=torch.uint8)
+    return _scratch.data_ptr()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -143,12 +155,13 @@ def _rows_ok(w: torch.Tensor, D: int) -> bool:
 
 def sparse_ffn_cpu(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
                    idx: torch.Tensor, mask: torch.Tensor | None, act: str, up_bias: torch.Tensor | None,
-                   y: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+                   y: torch.Tensor, threads: int | None = None, split: str = "auto") -> torch.Tensor:
     """Run the compiled kernel; inputs already validated by `sparse_ffn` (CPU tensors).
 
     x [T, D] any float dtype; up, gate, down_t [N, D] rows with unit column stride, one of
     fp32 / fp16 / bf16; idx [K] int32 or int64; mask None, bool [T, K] or int32 bits [K];
-    y [T, D] contiguous, x's dtype. Returns y.
+    y [T, D] contiguous, x's dtype. split: the kernel's work split, 'auto' | 'rows' | 'cols'
+    (benchmarks). Returns y.
     """
     lib = library()
     assert lib is not None, "sparse_ffn_cpu called without a compiled kernel"
@@ -177,7 +190,7 @@ def sparse_ffn_cpu(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None,
             ms = mask[t0:t1] if mode == 1 else mask
             if mode == 2 and t0:
                 ms = torch.bitwise_right_shift(mask, t0)
-            scratch = _scratch_for(nthreads * (t1 - t0) * D)
+            scratch = _scratch_for(lib.pi_scratch_bytes(t1 - t0, D, K, nthreads, _W_DT[y.dtype], _SPLIT[split], 0))
             rc = lib.pi_sparse_ffn(
                 xs.data_ptr(), t1 - t0, D,
                 up.data_ptr(), _ptr(gate), down_t.data_ptr(), wdt,
@@ -185,13 +198,186 @@ def sparse_ffn_cpu(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None,
                 _ptr(bias), _W_DT.get(bias.dtype, 0) if bias is not None else 0,
                 idx.data_ptr(), int(idx.dtype == torch.int64), K,
                 _ptr(ms), mode, ld_mask,
-                _ACT[act], ys.data_ptr(), _W_DT[y.dtype], scratch.data_ptr(), nthreads)
+                _ACT[act], ys.data_ptr(), _W_DT[y.dtype], scratch, nthreads, _SPLIT[split])
             if rc != 0:
-                if rc == -1000000000:
+                if rc == _BAD_ARGS:
                     raise ValueError(f"sparse_ffn_cpu: bad arguments T={T}, D={D}, threads={nthreads}")
                 k = -rc - 1
                 raise IndexError(f"sparse_ffn: idx[{k}] = {int(idx[k])} is outside the shard's rows [0, {N})")
     return y
+
+
+def _bad(what: str, got, expected: str) -> ValueError:
+    return ValueError(f"sparse_ffn_bitmask: {what} is {got}, expected {expected}")
+
+
+def _packed_view(packed, T: int, n: int) -> tuple[int, int]:
+    """(address, row stride in bytes) of a packed mask uint8 [T, ceil(n/8)], numpy or torch."""
+    B = (n + 7) // 8
+    if isinstance(packed, np.ndarray):
+        shape, dt, strides = packed.shape, packed.dtype, packed.strides
+        if dt != np.uint8:
+            raise _bad("packed_mask.dtype", dt, "uint8")
+        addr = packed.__array_interface__["data"][0]
+    elif isinstance(packed, torch.Tensor):
+        shape, dt, strides = tuple(packed.shape), packed.dtype, packed.stride()
+        if dt != torch.uint8:
+            raise _bad("packed_mask.dtype", dt, "torch.uint8")
+        if packed.device.type != "cpu":
+            raise _bad("packed_mask.device", packed.device, "cpu")
+        addr = packed.data_ptr()
+    else:
+        raise _bad("packed_mask", type(packed).__name__, "a numpy array or torch tensor (uint8), or None")
+    if len(shape) != 2 or shape[0] != T or shape[1] != B:
+        raise _bad("packed_mask.shape", tuple(shape), f"[{T}, {B}] ([T, ceil(n / 8)] with T = x.shape[0] = {T}, n = {n})")
+    if B > 1 and strides[1] != 1:
+        raise _bad("packed_mask.strides", tuple(strides), "unit stride along the bytes of a row")
+    return addr, (strides[0] if T > 1 else B)
+
+
+class _Shard:
+    """Validated shard weights and what the kernel needs of them (cached per tensors: see _shard)."""
+
+    __slots__ = ("refs", "up_ptr", "N", "D", "args", "bias")
+
+    def __init__(self, up, gate, down_t, up_bias, act):
+        D = up.shape[1]
+        bias = up_bias
+        if bias is not None and (bias.dtype not in _W_DT or not bias.is_contiguous()):
+            bias = bias.float().contiguous()
+        self.refs = tuple(None if t is None else weakref.ref(t) for t in (up, gate, down_t, up_bias))
+        self.up_ptr, self.N, self.D, self.bias = up.data_ptr(), up.shape[0], D, bias
+        # pi_sparse_ffn_bitmask's weight arguments, in order (up .. bias_dt), then act
+        self.args = (up.data_ptr(), _ptr(gate), down_t.data_ptr(), _W_DT[up.dtype],
+                     up.stride(0), gate.stride(0) if gate is not None else 0, down_t.stride(0), up.shape[0],
+                     _ptr(bias), _W_DT[bias.dtype] if bias is not None else 0)
+
+    def same(self, up, gate, down_t, up_bias) -> bool:
+        return all((r is None and t is None) or (r is not None and r() is t)
+                   for r, t in zip(self.refs, (up, gate, down_t, up_bias))) and up.data_ptr() == self.up_ptr
+
+
+_shards: dict[tuple, _Shard] = {}
+
+
+def _shard(up, gate, down_t, up_bias, act) -> _Shard:
+    """The weights' checks run once per set of tensors (an executor passes the same shard every
+    step): cached by identity, held by weak references, revalidated if up's storage moved."""
+    key = (id(up), id(gate), id(down_t), id(up_bias), act)
+    sh = _shards.get(key)
+    if sh is not None and sh.same(up, gate, down_t, up_bias):
+        return sh
+    _check_weights(up, gate, down_t, up_bias, act)
+    if len(_shards) >= 512:
+        _shards.clear()
+    sh = _shards[key] = _Shard(up, gate, down_t, up_bias, act)
+    return sh
+
+
+def _check_weights(up, gate, down_t, up_bias, act) -> None:
+    if act not in _ACT:
+        raise _bad("act", repr(act), f"one of {tuple(_ACT)}")
+    if not isinstance(up, torch.Tensor) or up.dim() != 2:
+        raise _bad("up.shape", tuple(getattr(up, "shape", ())), "[N, D]")
+    if up.dtype not in _W_DT:
+        raise _bad("up.dtype", up.dtype, "float32, float16 or bfloat16")
+    N, D = up.shape
+    if (gate is None) != (act == "relu"):
+        raise _bad("gate", "None" if gate is None else "given", f"{'None' if act == 'relu' else 'a tensor'} for act={act!r}")
+    for name, w in (("up", up), ("gate", gate), ("down_t", down_t)):
+        if w is None:
+            continue
+        if w.dim() != 2 or w.shape[0] != N or w.shape[1] != D:
+            raise _bad(f"{name}.shape", tuple(w.shape), f"[{N}, {D}] like up")
+        if w.dtype != up.dtype:
+            raise _bad(f"{name}.dtype", w.dtype, f"{up.dtype} like up")
+        if D > 1 and w.stride(1) != 1:
+            raise _bad(f"{name}.stride()", w.stride(), "rows with unit column stride")
+        if not w.is_cpu:
+            raise _bad(f"{name}.device", w.device, "cpu")
+    if up_bias is not None and (tuple(up_bias.shape) != (N,) or not up_bias.is_cpu):
+        raise _bad("up_bias", f"{tuple(up_bias.shape)} on {up_bias.device}", f"[{N}] on cpu")
+
+
+def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
+                       packed_mask, n: int, act: str, up_bias: torch.Tensor | None, out: torch.Tensor,
+                       threads: int | None = None, *, split: str = "auto") -> tuple[int, int]:
+    """The CPU executor's FFN answer in one call, from the mask as the channel holds it.
+
+    x [T, D] fp32 / fp16 / bf16 (rows with unit column stride, e.g. the channel's x view);
+    up, gate (None for act='relu'), down_t [N, D] (the shard); packed_mask uint8 [T, ceil(n/8)]
+    (numpy array or torch tensor, rows with any stride; neuron j in bit j % 8 of byte j // 8, as
+    `runtime.channel.pack_mask` writes it; padding bits of the last byte ignored) or None for every
+    one of the n rows (policy 'dense'); n: the mask's neurons, rows 0 .. n-1 of the shard; out
+    [T, D] contiguous, float32 or x's dtype: every element is written; threads: default
+    torch.get_num_threads(); split: the kernel's work split, 'auto' | 'rows' | 'cols' (benchmarks).
+
+    out[t] = sum over j < n with bit (t, j) set of act(gate[j] . x[t], up[j] . x[t] + up_bias[j]) *
+    down_t[j], accumulated in fp32. The decoding (active rows = bits set for any token, per-token
+    bits), the conversion of x and the output dtype happen in the compiled kernel; each active row
+    is read once. Returns (pairs, rows): the (token, neuron) pairs set and the rows active for any
+    token, what `runtime.layers.ffn_partial` returns beside y. Bad arguments raise ValueError
+    naming the field. Without a compiler: numpy decoding and the torch path, same results.
+    """
+    sh = _shard(up, gate, down_t, up_bias, act)
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != sh.D:
+        raise _bad("x.shape", tuple(getattr(x, "shape", ())), f"[T, {sh.D}]")
+    T, D = x.shape
+    x_dt = _W_DT.get(x.dtype)
+    if x_dt is None:
+        raise _bad("x.dtype", x.dtype, "float32, float16 or bfloat16")
+    ld_x = x.stride(0) if T > 1 else D
+    if (D > 1 and x.stride(1) != 1) or ld_x < D or not x.is_cpu:
+        raise _bad("x", f"strides {x.stride()} on {x.device}", "a cpu tensor, rows with unit column stride")
+    y_dt = _W_DT.get(out.dtype) if isinstance(out, torch.Tensor) else None
+    if y_dt is None or out.shape != x.shape or not out.is_contiguous() or not out.is_cpu \
+            or out.dtype not in (torch.float32, x.dtype):
+        raise _bad("out", f"{tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', type(out).__name__)}",
+                   f"contiguous [{T}, {D}] float32 or {x.dtype} on cpu")
+    if isinstance(n, np.integer):
+        n = int(n)
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= sh.N:
+        raise _bad("n", n, f"an int in [0, {sh.N}] (the mask's neurons: rows 0 .. n-1 of the shard)")
+    addr, ld = _packed_view(packed_mask, T, n) if packed_mask is not None else (None, 0)
+    sp = _SPLIT.get(split)
+    if sp is None:
+        raise _bad("split", repr(split), f"one of {tuple(_SPLIT)}")
+    if T == 0:
+        return 0, 0
+    lib = library()
+    if lib is None:
+        return _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out)
+    nthreads = int(threads or torch.get_num_threads())
+    with _lock:
+        key = (T, D, n, nthreads, y_dt, sp)
+        nb = _scratch_bytes.get(key)
+        if nb is None:
+            nb = _scratch_bytes[key] = lib.pi_scratch_bytes(T, D, n, nthreads, y_dt, sp, 1)
+        rc = lib.pi_sparse_ffn_bitmask(x.data_ptr(), x_dt, ld_x, T, D, *sh.args, addr, ld, n, _ACT[act],
+                                       out.data_ptr(), y_dt, _scratch_for(nb), nthreads, sp, _stats)
+        if rc != 0:
+            raise ValueError(f"sparse_ffn_bitmask: the kernel rejected its arguments (rc {rc}): T={T}, D={D}, "
+                             f"n={n}, threads={nthreads}")
+        return _stats[0], _stats[1]
+
+
+def _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out) -> tuple[int, int]:
+    """sparse_ffn_bitmask without the compiled kernel: numpy decoding, the torch path."""
+    from .sparse_ffn import sparse_ffn_torch
+
+    T = x.shape[0]
+    if packed_mask is None:
+        idx, tok, pairs = torch.arange(n), None, T * n
+    else:
+        m = packed_mask if isinstance(packed_mask, np.ndarray) else packed_mask.numpy()
+        act_tn = torch.from_numpy(np.unpackbits(m, axis=1, count=n, bitorder="little").view(np.bool_))  # [T, n]
+        idx = act_tn.any(0).nonzero().reshape(-1)
+        tok, pairs = act_tn.index_select(1, idx), int(act_tn.sum())
+    if idx.numel() == 0:
+        out.zero_()
+    else:
+        out.copy_(sparse_ffn_torch(x.float(), up, gate, down_t, idx, tok, act, up_bias))
+    return pairs, idx.numel()
 
 
 def read_bandwidth(nbytes: int = 1 << 30, threads: int | None = None, reps: int = 5) -> float:

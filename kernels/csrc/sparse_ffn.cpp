@@ -5,12 +5,19 @@
 //
 //   y[t, :] = sum_k  mask[t, k] * act(gate[idx[k]] . x[t], up[idx[k]] . x[t] + b[idx[k]]) * down_t[idx[k], :]
 //
-// Work split: threads take chunks of 4R consecutive idx entries dynamically. For each block of R rows it computes the
-// activations h [R, T] (phase 1: one pass over the up/gate rows, all tokens at once), then adds
-// h * down_t rows into its private fp32 accumulator A_i [T, D] (phase 2: one pass over the down
-// rows, R rows interleaved so A_i is loaded and stored once per R rows). Rows whose activation is
-// zero for every token (ReLU zeros, masked tokens) skip their down row. After a barrier the
-// accumulators are summed in parallel over D and written in the output dtype.
+// Work split, two of them (pick_split chooses; the same results up to fp32 rounding order):
+//  columns (few active rows): phase 1, threads take dynamic chunks of a few idx entries and compute
+//    the activations h [K, T] (one pass over the up/gate rows, all tokens at once); barrier;
+//    phase 2, thread i owns a slice of the D columns (multiples of 32) and adds h * down_t[:, slice]
+//    over all rows with a nonzero activation straight into y (fp32) or an fp32 [T, D] buffer. Every
+//    row is still read once in all, every thread has work at any K, and there is no reduction.
+//  rows (many active rows): threads take chunks of 4R consecutive idx entries dynamically; for each
+//    block of R rows a thread computes h [R, T] (phase 1), then adds h * down_t rows into its
+//    private fp32 accumulator A_i [T, D] (phase 2, R rows interleaved so A_i is loaded and stored
+//    once per R rows); after a barrier the accumulators are summed in parallel over D.
+// Rows whose activation is zero for every token (ReLU zeros, masked tokens) skip their down row.
+// pi_sparse_ffn_bitmask decodes the CPU executor's packed mask (active rows and token bits) and
+// converts x itself, so the executor's exchange is one call.
 //
 // Built at first use by kernels/cpu_ffn.py with `g++ -O3 -march=native -fopenmp`; the vector
 // code is chosen at compile time: AVX-512F, else AVX2 + FMA + F16C, else portable scalar C++.
@@ -28,7 +35,8 @@ namespace {
 
 enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
 enum { ACT_RELU = 0, ACT_REGLU = 1, ACT_DRELU = 2, ACT_SWIGLU = 3 };
-enum { MASK_NONE = 0, MASK_BOOL = 1, MASK_BITS = 2 };
+enum { MASK_NONE = 0, MASK_BOOL = 1, MASK_BITS = 2, MASK_BITS64 = 3 };
+enum { SPLIT_AUTO = 0, SPLIT_ROWS = 1, SPLIT_COLS = 2 };
 
 constexpr int R = 8;  // rows per block: A_i is touched once per R down rows
 constexpr int PF_LINES = 8;  // cache lines prefetched at the head of a row about to be streamed
@@ -231,13 +239,13 @@ inline float activate(int act, float u, float g) {
     }
 }
 
-// ---- phase 2: A[t, :] += sum_r h[r, t] * rows[r][:] -------------------------------------------
-// h is [nr, T] row-major; A is [T, D]. Tokens t0 .. t0+TB-1.
+// ---- phase 2: A[t, d0:d1] += sum_r h[r, t] * rows[r][d0:d1] -----------------------------------
+// h is [nr, T] row-major; A is [T, D] (row stride D). Tokens t0 .. t0+TB-1, columns d0 .. d1-1.
 template <class W, int TB>
 inline void axpy_rows(const typename W::T* const* rows, int nr, const float* h, int64_t T, int64_t t0,
-                      float* A, int64_t D) {
-    int64_t d = 0;
-    for (; d + VW <= D; d += VW) {
+                      float* A, int64_t D, int64_t d0, int64_t d1) {
+    int64_t d = d0;
+    for (; d + VW <= d1; d += VW) {
         if (TB == 1) {  // two chains so FMA latency does not bound a single token
             vf a0 = vload(A + t0 * D + d), a1 = vzero();
             int r = 0;
@@ -257,7 +265,7 @@ inline void axpy_rows(const typename W::T* const* rows, int nr, const float* h, 
             for (int t = 0; t < TB; ++t) vstore(A + (t0 + t) * D + d, acc[t]);
         }
     }
-    for (; d < D; ++d)  // tail
+    for (; d < d1; ++d)  // tail
         for (int r = 0; r < nr; ++r) {
             float w = W::at(rows[r] + d);
             for (int t = 0; t < TB; ++t) A[(t0 + t) * D + d] += h[r * T + t0 + t] * w;
@@ -265,15 +273,16 @@ inline void axpy_rows(const typename W::T* const* rows, int nr, const float* h, 
 }
 
 template <class W>
-void axpy_all_tokens(const typename W::T* const* rows, int nr, const float* h, int64_t T, float* A, int64_t D) {
+void axpy_all_tokens(const typename W::T* const* rows, int nr, const float* h, int64_t T, float* A, int64_t D,
+                     int64_t d0, int64_t d1) {
     constexpr int TB2 = TBMAX * 2 > 16 ? 16 : TBMAX * 2;  // axpy keeps TB accumulators only
     int64_t t0 = 0;
-    for (; t0 + TB2 <= T; t0 += TB2) axpy_rows<W, TB2>(rows, nr, h, T, t0, A, D);
+    for (; t0 + TB2 <= T; t0 += TB2) axpy_rows<W, TB2>(rows, nr, h, T, t0, A, D, d0, d1);
     if (TB2 > 8)
-        for (; t0 + 8 <= T; t0 += 8) axpy_rows<W, 8>(rows, nr, h, T, t0, A, D);
-    for (; t0 + 4 <= T; t0 += 4) axpy_rows<W, 4>(rows, nr, h, T, t0, A, D);
-    for (; t0 + 2 <= T; t0 += 2) axpy_rows<W, 2>(rows, nr, h, T, t0, A, D);
-    for (; t0 < T; ++t0) axpy_rows<W, 1>(rows, nr, h, T, t0, A, D);
+        for (; t0 + 8 <= T; t0 += 8) axpy_rows<W, 8>(rows, nr, h, T, t0, A, D, d0, d1);
+    for (; t0 + 4 <= T; t0 += 4) axpy_rows<W, 4>(rows, nr, h, T, t0, A, D, d0, d1);
+    for (; t0 + 2 <= T; t0 += 2) axpy_rows<W, 2>(rows, nr, h, T, t0, A, D, d0, d1);
+    for (; t0 < T; ++t0) axpy_rows<W, 1>(rows, nr, h, T, t0, A, D, d0, d1);
 }
 
 struct Args {
@@ -284,7 +293,9 @@ struct Args {
     const void* mask; int mask_mode; int64_t ld_mask;
     int act;
     void* y; int y_dt;
-    float* scratch; int nthreads;
+    float* scratch; int nthreads;  // split rows: the per-thread accumulators [nthreads, T, D]
+    float* h; uint8_t* nz;  // split columns: activations [K, T], row-has-a-nonzero flags [K]
+    float* acc;  // split columns: fp32 accumulator [T, D] (y itself when y is fp32)
 };
 
 inline int64_t row_id(const Args& a, int64_t k) {
@@ -302,6 +313,7 @@ inline float bias_at(const Args& a, int64_t row) {
 inline bool mask_at(const Args& a, int64_t t, int64_t k) {
     if (a.mask_mode == MASK_BOOL) return ((const uint8_t*)a.mask)[t * a.ld_mask + k] != 0;
     if (a.mask_mode == MASK_BITS) return (((const int32_t*)a.mask)[k] >> t) & 1;
+    if (a.mask_mode == MASK_BITS64) return (((const uint64_t*)a.mask)[k] >> t) & 1;
     return true;
 }
 
@@ -341,7 +353,7 @@ void run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
                 ++nr;
             }
         }
-        if (nr) axpy_all_tokens<W>(rows, nr, h, T, A, D);
+        if (nr) axpy_all_tokens<W>(rows, nr, h, T, A, D, 0, D);
     }
 }
 
@@ -365,30 +377,118 @@ void store_out(const Args& a, int64_t t, int64_t d0, int64_t d1, const float* sr
     }
 }
 
-}  // namespace
-
-extern "C" {
-
-// Returns 0, or -(k+1) when idx[k] is outside [0, n_rows), or -1000000000 for bad arguments.
-// scratch: nthreads * T * D fp32 (the per-thread accumulators). T <= 64.
-int64_t pi_sparse_ffn(const float* x, int64_t T, int64_t D,
-                      const void* up, const void* gate, const void* down, int w_dt,
-                      int64_t ld_up, int64_t ld_gate, int64_t ld_down, int64_t n_rows,
-                      const void* bias, int bias_dt,
-                      const void* idx, int idx64, int64_t K,
-                      const void* mask, int mask_mode, int64_t ld_mask,
-                      int act, void* y, int y_dt, float* scratch, int nthreads) {
-    if (T < 1 || T > 64 || D < 1 || nthreads < 1 || w_dt < 0 || w_dt > 2) return -1000000000;
-    Args a{x, T, D, up, gate, down, ld_up, ld_gate, ld_down, bias, bias_dt, idx, idx64, K,
-           mask, mask_mode, ld_mask, act, y, y_dt, scratch, nthreads};
-    for (int64_t k = 0; k < K; ++k) {
-        int64_t r = row_id(a, k);
-        if (r < 0 || r >= n_rows) return -(k + 1);
+// ---- split over columns: phase 1 (rows over threads), barrier, phase 2 (columns over threads) ----
+// Phase 1: rows k0 .. k1-1 of idx -> h[k, :] (activations of all tokens, 0 where masked) and
+// nz[k] (any of them nonzero).
+template <class W, bool GATE>
+void act_rows(const Args& a, int64_t k0, int64_t k1) {
+    typedef typename W::T WT;
+    const WT* up = (const WT*)a.up;
+    const WT* gate = (const WT*)a.gate;
+    const int64_t T = a.T, D = a.D;
+    float u[64], g[64];
+    for (int64_t k = k0; k < k1; ++k) {
+        const int64_t row = row_id(a, k);
+        if (k + 1 < k1) {  // start the next row's up / gate streams before this row's dot
+            const int64_t nx = row_id(a, k + 1);
+            for (int l = 0; l < PF_LINES; ++l) {
+                __builtin_prefetch((const char*)(up + nx * a.ld_up) + 64 * l);
+                if (GATE) __builtin_prefetch((const char*)(gate + nx * a.ld_gate) + 64 * l);
+            }
+        }
+        dot_all_tokens<W, GATE>(up + row * a.ld_up, GATE ? gate + row * a.ld_gate : nullptr, a.x, T, D, u, g);
+        const float b = a.bias ? bias_at(a, row) : 0.f;
+        bool any = false;
+        float* h = a.h + k * T;
+        for (int64_t t = 0; t < T; ++t) {
+            const float v = mask_at(a, t, k) ? activate(a.act, u[t] + b, g[t]) : 0.f;
+            h[t] = v;
+            any |= v != 0.f;
+        }
+        a.nz[k] = any;
     }
+}
+
+// Phase 2: columns d0 .. d1-1 of every token's output from all rows with nz set, R rows at a
+// time (the accumulator slice is loaded and stored once per R rows); each row's segment is read
+// by this thread only, so every down row is read once in all. The next block's segment heads are
+// prefetched while this block is added.
+template <class W>
+void down_cols(const Args& a, int64_t d0, int64_t d1) {
+    typedef typename W::T WT;
+    const WT* down = (const WT*)a.down;
+    const int64_t T = a.T, D = a.D, K = a.K;
+    float* A = a.acc;
+    for (int64_t t = 0; t < T; ++t) std::memset(A + t * D + d0, 0, (d1 - d0) * sizeof(float));
+    const int64_t seg_lines = ((d1 - d0) * (int64_t)sizeof(WT) + 63) / 64;
+    const int pf = seg_lines < PF_LINES ? (int)seg_lines : PF_LINES;
+    auto prefetch_block = [&](int64_t q) {
+        for (int j = 0; q < K && j < R; ++q)
+            if (a.nz[q]) {
+                const char* p = (const char*)(down + row_id(a, q) * a.ld_down + d0);
+                for (int l = 0; l < pf; ++l) __builtin_prefetch(p + 64 * l);
+                ++j;
+            }
+    };
+    const WT* rows[R];
+    float hb[R * 64];
+    int64_t p = 0;
+    prefetch_block(0);
+    for (;;) {
+        int nr = 0;
+        for (; p < K && nr < R; ++p)
+            if (a.nz[p]) {
+                rows[nr] = down + row_id(a, p) * a.ld_down;
+                std::memcpy(hb + nr * T, a.h + p * T, T * sizeof(float));
+                ++nr;
+            }
+        if (!nr) break;
+        prefetch_block(p);
+        axpy_all_tokens<W>(rows, nr, hb, T, A, D, d0, d1);
+    }
+    if (A != (float*)a.y)
+        for (int64_t t = 0; t < T; ++t) store_out(a, t, d0, d1, A + t * D + d0);
+}
+
+constexpr int64_t CU = 32;  // phase 2 column unit: 64 B of fp16 / bf16, 128 B of fp32
+
+template <class W>
+void run_cols(const Args& a) {
+    const int64_t K = a.K, D = a.D;
+    // One row of phase 1 per thread at least; phase 2 needs no more threads than column units.
+    int64_t nt = K < a.nthreads ? K : a.nthreads;
+    const int64_t nunits = (D + CU - 1) / CU;
+    nt = nt > nunits ? nunits : nt;
+    nt = nt < 1 ? 1 : nt;
+#pragma omp parallel num_threads((int)nt)
+    {
+        const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
+        // Dynamic chunks of a few rows: balanced to a row (~T x 2 x D elements) and robust to a
+        // preempted thread; fewer hand-outs when K is large.
+        int64_t ch = K / (8 * n);
+        ch = ch < 1 ? 1 : (ch > 8 ? 8 : ch);
+        const int64_t nch = (K + ch - 1) / ch;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < nch; ++c) {
+            const int64_t k0 = c * ch, k1 = k0 + ch < K ? k0 + ch : K;
+            if (a.gate) act_rows<W, true>(a, k0, k1);
+            else act_rows<W, false>(a, k0, k1);
+        }  // implicit barrier: h and nz complete
+        const int64_t u0 = nunits * i / n, u1 = nunits * (i + 1) / n;
+        const int64_t d0 = u0 * CU, d1 = u1 * CU < D ? u1 * CU : D;
+        if (d0 < d1) down_cols<W>(a, d0, d1);
+    }
+}
+
+// ---- split over rows: chunks of 4R idx entries to threads, per-thread accumulators, reduction --
+template <class W>
+void run_rows(const Args& a) {
+    const int64_t K = a.K, T = a.T, D = a.D;
     // Fewer threads for few rows: every thread costs a T x D accumulator in the reduction.
     int64_t nt = (K + 7) / 8;
-    nt = nt < 1 ? 1 : (nt > nthreads ? nthreads : nt);
+    nt = nt < 1 ? 1 : (nt > a.nthreads ? a.nthreads : nt);
     const int64_t TD = T * D;
+    float* scratch = a.scratch;
 #pragma omp parallel num_threads((int)nt)
     {
         const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
@@ -401,11 +501,7 @@ int64_t pi_sparse_ffn(const float* x, int64_t T, int64_t D,
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < nch; ++c) {
             const int64_t k0 = c * CH, k1 = k0 + CH < K ? k0 + CH : K;
-            switch (w_dt) {
-                case DT_F32: run_slice_w<WF32>(a, k0, k1, A); break;
-                case DT_F16: run_slice_w<WF16>(a, k0, k1, A); break;
-                default: run_slice_w<WBF16>(a, k0, k1, A); break;
-            }
+            run_slice_w<W>(a, k0, k1, A);
         }  // implicit barrier
         // Reduction over threads, split over D in chunks of 256 columns.
         constexpr int64_t C = 256;
@@ -423,6 +519,209 @@ int64_t pi_sparse_ffn(const float* x, int64_t T, int64_t D,
                 }
                 store_out(a, t, d0, d1, buf);
             }
+    }
+}
+
+// Which split. auto: rows (the kernel before the column split) once it hands every thread at
+// least 8 of its 4R-row chunks (the dynamic tail then costs at most ~1/8), columns below that,
+// where the row chunks leave threads idle (e.g. 240 rows = 8 chunks for 14 threads).
+inline int pick_split(int split, int64_t K, int nthreads) {
+    if (split == SPLIT_ROWS || split == SPLIT_COLS) return split;
+    return (K + 4 * R - 1) / (4 * R) >= 8 * (int64_t)nthreads ? SPLIT_ROWS : SPLIT_COLS;
+}
+
+void run(const Args& a, int w_dt, int split) {
+    if (pick_split(split, a.K, a.nthreads) == SPLIT_ROWS) {
+        switch (w_dt) {
+            case DT_F32: run_rows<WF32>(a); break;
+            case DT_F16: run_rows<WF16>(a); break;
+            default: run_rows<WBF16>(a); break;
+        }
+    } else {
+        switch (w_dt) {
+            case DT_F32: run_cols<WF32>(a); break;
+            case DT_F16: run_cols<WF16>(a); break;
+            default: run_cols<WBF16>(a); break;
+        }
+    }
+}
+
+// Scratch layout (bytes, each part 64-byte aligned): [per-thread accumulators nthreads x T x D
+// fp32 (split rows only)] [h K x T fp32] [nz K] [acc T x D fp32 (y not fp32)] [x T x D fp32
+// (bitmask entry)] [idx K int32 (bitmask entry)] [token bits K uint64 (bitmask entry)].
+inline int64_t al64(int64_t b) { return (b + 63) / 64 * 64; }
+
+struct Scratch {
+    float *acc_rows, *h, *acc, *x;
+    uint8_t* nz;
+    int32_t* idx;
+    uint64_t* tok;
+    int64_t bytes;
+};
+
+Scratch carve(void* base, int64_t T, int64_t D, int64_t K, int nthreads, int y_dt, int split, bool bitmask) {
+    Scratch s{};
+    char* p = (char*)base;
+    int64_t off = 0;
+    auto take = [&](int64_t bytes) { char* r = p ? p + off : nullptr; off += al64(bytes); return r; };
+    // the bitmask entry's K is at most n (= K here): auto may pick either split for it
+    const bool rows = pick_split(split, K, nthreads) == SPLIT_ROWS;
+    const bool cols = !rows || (bitmask && split == SPLIT_AUTO);
+    s.acc_rows = (float*)take(rows ? (int64_t)nthreads * T * D * 4 : 0);
+    s.h = (float*)take(cols ? K * T * 4 : 0);
+    s.nz = (uint8_t*)take(cols ? K : 0);
+    s.acc = (float*)take(cols && y_dt != DT_F32 ? T * D * 4 : 0);
+    s.x = (float*)take(bitmask ? T * D * 4 : 0);
+    s.idx = (int32_t*)take(bitmask ? K * 4 : 0);
+    s.tok = (uint64_t*)take(bitmask && T > 1 ? K * 8 : 0);
+    s.bytes = off;
+    return s;
+}
+
+// x rows [T] with row stride ld_x in dtype x_dt -> dense fp32 [T, D].
+void convert_x(const void* x, int x_dt, int64_t ld_x, int64_t T, int64_t D, float* out) {
+    for (int64_t t = 0; t < T; ++t) {
+        float* o = out + t * D;
+        if (x_dt == DT_F32) {
+            std::memcpy(o, (const float*)x + t * ld_x, D * sizeof(float));
+            continue;
+        }
+        const uint16_t* s = (const uint16_t*)x + t * ld_x;
+        int64_t d = 0;
+        if (x_dt == DT_F16) {
+            for (; d + VW <= D; d += VW) vstore(o + d, vload_f16(s + d));
+            for (; d < D; ++d) o[d] = f16_to_f32(s[d]);
+        } else {
+            for (; d + VW <= D; d += VW) vstore(o + d, vload_bf16(s + d));
+            for (; d < D; ++d) o[d] = bf16_to_f32(s[d]);
+        }
+    }
+}
+
+// 8 bytes of a packed mask row from byte offset 8w (fewer at the end of the row: B - 8w).
+inline uint64_t mask_word(const uint8_t* row, int64_t w, int64_t B) {
+    uint64_t v = 0;
+    const int64_t nb = B - 8 * w;
+    std::memcpy(&v, row + 8 * w, nb >= 8 ? 8 : (size_t)nb);  // little-endian: byte j -> bits 8j..
+    return v;
+}
+
+// Bits of word w that are neurons (< n): the padding bits of the last byte are ignored.
+inline uint64_t valid_bits(int64_t w, int64_t n) {
+    const int64_t left = n - 64 * w;
+    return left >= 64 ? ~0ull : ((1ull << left) - 1);
+}
+
+}  // namespace
+
+extern "C" {
+
+constexpr int64_t BAD_ARGS = -1000000000;
+
+// Bytes of scratch the entry points below need (the same arguments; bitmask: K = n).
+int64_t pi_scratch_bytes(int64_t T, int64_t D, int64_t K, int nthreads, int y_dt, int split, int bitmask) {
+    if (T > 64) T = 64;
+    return carve(nullptr, T, D, K, nthreads, y_dt, split, bitmask != 0).bytes;
+}
+
+// y [T, D] over the rows idx [K] (int32, or int64 when idx64) with mask none / bool [T, K] (row
+// stride ld_mask) / int32 token bits [K]. x fp32 [T, D] dense. split: 0 auto, 1 rows, 2 columns.
+// scratch: pi_scratch_bytes(T, D, K, nthreads, y_dt, split, 0) bytes. T <= 64.
+// Returns 0, or -(k+1) when idx[k] is outside [0, n_rows), or BAD_ARGS.
+int64_t pi_sparse_ffn(const float* x, int64_t T, int64_t D,
+                      const void* up, const void* gate, const void* down, int w_dt,
+                      int64_t ld_up, int64_t ld_gate, int64_t ld_down, int64_t n_rows,
+                      const void* bias, int bias_dt,
+                      const void* idx, int idx64, int64_t K,
+                      const void* mask, int mask_mode, int64_t ld_mask,
+                      int act, void* y, int y_dt, void* scratch, int nthreads, int split) {
+    if (T < 1 || T > 64 || D < 1 || K < 0 || nthreads < 1 || w_dt < 0 || w_dt > 2 || y_dt < 0 || y_dt > 2)
+        return BAD_ARGS;
+    const Scratch s = carve(scratch, T, D, K, nthreads, y_dt, split, false);
+    Args a{x, T, D, up, gate, down, ld_up, ld_gate, ld_down, bias, bias_dt, idx, idx64, K,
+           mask, mask_mode, ld_mask, act, y, y_dt, s.acc_rows, nthreads, s.h, s.nz,
+           y_dt == DT_F32 ? (float*)y : s.acc};
+    for (int64_t k = 0; k < K; ++k) {
+        int64_t r = row_id(a, k);
+        if (r < 0 || r >= n_rows) return -(k + 1);
+    }
+    run(a, w_dt, split);
+    return 0;
+}
+
+// The CPU executor's exchange in one call: the packed mask uint8 [T, ceil(n/8)] (row stride
+// ld_packed bytes; neuron j in bit j % 8 of byte j // 8; bits >= n ignored) is decoded here into
+// the active rows (those set for any token) and per-token bits; x [T, D] (row stride ld_x) in
+// fp32 / fp16 / bf16 is converted here. packed == nullptr: every one of the n rows, every token.
+// Any T: tokens are run in blocks of 64. stats[0] = (token, neuron) pairs set, stats[1] = rows
+// active for any of the T tokens. scratch: pi_scratch_bytes(T, D, n, nthreads, y_dt, split, 1).
+// Returns 0 or BAD_ARGS.
+int64_t pi_sparse_ffn_bitmask(const void* x, int x_dt, int64_t ld_x, int64_t T, int64_t D,
+                              const void* up, const void* gate, const void* down, int w_dt,
+                              int64_t ld_up, int64_t ld_gate, int64_t ld_down, int64_t n_rows,
+                              const void* bias, int bias_dt,
+                              const uint8_t* packed, int64_t ld_packed, int64_t n,
+                              int act, void* y, int y_dt, void* scratch, int nthreads, int split,
+                              int64_t* stats) {
+    if (T < 0 || D < 1 || n < 0 || n > n_rows || nthreads < 1 || w_dt < 0 || w_dt > 2 || y_dt < 0 ||
+        y_dt > 2 || x_dt < 0 || x_dt > 2 || ld_x < D)
+        return BAD_ARGS;
+    const int64_t B = (n + 7) / 8, nw = (B + 7) / 8;
+    if (packed && ld_packed < B) return BAD_ARGS;
+    const int64_t ysz = y_dt == DT_F32 ? 4 : 2;
+    int64_t pairs = 0, rows = 0;
+    if (!packed) {
+        pairs = T * n;
+        rows = T ? n : 0;
+    } else if (T > 64) {  // rows active for any token of all blocks
+        for (int64_t w = 0; w < nw; ++w) {
+            uint64_t u = 0;
+            for (int64_t t = 0; t < T; ++t) u |= mask_word(packed + t * ld_packed, w, B);
+            rows += __builtin_popcountll(u & valid_bits(w, n));
+        }
+    }
+    for (int64_t t0 = 0; t0 < T; t0 += 64) {
+        const int64_t Tc = T - t0 < 64 ? T - t0 : 64;
+        // decode: idx = rows set for any token of the block, tok[k] = their token bits
+        int64_t K = 0;
+        const Scratch s = carve(scratch, Tc, D, n, nthreads, y_dt, split, true);  // h, nz, idx, tok: n rows
+        if (packed) {
+            uint64_t m[64];
+            for (int64_t w = 0; w < nw; ++w) {
+                const uint64_t valid = valid_bits(w, n);
+                uint64_t u = 0;
+                for (int64_t t = 0; t < Tc; ++t) {
+                    m[t] = mask_word(packed + (t0 + t) * ld_packed, w, B) & valid;
+                    u |= m[t];
+                    pairs += __builtin_popcountll(m[t]);
+                }
+                while (u) {
+                    const int b = __builtin_ctzll(u);
+                    u &= u - 1;
+                    s.idx[K] = (int32_t)(64 * w + b);
+                    if (Tc > 1) {
+                        uint64_t tb = 0;
+                        for (int64_t t = 0; t < Tc; ++t) tb |= ((m[t] >> b) & 1) << t;
+                        s.tok[K] = tb;
+                    }
+                    ++K;
+                }
+            }
+            if (T <= 64) rows = K;
+        } else {
+            for (int64_t k = 0; k < n; ++k) s.idx[k] = (int32_t)k;
+            K = n;
+        }
+        convert_x((const char*)x + t0 * ld_x * (x_dt == DT_F32 ? 4 : 2), x_dt, ld_x, Tc, D, s.x);
+        void* yc = (char*)y + t0 * D * ysz;
+        Args a{s.x, Tc, D, up, gate, down, ld_up, ld_gate, ld_down, bias, bias_dt, s.idx, 0, K,
+               s.tok, packed && Tc > 1 ? MASK_BITS64 : MASK_NONE, 0, act, yc, y_dt, s.acc_rows, nthreads,
+               s.h, s.nz, y_dt == DT_F32 ? (float*)yc : s.acc};
+        run(a, w_dt, split);
+    }
+    if (stats) {
+        stats[0] = pairs;
+        stats[1] = rows;
     }
     return 0;
 }

@@ -1,0 +1,233 @@
+"""The CPU executor's exchange entry (cpu_ffn.sparse_ffn_bitmask: the packed mask decoded in C++)
+and the compiled kernel's two work splits, against the float64 reference."""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from powerinfer_ray.kernels import cpu_ffn, sparse_ffn_ref, token_bits
+
+from kernel_checks import DTYPES, TOL, make_idx, make_shard, poisoned, rel_err
+
+ACTS = ("relu", "reglu", "drelu", "swiglu")
+needs_compiler = pytest.mark.skipif(not cpu_ffn.available(), reason="no C++ compiler: compiled kernel unavailable")
+
+
+def pack(mask: torch.Tensor) -> np.ndarray:
+    """bool [T, n] -> uint8 [T, ceil(n/8)], neuron j in bit j % 8 of byte j // 8 (the channel's layout)."""
+    return np.packbits(mask.numpy(), axis=1, bitorder="little")
+
+
+def token_mask(T: int, n: int, density, gen: torch.Generator) -> torch.Tensor:
+    """bool [T, n]: each (token, neuron) set with probability `density`; 'one': a single bit."""
+    if density == "one":
+        m = torch.zeros(T, n, dtype=torch.bool)
+        m[int(torch.randint(T, (1,), generator=gen)), int(torch.randint(n, (1,), generator=gen))] = True
+        return m
+    return torch.rand(T, n, generator=gen) < density
+
+
+def reference(x, up, gate, down_t, mask, act, up_bias):
+    """float64 y [T, D], pairs, rows of the exchange for bool mask [T, n] over rows 0 .. n-1."""
+    idx = mask.any(0).nonzero().reshape(-1)
+    y = sparse_ffn_ref(x, up, gate, down_t, idx, mask.index_select(1, idx), act, up_bias)
+    return y, int(mask.sum()), idx.numel()
+
+
+def check(x, up, gate, down_t, mask, act, up_bias, out_dtype, what, packed=None, n=None, **kw):
+    T, D = x.shape
+    n = mask.shape[1] if n is None else n
+    out = poisoned((T, D), out_dtype)
+    pairs, rows = cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, pack(mask) if packed is None else packed, n,
+                                             act, up_bias, out, **kw)
+    ref, ref_pairs, ref_rows = reference(x, up, gate, down_t, mask, act, up_bias)
+    assert (pairs, rows) == (ref_pairs, ref_rows), f"{what}: (pairs, rows) {(pairs, rows)} != {(ref_pairs, ref_rows)}"
+    if ref_rows == 0:
+        assert torch.equal(out, torch.zeros_like(out)), f"{what}: no active neuron must give zeros"
+        return
+    tol = max(TOL[x.dtype], TOL[up.dtype], TOL[out_dtype])
+    err = rel_err(out, ref)
+    assert err < tol, f"{what}: rel err {err:.2e} >= {tol:.0e}"
+
+
+@needs_compiler
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bitmask_matches_reference(act, dtype):
+    gen = torch.Generator().manual_seed(zlib.crc32(f"bitmask{dtype}{act}".encode()))
+    N, D = 203, 100  # n not a multiple of 8; D not a multiple of the SIMD width (scalar tails)
+    for density in (0.0, "one", 0.01, 0.10, 0.50, 1.0):
+        for T in (1, 2, 5, 8, 17, 32):
+            up, gate, down_t, b = make_shard(N, D, dtype, act, T % 2 == 1, gen)
+            x = torch.randn(T, D, generator=gen).to(dtype)
+            mask = token_mask(T, N, density, gen)
+            out_dtype = torch.float32 if T % 3 else dtype
+            check(x, up, gate, down_t, mask, act, b, out_dtype, f"{act} {dtype} T={T} density={density} out={out_dtype}")
+
+
+@needs_compiler
+@pytest.mark.parametrize("split", ["auto", "rows", "cols"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_splits_and_threads(split, threads):
+    gen = torch.Generator().manual_seed(threads)
+    N, D = 1500, 160
+    up, gate, down_t, b = make_shard(N, D, torch.float16, "reglu", True, gen)
+    for T in (1, 4, 9):
+        for density in (0.002, 0.05, 0.6):  # ~3, ~75 and ~900 rows: both auto choices at 1-3 threads
+            x = torch.randn(T, D, generator=gen).half()
+            mask = token_mask(T, N, density / T, gen)
+            check(x, up, gate, down_t, mask, "reglu", b, torch.float32, f"{split} threads={threads} T={T} d={density}",
+                  threads=threads, split=split)
+
+
+@needs_compiler
+@pytest.mark.parametrize("T", [64, 65, 130])
+def test_more_than_64_tokens_run_in_blocks_and_count_the_union(T):
+    gen = torch.Generator().manual_seed(T)
+    N, D = 77, 48
+    up, gate, down_t, _ = make_shard(N, D, torch.float32, "drelu", False, gen)
+    x = torch.randn(T, D, generator=gen)
+    mask = token_mask(T, N, 0.02, gen)
+    check(x, up, gate, down_t, mask, "drelu", None, torch.float32, f"T={T}")
+
+
+@needs_compiler
+def test_channel_views_strided_mask_strided_x_torch_mask():
+    """The mask as a row-slice of a wider buffer (the channel's [T_max, B_max] layout), or a torch
+    uint8 tensor; x as rows of a wider buffer; padding bits past n are ignored."""
+    gen = torch.Generator().manual_seed(12)
+    N, D, T, n = 100, 64, 5, 91
+    up, gate, down_t, _ = make_shard(N, D, torch.float16, "reglu", False, gen)
+    mask = token_mask(T, n, 0.2, gen)
+    wide = np.zeros((8, 40), dtype=np.uint8)
+    wide[:T, :12] = pack(mask)
+    wide[:T, 11] |= 0xF8  # bits 91..95: past n
+    big_x = torch.randn(T, 3 * D, generator=gen).half()
+    x = big_x[:, D:2 * D]  # row stride 3D
+    check(x, up, gate, down_t, mask, "reglu", None, torch.float32, "strided numpy view", packed=wide[:T, :12], n=n)
+    check(x, up, gate, down_t, mask, "reglu", None, torch.float16, "torch view",
+          packed=torch.from_numpy(wide)[:T, :12], n=n)
+
+
+@needs_compiler
+def test_no_mask_is_every_row_of_n():
+    gen = torch.Generator().manual_seed(13)
+    N, D, T, n = 50, 40, 3, 45
+    up, gate, down_t, b = make_shard(N, D, torch.float32, "swiglu", True, gen)
+    x = torch.randn(T, D, generator=gen)
+    mask = torch.ones(T, n, dtype=torch.bool)
+    out = poisoned((T, D), torch.float32)
+    assert cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, None, n, "swiglu", b, out) == (T * n, n)
+    assert rel_err(out, reference(x, up, gate, down_t, mask, "swiglu", b)[0]) < 1e-5
+
+
+@needs_compiler
+def test_same_as_the_executors_previous_path():
+    """unpack_mask + ffn_partial (CPUExecutor._compute before this entry) gives the same y and stats."""
+    from powerinfer_ray.runtime.channel import pack_mask, unpack_mask
+    from powerinfer_ray.runtime.layers import ffn_partial
+    from powerinfer_ray.runtime.shard import FFNShard
+
+    gen = torch.Generator().manual_seed(14)
+    N, D = 333, 128
+    up, gate, down_t, _ = make_shard(N, D, torch.float16, "reglu", False, gen)
+    shard = FFNShard(np.arange(N), up, gate, down_t, None)
+    for T in (1, 4):
+        x = torch.randn(T, D, generator=gen).half()
+        packed = pack_mask(token_mask(T, N, 0.1, gen)).numpy()
+        y_old = torch.empty(T, D)
+        _, pairs_old, rows_old = ffn_partial(x.float(), shard, "reglu", "predictor", unpack_mask(packed, N), out=y_old)
+        y_new = poisoned((T, D), torch.float32)
+        stats = cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, packed, N, "reglu", None, y_new)
+        assert stats == (pairs_old, rows_old)
+        assert rel_err(y_new, y_old) < 1e-5
+
+
+def test_fallback_without_compiler(monkeypatch):
+    monkeypatch.setattr(cpu_ffn, "library", lambda: None)
+    gen = torch.Generator().manual_seed(15)
+    N, D, T = 60, 24, 3
+    up, gate, down_t, b = make_shard(N, D, torch.float32, "drelu", True, gen)
+    x = torch.randn(T, D, generator=gen)
+    check(x, up, gate, down_t, token_mask(T, N, 0.3, gen), "drelu", b, torch.float32, "torch fallback")
+    check(x, up, gate, down_t, torch.zeros(T, N, dtype=torch.bool), "drelu", b, torch.float32, "fallback, empty")
+    out = poisoned((T, D), torch.float32)
+    assert cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, None, N, "drelu", b, out) == (T * N, N)
+    assert rel_err(out, reference(x, up, gate, down_t, torch.ones(T, N, dtype=torch.bool), "drelu", b)[0]) < 1e-5
+
+
+@needs_compiler
+@pytest.mark.parametrize("split", ["rows", "cols"])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "bits"])
+def test_index_entry_both_splits(split, mask_kind):
+    """sparse_ffn_cpu (idx + mask) under either split, few and many rows, bf16 out."""
+    gen = torch.Generator().manual_seed(16)
+    N, D = 700, 72
+    up, gate, down_t, b = make_shard(N, D, torch.bfloat16, "reglu", True, gen)
+    for K in (1, 37, 650):
+        for T in (1, 5, 12):
+            idx = make_idx(K, N, gen)
+            x = torch.randn(T, D, generator=gen).bfloat16()
+            mask = None
+            if mask_kind == "bool":
+                mask = torch.rand(T, K, generator=gen) < 0.5
+            elif mask_kind == "bits":
+                mask = token_bits(torch.rand(T, K, generator=gen) < 0.5)
+            out = poisoned((T, D), torch.bfloat16)
+            cpu_ffn.sparse_ffn_cpu(x, up, gate, down_t, idx, mask, "reglu", b, out, threads=2, split=split)
+            err = rel_err(out, sparse_ffn_ref(x, up, gate, down_t, idx, mask, "reglu", b))
+            assert err < TOL[torch.bfloat16], f"{split} {mask_kind} K={K} T={T}: {err:.2e}"
+
+
+def _args(**kw):
+    up = torch.randn(20, 16)
+    a = dict(x=torch.randn(3, 16), up=up, gate=up, down_t=up, packed_mask=np.zeros((3, 3), np.uint8), n=20,
+             act="reglu", up_bias=None, out=torch.zeros(3, 16))
+    a.update(kw)
+    return a
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(packed_mask=np.zeros((3, 2), np.uint8)), "packed_mask.shape"),  # width: ceil(20/8) = 3 bytes
+    (dict(packed_mask=np.zeros((3, 4), np.uint8)), "packed_mask.shape"),
+    (dict(x=torch.randn(5, 16), out=torch.zeros(5, 16)), "packed_mask.shape"),  # T larger than the mask's
+    (dict(x=torch.randn(4, 16)), "out"),  # T larger than out's
+    (dict(packed_mask=np.zeros((3, 3), np.int8)), "packed_mask.dtype"),
+    (dict(packed_mask=torch.zeros(3, 3, dtype=torch.int32)), "packed_mask.dtype"),
+    (dict(packed_mask=[[0, 0, 0]] * 3), "packed_mask"),
+    (dict(packed_mask=np.zeros((3, 6), np.uint8)[:, ::2]), "packed_mask.strides"),
+    (dict(n=21), "n"),
+    (dict(n=-1), "n"),
+    (dict(n=2.0), "n"),
+    (dict(x=torch.randn(3, 15)), "x.shape"),
+    (dict(x=torch.randn(3, 16).double()), "x.dtype"),
+    (dict(x=torch.randn(16, 3).T), "x"),
+    (dict(out=torch.zeros(3, 16, dtype=torch.float16)), "out"),
+    (dict(out=torch.zeros(16, 3).T), "out"),
+    (dict(act="gelu"), "act"),
+    (dict(gate=None), "gate"),
+    (dict(down_t=torch.randn(19, 16)), "down_t.shape"),
+    (dict(down_t=torch.randn(20, 16).half()), "down_t.dtype"),
+    (dict(up_bias=torch.zeros(7)), "up_bias"),
+])
+def test_bad_arguments_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        cpu_ffn.sparse_ffn_bitmask(**_args(**kwargs))
+
+
+def test_bad_split_names_the_field():
+    with pytest.raises(ValueError, match="split"):
+        cpu_ffn.sparse_ffn_bitmask(**_args(), split="diagonal")
+
+
+@needs_compiler
+def test_weight_checks_are_redone_for_new_tensors():
+    """The per-shard check cache never lets a changed shard through."""
+    a = _args()
+    cpu_ffn.sparse_ffn_bitmask(**a)
+    with pytest.raises(ValueError, match="down_t.shape"):
+        cpu_ffn.sparse_ffn_bitmask(**dict(a, down_t=torch.randn(20, 17)))
+    cpu_ffn.sparse_ffn_bitmask(**a)
