@@ -23,10 +23,11 @@ import numpy as np
 import torch
 import torch.nn.functional as Fn
 
+from ..kernels.cpu_ffn import sparse_ffn_bitmask
 from ..model import gguf_keys as K
 from ..model.reference import ffn_activation, layer_norm, rms_norm
 from ..model.source import WeightSource, open_model
-from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec, pack_mask, unpack_mask
+from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec, pack_mask
 from .graphs import GRAPH_POLICIES, DecodeGraphs, GraphCaptureError
 from .layers import POLICIES, attn_partial, ffn_partial, merge_partials
 from .plan import Plan
@@ -464,9 +465,15 @@ class CPUExecutor:
         out = ch.out[:n_tok]  # [N, D]: the partial outputs are written (and summed) in place
         wrote = False
         if op in (OP_FFN, OP_ATTN_FFN) and self.ffn[l].n:
-            mask = unpack_mask(ch.mask_rows(n_tok, n_mask), n_mask) if self.policy == "predictor" else None
-            _, pairs, rows = ffn_partial(ch.x_ffn[:n_tok].float(), self.ffn[l], cfg.ffn_act, self.policy, mask,
-                                         out=out, threads=self.threads)
+            sh = self.ffn[l]
+            if self.policy == "oracle":  # finds its own active set: the general path
+                _, pairs, rows = ffn_partial(ch.x_ffn[:n_tok].float(), sh, cfg.ffn_act, self.policy, None,
+                                             out=out, threads=self.threads)
+            else:  # one compiled call from the channel's packed mask and x to out
+                packed = ch.mask_rows(n_tok, n_mask) if self.policy == "predictor" else None
+                pairs, rows = sparse_ffn_bitmask(ch.x_ffn[:n_tok], sh.up, sh.gate, sh.down_t, packed,
+                                                 n_mask if packed is not None else sh.n, cfg.ffn_act,
+                                                 sh.up_bias, out, self.threads)
             self.stats.neurons += pairs
             self.stats.active_bytes += rows * cfg.neuron_bytes
             wrote = True
