@@ -287,7 +287,12 @@ def _exchange_worker(args) -> dict:
                                    threads, *extra)
             assert rc == 0, rc
 
-        variants = {"exchange_ffn_partial": old_path, "decode_python": decode_only}
+        tiny = torch.ones(16 * threads)
+
+        def omp_region():  # a parallel region of the kernel's threads doing nothing: fork/join + wake-up
+            lib.pi_read_sum(tiny.data_ptr(), tiny.numel(), threads)
+
+        variants = {"exchange_ffn_partial": old_path, "decode_python": decode_only, "omp_region": omp_region}
         for sp in splits:
             variants[f"kernel_call_{sp}"] = lambda sp=sp: kernel_only(sp)
         if bitmask is not None:
@@ -310,7 +315,7 @@ def _exchange_worker(args) -> dict:
             rows_out.append(dict(variant=name, T=T, K=K, median_us=round(med * 1e6, 1),
                                  p10_us=round(sorted(ts)[len(ts) // 10] * 1e6, 1),
                                  p90_us=round(sorted(ts)[len(ts) * 9 // 10] * 1e6, 1),
-                                 GBps=round(nbytes / med / 1e9, 2) if name != "decode_python" else None))
+                                 GBps=round(nbytes / med / 1e9, 2) if name not in ("decode_python", "omp_region") else None))
         print(f"[exchange {os.environ.get('OMP_WAIT_POLICY', 'unset')}] T={T} K={K}: " + ", ".join(
             f"{r['variant']} {r['median_us']:.0f} us" for r in rows_out[-len(times):]), flush=True)
     return dict(threads=threads, rows=rows_out)
@@ -322,7 +327,8 @@ def bench_cpu_exchange(args) -> dict:
     buffer. Variants: exchange_ffn_partial = unpack_mask + ffn_partial as CPUExecutor._compute does;
     decode_python = its Python decoding alone (unpackbits + active_rows); kernel_call_<split> = the
     ctypes kernel call alone (inputs decoded beforehand) with the work split over rows (per-thread
-    accumulators + reduction, the kernel before this change) or columns; exchange_bitmask = kernels.cpu_ffn.sparse_ffn_bitmask
+    accumulators + reduction, the kernel before this change) or columns; omp_region = an empty
+    parallel region of the kernel's threads (fork/join and wake-up after the gap); exchange_bitmask = kernels.cpu_ffn.sparse_ffn_bitmask
     (when present). Each variant runs in
     two processes, OMP_WAIT_POLICY unset and ACTIVE (libgomp reads it at load)."""
     import tempfile

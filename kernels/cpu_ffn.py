@@ -218,7 +218,10 @@ def _packed_view(packed, T: int, n: int) -> tuple[int, int]:
         shape, dt, strides = packed.shape, packed.dtype, packed.strides
         if dt != np.uint8:
             raise _bad("packed_mask.dtype", dt, "uint8")
-        addr = packed.__array_interface__["data"][0]
+        try:  # 0.3 us against 1 us for __array_interface__ (a writable C-contiguous buffer only)
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(packed))
+        except (TypeError, ValueError, BufferError):
+            addr = packed.__array_interface__["data"][0]
     elif isinstance(packed, torch.Tensor):
         shape, dt, strides = tuple(packed.shape), packed.dtype, packed.stride()
         if dt != torch.uint8:
@@ -235,26 +238,30 @@ def _packed_view(packed, T: int, n: int) -> tuple[int, int]:
     return addr, (strides[0] if T > 1 else B)
 
 
+def _none() -> None:
+    return None
+
+
 class _Shard:
     """Validated shard weights and what the kernel needs of them (cached per tensors: see _shard)."""
 
-    __slots__ = ("refs", "up_ptr", "N", "D", "args", "bias")
+    __slots__ = ("r_up", "r_gate", "r_down", "r_bias", "up_ptr", "N", "D", "args", "bias")
 
     def __init__(self, up, gate, down_t, up_bias, act):
-        D = up.shape[1]
         bias = up_bias
         if bias is not None and (bias.dtype not in _W_DT or not bias.is_contiguous()):
             bias = bias.float().contiguous()
-        self.refs = tuple(None if t is None else weakref.ref(t) for t in (up, gate, down_t, up_bias))
-        self.up_ptr, self.N, self.D, self.bias = up.data_ptr(), up.shape[0], D, bias
-        # pi_sparse_ffn_bitmask's weight arguments, in order (up .. bias_dt), then act
+        self.r_up, self.r_gate, self.r_down, self.r_bias = (
+            _none if t is None else weakref.ref(t) for t in (up, gate, down_t, up_bias))
+        self.up_ptr, self.N, self.D, self.bias = up.data_ptr(), up.shape[0], up.shape[1], bias
+        # pi_sparse_ffn_bitmask's weight arguments, in order (up .. bias_dt)
         self.args = (up.data_ptr(), _ptr(gate), down_t.data_ptr(), _W_DT[up.dtype],
                      up.stride(0), gate.stride(0) if gate is not None else 0, down_t.stride(0), up.shape[0],
                      _ptr(bias), _W_DT[bias.dtype] if bias is not None else 0)
 
     def same(self, up, gate, down_t, up_bias) -> bool:
-        return all((r is None and t is None) or (r is not None and r() is t)
-                   for r, t in zip(self.refs, (up, gate, down_t, up_bias))) and up.data_ptr() == self.up_ptr
+        return (self.r_up() is up and self.r_gate() is gate and self.r_down() is down_t
+                and self.r_bias() is up_bias and up.data_ptr() == self.up_ptr)
 
 
 _shards: dict[tuple, _Shard] = {}

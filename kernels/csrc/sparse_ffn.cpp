@@ -296,6 +296,7 @@ struct Args {
     float* scratch; int nthreads;  // split rows: the per-thread accumulators [nthreads, T, D]
     float* h; uint8_t* nz;  // split columns: activations [K, T], row-has-a-nonzero flags [K]
     float* acc;  // split columns: fp32 accumulator [T, D] (y itself when y is fp32)
+    const void* x_src; int x_dt; int64_t ld_x;  // non-null: x_src [T] rows (stride ld_x) in x_dt, converted into x
 };
 
 inline int64_t row_id(const Args& a, int64_t k) {
@@ -375,6 +376,36 @@ void store_out(const Args& a, int64_t t, int64_t d0, int64_t d1, const float* sr
         uint16_t* y = (uint16_t*)a.y + off;
         for (int64_t d = d0; d < d1; ++d) y[d] = f32_to_bf16(src[d - d0]);
     }
+}
+
+// Columns d0 .. d1-1 of row t of x_src (dtype x_dt, row stride ld_x) -> x (fp32 [T, D]).
+void convert_x(const Args& a, int64_t t, int64_t d0, int64_t d1) {
+    float* o = (float*)a.x + t * a.D;
+    if (a.x_dt == DT_F32) {
+        std::memcpy(o + d0, (const float*)a.x_src + t * a.ld_x + d0, (d1 - d0) * sizeof(float));
+        return;
+    }
+    const uint16_t* s = (const uint16_t*)a.x_src + t * a.ld_x;
+    int64_t d = d0;
+    if (a.x_dt == DT_F16) {
+        for (; d + VW <= d1; d += VW) vstore(o + d, vload_f16(s + d));
+        for (; d < d1; ++d) o[d] = f16_to_f32(s[d]);
+    } else {
+        for (; d + VW <= d1; d += VW) vstore(o + d, vload_bf16(s + d));
+        for (; d < d1; ++d) o[d] = bf16_to_f32(s[d]);
+    }
+}
+
+// Inside a parallel region: x_src -> x by all threads, in 1024-column pieces; ends with a barrier.
+inline void convert_x_par(const Args& a) {
+    if (!a.x_src) return;
+    constexpr int64_t C = 1024;
+    const int64_t nc = (a.D + C - 1) / C;
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < a.T * nc; ++j) {
+        const int64_t t = j / nc, d0 = (j % nc) * C;
+        convert_x(a, t, d0, d0 + C < a.D ? d0 + C : a.D);
+    }  // implicit barrier
 }
 
 // ---- split over columns: phase 1 (rows over threads), barrier, phase 2 (columns over threads) ----
@@ -463,6 +494,7 @@ void run_cols(const Args& a) {
 #pragma omp parallel num_threads((int)nt)
     {
         const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
+        convert_x_par(a);
         // Dynamic chunks of a few rows: balanced to a row (~T x 2 x D elements) and robust to a
         // preempted thread; fewer hand-outs when K is large.
         int64_t ch = K / (8 * n);
@@ -494,6 +526,7 @@ void run_rows(const Args& a) {
         const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
         float* A = scratch + i * TD;
         std::memset(A, 0, TD * sizeof(float));
+        convert_x_par(a);
         // Chunks of CH rows handed out dynamically: a thread that the OS preempts (cores shared
         // with other processes) delays the barrier by one chunk, not by a whole slice.
         constexpr int64_t CH = 4 * R;
@@ -578,26 +611,6 @@ Scratch carve(void* base, int64_t T, int64_t D, int64_t K, int nthreads, int y_d
     return s;
 }
 
-// x rows [T] with row stride ld_x in dtype x_dt -> dense fp32 [T, D].
-void convert_x(const void* x, int x_dt, int64_t ld_x, int64_t T, int64_t D, float* out) {
-    for (int64_t t = 0; t < T; ++t) {
-        float* o = out + t * D;
-        if (x_dt == DT_F32) {
-            std::memcpy(o, (const float*)x + t * ld_x, D * sizeof(float));
-            continue;
-        }
-        const uint16_t* s = (const uint16_t*)x + t * ld_x;
-        int64_t d = 0;
-        if (x_dt == DT_F16) {
-            for (; d + VW <= D; d += VW) vstore(o + d, vload_f16(s + d));
-            for (; d < D; ++d) o[d] = f16_to_f32(s[d]);
-        } else {
-            for (; d + VW <= D; d += VW) vstore(o + d, vload_bf16(s + d));
-            for (; d < D; ++d) o[d] = bf16_to_f32(s[d]);
-        }
-    }
-}
-
 // 8 bytes of a packed mask row from byte offset 8w (fewer at the end of the row: B - 8w).
 inline uint64_t mask_word(const uint8_t* row, int64_t w, int64_t B) {
     uint64_t v = 0;
@@ -640,7 +653,7 @@ int64_t pi_sparse_ffn(const float* x, int64_t T, int64_t D,
     const Scratch s = carve(scratch, T, D, K, nthreads, y_dt, split, false);
     Args a{x, T, D, up, gate, down, ld_up, ld_gate, ld_down, bias, bias_dt, idx, idx64, K,
            mask, mask_mode, ld_mask, act, y, y_dt, s.acc_rows, nthreads, s.h, s.nz,
-           y_dt == DT_F32 ? (float*)y : s.acc};
+           y_dt == DT_F32 ? (float*)y : s.acc, nullptr, DT_F32, D};
     for (int64_t k = 0; k < K; ++k) {
         int64_t r = row_id(a, k);
         if (r < 0 || r >= n_rows) return -(k + 1);
@@ -712,11 +725,11 @@ int64_t pi_sparse_ffn_bitmask(const void* x, int x_dt, int64_t ld_x, int64_t T, 
             for (int64_t k = 0; k < n; ++k) s.idx[k] = (int32_t)k;
             K = n;
         }
-        convert_x((const char*)x + t0 * ld_x * (x_dt == DT_F32 ? 4 : 2), x_dt, ld_x, Tc, D, s.x);
         void* yc = (char*)y + t0 * D * ysz;
         Args a{s.x, Tc, D, up, gate, down, ld_up, ld_gate, ld_down, bias, bias_dt, s.idx, 0, K,
                s.tok, packed && Tc > 1 ? MASK_BITS64 : MASK_NONE, 0, act, yc, y_dt, s.acc_rows, nthreads,
-               s.h, s.nz, y_dt == DT_F32 ? (float*)yc : s.acc};
+               s.h, s.nz, y_dt == DT_F32 ? (float*)yc : s.acc,
+               (const char*)x + t0 * ld_x * (x_dt == DT_F32 ? 4 : 2), x_dt, ld_x};  // x converted in run
         run(a, w_dt, split);
     }
     if (stats) {
