@@ -26,6 +26,7 @@ import itertools
 import json
 import os
 import platform
+import random
 import re
 import statistics
 import subprocess
@@ -292,7 +293,16 @@ def _exchange_worker(args) -> dict:
         def omp_region():  # a parallel region of the kernel's threads doing nothing: fork/join + wake-up
             lib.pi_read_sum(tiny.data_ptr(), tiny.numel(), threads)
 
+        def old_path_rows():  # the same with the kernel's split before this change: the exchange before it
+            cpu_ffn.SPLIT = "rows"
+            try:
+                old_path()
+            finally:
+                cpu_ffn.SPLIT = "auto"
+
         variants = {"exchange_ffn_partial": old_path, "decode_python": decode_only, "omp_region": omp_region}
+        if len(splits) > 1:
+            variants["exchange_ffn_partial_rows"] = old_path_rows
         for sp in splits:
             variants[f"kernel_call_{sp}"] = lambda sp=sp: kernel_only(sp)
         if bitmask is not None:
@@ -302,8 +312,11 @@ def _exchange_worker(args) -> dict:
         for v in variants.values():  # warm-up (the kernel's build, page faults)
             load()
             v()
+        order = list(variants.items())
+        rng = random.Random(T * 1000 + K)
         for _ in range(reps):
-            for name, fn in variants.items():
+            rng.shuffle(order)  # a variant's time depends on what ran before it (caches): vary that
+            for name, fn in order:
                 load()
                 time.sleep(gap)
                 t0 = time.perf_counter()
@@ -324,7 +337,8 @@ def _exchange_worker(args) -> dict:
 def bench_cpu_exchange(args) -> dict:
     """The CPU executor's per-layer answer at the Llama-2-13B shape (D = 5120, fp16 weights, a CPU
     shard of 8600 rows, ReGLU), from the packed mask in a channel-like buffer to y in the fp32 out
-    buffer. Variants: exchange_ffn_partial = unpack_mask + ffn_partial as CPUExecutor._compute does;
+    buffer. Variants: exchange_ffn_partial = unpack_mask + ffn_partial as CPUExecutor._compute does
+    (exchange_ffn_partial_rows: with the kernel's row split, i.e. the exchange before the column split);
     decode_python = its Python decoding alone (unpackbits + active_rows); kernel_call_<split> = the
     ctypes kernel call alone (inputs decoded beforehand) with the work split over rows (per-thread
     accumulators + reduction, the kernel before this change) or columns; omp_region = an empty
@@ -337,7 +351,8 @@ def bench_cpu_exchange(args) -> dict:
         return {"error": "compiled CPU kernel unavailable (no compiler); nothing measured"}
     res = dict(shape=dict(D=D, n=EX_N, act="reglu", weights="fp16", x="fp16 (channel)", out="fp32 (channel)"),
                gap_ms=args.exchange_gap_ms,
-               timing=("median wall time per call over interleaved calls, each after a sleep of gap_ms; "
+               timing=("median wall time per call over interleaved calls (variants in a new random order "
+                       "each round), each after a sleep of gap_ms; "
                        f"rotating masks whose active rows cover >= {EX_SET_BYTES >> 20} MiB (cold caches)"),
                policies={})
     for pol in EX_POLICIES:

@@ -36,6 +36,12 @@ _W_DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _ACT = {"relu": 0, "reglu": 1, "drelu": 2, "swiglu": 3}
 _MAX_T = 64  # tokens per kernel call (the kernel's stack buffers); more are split into calls
 _SPLIT = {"auto": 0, "rows": 1, "cols": 2}  # the kernel's work split (csrc/sparse_ffn.cpp, NOTES.md)
+# The split used when a call names none: $POWERINFER_RAY_CPU_SPLIT (auto | rows | cols), for A/B runs
+# of the whole runtime; benchmarks may also assign it.
+SPLIT = os.environ.get("POWERINFER_RAY_CPU_SPLIT", "auto")
+if SPLIT not in _SPLIT:
+    warnings.warn(f"POWERINFER_RAY_CPU_SPLIT={SPLIT!r} is not one of {tuple(_SPLIT)}; using 'auto'", RuntimeWarning)
+    SPLIT = "auto"
 _BAD_ARGS = -1000000000
 
 _lock = threading.Lock()  # one build, and one call at a time per process (shared scratch)
@@ -155,14 +161,15 @@ def _rows_ok(w: torch.Tensor, D: int) -> bool:
 
 def sparse_ffn_cpu(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
                    idx: torch.Tensor, mask: torch.Tensor | None, act: str, up_bias: torch.Tensor | None,
-                   y: torch.Tensor, threads: int | None = None, split: str = "auto") -> torch.Tensor:
+                   y: torch.Tensor, threads: int | None = None, split: str | None = None) -> torch.Tensor:
     """Run the compiled kernel; inputs already validated by `sparse_ffn` (CPU tensors).
 
     x [T, D] any float dtype; up, gate, down_t [N, D] rows with unit column stride, one of
     fp32 / fp16 / bf16; idx [K] int32 or int64; mask None, bool [T, K] or int32 bits [K];
     y [T, D] contiguous, x's dtype. split: the kernel's work split, 'auto' | 'rows' | 'cols'
-    (benchmarks). Returns y.
+    (benchmarks; None: SPLIT). Returns y.
     """
+    split = split or SPLIT
     lib = library()
     assert lib is not None, "sparse_ffn_cpu called without a compiled kernel"
     T, D = x.shape
@@ -308,7 +315,7 @@ def _check_weights(up, gate, down_t, up_bias, act) -> None:
 
 def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
                        packed_mask, n: int, act: str, up_bias: torch.Tensor | None, out: torch.Tensor,
-                       threads: int | None = None, *, split: str = "auto") -> tuple[int, int]:
+                       threads: int | None = None, *, split: str | None = None) -> tuple[int, int]:
     """The CPU executor's FFN answer in one call, from the mask as the channel holds it.
 
     x [T, D] fp32 / fp16 / bf16 (rows with unit column stride, e.g. the channel's x view);
@@ -317,7 +324,8 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
     `runtime.channel.pack_mask` writes it; padding bits of the last byte ignored) or None for every
     one of the n rows (policy 'dense'); n: the mask's neurons, rows 0 .. n-1 of the shard; out
     [T, D] contiguous, float32 or x's dtype: every element is written; threads: default
-    torch.get_num_threads(); split: the kernel's work split, 'auto' | 'rows' | 'cols' (benchmarks).
+    torch.get_num_threads(); split: the kernel's work split, 'auto' | 'rows' | 'cols' (benchmarks;
+    None: SPLIT, i.e. $POWERINFER_RAY_CPU_SPLIT or 'auto').
 
     out[t] = sum over j < n with bit (t, j) set of act(gate[j] . x[t], up[j] . x[t] + up_bias[j]) *
     down_t[j], accumulated in fp32. The decoding (active rows = bits set for any token, per-token
@@ -346,7 +354,7 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
     if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= sh.N:
         raise _bad("n", n, f"an int in [0, {sh.N}] (the mask's neurons: rows 0 .. n-1 of the shard)")
     addr, ld = _packed_view(packed_mask, T, n) if packed_mask is not None else (None, 0)
-    sp = _SPLIT.get(split)
+    sp = _SPLIT.get(split or SPLIT)
     if sp is None:
         raise _bad("split", repr(split), f"one of {tuple(_SPLIT)}")
     if T == 0:

@@ -555,12 +555,18 @@ void run_rows(const Args& a) {
     }
 }
 
-// Which split. auto: rows (the kernel before the column split) once it hands every thread at
-// least 8 of its 4R-row chunks (the dynamic tail then costs at most ~1/8), columns below that,
-// where the row chunks leave threads idle (e.g. 240 rows = 8 chunks for 14 threads).
+// Which split. auto: rows (the kernel before the column split) when its dynamic 4R-row chunks
+// keep the threads it uses >= 90 % busy (the busiest thread's rows against the mean), else
+// columns: e.g. 240 rows are 8 chunks for 14 threads (57 %), 64 rows 2 chunks for 8 (25 %). With
+// every thread busy the two splits measured within a few % of each other (NOTES.md).
 inline int pick_split(int split, int64_t K, int nthreads) {
     if (split == SPLIT_ROWS || split == SPLIT_COLS) return split;
-    return (K + 4 * R - 1) / (4 * R) >= 8 * (int64_t)nthreads ? SPLIT_ROWS : SPLIT_COLS;
+    if (K < 1) return SPLIT_COLS;
+    const int64_t CH = 4 * R;
+    int64_t nt = (K + 7) / 8;  // run_rows' thread count
+    nt = nt > nthreads ? nthreads : nt;
+    const int64_t nch = (K + CH - 1) / CH, busiest = (nch + nt - 1) / nt * CH;
+    return (double)K / (double)nt >= 0.9 * (double)busiest ? SPLIT_ROWS : SPLIT_COLS;
 }
 
 void run(const Args& a, int w_dt, int split) {
@@ -597,9 +603,10 @@ Scratch carve(void* base, int64_t T, int64_t D, int64_t K, int nthreads, int y_d
     char* p = (char*)base;
     int64_t off = 0;
     auto take = [&](int64_t bytes) { char* r = p ? p + off : nullptr; off += al64(bytes); return r; };
-    // the bitmask entry's K is at most n (= K here): auto may pick either split for it
-    const bool rows = pick_split(split, K, nthreads) == SPLIT_ROWS;
-    const bool cols = !rows || (bitmask && split == SPLIT_AUTO);
+    // the bitmask entry's K is any of 0 .. n (n = K here): auto may pick either split for it
+    const bool both = bitmask && split == SPLIT_AUTO;
+    const bool rows = both || pick_split(split, K, nthreads) == SPLIT_ROWS;
+    const bool cols = both || !rows;
     s.acc_rows = (float*)take(rows ? (int64_t)nthreads * T * D * 4 : 0);
     s.h = (float*)take(cols ? K * T * 4 : 0);
     s.nz = (uint8_t*)take(cols ? K : 0);
