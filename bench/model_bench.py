@@ -92,16 +92,18 @@ def layer_offload_plan(model: str, budget_gib: float, n_ctx: int, batch: int):  
     return Plan.from_masks(on, groups, cfg), k
 
 
-def engine_kwargs(mode: str, a: argparse.Namespace, n_ctx: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    kw: dict[str, Any] = dict(max_batch=max(a.batch), n_ctx=n_ctx, prefill_chunk=a.prefill_chunk,
+def engine_kwargs(mode: str, a: argparse.Namespace, n_ctx: int, batch: int,
+                  budget: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The engine of one configuration: KV cache and graphs sized for `batch`, `budget` GiB."""
+    kw: dict[str, Any] = dict(max_batch=batch, n_ctx=n_ctx, prefill_chunk=a.prefill_chunk,
                               threads=a.threads, timeout_s=600.0)
     extra: dict[str, Any] = {}
     if mode == "hybrid" and a.gpu_fraction is not None:  # the hottest fraction per layer, no solver
         kw.update(gpu_fraction=a.gpu_fraction, policy="predictor")
     elif mode == "hybrid":
-        kw.update(vram_budget=a.vram_budget, policy="predictor", method=a.method)
+        kw.update(vram_budget=budget, policy="predictor", method=a.method)
     elif mode == "layer-offload":
-        plan, k = layer_offload_plan(a.model, a.vram_budget, n_ctx, max(a.batch))
+        plan, k = layer_offload_plan(a.model, budget, n_ctx, batch)
         kw.update(plan=plan, policy="dense")
         extra["gpu_layers"] = k
     elif mode == "dense-gpu":
@@ -170,7 +172,10 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
     }
 
 
-def run_mode(mode: str, a: argparse.Namespace) -> list[dict[str, Any]]:
+def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
+             done: Any = None) -> list[dict[str, Any]]:  # noqa: ANN401
+    """One engine (mode, budget, batch), warmed up at the measured shapes, then every prompt x
+    output length; ``done(record)`` is called after each measurement."""
     import ray
 
     from powerinfer_ray.actors.coordinator import Coordinator
@@ -179,25 +184,31 @@ def run_mode(mode: str, a: argparse.Namespace) -> list[dict[str, Any]]:
     cfg = open_model(a.model).config
     a.n_layer = cfg.n_layer
     n_ctx = max(a.prompt) + max(a.output) + 8
-    kw, extra = engine_kwargs(mode, a, n_ctx)
+    kw, extra = engine_kwargs(mode, a, n_ctx, batch, budget)
     t0 = time.perf_counter()
     engine = Coordinator.options(name=f"bench-{mode}", max_concurrency=1000).remote(a.model, **kw)
     info = ray.get(engine.ready.remote())
     load_s = time.perf_counter() - t0
-    print(f"[{mode}] loaded in {load_s:.1f} s: {info}", flush=True)
-    ray.get(engine.generate.remote(prompt_token_ids=[5, 6, 7, 8], max_tokens=4, ignore_eos=True))  # warm up
+    tag = f"[{mode}{'' if mode == 'dense-gpu' else f' {budget:g} GiB'}]"
+    print(f"{tag} loaded in {load_s:.1f} s: {info}", flush=True)
+    # warm up at the measured shapes (kernel compilation, graph capture): the longest prompt's
+    # prefill chunks, and decode steps of `batch` sequences
+    warm = list(range(5, 5 + min(max(a.prompt), a.prefill_chunk)))
+    ray.get([engine.generate.remote(prompt_token_ids=warm, max_tokens=3, ignore_eos=True) for _ in range(batch)])
     records = []
-    for batch in a.batch:
-        for p in a.prompt:
-            for o in a.output:
-                r = run_config(engine, a, batch, p, o, cfg.n_vocab)
-                r.update(mode=mode, model=a.model, vram_budget_gib=a.vram_budget if mode != "dense-gpu" else None,
-                         load_s=load_s, plan_s=info.get("plan_s"), **extra)
-                print(f"[{mode}] B={batch} prompt={p} out={o}: decode {r['decode_tok_s']:.2f} tok/s, "
-                      f"e2e {r['e2e_tok_s']:.2f}, GPU {r['gpu_gbps']:.0f} GB/s, CPU {r['cpu_gbps']:.1f} GB/s, "
-                      f"GPU share {r['gpu_activation_share']:.1%}, sync {r['per_layer_sync_us']:.0f} us, "
-                      f"layer {r['per_layer_us']}, VRAM {r['vram_used_gib']:.2f} GiB", flush=True)
-                records.append(r)
+    for p in a.prompt:
+        for o in a.output:
+            r = run_config(engine, a, batch, p, o, cfg.n_vocab)
+            r.update(mode=mode, model=a.model, vram_budget_gib=budget if mode != "dense-gpu" else None,
+                     load_s=load_s, plan_s=info.get("plan_s"), **extra)
+            print(f"{tag} B={batch} prompt={p} out={o}: decode {r['decode_tok_s']:.2f} tok/s, "
+                  f"e2e {r['e2e_tok_s']:.2f}, prefill {r['prefill_tok_s']:.1f}, GPU {r['gpu_gbps']:.0f} GB/s, "
+                  f"CPU {r['cpu_gbps']:.1f} GB/s, GPU share {r['gpu_activation_share']:.1%}, "
+                  f"sync {r['per_layer_sync_us']:.0f} us, layer {r['per_layer_us']}, "
+                  f"VRAM {r['vram_used_gib']:.2f} GiB", flush=True)
+            records.append(r)
+            if done is not None:
+                done(r)
     ray.get(engine.shutdown.remote())
     ray.kill(engine)
     time.sleep(2)
@@ -207,7 +218,7 @@ def run_mode(mode: str, a: argparse.Namespace) -> list[dict[str, Any]]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="powerinfer-ray bench <mode>")
     ap.add_argument("-m", "--model", default="planted:llama2-7b?dtype=f16")
-    ap.add_argument("--vram-budget", type=float, default=8.0, help="GiB")
+    ap.add_argument("--vram-budget", default="8", help="GiB; comma-separated for a sweep")
     ap.add_argument("--modes", default=None, help="for 'suite': comma-separated modes")
     ap.add_argument("--batch", default="1", help="comma-separated batch sizes")
     ap.add_argument("--prompt", default="64", help="comma-separated prompt lengths")
@@ -227,6 +238,7 @@ def main(mode: str, argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
     for f in ("batch", "prompt", "output"):
         setattr(a, f, [int(x) for x in str(getattr(a, f)).split(",")])
+    budgets = [float(x) for x in str(a.vram_budget).split(",")]
     modes = (a.modes or "hybrid,layer-offload,dense-gpu").split(",") if mode == "suite" else [mode]
     for m in modes:
         if m not in MODES:
@@ -234,11 +246,20 @@ def main(mode: str, argv: list[str]) -> int:
     from powerinfer_ray.generate import init_ray
 
     init_ray(num_cpus=a.num_cpus)
-    records = []
-    for m in modes:
-        records += run_mode(m, a)
     name = a.name or f"{mode}-{a.model.replace('planted:', '').split('?')[0]}-{time.strftime('%Y%m%d-%H%M%S')}"
-    write_results(a.out_dir, name, "powerinfer-ray bench " + " ".join([mode] + argv), records=records)
+    records: list[dict[str, Any]] = []
+
+    def done(r: dict[str, Any]) -> None:  # rewrite the file after every measurement: a run cut
+        records.append(r)  # short keeps what it measured
+        write_results(a.out_dir, name, "powerinfer-ray bench " + " ".join([mode] + argv), records=records)
+
+    # one engine per (budget, batch): each batch size gets the KV cache and placement it needs
+    for budget in budgets:
+        for batch in a.batch:
+            for m in modes:
+                if m == "dense-gpu" and budget != budgets[0]:
+                    continue  # no budget: once
+                run_mode(m, a, batch, budget, done)
     return 0
 
 
