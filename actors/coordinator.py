@@ -32,7 +32,7 @@ DEFAULT_NAME = "powerinfer-engine"
 @ray.remote
 class Coordinator:
     def __init__(self, model: str | None = None, vram_budget: float | None = None, *,
-                 name: str = DEFAULT_NAME, max_ongoing: int = 256, **engine_kwargs: Any) -> None:
+                 name: str | None = None, max_ongoing: int = 256, **engine_kwargs: Any) -> None:
         logging.basicConfig(level=logging.INFO)
         if model is None:
             from ..model.default import default_model_path
@@ -40,7 +40,9 @@ class Coordinator:
             model = str(default_model_path())
         if "vram_budget_gib" in engine_kwargs:
             vram_budget = engine_kwargs.pop("vram_budget_gib")
-        self.name = name
+        # the executors are named after the engine: its own actor name unless given, so two
+        # engines in one cluster never collide
+        self.name = name or ray.get_runtime_context().get_actor_name() or DEFAULT_NAME
         self.ec = EngineConfig(model=str(model), vram_budget_gib=vram_budget, **engine_kwargs)
         src = open_model(self.ec.model)
         self.cfg = src.config
@@ -73,6 +75,14 @@ class Coordinator:
         common = dict(policy=self.policy, slots=ec.max_batch, n_ctx=self.n_ctx)
         budget = int(ec.vram_budget_gib * GIB) if ec.vram_budget_gib else None
         dev_name = "cuda0" if device == "cuda" else "cpu"
+        threads = 0
+        if self.plan.needs_cpu_executor:
+            n_cpus = int(ray.cluster_resources().get("CPU", 2))
+            threads = ec.threads or max(1, n_cpus - 2)  # default: all but the GPU executor's and one more
+            if threads + 1 > n_cpus:  # the actor would wait forever for CPUs the cluster lacks
+                raise ValueError(f"threads={threads}: the CPU executor reserves one CPU per thread and the GPU "
+                                 f"executor one more, but the Ray cluster has {n_cpus} CPUs; use threads <= "
+                                 f"{n_cpus - 1} (or start Ray with more CPUs)")
         self.gpu = GPUExecutor.options(
             name=f"{self.name}.gpu-executor.{dev_name}", num_gpus=1 if device == "cuda" else 0, num_cpus=1,
         ).remote(f"{self.name}.gpu-executor.{dev_name}", ec.model, self.plan, budget_bytes=budget,
@@ -80,8 +90,6 @@ class Coordinator:
                  prefill_dense_min=ec.prefill_dense_min, graphs=ec.graphs, **common)
         self.cpu = None
         if self.plan.needs_cpu_executor:
-            # every core but the GPU executor's and one for the coordinator/driver
-            threads = ec.threads or max(1, int(ray.cluster_resources().get("CPU", 2)) - 2)
             self.cpu = CPUExecutor.options(name=f"{self.name}.cpu-executor.0", num_cpus=threads).remote(
                 f"{self.name}.cpu-executor.0", ec.model, self.plan, threads=threads, **common)
         info = ray.get([self.gpu.ready.remote()] + ([self.cpu.ready.remote()] if self.cpu else []))
@@ -165,6 +173,13 @@ class Coordinator:
         out["gpu_executor"] = await self.gpu.stats.remote(peer)
         self.m_requests.set(out["coordinator"]["running"], tags={"engine": self.name})
         return out
+
+    async def set_cpu_threads(self, n: int) -> int:
+        """Threads of the CPU executor's kernels from the next layer on (no reload): for tuning
+        and thread sweeps. The actor keeps the CPUs it reserved at start."""
+        if self.cpu is None:
+            raise ValueError("this engine's plan has no CPU executor")
+        return await self.cpu.set_threads.remote(n)
 
     def executor_handles(self) -> dict[str, Any]:
         """The executor actors (for operations and fault tests)."""

@@ -122,6 +122,9 @@ class CPUExecutor:
         return {"pid": os.getpid(), "device": "cpu", "weight_bytes": self.impl.weight_bytes(),
                 "threads": self.impl.threads}
 
+    def set_threads(self, n: int) -> int:
+        return self.impl.set_threads(n)
+
     def attach(self, spec: ChannelSpec) -> int:
         pid = self.impl.attach(spec)
         self.impl.start()

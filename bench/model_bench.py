@@ -96,7 +96,7 @@ def engine_kwargs(mode: str, a: argparse.Namespace, n_ctx: int, batch: int,
                   budget: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """The engine of one configuration: KV cache and graphs sized for `batch`, `budget` GiB."""
     kw: dict[str, Any] = dict(max_batch=batch, n_ctx=n_ctx, prefill_chunk=a.prefill_chunk,
-                              threads=a.threads, timeout_s=600.0)
+                              threads=max(a.threads) if a.threads else None, timeout_s=600.0)
     extra: dict[str, Any] = {}
     if mode == "hybrid" and a.gpu_fraction is not None:  # the hottest fraction per layer, no solver
         kw.update(gpu_fraction=a.gpu_fraction, policy="predictor")
@@ -169,6 +169,7 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
         "vram_used_gib": g1.get("vram_used_bytes", 0) / GIB,
         "gpu_weight_gib": g1.get("weight_bytes", 0) / GIB,
         "cpu_weight_gib": cpu1.get("weight_bytes", 0) / GIB if cpu1 else 0.0,
+        "cpu_threads": cpu1.get("threads") if cpu1 else None,
     }
 
 
@@ -196,19 +197,22 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
     warm = list(range(5, 5 + min(max(a.prompt), a.prefill_chunk)))
     ray.get([engine.generate.remote(prompt_token_ids=warm, max_tokens=3, ignore_eos=True) for _ in range(batch)])
     records = []
-    for p in a.prompt:
-        for o in a.output:
-            r = run_config(engine, a, batch, p, o, cfg.n_vocab)
-            r.update(mode=mode, model=a.model, vram_budget_gib=budget if mode != "dense-gpu" else None,
-                     load_s=load_s, plan_s=info.get("plan_s"), **extra)
-            print(f"{tag} B={batch} prompt={p} out={o}: decode {r['decode_tok_s']:.2f} tok/s, "
-                  f"e2e {r['e2e_tok_s']:.2f}, prefill {r['prefill_tok_s']:.1f}, GPU {r['gpu_gbps']:.0f} GB/s, "
-                  f"CPU {r['cpu_gbps']:.1f} GB/s, GPU share {r['gpu_activation_share']:.1%}, "
-                  f"sync {r['per_layer_sync_us']:.0f} us, layer {r['per_layer_us']}, "
-                  f"VRAM {r['vram_used_gib']:.2f} GiB", flush=True)
-            records.append(r)
-            if done is not None:
-                done(r)
+    has_cpu = "cpu" in info.get("executors", [])
+    sweep = [(p, o, t) for t in (a.threads if a.threads and has_cpu else [None]) for p in a.prompt for o in a.output]
+    for p, o, t in sweep:
+        if t is not None:
+            ray.get(engine.set_cpu_threads.remote(t))
+        r = run_config(engine, a, batch, p, o, cfg.n_vocab)
+        r.update(mode=mode, model=a.model, vram_budget_gib=budget if mode != "dense-gpu" else None,
+                 load_s=load_s, plan_s=info.get("plan_s"), **extra)
+        print(f"{tag} B={batch} prompt={p} out={o} threads={r['cpu_threads']}: decode {r['decode_tok_s']:.2f} tok/s, "
+              f"e2e {r['e2e_tok_s']:.2f}, prefill {r['prefill_tok_s']:.1f}, GPU {r['gpu_gbps']:.0f} GB/s, "
+              f"CPU {r['cpu_gbps']:.1f} GB/s, GPU share {r['gpu_activation_share']:.1%}, "
+              f"sync {r['per_layer_sync_us']:.0f} us, layer {r['per_layer_us']}, "
+              f"VRAM {r['vram_used_gib']:.2f} GiB", flush=True)
+        records.append(r)
+        if done is not None:
+            done(r)
     ray.get(engine.shutdown.remote())
     ray.kill(engine)
     time.sleep(2)
@@ -223,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", default="1", help="comma-separated batch sizes")
     ap.add_argument("--prompt", default="64", help="comma-separated prompt lengths")
     ap.add_argument("--output", default="128", help="comma-separated output lengths")
-    ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("-t", "--threads", default=None,
+                    help="CPU executor threads; comma-separated: a sweep on one engine (set live)")
     ap.add_argument("--prefill-chunk", type=int, default=64)
     ap.add_argument("--method", default="ilp", choices=("ilp", "greedy"))
     ap.add_argument("--gpu-fraction", type=float, default=None,
@@ -236,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(mode: str, argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
-    for f in ("batch", "prompt", "output"):
+    for f in ("batch", "prompt", "output") + (("threads",) if a.threads else ()):
         setattr(a, f, [int(x) for x in str(getattr(a, f)).split(",")])
     budgets = [float(x) for x in str(a.vram_budget).split(",")]
     modes = (a.modes or "hybrid,layer-offload,dense-gpu").split(",") if mode == "suite" else [mode]

@@ -431,6 +431,15 @@ class CPUExecutor:
     def weight_bytes(self) -> int:
         return sum(s.nbytes for s in self.ffn) + sum(a.weight_bytes + a.cache_bytes for a in self.attn)
 
+    def set_threads(self, n: int) -> int:
+        """Threads of the next requests' kernels (live: the serving loop reads it per request);
+        for tuning against the other processes spinning on the host's cores."""
+        if not isinstance(n, int) or not 1 <= n <= (os.cpu_count() or 1):
+            raise ValueError(f"threads={n!r}: expected an int in [1, {os.cpu_count()}] (this host's cores)")
+        self.threads = n
+        torch.set_num_threads(n)
+        return n
+
     def attach(self, spec: ChannelSpec) -> int:
         self.channel = Channel.attach(spec)
         return os.getpid()

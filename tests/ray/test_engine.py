@@ -104,3 +104,21 @@ def test_per_device_load_shows_on_the_metrics_endpoint(engine, ray_cluster):
     assert lines, f"no powerinfer metrics on {url}"
     assert any("cpu-executor" in l for l in lines) and any("gpu-executor" in l for l in lines), lines
     assert all(float(l.rsplit(" ", 1)[1]) > 0 for l in lines)
+
+
+def test_cpu_threads_are_set_live_and_checked(engine, model):
+    """set_cpu_threads changes the CPU executor's kernel threads without a reload; bad counts
+    and a start that asks for more CPUs than the cluster has fail with a clear error."""
+    _, ref = model
+    assert ray.get(engine.set_cpu_threads.remote(2)) == 2
+    assert ray.get(engine.stats.remote())["cpu_executor"]["threads"] == 2
+    out = ray.get(engine.generate.remote(prompt_token_ids=[5, 6, 7], max_tokens=4, ignore_eos=True))
+    assert out["token_ids"] == ref.generate_greedy([5, 6, 7], 4)
+    assert ray.get(engine.set_cpu_threads.remote(1)) == 1
+    with pytest.raises(ray.exceptions.RayTaskError, match="threads=0"):
+        ray.get(engine.set_cpu_threads.remote(0))
+    # num_cpus=0: schedulable beside the module's engine, which holds the cluster's 2 CPUs
+    too_many = Coordinator.options(name="test-engine-threads", num_cpus=0).remote(str(model[0]), gpu_fraction=0.5,
+                                                                                 threads=8)
+    with pytest.raises(ray.exceptions.RayActorError, match="threads=8"):
+        ray.get(too_many.ready.remote(), timeout=120)
