@@ -56,7 +56,8 @@ class Primary:
     def run(self, peer, d: int, n_mask: int, iters: int) -> dict:  # noqa: ANN001
         import torch
 
-        from powerinfer_ray.runtime.channel import OP_FFN, OP_STOP, Channel, pack_mask
+        from powerinfer_ray.kernels.predictor import pack_active_bits
+        from powerinfer_ray.runtime.channel import OP_FFN, OP_STOP, Channel
 
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         x_dtype = "f16" if dev.type == "cuda" else "f32"  # what the engine sends from each device
@@ -64,12 +65,12 @@ class Primary:
         ch.pin_for_cuda()
         ray.get(peer.attach.remote(ch.spec))
         x = torch.randn(1, d, device=dev).to(ch.x_ffn.dtype)
-        mask = torch.rand(1, n_mask, device=dev) < 0.1
+        logits = torch.randn(1, n_mask, device=dev).to(ch.x_ffn.dtype) - 1.3  # ~10 % active
         y = torch.zeros(1, d, device=dev)
 
         def send() -> None:  # what the decode step's graph does before a post
             ch.x_ffn[:1].copy_(x, non_blocking=True)
-            packed = pack_mask(mask)  # [1, n/8]: as the engine sends it
+            packed = pack_active_bits(logits, 0.0)  # [1, n/8]: threshold + packing, as the engine does
             torch.from_numpy(ch.mask_rows(1, n_mask)).copy_(packed, non_blocking=True)
 
         def recv() -> None:  # and what the next graph does first

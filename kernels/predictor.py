@@ -149,6 +149,36 @@ def split_active_packed(logits: torch.Tensor, threshold: float, gpu_mask: torch.
     return PackedSplit(buf[: 1 + 2 * cap_g], buf[1 + 2 * cap_g:])
 
 
+def pack_active_bits(logits: torch.Tensor, threshold: float, col0: int = 0, n: int | None = None,
+                     backend: str = "auto") -> torch.Tensor:
+    """The active mask of neurons col0 .. col0+n-1 packed 8 to a byte, as the CPU executor reads
+    it from the channel: uint8 [T, ceil(n/8)], bit j % 8 of byte j // 8 set iff
+    logits[t, col0 + j] >= threshold (fp32 compare). One Triton launch on CUDA (threshold and
+    packing fused, no host sync); elsewhere torch (runtime.channel.pack_mask's layout)."""
+    global _triton_failed
+    T, N = logits.shape
+    n = N - col0 if n is None else n
+    if not 0 <= col0 <= N or not 0 <= n <= N - col0:
+        raise ValueError(f"pack_active_bits: columns {col0}..{col0 + n} outside the logits' {N}")
+    if backend == "triton" or (backend == "auto" and logits.is_cuda and not _triton_failed):
+        try:
+            from . import triton_split
+            return triton_split.pack_bits(logits, threshold, col0, n)
+        except ImportError:
+            if backend == "triton":
+                raise
+            _triton_failed = True
+    return pack_bool_bits(logits[:, col0:col0 + n].float() >= threshold)
+
+
+def pack_bool_bits(active: torch.Tensor) -> torch.Tensor:
+    """bool [T, n] -> uint8 [T, ceil(n/8)], neuron j in bit j % 8 of byte j // 8 (torch ops)."""
+    T, n = active.shape
+    m = torch.nn.functional.pad(active.to(torch.uint8), (0, (-n) % 8)).view(T, -1, 8)  # [T, ceil(n/8), 8]
+    weights = 2 ** torch.arange(8, device=active.device, dtype=torch.int32)
+    return (m.to(torch.int32) * weights).sum(-1).to(torch.uint8)
+
+
 def packed_views(part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Zero-copy views of one packed part: (idx [C] int32, bits [C] int32, n_active [1] int32),
     in the order `sparse_ffn(..., idx, mask=bits, n_active=n_active)` takes them."""

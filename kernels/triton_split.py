@@ -62,3 +62,28 @@ def split_pack(logits: torch.Tensor, threshold: float, gpu_mask: torch.Tensor, l
     _split_pack_kernel[(2,)](logits, gm, loc, out, T, N, logits.stride(0), float(threshold), cap_g, cap_c,
                              HAS_LOCAL=local_of is not None, TP=tp, BN=bn, num_warps=num_warps)
     return out
+
+
+@triton.jit
+def _pack_bits_kernel(logits_ptr, out_ptr, s_l, s_o, col0, n, thr, BY: tl.constexpr):
+    b = tl.program_id(0)
+    offs_byte = tl.program_id(1) * BY + tl.arange(0, BY)  # [BY]
+    bit = tl.arange(0, 8)  # [8]
+    j = offs_byte[:, None] * 8 + bit[None, :]  # [BY, 8] neuron of each bit
+    m = j < n
+    lg = tl.load(logits_ptr + b * s_l + col0 + j, mask=m, other=0.0).to(tl.float32)
+    on = (lg >= thr) & m
+    byte = tl.sum(on.to(tl.int32) << bit[None, :], axis=1)  # [BY], disjoint bits
+    tl.store(out_ptr + b * s_o + offs_byte, byte.to(tl.uint8), mask=offs_byte < (n + 7) // 8)
+
+
+def pack_bits(logits: torch.Tensor, threshold: float, col0: int, n: int, by: int = 256) -> torch.Tensor:
+    """uint8 [T, ceil(n/8)]: bit j % 8 of byte j // 8 set iff logits[t, col0 + j] >= threshold
+    (fp32 compare), one launch (see predictor.pack_active_bits)."""
+    T = logits.shape[0]
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    nb = (n + 7) // 8
+    out = torch.empty(T, nb, dtype=torch.uint8, device=logits.device)
+    _pack_bits_kernel[(T, triton.cdiv(nb, by))](logits, out, logits.stride(0), nb, col0, n, float(threshold), BY=by,
+                                                num_warps=4)
+    return out

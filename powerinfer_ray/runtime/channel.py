@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..kernels.predictor import pack_bool_bits
+
 log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 
@@ -80,18 +82,11 @@ class ChannelSpec:
         return 8 * self.header_len + 2 * self.x_bytes + 4 * self.t_max * self.d + self.t_max * self.mask_bytes
 
 
-_BIT_WEIGHTS: dict[str, torch.Tensor] = {}
 
 
 def pack_mask(mask: torch.Tensor) -> torch.Tensor:
     """bool [N, n] -> uint8 [N, ceil(n/8)], neuron j in bit j % 8 of byte j // 8 (on mask's device)."""
-    N, n = mask.shape
-    pad = (-n) % 8
-    m = torch.nn.functional.pad(mask.to(torch.uint8), (0, pad)).view(N, -1, 8)  # [N, B, 8]
-    key = str(mask.device)
-    if key not in _BIT_WEIGHTS:
-        _BIT_WEIGHTS[key] = (2 ** torch.arange(8, device=mask.device)).to(torch.uint8)
-    return (m * _BIT_WEIGHTS[key]).sum(-1, dtype=torch.uint8)  # [N, B]
+    return pack_bool_bits(mask)
 
 
 def unpack_mask(packed: np.ndarray, n: int) -> torch.Tensor:

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from ..kernels.attention import head_attention_step
-from ..kernels.predictor import packed_views, split_active_packed
+from ..kernels.predictor import pack_active_bits, packed_views, split_active_packed
 from ..kernels.sparse_ffn import sparse_ffn
-from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, pack_mask
+from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN
 from .layers import merge_partials
 
 if TYPE_CHECKING:
@@ -183,7 +183,7 @@ class DecodeGraphs:
             self.counts[0] += (logits[:, :ng] >= ex.threshold).sum()
             self.counts[1] += self.g_part[2][0]
         if cpu_ffn:
-            packed = pack_mask(logits[:, ng:] >= ex.threshold)  # [B, ceil(n_cpu/8)]
+            packed = pack_active_bits(logits, ex.threshold, ng)  # [B, ceil(n_cpu/8)], one kernel
             torch.from_numpy(ex.channel.mask_rows(self.B, logits.shape[1] - ng)).copy_(packed, non_blocking=True)
 
     def _pre_ffn(self, l: int, cpu_heads: bool, cpu_ffn: bool) -> None:

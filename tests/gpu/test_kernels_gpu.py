@@ -178,3 +178,12 @@ def test_triton_decode_attention_at_real_shapes(dtype, H, G):
         want = (p @ v).reshape(H, hd)
         err = float((o[b].double() - want).abs().max() / want.abs().max())
         assert err < (1e-2 if dtype == torch.float16 else 3e-2), (b, err)
+
+
+@pytest.mark.parametrize("T", [1, 4, 32])
+def test_pack_active_bits_on_gpu_equals_torch(T):
+    from powerinfer_ray.kernels.predictor import pack_active_bits
+
+    logits = torch.randn(T, 13824, device="cuda", generator=torch.Generator(device="cuda").manual_seed(T)).half()
+    got = pack_active_bits(logits, 0.5, 5000, 8824)
+    assert torch.equal(got, pack_active_bits(logits, 0.5, 5000, 8824, backend="torch"))

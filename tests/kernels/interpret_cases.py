@@ -108,3 +108,13 @@ def test_triton_decode_attention_matches_float64(dtype, H, G):
             k, v = kc[slots[b], g, : pos[b] + 1].double(), vc[slots[b], g, : pos[b] + 1].double()
             p = torch.softmax(k @ q[b, h].double() / math.sqrt(hd), 0)
             assert rel_err(o[b, h], p @ v) < TOL[dtype], (b, h)
+
+
+def test_triton_pack_bits_matches_torch():
+    from powerinfer_ray.kernels.predictor import pack_active_bits
+
+    gen = torch.Generator().manual_seed(9)
+    for T, N, col0, n in ((1, 3000, 0, 3000), (4, 1000, 333, 601)):
+        logits = torch.randn(T, N, generator=gen).half()
+        got = triton_split.pack_bits(logits, 0.1, col0, n, by=16)  # several programs, a partial last one
+        assert torch.equal(got, pack_active_bits(logits, 0.1, col0, n, backend="torch"))

@@ -94,3 +94,23 @@ def test_packed_views_feed_sparse_ffn_directly():
 def test_packed_split_rejects_more_than_32_tokens():
     with pytest.raises(ValueError, match="T is 33"):
         split_active_packed(torch.zeros(33, 4), 0.0, torch.zeros(4, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("T, N, col0, n", [(1, 13, 0, 13), (3, 101, 7, 90), (5, 64, 60, 4), (2, 40, 40, 0)])
+def test_pack_active_bits_matches_numpy_packbits(T, N, col0, n):
+    """Threshold + pack 8 neurons a byte (little bit order) equals numpy's packbits of the
+    thresholded slice; unpack_mask (the CPU executor's side) inverts it."""
+    import numpy as np
+
+    from powerinfer_ray.kernels.predictor import pack_active_bits
+    from powerinfer_ray.runtime.channel import unpack_mask
+
+    gen = torch.Generator().manual_seed(T * N + col0)
+    logits = torch.randn(T, N, generator=gen)
+    want = np.packbits((logits[:, col0:col0 + n] >= 0.25).numpy(), axis=1, bitorder="little")
+    got = pack_active_bits(logits, 0.25, col0, n)
+    assert got.dtype == torch.uint8 and got.shape == (T, (n + 7) // 8)
+    assert np.array_equal(got.numpy(), want)
+    assert torch.equal(unpack_mask(got.numpy(), n), logits[:, col0:col0 + n] >= 0.25)
+    with pytest.raises(ValueError, match="outside"):
+        pack_active_bits(logits, 0.0, col0, N - col0 + 1)
