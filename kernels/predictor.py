@@ -24,11 +24,13 @@ Two forms of the split:
 """
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import torch
 
 _triton_failed = False
+_pack_failed = False
 
 
 class ActiveSplit(NamedTuple):
@@ -155,19 +157,21 @@ def pack_active_bits(logits: torch.Tensor, threshold: float, col0: int = 0, n: i
     it from the channel: uint8 [T, ceil(n/8)], bit j % 8 of byte j // 8 set iff
     logits[t, col0 + j] >= threshold (fp32 compare). One Triton launch on CUDA (threshold and
     packing fused, no host sync); elsewhere torch (runtime.channel.pack_mask's layout)."""
-    global _triton_failed
+    global _pack_failed
     T, N = logits.shape
     n = N - col0 if n is None else n
     if not 0 <= col0 <= N or not 0 <= n <= N - col0:
         raise ValueError(f"pack_active_bits: columns {col0}..{col0 + n} outside the logits' {N}")
-    if backend == "triton" or (backend == "auto" and logits.is_cuda and not _triton_failed):
+    if backend == "triton" or (backend == "auto" and logits.is_cuda and not _pack_failed):
         try:
             from . import triton_split
             return triton_split.pack_bits(logits, threshold, col0, n)
-        except ImportError:
+        except Exception as e:  # no triton, or the kernel does not build here: torch from now on
             if backend == "triton":
                 raise
-            _triton_failed = True
+            _pack_failed = True
+            warnings.warn(f"pack_active_bits: Triton kernel unavailable ({type(e).__name__}: {e}); using torch",
+                          RuntimeWarning, stacklevel=2)
     return pack_bool_bits(logits[:, col0:col0 + n].float() >= threshold)
 
 
