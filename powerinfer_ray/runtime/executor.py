@@ -50,6 +50,8 @@ class ExecStats:
     sync_s: float = 0.0  # notify + return latency + host copies, summed over exchanges
     peer_compute_s: float = 0.0
     peer_neurons: int = 0
+    gpu_compute_s: float = 0.0  # GPU time of the decode graphs (CUDA events), on sampled steps
+    gpu_sampled_steps: int = 0
     # host seconds: attn / ffn of eager steps, wait for the CPU's answers, gpu_wait of graph
     # steps (for the GPU's segment to finish before a post)
     layer_s: dict[str, float] = field(default_factory=lambda: {"attn": 0.0, "ffn": 0.0, "wait": 0.0, "gpu_wait": 0.0})

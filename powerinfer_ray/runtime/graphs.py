@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from .executor import PrimaryExecutor
 
 GRAPH_POLICIES = ("predictor", "dense")
+SAMPLE = 8  # GPU time of every 8th decode step is measured
 
 
 class GraphCaptureError(RuntimeError):
@@ -75,6 +76,10 @@ class DecodeGraphs:
         self.items = self._build()
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
         self.event = torch.cuda.Event() if self.cuda else None
+        # every SAMPLE-th step times each graph replay with CUDA events: the GPU's compute time
+        # per step, without the idle gaps while the CPU executor answers
+        self.timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
+        self.n_steps = 0
         self.dense_pairs = 0  # per step, policy 'dense': every GPU row for every token
         if ex.policy == "dense":
             self.dense_pairs = sum(lw.ffn.n for lw in ex.layers)
@@ -266,10 +271,18 @@ class DecodeGraphs:
         k = 0
         pending = None  # a post waiting for the next launch
         seq = t_post = 0
+        timed = self.cuda and self.n_steps % SAMPLE == 0
+        if timed and self.timers is None:
+            self.timers = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                           for _ in self.graphs]
         for it in self.items:
             if it[0] == "run":
                 if self.cuda:
+                    if timed:
+                        self.timers[k][0].record()
                     self.graphs[k].replay()
+                    if timed:
+                        self.timers[k][1].record()
                 else:
                     for fn in it[1]:
                         fn()
@@ -288,6 +301,10 @@ class DecodeGraphs:
                 self._wait(seq, t_post)
         if self.cuda:
             torch.cuda.current_stream(ex.device).synchronize()
+        if timed:
+            st.gpu_compute_s += sum(a.elapsed_time(b) for a, b in self.timers) * 1e-3
+            st.gpu_sampled_steps += 1
+        self.n_steps += 1
         pairs, rows = (int(v) for v in self.counts_host.tolist())
         st.neurons += pairs + self.dense_pairs * n
         st.active_bytes += (rows + self.dense_pairs) * ex.cfg.neuron_bytes
