@@ -25,6 +25,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="device of the primary executor (cuda or cpu; default: cuda if present)")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="decode with eager PyTorch instead of CUDA graphs (debugging; slower)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -115,7 +117,7 @@ def _resolve_model(spec: str | None) -> str:
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(vram_budget_gib=a.vram_budget, threads=a.threads, reset_gpu_index=a.reset_gpu_index,
                 disable_gpu_index=a.disable_gpu_index, device=a.device, n_ctx=a.ctx_size,
-                max_batch=a.max_batch)
+                max_batch=a.max_batch, graphs=False if a.no_graphs else None)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

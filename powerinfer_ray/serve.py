@@ -571,10 +571,10 @@ ARG_TYPES: dict[str, type] = {
     "model": str, "vram_budget": float, "threads": int, "device": str, "n_ctx": int, "max_batch": int,
     "policy": str, "reset_gpu_index": bool, "disable_gpu_index": bool, "prefill_chunk": int, "dtype": str,
     "max_ongoing": int, "engine_name": str, "model_name": str, "api_key": str, "max_in_flight": int,
-    "max_queued": int,
+    "max_queued": int, "graphs": bool,
 }
 ENGINE_ARGS = ("vram_budget", "threads", "device", "n_ctx", "max_batch", "policy", "reset_gpu_index",
-               "disable_gpu_index", "prefill_chunk", "dtype", "max_ongoing")
+               "disable_gpu_index", "prefill_chunk", "dtype", "max_ongoing", "graphs")
 
 
 def parse_args(args: dict[str, Any]) -> dict[str, Any]:
@@ -603,8 +603,8 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
 
     args: model (GGUF path or planted:<shape>; default: the embedded tiny model), vram_budget (GiB),
     threads, device, n_ctx, max_batch, policy, reset_gpu_index, disable_gpu_index, prefill_chunk,
-    dtype, max_ongoing (engine queue), engine_name, model_name, api_key (default: env
-    POWERINFER_API_KEY), max_in_flight, max_queued.
+    dtype, max_ongoing (engine queue), graphs (false: eager decode steps), engine_name, model_name,
+    api_key (default: env POWERINFER_API_KEY), max_in_flight, max_queued.
     """
     a = parse_args(args)
     engine_kwargs = {k: a[k] for k in ENGINE_ARGS if k in a}
