@@ -8,8 +8,9 @@ hidden states, the CPU shard's active mask), bumps ``req_seq``; the CPU executor
 engine costs no CPU. On x86 (TSO) a store to the data before the store to the flag is seen in
 that order by the other process; numpy writes are plain stores.
 
-Layout (int64 header, then x_attn, x_ffn [T_max, D] in the primary's compute dtype (fp16/bf16
-on a GPU: half the bytes to copy), out [T_max, D] float32, then the active-neuron mask packed
+Layout (int64 header, then x_attn, x_ffn, out [T_max, D] in the primary's compute dtype (fp16/bf16
+on a GPU: half the bytes to copy; the GPU's own partial outputs have that dtype too; sums are
+fp32 inside the kernels), then the active-neuron mask packed
 eight neurons to a byte, little bit order: an exchange of n_tok tokens and n_mask neurons uses
 the first n_tok * ceil(n_mask / 8) bytes as [n_tok, ceil(n_mask / 8)], contiguous (`mask_rows`)):
   0 req_seq   1 resp_seq   2 op   3 layer   4 n_seq   5 n_tok   6 n_mask   7 status
@@ -79,7 +80,7 @@ class ChannelSpec:
 
     @property
     def nbytes(self) -> int:
-        return 8 * self.header_len + 2 * self.x_bytes + 4 * self.t_max * self.d + self.t_max * self.mask_bytes
+        return 8 * self.header_len + 3 * self.x_bytes + self.t_max * self.mask_bytes
 
 
 
@@ -111,15 +112,15 @@ class Channel:
         off = 8 * spec.header_len
         self.header = buf[:off].view(np.int64)  # [header_len]
         np_dt, torch_dt = _X_DTYPES[spec.x_dtype]
-        xb, ob = spec.x_bytes, 4 * spec.t_max * spec.d
+        xb = spec.x_bytes
 
         def x_view(start: int) -> torch.Tensor:
             t = torch.from_numpy(buf[start:start + xb].view(np_dt).reshape(spec.t_max, spec.d))
             return t.view(torch_dt) if spec.x_dtype == "bf16" else t
 
         self.x_attn, self.x_ffn = x_view(off), x_view(off + xb)  # [T_max, D] each
-        self.out = torch.from_numpy(buf[off + 2 * xb: off + 2 * xb + ob].view(np.float32).reshape(spec.t_max, spec.d))
-        self.mask_np = buf[off + 2 * xb + ob:]  # [T_max * ceil(N_max/8)]: see mask_rows
+        self.out = x_view(off + 2 * xb)  # [T_max, D]: the CPU executor's partial output
+        self.mask_np = buf[off + 3 * xb:]  # [T_max * ceil(N_max/8)]: see mask_rows
         self.mask = torch.from_numpy(self.mask_np)
         self.slots = self.header[_HDR_FIXED:_HDR_FIXED + spec.b_max]
         self.start_pos = self.header[_HDR_FIXED + spec.b_max:_HDR_FIXED + 2 * spec.b_max]

@@ -473,13 +473,14 @@ class CPUExecutor:
     @torch.no_grad()
     def _compute(self, op: int, l: int, n_seq: int, n_tok: int, n_mask: int) -> None:
         ch, cfg = self.channel, self.cfg
-        out = ch.out[:n_tok]  # [N, D]: the partial outputs are written (and summed) in place
+        out = ch.out[:n_tok]  # [N, D] (x's dtype): the partial outputs are written (and summed) in place
         wrote = False
         if op in (OP_FFN, OP_ATTN_FFN) and self.ffn[l].n:
             sh = self.ffn[l]
             if self.policy == "oracle":  # finds its own active set: the general path
-                _, pairs, rows = ffn_partial(ch.x_ffn[:n_tok].float(), sh, cfg.ffn_act, self.policy, None,
-                                             out=out, threads=self.threads)
+                y, pairs, rows = ffn_partial(ch.x_ffn[:n_tok].float(), sh, cfg.ffn_act, self.policy, None,
+                                             threads=self.threads)
+                out.copy_(y)
             else:  # one compiled call from the channel's packed mask and x to out
                 packed = ch.mask_rows(n_tok, n_mask) if self.policy == "predictor" else None
                 pairs, rows = sparse_ffn_bitmask(ch.x_ffn[:n_tok], sh.up, sh.gate, sh.down_t, packed,
