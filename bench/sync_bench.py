@@ -6,7 +6,8 @@ attaches and serves. Per round trip: the primary copies a hidden state (D values
 compute dtype: fp16 from a GPU) and an active-neuron mask (packed 8 a byte) into the channel
 (D2H from the GPU when present), publishes, spins for the answer, and copies the peer's output
 back (H2D). On CUDA the copies (and the mask packing) run as captured CUDA graphs, as in the
-decode step (round_trip_us_median); the eager form is reported beside it. The peer spins on the request flag, copies
+decode step (round_trip_us_median, split into send / notify / peer / return / recv medians, all
+on the shared monotonic clock); the eager form is reported beside it. The peer spins on the request flag, copies
 input to output, answers. Beside it, the same payload as a plain Ray actor call.
 
     powerinfer-ray bench sync [--d 5120] [--iters 2000]
@@ -77,9 +78,12 @@ class Primary:
             y.copy_(ch.out[:1], non_blocking=True)
 
         def timed(send, recv, n):  # noqa: ANN001, ANN202
-            t_rt, t_notify, t_return = [], [], []
+            """Per round trip (monotonic clock, shared with the peer): send = copies into the
+            channel until the host sees them done, notify = post -> peer sees it, peer = its
+            work, return = peer done -> host sees it, recv = copy back until done."""
+            parts = {k: [] for k in ("round_trip", "send", "notify", "peer", "return", "recv")}
             for i in range(n + 100):
-                t0 = time.perf_counter_ns()
+                t0 = time.monotonic_ns()
                 send()
                 if dev.type == "cuda":
                     torch.cuda.current_stream().synchronize()
@@ -90,15 +94,15 @@ class Primary:
                 recv()
                 if dev.type == "cuda":
                     torch.cuda.current_stream().synchronize()
-                t1 = time.perf_counter_ns()
+                t1 = time.monotonic_ns()
                 if i >= 100:
-                    t_rt.append((t1 - t0) / 1e3)
-                    t_notify.append((ts - tp) / 1e3)
-                    t_return.append((tseen - te) / 1e3)
-            return t_rt, t_notify, t_return
+                    for k, v in (("round_trip", t1 - t0), ("send", tp - t0), ("notify", ts - tp), ("peer", te - ts),
+                                 ("return", tseen - te), ("recv", t1 - tseen)):
+                        parts[k].append(v / 1e3)
+            return parts
 
         eager = timed(send, recv, iters // 2)
-        t_rt, t_notify, t_return = eager
+        parts = eager
         graphs = None
         if dev.type == "cuda":  # the runtime's form: both sides of the exchange in CUDA graphs
             side = torch.cuda.Stream()
@@ -111,7 +115,7 @@ class Primary:
                 send()
             with torch.cuda.graph(g_recv):
                 recv()
-            t_rt, t_notify, t_return = graphs = timed(g_send.replay, g_recv.replay, iters)
+            parts = graphs = timed(g_send.replay, g_recv.replay, iters)
         assert torch.equal(y, x), "echo mismatch"
         ch.wait_response(ch.post(OP_STOP, 0, 0, 0, 0), timeout_s=5)
         ray_rt = []
@@ -124,10 +128,11 @@ class Primary:
         pinned = ch.pinned
         ch.close(unlink=True)
         med = lambda v: float(np.median(v))  # noqa: E731
-        return {"device": str(dev), "pinned": pinned, "iters": iters, "cuda_graphs": graphs is not None,
-                "round_trip_us_median": med(t_rt), "round_trip_us_p90": float(np.percentile(t_rt, 90)),
-                "notify_us_median": med(t_notify), "return_us_median": med(t_return),
-                "round_trip_eager_us_median": med(eager[0]), "ray_call_us_median": med(ray_rt)}
+        res = {"device": str(dev), "pinned": pinned, "iters": iters, "cuda_graphs": graphs is not None,
+               "round_trip_us_p90": float(np.percentile(parts["round_trip"], 90))}
+        res.update({f"{k}_us_median": med(v) for k, v in parts.items()})
+        res.update(round_trip_eager_us_median=med(eager["round_trip"]), ray_call_us_median=med(ray_rt))
+        return res
 
 
 def main(argv: list[str]) -> int:
