@@ -83,20 +83,24 @@ class Coordinator:
                 raise ValueError(f"threads={threads}: the CPU executor reserves one CPU per thread and the GPU "
                                  f"executor one more, but the Ray cluster has {n_cpus} CPUs; use threads <= "
                                  f"{n_cpus - 1} (or start Ray with more CPUs)")
-        self.gpu = GPUExecutor.options(
-            name=f"{self.name}.gpu-executor.{dev_name}", num_gpus=1 if device == "cuda" else 0, num_cpus=1,
-        ).remote(f"{self.name}.gpu-executor.{dev_name}", ec.model, self.plan, budget_bytes=budget,
-                 device=device, threshold=ec.threshold, t_max=t_max, dtype=ec.dtype, timeout_s=ec.timeout_s,
-                 prefill_dense_min=ec.prefill_dense_min, graphs=ec.graphs, **common)
-        self.cpu = None
-        if self.plan.needs_cpu_executor:
-            self.cpu = CPUExecutor.options(name=f"{self.name}.cpu-executor.0", num_cpus=threads).remote(
-                f"{self.name}.cpu-executor.0", ec.model, self.plan, threads=threads, **common)
-        info = ray.get([self.gpu.ready.remote()] + ([self.cpu.ready.remote()] if self.cpu else []))
-        log.info("executors ready: %s", info)
-        self.spec = ray.get(self.gpu.create_channel.remote())
-        if self.cpu is not None:
-            ray.get(self.cpu.attach.remote(self.spec))
+        self.gpu = self.cpu = self.spec = None
+        try:  # all or nothing: a half-built pair would hold the names a retry needs
+            self.gpu = GPUExecutor.options(
+                name=f"{self.name}.gpu-executor.{dev_name}", num_gpus=1 if device == "cuda" else 0, num_cpus=1,
+            ).remote(f"{self.name}.gpu-executor.{dev_name}", ec.model, self.plan, budget_bytes=budget,
+                     device=device, threshold=ec.threshold, t_max=t_max, dtype=ec.dtype, timeout_s=ec.timeout_s,
+                     prefill_dense_min=ec.prefill_dense_min, graphs=ec.graphs, **common)
+            if self.plan.needs_cpu_executor:
+                self.cpu = CPUExecutor.options(name=f"{self.name}.cpu-executor.0", num_cpus=threads).remote(
+                    f"{self.name}.cpu-executor.0", ec.model, self.plan, threads=threads, **common)
+            info = ray.get([self.gpu.ready.remote()] + ([self.cpu.ready.remote()] if self.cpu else []))
+            log.info("executors ready: %s", info)
+            self.spec = ray.get(self.gpu.create_channel.remote())
+            if self.cpu is not None:
+                ray.get(self.cpu.attach.remote(self.spec))
+        except BaseException:
+            self._kill_executors()
+            raise
 
     def _kill_executors(self) -> None:
         for a in (self.gpu, self.cpu):
