@@ -22,7 +22,8 @@ from ray.util import metrics
 
 from ..model.source import open_model
 from ..runtime import coordinator as core
-from ..runtime.engine import GIB, EngineConfig, engine_n_ctx, make_tokenizer, resolve_plan, resolve_policy
+from ..runtime.engine import (GIB, EngineConfig, engine_n_ctx, make_tokenizer, resolve_plan, resolve_policy,
+                              resolve_prefill_chunk)
 from .executors import CPUExecutor, GPUExecutor
 
 log = logging.getLogger(__name__)
@@ -55,9 +56,10 @@ class Coordinator:
         self.tokenizer = make_tokenizer(src.fields)
         self.gpu = self.cpu = None
         self.restarts = 0
+        self.prefill_chunk = resolve_prefill_chunk(self.ec, self._device())
         self._start_executors()
         self.core = core.Coordinator(self._step, self.tokenizer, n_ctx=self.n_ctx, max_batch=self.ec.max_batch,
-                                     prefill_chunk=self.ec.prefill_chunk, max_waiting=max_ongoing,
+                                     prefill_chunk=self.prefill_chunk, max_waiting=max_ongoing,
                                      on_failure=self._recover)
         tags = ("engine",)
         self.m_tokens = metrics.Counter("powerinfer_generated_tokens", "tokens generated", tags)
@@ -71,7 +73,7 @@ class Coordinator:
 
     def _start_executors(self) -> None:
         ec, device = self.ec, self._device()
-        t_max = max(ec.prefill_chunk, ec.max_batch)
+        t_max = max(self.prefill_chunk, ec.max_batch)
         common = dict(policy=self.policy, slots=ec.max_batch, n_ctx=self.n_ctx)
         budget = int(ec.vram_budget_gib * GIB) if ec.vram_budget_gib else None
         dev_name = "cuda0" if device == "cuda" else "cpu"

@@ -197,7 +197,7 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
     print(f"{tag} loaded in {load_s:.1f} s: {info}", flush=True)
     # warm up at the measured shapes (kernel compilation, graph capture): the longest prompt's
     # prefill chunks, and decode steps of `batch` sequences
-    warm = list(range(5, 5 + min(max(a.prompt), a.prefill_chunk)))
+    warm = list(range(5, 5 + min(max(a.prompt), a.prefill_chunk or 256)))
     ray.get([engine.generate.remote(prompt_token_ids=warm, max_tokens=3, ignore_eos=True) for _ in range(batch)])
     records = []
     has_cpu = "cpu" in info.get("executors", [])
@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output", default="128", help="comma-separated output lengths")
     ap.add_argument("-t", "--threads", default=None,
                     help="CPU executor threads; comma-separated: a sweep on one engine (set live)")
-    ap.add_argument("--prefill-chunk", type=int, default=64)
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="default: the engine's (256 on CUDA, 64 on CPU)")
     ap.add_argument("--method", default="ilp", choices=("ilp", "greedy"))
     ap.add_argument("--gpu-fraction", type=float, default=None,
                     help="hybrid: put this fraction of each layer's hottest neurons on the GPU instead of solving")

@@ -92,3 +92,15 @@ def test_too_small_budget_fails_before_loading_and_names_the_minimum(model):
         LocalEngine(EngineConfig(str(model), vram_budget_gib=0.001))
     msg = str(exc.value)
     assert "GiB" in msg and f"{c.min_budget_bytes(True) / GIB:.3f}"[:5] in msg, msg
+
+
+def test_prefill_chunk_defaults_by_device_and_checks_values():
+    """256 prompt tokens per step on a CUDA primary (its dense prefill streams the CPU shard
+    once per chunk), 64 on the CPU; an explicit value wins; a chunk below 1 is refused."""
+    from powerinfer_ray.runtime.engine import resolve_prefill_chunk
+
+    assert resolve_prefill_chunk(EngineConfig("m.gguf"), "cuda") == 256
+    assert resolve_prefill_chunk(EngineConfig("m.gguf"), "cpu") == 64
+    assert resolve_prefill_chunk(EngineConfig("m.gguf", prefill_chunk=16), "cuda") == 16
+    with pytest.raises(ValueError, match="prefill_chunk=0"):
+        resolve_prefill_chunk(EngineConfig("m.gguf", prefill_chunk=0), "cpu")
