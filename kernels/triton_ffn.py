@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 ACT_CODE = {"relu": 0, "reglu": 1, "drelu": 2, "swiglu": 3}
+MAX_T = 64  # tokens per launch: the T > 1 kernels keep [TP, BD] token tiles in shared memory
 
 
 @dataclass(frozen=True)
@@ -273,6 +274,13 @@ def sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_activ
     T, D = x.shape
     if up.stride(1) != 1 or down_t.stride(1) != 1 or (gate is not None and gate.stride(1) != 1):
         raise ValueError("sparse_ffn (triton): weight rows need unit column stride")
+    if T > MAX_T:  # the tl.dot tiles hold all tokens: blocks of MAX_T (masks of T > 32 are bool)
+        y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
+        for t0 in range(0, T, MAX_T):
+            sl = slice(t0, min(T, t0 + MAX_T))
+            sparse_ffn_triton(x[sl], up, gate, down_t, idx, None if mask is None else mask[sl], act, up_bias,
+                              y[sl], n_active, cfg)
+        return y
     cfg = cfg or CONFIGS["gemv" if T == 1 else "dot"]
     x = x.contiguous()
     idx = idx if idx.is_contiguous() else idx.contiguous()

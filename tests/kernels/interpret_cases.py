@@ -118,3 +118,17 @@ def test_triton_pack_bits_matches_torch():
         logits = torch.randn(T, N, generator=gen).half()
         got = triton_split.pack_bits(logits, 0.1, col0, n, by=16)  # several programs, a partial last one
         assert torch.equal(got, pack_active_bits(logits, 0.1, col0, n, backend="torch"))
+
+
+def test_triton_sparse_ffn_over_64_tokens_runs_in_blocks():
+    """T > 64 (a 256-token prefill chunk) is computed in blocks of 64 tokens: equal to the reference."""
+    gen = torch.Generator().manual_seed(13)
+    N, D, K, T = 48, 40, 21, 70
+    up, gate, down_t, b = make_shard(N, D, torch.float32, "reglu", False, gen)
+    x = torch.randn(T, D, generator=gen)
+    idx = make_idx(K, N, gen, torch.int32)
+    mask = torch.rand(T, K, generator=gen) < 0.5
+    cfg = triton_ffn.Config(up_bk=16, up_bd=32, up_warps=4, down_bk=16, down_bd=32, down_warps=4)
+    out = poisoned((T, D), torch.float32)
+    y = triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, mask, "reglu", b, out, None, cfg)
+    assert rel_err(y, sparse_ffn_ref(x, up, gate, down_t, idx, mask, "reglu", b)) < TOL[torch.float32]
