@@ -5,6 +5,10 @@ placed by device). It holds the embeddings, norms, output head, the predictors, 
 neurons and heads, and runs every layer: attention, predictor, hot neurons, and the merge of
 its partial outputs with the CPU executor's, which it gets through the shared-memory channel.
 
+Decode steps (one token per sequence) of a CUDA primary run as captured CUDA graphs
+(``graphs.DecodeGraphs``, one set per batch-size bucket); prefill chunks and the other cases run
+the eager per-layer code below (``_layer``), which the graph segments mirror.
+
 ``CPUExecutor`` holds the cold neurons and CPU-placed heads and answers the primary's per-layer
 requests in a loop (``serve``), spinning on the channel's flags.
 
