@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as Fn
 
 from ..kernels.cpu_ffn import sparse_ffn_bitmask
+from ..kernels.predictor import predictor_logits
 from ..model import gguf_keys as K
 from ..model.reference import ffn_activation, layer_norm, rms_norm
 from ..model.source import WeightSource, open_model
@@ -170,7 +171,7 @@ class PrimaryExecutor:
         self.rope_cos = self.rope_sin = None
         if cfg.rope_style is not None:
             from ..kernels.attention import rope_table
-            self.rope_cos, self.rope_sin = rope_table(self.n_ctx, cfg.rot_dims or cfg.head_dim, cfg.rope_theta, dev)
+            self.rope_cos, self.rope_sin = rope_table(self.n_ctx, cfg.rot_dims, cfg.rope_theta, dev)
         self.gpu_first = [torch.arange(lw.ffn.n + len(lp.cpu_neurons), device=dev) < lw.ffn.n
                           for lw, lp in zip(self.layers, self.plan.layers)]
         self.all_rows = [torch.arange(lw.ffn.n, dtype=torch.int32, device=dev) for lw in self.layers]
@@ -241,8 +242,7 @@ class PrimaryExecutor:
         """Predicted activity of the primary's and the CPU's neurons: bool [N, n_gpu], [N, n_cpu]."""
         if self.policy != "predictor":
             return None, None
-        hidden = torch.relu(pred_in.to(self.dtype) @ lw.fc1.T)  # [N, r]
-        active = (hidden @ lw.fc2.T) >= self.threshold  # [N, n_gpu + n_cpu]
+        active = predictor_logits(pred_in.to(self.dtype), lw.fc1, lw.fc2) >= self.threshold  # [N, n_gpu + n_cpu]
         ng = lw.ffn.n
         return active[:, :ng], (active[:, ng:] if active.shape[1] > ng else None)
 
@@ -265,16 +265,24 @@ class PrimaryExecutor:
         self.stats.sync_s += (t1 - t0) * 1e-9  # D2H
         return ch.post(op, l, n_seq, N, n_mask), t1
 
-    def _collect(self, seq: int, t_post: int, N: int) -> torch.Tensor:
-        """Wait for the CPU executor's answer to ``seq``; its partial output [N, D] on our device."""
+    def await_peer(self, seq: int, t_post: int) -> int:
+        """Wait for the CPU executor's answer to request ``seq`` (posted at ``t_post``) and count
+        the exchange: its compute, the sync (notify + return latency) and the host's wait.
+        Returns when the answer was seen (``time.monotonic_ns``). Eager and graph steps share it."""
         t_start, t_end = self.channel.wait_response(seq, self.timeout_s, spin_s=0.05)
         t_seen = time.monotonic_ns()
-        y = self.channel.out[:N].to(self.device, non_blocking=True)
         st = self.stats
         st.exchanges += 1
         st.peer_compute_s += (t_end - t_start) * 1e-9
-        st.sync_s += ((t_start - t_post) + (t_seen - t_end)) * 1e-9 + (time.monotonic_ns() - t_seen) * 1e-9
+        st.sync_s += ((t_start - t_post) + (t_seen - t_end)) * 1e-9
         st.layer_s["wait"] += (t_seen - t_post) * 1e-9
+        return t_seen
+
+    def _collect(self, seq: int, t_post: int, N: int) -> torch.Tensor:
+        """Wait for the CPU executor's answer to ``seq``; its partial output [N, D] on our device."""
+        t_seen = self.await_peer(seq, t_post)
+        y = self.channel.out[:N].to(self.device, non_blocking=True)
+        self.stats.sync_s += (time.monotonic_ns() - t_seen) * 1e-9  # the H2D copy's launch
         return y
 
     def _ffn(self, lw: LayerWeights, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..kernels.attention import head_attention_step
-from ..kernels.predictor import pack_active_bits, packed_views, split_active_packed
+from ..kernels.predictor import pack_active_bits, packed_views, predictor_logits, split_active_packed
 from ..kernels.sparse_ffn import sparse_ffn
 from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN
 from .layers import merge_partials
@@ -179,7 +179,7 @@ class DecodeGraphs:
         self.g_part = None
         if ex.policy != "predictor":
             return
-        logits = torch.relu(pred_in.to(ex.dtype) @ lw.fc1.T) @ lw.fc2.T  # [B, n_gpu + n_cpu]
+        logits = predictor_logits(pred_in.to(ex.dtype), lw.fc1, lw.fc2)  # [B, n_gpu + n_cpu]
         if self.B > 1:  # padding rows activate nothing
             logits = logits.masked_fill(self.inp[3, :, None] == 0, float("-inf"))
         if ng:
@@ -298,7 +298,7 @@ class DecodeGraphs:
                 if pending is not None:
                     seq, t_post = self._post(*pending)
                     pending = None
-                self._wait(seq, t_post)
+                ex.await_peer(seq, t_post)
         if self.cuda:
             torch.cuda.current_stream(ex.device).synchronize()
         if timed:
@@ -317,12 +317,3 @@ class DecodeGraphs:
         t1 = time.monotonic_ns()
         self.ex.stats.layer_s["gpu_wait"] += (t1 - t0) * 1e-9
         return self.ex.channel.post(op, l, self.B, self.B, n_mask), t1
-
-    def _wait(self, seq: int, t_post: int) -> None:
-        t_start, t_end = self.ex.channel.wait_response(seq, self.ex.timeout_s, spin_s=0.05)
-        t_seen = time.monotonic_ns()
-        st = self.ex.stats
-        st.exchanges += 1
-        st.peer_compute_s += (t_end - t_start) * 1e-9
-        st.sync_s += ((t_start - t_post) + (t_seen - t_end)) * 1e-9
-        st.layer_s["wait"] += (t_seen - t_post) * 1e-9
