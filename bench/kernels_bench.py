@@ -44,6 +44,9 @@ except ImportError:  # a plain checkout without the editable install
     import kernels as K  # type: ignore[no-redef]
     from kernels import cpu_ffn  # type: ignore[no-redef]
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the drivers share model_bench's helpers
+from model_bench import commit  # noqa: E402
+
 D, N = 5120, 13824
 GPU = "cuda"  # the device of the GPU part (a CPU harness may point it elsewhere)
 COPY_BYTES = 1 << 30  # the D2D ceiling copy
@@ -65,7 +68,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=1.0, help="CPU: seconds of repetitions per measurement")
     p.add_argument("--out", default=str(RESULTS), help="directory of the JSON result")
     p.add_argument("--machine", default=None, help="name in the result file (default: from the hardware)")
-    p.add_argument("--commit", default=None, help="commit measured (default: git rev-parse HEAD)")
+    p.add_argument("--commit", default=None, help="commit measured (default: $POWERINFER_COMMIT, else git)")
     p.add_argument("--cpu-exchange", action="store_true",
                    help="only the CPU executor's exchange (packed mask -> y), OMP_WAIT_POLICY unset vs ACTIVE")
     p.add_argument("--exchange-k", default="64,160,320", help="--cpu-exchange: active rows K, comma-separated")
@@ -83,15 +86,6 @@ def machine_name() -> str:
     if torch.cuda.is_available():
         return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
     return f"cpu-{os.cpu_count()}c"
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def make_weights(dtype: torch.dtype, device: str, gen: torch.Generator):
@@ -552,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench kernels: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
     report = dict(
-        machine=args.machine or machine_name(), commit=args.commit or git_commit(),
+        machine=args.machine or machine_name(), commit=args.commit or commit(),
         command=" ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
         date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), torch=torch.__version__, python=platform.python_version(),
         cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),

@@ -48,14 +48,15 @@ def machine() -> dict[str, Any]:
 
 
 def commit() -> str:
-    """The source's commit: $POWERINFER_COMMIT when set (a copied tree's .git may be stale), else git."""
+    """The source's commit: $POWERINFER_COMMIT when set (a copied tree's .git may be stale), else git.
+    Every benchmark driver records this one."""
     if os.environ.get("POWERINFER_COMMIT"):
         return os.environ["POWERINFER_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("POWERINFER_COMMIT", "unknown")
+        return "unknown"
 
 
 def write_results(out_dir: str | Path, name: str, command: str, **payload: Any) -> Path:

@@ -22,7 +22,6 @@ import itertools
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -44,6 +43,9 @@ BUDGETS_GIB = {"llama2-70b": [24, 40, 64, 80], "llama2-13b": [8, 12, 16, 24]}
 
 
 import powerinfer_ray.placement as P  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))  # the drivers share model_bench's helpers
+from model_bench import commit  # noqa: E402
 
 
 def power_law_counts(n_layer: int, n_ff: int, n_tokens: int, active: float, seed: int) -> list[np.ndarray]:
@@ -105,14 +107,6 @@ def machine_info(name: str | None) -> dict[str, Any]:
 def _version(pkg: str) -> str:
     from importlib.metadata import version
     return version(pkg)
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:
