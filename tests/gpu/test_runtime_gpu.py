@@ -14,10 +14,8 @@ from powerinfer_ray.runtime.plan import Plan
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("variant", ["llama-reglu", "llama-gqa", "opt", "falcon-gqa"])
-@pytest.mark.parametrize("split", ["all-gpu", "mixed", "split-heads"])
-@pytest.mark.parametrize("policy", ["oracle", "predictor"])
-def test_cuda_primary_matches_reference(tmp_path, variant, split, policy):
+def _model_and_plan(tmp_path, variant: str, split: str):
+    """A tiny fp16 model of the variant, its fp32 reference, and the named split of it."""
     path = write_tiny_model(tmp_path / "m.gguf", variant, seed=3, n_layer=3, n_ctx=64, dtype="f16",
                             predictor_rank=16, n_embd=128, n_ff=512)
     ref = ReferenceModel.from_file(path)
@@ -27,6 +25,14 @@ def test_cuda_primary_matches_reference(tmp_path, variant, split, policy):
     groups = [np.arange(cfg.n_head_kv) < max(1, cfg.n_head_kv // 2)] * cfg.n_layer
     plan = {"all-gpu": Plan.all_gpu(cfg), "mixed": Plan.from_masks(masks, None, cfg),
             "split-heads": Plan.from_masks(masks, groups, cfg)}[split]
+    return path, ref, plan
+
+
+@pytest.mark.parametrize("variant", ["llama-reglu", "llama-gqa", "opt", "falcon-gqa"])
+@pytest.mark.parametrize("split", ["all-gpu", "mixed", "split-heads"])
+@pytest.mark.parametrize("policy", ["oracle", "predictor"])
+def test_cuda_primary_matches_reference(tmp_path, variant, split, policy):
+    path, ref, plan = _model_and_plan(tmp_path, variant, split)
     eng = LocalEngine(EngineConfig(str(path), plan=plan, policy=policy, device="cuda", prefill_chunk=16))
     try:
         prompt = list(range(3, 19))
@@ -52,15 +58,7 @@ def test_cuda_graph_decode_equals_eager_and_reference(tmp_path, variant, split):
     """Decode steps replayed as CUDA graphs (B = 1 and B = 3 at different positions): policy
     'dense' equals the fp32 dense reference; policy 'predictor' equals the eager step, with the
     same neuron counts on both executors."""
-    path = write_tiny_model(tmp_path / "m.gguf", variant, seed=3, n_layer=3, n_ctx=64, dtype="f16",
-                            predictor_rank=16, n_embd=128, n_ff=512)
-    ref = ReferenceModel.from_file(path)
-    cfg = ref.cfg
-    rng = np.random.default_rng(0)
-    masks = [rng.random(cfg.n_ff) < 0.4 for _ in range(cfg.n_layer)]
-    groups = [np.arange(cfg.n_head_kv) < max(1, cfg.n_head_kv // 2)] * cfg.n_layer
-    plan = {"all-gpu": Plan.all_gpu(cfg), "mixed": Plan.from_masks(masks, None, cfg),
-            "split-heads": Plan.from_masks(masks, groups, cfg)}[split]
+    path, ref, plan = _model_and_plan(tmp_path, variant, split)
     prompts = [[5, 6, 7], list(range(10, 22)), [200, 1, 2, 3]]
 
     def run(policy, graphs):
