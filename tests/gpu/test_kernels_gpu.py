@@ -55,7 +55,7 @@ def test_triton_sparse_ffn_other_dtypes_and_token_counts(dtype):
     _check_ffn(dtype, "reglu", (1, 2, 17, 32), torch.Generator().manual_seed(2))
 
 
-@pytest.mark.parametrize("T", [1, 8, 64, 256])  # 256: a prefill chunk, run in blocks of 64 tokens
+@pytest.mark.parametrize("T", [1, 8, 64, 256])  # 64, 256: prefill chunks, run in blocks of MAX_T tokens
 def test_triton_at_llama13b_shape(T):
     gen = torch.Generator().manual_seed(T)
     N, D = 13824, 5120

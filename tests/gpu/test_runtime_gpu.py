@@ -52,6 +52,22 @@ def test_cuda_primary_matches_reference(tmp_path, variant, split, policy):
         eng.close()
 
 
+@pytest.mark.parametrize("variant", ["llama-reglu", "opt"])
+def test_cuda_prefill_of_a_long_prompt_matches_reference(tmp_path, variant):
+    """The engine's default prefill chunk on CUDA (one chunk here): 50 tokens in one sparse FFN call
+    per layer, i.e. the Triton kernels' token blocks (MAX_T) and a ragged last block."""
+    path, ref, plan = _model_and_plan(tmp_path, variant, "mixed")
+    eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="oracle", device="cuda"))
+    try:
+        prompt = [(7 * i + 3) % 250 + 1 for i in range(50)]
+        got = eng.primary.step([0], [prompt], [0])[0]
+        want = ref.forward(prompt, ref.new_cache())[len(prompt) - 1]
+        err = (torch.from_numpy(got) - want).abs().max() / want.abs().max()
+        assert err < 2e-2, float(err)
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("variant", ["llama-reglu", "llama-gqa", "opt", "falcon-gqa"])
 @pytest.mark.parametrize("split", ["all-gpu", "mixed", "split-heads"])
 def test_cuda_graph_decode_equals_eager_and_reference(tmp_path, variant, split):

@@ -120,10 +120,11 @@ def test_triton_pack_bits_matches_torch():
         assert torch.equal(got, pack_active_bits(logits, 0.1, col0, n, backend="torch"))
 
 
-def test_triton_sparse_ffn_over_64_tokens_runs_in_blocks():
-    """T > 64 (a 256-token prefill chunk) is computed in blocks of 64 tokens: equal to the reference."""
+def test_triton_sparse_ffn_over_max_t_tokens_runs_in_blocks():
+    """T > MAX_T (a prefill chunk) is computed in blocks of MAX_T tokens, the last one ragged:
+    equal to the reference."""
     gen = torch.Generator().manual_seed(13)
-    N, D, K, T = 48, 40, 21, 70
+    N, D, K, T = 48, 40, 21, 2 * triton_ffn.MAX_T + 6
     up, gate, down_t, b = make_shard(N, D, torch.float32, "reglu", False, gen)
     x = torch.randn(T, D, generator=gen)
     idx = make_idx(K, N, gen, torch.int32)
