@@ -302,7 +302,7 @@ class PrimaryExecutor:
             gate = cold.gate[a:b].to(dev, non_blocking=True) if cold.gate is not None else None
             u = x @ up.T  # [N, b-a]
             if cold.up_bias is not None:
-                u = u + cold.up_bias[a:b].to(dev, non_blocking=True)
+                u = u + cold.up_bias[a:b].to(dev, u.dtype, non_blocking=True)  # fp32 bias: keep u's dtype
             hid = ffn_activation(self.cfg.ffn_act, u, x @ gate.T if gate is not None else None)
             if mask is not None:
                 hid = hid * mask[:, a:b]
