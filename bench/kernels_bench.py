@@ -75,6 +75,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--exchange-reps", type=int, default=300, help="--cpu-exchange: timed calls per variant")
     p.add_argument("--exchange-gap-ms", type=float, default=1.0,
                    help="--cpu-exchange: sleep between calls (the layer cadence: OpenMP workers may fall asleep)")
+    p.add_argument("--exchange-layers", type=int, default=1,
+                   help="--cpu-exchange: > 1 rotates over this many layers' CPU shards (40 x 264 MB: the "
+                        "runtime's cold working set, beyond any L3) in 4 KiB vs huge pages, bitmask path only")
     p.add_argument("--exchange-worker", default=None, help=argparse.SUPPRESS)  # internal: JSON path of one worker
     return p.parse_args(argv)
 
@@ -328,6 +331,72 @@ def _exchange_worker(args) -> dict:
     return dict(threads=threads, rows=rows_out)
 
 
+def _exchange_cold(args) -> dict:
+    """The CPU executor's answer (sparse_ffn_bitmask) when each call reads the next of L layers'
+    shards, as the runtime does (40 layers: ~10 GB, cold in any cache), with the shards in plain
+    memory (torch.empty: 4 KiB pages) and in memory advised MADV_HUGEPAGE before first touch
+    (cpu_ffn.hugepage_empty), variants interleaved call by call after a gap of sleep."""
+    threads = args.threads or os.cpu_count()
+    torch.set_num_threads(threads)
+    L = args.exchange_layers
+    gen = torch.Generator().manual_seed(2)
+    base = [w[:EX_N].contiguous() for w in make_weights(torch.float16, "cpu", gen)]
+
+    def layers(alloc):  # noqa: ANN001, ANN202
+        out = []
+        for _ in range(L):
+            ws = [alloc(tuple(b.shape), b.dtype) for b in base]
+            for w, b in zip(ws, base):
+                w.copy_(b)
+            out.append(ws)
+        return out
+
+    def anon_huge_kib() -> int:
+        try:
+            return next(int(ln.split()[1]) for ln in open("/proc/self/smaps_rollup") if ln.startswith("AnonHugePages"))
+        except (OSError, StopIteration):
+            return -1
+
+    huge0 = anon_huge_kib()
+    sets = {"bitmask_4k": layers(lambda sh, dt: torch.empty(sh, dtype=dt)),
+            "bitmask_thp": layers(cpu_ffn.hugepage_empty)}
+    huge = anon_huge_kib() - huge0
+    B = (EX_N + 7) // 8
+    x = torch.randn(8, D, generator=gen).abs().half()[:1]
+    out = torch.empty(1, D, dtype=torch.float16)
+    gap = args.exchange_gap_ms / 1e3
+    reps = 20 if args.quick else args.exchange_reps
+    rows_out = []
+    for K in map(int, args.exchange_k.split(",")):
+        masks = exchange_masks(K, 1, EX_N, 16, gen)
+        times: dict[str, list[float]] = {v: [] for v in sets}
+        rng = random.Random(K)
+        state = {v: 0 for v in sets}
+        order = list(sets)
+        for i in range(reps + 5):
+            rng.shuffle(order)
+            for v in order:
+                state[v] = (state[v] + 1) % L
+                up, gate, down_t = sets[v][state[v]]
+                m = masks[(i + state[v]) % len(masks)]
+                time.sleep(gap)
+                t0 = time.perf_counter()
+                cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, m[:1, :B], EX_N, "reglu", None, out, threads)
+                if i >= 5:
+                    times[v].append(time.perf_counter() - t0)
+        nbytes = 3 * K * D * 2
+        for v, ts in times.items():
+            med = statistics.median(ts)
+            rows_out.append(dict(variant=v, T=1, K=K, layers=L, median_us=round(med * 1e6, 1),
+                                 p10_us=round(sorted(ts)[len(ts) // 10] * 1e6, 1),
+                                 p90_us=round(sorted(ts)[len(ts) * 9 // 10] * 1e6, 1),
+                                 GBps=round(nbytes / med / 1e9, 2)))
+        print(f"[exchange cold {os.environ.get('OMP_WAIT_POLICY', 'unset')}] L={L} K={K}: " + ", ".join(
+            f"{r['variant']} {r['median_us']:.0f} us ({r['GBps']} GB/s)" for r in rows_out[-len(times):]), flush=True)
+    return dict(threads=threads, layers=L, thp_mode=cpu_ffn.thp_mode(), anon_huge_gib=round(huge / 2**20, 2),
+                rows=rows_out)
+
+
 def bench_cpu_exchange(args) -> dict:
     """The CPU executor's per-layer answer at the Llama-2-13B shape (D = 5120, fp16 weights, a CPU
     shard of 8600 rows, ReGLU), from the packed mask in a channel-like buffer to y in the fp32 out
@@ -358,7 +427,8 @@ def bench_cpu_exchange(args) -> dict:
             path = Path(tmp) / "worker.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--exchange-worker", str(path),
                    "--tokens", args.tokens, "--exchange-k", args.exchange_k, "--exchange-reps",
-                   str(args.exchange_reps), "--exchange-gap-ms", str(args.exchange_gap_ms)]
+                   str(args.exchange_reps), "--exchange-gap-ms", str(args.exchange_gap_ms),
+                   "--exchange-layers", str(args.exchange_layers)]
             cmd += ["--quick"] if args.quick else []
             cmd += ["--threads", str(args.threads)] if args.threads else []
             subprocess.run(cmd, env=env, check=True)
@@ -539,7 +609,8 @@ def bench_gpu(args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.exchange_worker:
-        Path(args.exchange_worker).write_text(json.dumps(_exchange_worker(args)))
+        work = _exchange_cold if args.exchange_layers > 1 else _exchange_worker
+        Path(args.exchange_worker).write_text(json.dumps(work(args)))
         return 0
     use_gpu = args.device in ("auto", "cuda") and torch.cuda.is_available()
     if args.device == "cuda" and not use_gpu:
