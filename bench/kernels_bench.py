@@ -77,7 +77,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="--cpu-exchange: sleep between calls (the layer cadence: OpenMP workers may fall asleep)")
     p.add_argument("--exchange-layers", type=int, default=1,
                    help="--cpu-exchange: > 1 rotates over this many layers' CPU shards (40 x 264 MB: the "
-                        "runtime's cold working set, beyond any L3) in 4 KiB vs huge pages, bitmask path only")
+                        "runtime's cold working set, beyond any L3): sparse_ffn_bitmask per work split only")
     p.add_argument("--exchange-worker", default=None, help=argparse.SUPPRESS)  # internal: JSON path of one worker
     return p.parse_args(argv)
 
@@ -333,68 +333,50 @@ def _exchange_worker(args) -> dict:
 
 def _exchange_cold(args) -> dict:
     """The CPU executor's answer (sparse_ffn_bitmask) when each call reads the next of L layers'
-    shards, as the runtime does (40 layers: ~10 GB, cold in any cache), with the shards in plain
-    memory (torch.empty: 4 KiB pages) and in memory advised MADV_HUGEPAGE before first touch
-    (cpu_ffn.hugepage_empty), variants interleaved call by call after a gap of sleep."""
+    shards, as the runtime does (40 layers: ~10 GB, cold in any cache), with the kernel's work
+    split chosen (auto) and forced (rows / cols), variants interleaved call by call after a gap
+    of sleep. (Huge pages for the shards were measured here too, commit ca5c0a1: no gain cold,
+    2x slower in the runtime; bench/results/kernels-exchange-cold-h200.json.)"""
     threads = args.threads or os.cpu_count()
     torch.set_num_threads(threads)
     L = args.exchange_layers
     gen = torch.Generator().manual_seed(2)
     base = [w[:EX_N].contiguous() for w in make_weights(torch.float16, "cpu", gen)]
-
-    def layers(alloc):  # noqa: ANN001, ANN202
-        out = []
-        for _ in range(L):
-            ws = [alloc(tuple(b.shape), b.dtype) for b in base]
-            for w, b in zip(ws, base):
-                w.copy_(b)
-            out.append(ws)
-        return out
-
-    def anon_huge_kib() -> int:
-        try:
-            return next(int(ln.split()[1]) for ln in open("/proc/self/smaps_rollup") if ln.startswith("AnonHugePages"))
-        except (OSError, StopIteration):
-            return -1
-
-    huge0 = anon_huge_kib()
-    sets = {"bitmask_4k": layers(lambda sh, dt: torch.empty(sh, dtype=dt)),
-            "bitmask_thp": layers(cpu_ffn.hugepage_empty)}
-    huge = anon_huge_kib() - huge0
+    layers = [[b.clone() for b in base] for _ in range(L)]
     B = (EX_N + 7) // 8
     x = torch.randn(8, D, generator=gen).abs().half()[:1]
-    out = torch.empty(1, D, dtype=torch.float16)
+    out = torch.empty(1, D, dtype=torch.float16)  # the channel's out: x's dtype
     gap = args.exchange_gap_ms / 1e3
     reps = 20 if args.quick else args.exchange_reps
+    splits = ("auto", "rows", "cols")
     rows_out = []
     for K in map(int, args.exchange_k.split(",")):
         masks = exchange_masks(K, 1, EX_N, 16, gen)
-        times: dict[str, list[float]] = {v: [] for v in sets}
+        times: dict[str, list[float]] = {sp: [] for sp in splits}
         rng = random.Random(K)
-        state = {v: 0 for v in sets}
-        order = list(sets)
+        order, layer = list(splits), 0
         for i in range(reps + 5):
             rng.shuffle(order)
-            for v in order:
-                state[v] = (state[v] + 1) % L
-                up, gate, down_t = sets[v][state[v]]
-                m = masks[(i + state[v]) % len(masks)]
+            for sp in order:
+                layer = (layer + 1) % L
+                up, gate, down_t = layers[layer]
+                m = masks[(i + layer) % len(masks)]
                 time.sleep(gap)
                 t0 = time.perf_counter()
-                cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, m[:1, :B], EX_N, "reglu", None, out, threads)
+                cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, m[:1, :B], EX_N, "reglu", None, out, threads,
+                                           split=sp)
                 if i >= 5:
-                    times[v].append(time.perf_counter() - t0)
+                    times[sp].append(time.perf_counter() - t0)
         nbytes = 3 * K * D * 2
-        for v, ts in times.items():
+        for sp, ts in times.items():
             med = statistics.median(ts)
-            rows_out.append(dict(variant=v, T=1, K=K, layers=L, median_us=round(med * 1e6, 1),
+            rows_out.append(dict(variant=f"bitmask_{sp}", T=1, K=K, layers=L, median_us=round(med * 1e6, 1),
                                  p10_us=round(sorted(ts)[len(ts) // 10] * 1e6, 1),
                                  p90_us=round(sorted(ts)[len(ts) * 9 // 10] * 1e6, 1),
                                  GBps=round(nbytes / med / 1e9, 2)))
-        print(f"[exchange cold {os.environ.get('OMP_WAIT_POLICY', 'unset')}] L={L} K={K}: " + ", ".join(
+        print(f"[exchange cold {os.environ.get('OMP_WAIT_POLICY', 'unset')}] t={threads} L={L} K={K}: " + ", ".join(
             f"{r['variant']} {r['median_us']:.0f} us ({r['GBps']} GB/s)" for r in rows_out[-len(times):]), flush=True)
-    return dict(threads=threads, layers=L, thp_mode=cpu_ffn.thp_mode(), anon_huge_gib=round(huge / 2**20, 2),
-                rows=rows_out)
+    return dict(threads=threads, layers=L, rows=rows_out)
 
 
 def bench_cpu_exchange(args) -> dict:

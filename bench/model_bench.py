@@ -174,7 +174,6 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
         "gpu_weight_gib": g1.get("weight_bytes", 0) / GIB,
         "cpu_weight_gib": cpu1.get("weight_bytes", 0) / GIB if cpu1 else 0.0,
         "cpu_threads": cpu1.get("threads") if cpu1 else None,
-        "cpu_huge_pages": os.environ.get("POWERINFER_RAY_HUGEPAGES", "1") != "0",  # runtime.shard.on_huge_pages
     }
 
 

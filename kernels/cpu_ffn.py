@@ -395,36 +395,6 @@ def _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out) -> tu
     return pairs, idx.numel()
 
 
-def hugepage_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor in fresh anonymous memory advised MADV_HUGEPAGE before its
-    first touch, so the kernel backs it with 2 MiB pages where transparent huge pages are
-    enabled ('always' or 'madvise'): one TLB entry covers ~200 rows of a 13B shard instead of
-    less than one, and the CPU kernel's scattered row reads stop paying page walks. Where the
-    advice is unsupported the memory is ordinary 4 KiB pages; same tensor either way."""
-    import mmap
-
-    nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):  # no THP on this platform / kernel: plain pages
-        pass
-    with warnings.catch_warnings():  # frombuffer warns that an mmap is writable: that is the point
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buf, dtype=dtype).view(shape)  # the tensor keeps buf alive
-
-
-def thp_mode() -> str | None:
-    """The host's transparent-huge-page setting ('always' / 'madvise' / 'never'), None if unknown."""
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return None
-    return next((w.strip("[]") for w in text.split() if w.startswith("[")), None)
-
-
 def read_bandwidth(nbytes: int = 1 << 30, threads: int | None = None, reps: int = 5) -> float:
     """Multi-threaded DRAM read rate in GB/s (median of reps) with the kernel's threads: the CPU
     ceiling the benchmark reports fractions of."""

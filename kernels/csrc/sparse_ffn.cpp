@@ -528,8 +528,11 @@ void run_rows(const Args& a) {
         std::memset(A, 0, TD * sizeof(float));
         convert_x_par(a);
         // Chunks of CH rows handed out dynamically: a thread that the OS preempts (cores shared
-        // with other processes) delays the barrier by one chunk, not by a whole slice.
-        constexpr int64_t CH = 4 * R;
+        // with other processes) delays the barrier by one chunk, not by a whole slice. ~3 chunks
+        // per thread (2 .. 4R rows each), so few active rows still keep every thread reading:
+        // with a fixed 4R, 254 rows were 8 chunks for 14 threads.
+        int64_t CH = K / (3 * n);
+        CH = CH < 2 ? 2 : (CH > 4 * R ? 4 * R : CH);
         const int64_t nch = (K + CH - 1) / CH;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < nch; ++c) {

@@ -36,7 +36,7 @@ from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, Ch
 from .graphs import GRAPH_POLICIES, DecodeGraphs, GraphCaptureError
 from .layers import POLICIES, attn_partial, ffn_partial, merge_partials
 from .plan import Plan
-from .shard import AttnShard, FFNShard, load_attn_shard, load_ffn_shard, on_huge_pages
+from .shard import AttnShard, FFNShard, load_attn_shard, load_ffn_shard
 
 log = logging.getLogger(__name__)
 _DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -434,8 +434,7 @@ class CPUExecutor:
         wdt = _DTYPES[dtype or cfg.dtype]
         n_ctx = min(n_ctx or cfg.n_ctx, cfg.n_ctx)
         dev = torch.device("cpu")
-        self.ffn = [on_huge_pages(load_ffn_shard(self.src, l, plan[l].cpu_neurons, wdt, dev))
-                    for l in range(cfg.n_layer)]
+        self.ffn = [load_ffn_shard(self.src, l, plan[l].cpu_neurons, wdt, dev) for l in range(cfg.n_layer)]
         self.attn = [load_attn_shard(self.src, l, plan[l].cpu_groups, torch.float32, dev, slots + 1, n_ctx)
                      for l in range(cfg.n_layer)]
         self.stats = ExecStats()

@@ -85,27 +85,6 @@ def load_ffn_shard(src: WeightSource, l: int, ids: np.ndarray, dtype: torch.dtyp
                     up_bias=rows(K.FFN_UP, bias=True) if cfg.bias else None)
 
 
-def on_huge_pages(sh: FFNShard) -> FFNShard:
-    """The shard's weight rows copied into memory backed by 2 MiB pages where the host allows it
-    (kernels.cpu_ffn.hugepage_empty): the CPU executor reads scattered rows of a ~10 GB shard, and
-    with 4 KiB pages nearly every row costs page walks. $POWERINFER_RAY_HUGEPAGES=0 keeps plain
-    pages (A/B runs)."""
-    import os
-
-    if os.environ.get("POWERINFER_RAY_HUGEPAGES", "1") == "0" or sh.n == 0:
-        return sh
-    from ..kernels.cpu_ffn import hugepage_empty
-
-    def move(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        h = hugepage_empty(tuple(t.shape), t.dtype)
-        h.copy_(t)
-        return h
-
-    return FFNShard(sh.ids, move(sh.up), move(sh.gate), move(sh.down_t), sh.up_bias)
-
-
 def load_attn_shard(src: WeightSource, l: int, groups: np.ndarray, dtype: torch.dtype,
                     device: torch.device, slots: int, n_ctx: int) -> AttnShard:
     cfg = src.config

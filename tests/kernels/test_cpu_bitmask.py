@@ -2,7 +2,6 @@
 and the compiled kernel's two work splits, against the float64 reference."""
 from __future__ import annotations
 
-import os
 import zlib
 
 import numpy as np
@@ -233,34 +232,3 @@ def test_weight_checks_are_redone_for_new_tensors():
         cpu_ffn.sparse_ffn_bitmask(**dict(a, down_t=torch.randn(20, 17)))
     cpu_ffn.sparse_ffn_bitmask(**a)
 
-
-def _anon_huge_kib() -> int:
-    for ln in open("/proc/self/smaps_rollup"):
-        if ln.startswith("AnonHugePages"):
-            return int(ln.split()[1])
-    return 0
-
-
-@needs_compiler
-def test_shard_on_huge_pages_keeps_its_values_and_the_kernel_agrees():
-    """runtime.shard.on_huge_pages copies the rows into MADV_HUGEPAGE memory: equal values, new
-    storage, the same kernel answer; where the host has THP the pages really are 2 MiB."""
-    from powerinfer_ray.runtime.shard import FFNShard, on_huge_pages
-
-    gen = torch.Generator().manual_seed(5)
-    n, D = 1024, 2048  # 4 MiB per matrix: at least one aligned 2 MiB page each
-    up, gate, down_t = (torch.randn(n, D, generator=gen).half() for _ in range(3))
-    sh = FFNShard(np.arange(n), up, gate, down_t, None)
-    huge0 = _anon_huge_kib() if os.path.exists("/proc/self/smaps_rollup") else 0
-    moved = on_huge_pages(sh)
-    for a, b in ((moved.up, up), (moved.gate, gate), (moved.down_t, down_t)):
-        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr() and a.is_contiguous()
-    if cpu_ffn.thp_mode() in ("always", "madvise") and os.path.exists("/proc/self/smaps_rollup"):
-        assert _anon_huge_kib() - huge0 >= 3 * 2048  # kB: one 2 MiB page per matrix at least
-    x = torch.randn(1, D, generator=gen).half()
-    mask = np.zeros((1, n // 8), np.uint8)
-    mask[0, ::3] = 0b10100101
-    outs = [torch.empty(1, D) for _ in range(2)]
-    for s, o in zip((sh, moved), outs):
-        cpu_ffn.sparse_ffn_bitmask(x, s.up, s.gate, s.down_t, mask, n, "reglu", None, o, 2)
-    assert torch.equal(outs[0], outs[1])
