@@ -179,8 +179,8 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
 
 def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
              done: Any = None) -> list[dict[str, Any]]:  # noqa: ANN401
-    """One engine (mode, budget, batch), warmed up at the measured shapes, then every prompt x
-    output length; ``done(record)`` is called after each measurement."""
+    """One engine (mode, budget, batch), warmed up at the measured shapes, then every (prompt,
+    output) pair of a.shapes; ``done(record)`` is called after each measurement."""
     import ray
 
     from powerinfer_ray.actors.coordinator import Coordinator
@@ -188,7 +188,7 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
 
     cfg = open_model(a.model).config
     a.n_layer = cfg.n_layer
-    n_ctx = max(a.prompt) + max(a.output) + 8
+    n_ctx = max(p + o for p, o in a.shapes) + 8
     kw, extra = engine_kwargs(mode, a, n_ctx, batch, budget)
     t0 = time.perf_counter()
     engine = Coordinator.options(name=f"bench-{mode}", max_concurrency=1000).remote(a.model, **kw)
@@ -198,11 +198,11 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
     print(f"{tag} loaded in {load_s:.1f} s: {info}", flush=True)
     # warm up at the measured shapes (kernel compilation, graph capture): the longest prompt's
     # prefill chunks, and decode steps of `batch` sequences
-    warm = list(range(5, 5 + min(max(a.prompt), a.prefill_chunk or 256)))
+    warm = list(range(5, 5 + min(max(p for p, _ in a.shapes), a.prefill_chunk or 256)))
     ray.get([engine.generate.remote(prompt_token_ids=warm, max_tokens=3, ignore_eos=True) for _ in range(batch)])
     records = []
     has_cpu = "cpu" in info.get("executors", [])
-    sweep = [(p, o, t) for t in (a.threads if a.threads and has_cpu else [None]) for p in a.prompt for o in a.output]
+    sweep = [(p, o, t) for t in (a.threads if a.threads and has_cpu else [None]) for p, o in a.shapes]
     for p, o, t in sweep:
         if t is not None:
             ray.get(engine.set_cpu_threads.remote(t))
@@ -232,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", default="1", help="comma-separated batch sizes")
     ap.add_argument("--prompt", default="64", help="comma-separated prompt lengths")
     ap.add_argument("--output", default="128", help="comma-separated output lengths")
+    ap.add_argument("--shapes", default=None,
+                    help="comma-separated PROMPTxOUTPUT pairs (e.g. 64x128,1500x128,64x512) measured on one "
+                         "engine, instead of every --prompt x --output")
     ap.add_argument("-t", "--threads", default=None,
                     help="CPU executor threads; comma-separated: a sweep on one engine (set live)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="default: the engine's (256 on CUDA, 64 on CPU)")
@@ -244,11 +247,23 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """'64x128,1500x128' -> [(64, 128), (1500, 128)]; a clear error for anything else."""
+    out = []
+    for item in text.split(","):
+        p, sep, o = item.strip().partition("x")
+        if not sep or not p.isdigit() or not o.isdigit() or int(p) < 1 or int(o) < 1:
+            raise ValueError(f"--shapes item {item!r}: expected PROMPTxOUTPUT with positive integers, e.g. 64x128")
+        out.append((int(p), int(o)))
+    return out
+
+
 def main(mode: str, argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
     for f in ("batch", "prompt", "output") + (("threads",) if a.threads else ()):
         setattr(a, f, [int(x) for x in str(getattr(a, f)).split(",")])
     budgets = [float(x) for x in str(a.vram_budget).split(",")]
+    a.shapes = parse_shapes(a.shapes) if a.shapes else [(p, o) for p in a.prompt for o in a.output]
     modes = (a.modes or "hybrid,layer-offload,dense-gpu").split(",") if mode == "suite" else [mode]
     for m in modes:
         if m not in MODES:
