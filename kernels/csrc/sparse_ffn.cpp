@@ -11,7 +11,8 @@
 //    phase 2, thread i owns a slice of the D columns (multiples of 32) and adds h * down_t[:, slice]
 //    over all rows with a nonzero activation straight into y (fp32) or an fp32 [T, D] buffer. Every
 //    row is still read once in all, every thread has work at any K, and there is no reduction.
-//  rows (many active rows): threads take chunks of 4R consecutive idx entries dynamically; for each
+//  rows (many active rows): threads take chunks of consecutive idx entries dynamically (~3 per
+//    thread, 2 .. 4R entries each); for each
 //    block of R rows a thread computes h [R, T] (phase 1), then adds h * down_t rows into its
 //    private fp32 accumulator A_i [T, D] (phase 2, R rows interleaved so A_i is loaded and stored
 //    once per R rows); after a barrier the accumulators are summed in parallel over D.
@@ -558,18 +559,14 @@ void run_rows(const Args& a) {
     }
 }
 
-// Which split. auto: rows (the kernel before the column split) when its dynamic 4R-row chunks
-// keep the threads it uses >= 90 % busy (the busiest thread's rows against the mean), else
-// columns: e.g. 240 rows are 8 chunks for 14 threads (57 %), 64 rows 2 chunks for 8 (25 %). With
-// every thread busy the two splits measured within a few % of each other (NOTES.md).
+// Which split. auto: rows when every thread gets at least two R-row blocks (K >= 16 per thread:
+// its ~3 dynamic chunks per thread keep them all reading), else columns (few rows: every thread
+// still has work, and no reduction; 2 cores, K = 16: columns 52 us, rows 60). On the H200 host, 14 threads, rows cold over 40
+// layers' shards (bench/results/kernels-exchange-cold-splits-h200.json): K = 254 198 us vs
+// columns 218, K = 1024 523 vs 628; on 2 cores within noise (NOTES.md).
 inline int pick_split(int split, int64_t K, int nthreads) {
     if (split == SPLIT_ROWS || split == SPLIT_COLS) return split;
-    if (K < 1) return SPLIT_COLS;
-    const int64_t CH = 4 * R;
-    int64_t nt = (K + 7) / 8;  // run_rows' thread count
-    nt = nt > nthreads ? nthreads : nt;
-    const int64_t nch = (K + CH - 1) / CH, busiest = (nch + nt - 1) / nt * CH;
-    return (double)K / (double)nt >= 0.9 * (double)busiest ? SPLIT_ROWS : SPLIT_COLS;
+    return K >= 2 * (int64_t)R * nthreads ? SPLIT_ROWS : SPLIT_COLS;
 }
 
 void run(const Args& a, int w_dt, int split) {
