@@ -162,6 +162,8 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
         "gpu_activation_share": gn / (gn + cn) if gn + cn else 1.0,
         "per_layer_sync_us": 1e6 * _delta(g1, g0, "sync_s") / exchanges if exchanges else 0.0,
         "cpu_compute_us_per_exchange": 1e6 * _delta(g1, g0, "peer_compute_s") / exchanges if exchanges else 0.0,
+        # of which inside the FFN kernel call (the rest: the CPU executor's Python per answer)
+        "cpu_kernel_us_per_exchange": 1e6 * _delta(cpu1, cpu0, "kernel_s") / exchanges if exchanges else 0.0,
         # GPU compute per layer of the decode graphs (sampled steps; 0 for eager steps)
         "gpu_compute_us_per_layer": 1e6 * _delta(g1, g0, "gpu_compute_s")
         / max(_delta(g1, g0, "gpu_sampled_steps") * n_layer, 1),
@@ -213,7 +215,8 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
               f"e2e {r['e2e_tok_s']:.2f}, prefill {r['prefill_tok_s']:.1f}, GPU {r['gpu_gbps']:.0f} GB/s, "
               f"CPU {r['cpu_gbps']:.1f} GB/s, GPU share {r['gpu_activation_share']:.1%}, "
               f"sync {r['per_layer_sync_us']:.0f} us, GPU compute {r['gpu_compute_us_per_layer']:.0f} us/layer, "
-              f"CPU compute {r['cpu_compute_us_per_exchange']:.0f} us/exchange, layer {r['per_layer_us']}, "
+              f"CPU compute {r['cpu_compute_us_per_exchange']:.0f} us/exchange "
+              f"(kernel {r['cpu_kernel_us_per_exchange']:.0f}), layer {r['per_layer_us']}, "
               f"VRAM {r['vram_used_gib']:.2f} GiB", flush=True)
         records.append(r)
         if done is not None:

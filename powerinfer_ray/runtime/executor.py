@@ -57,6 +57,7 @@ class ExecStats:
     peer_neurons: int = 0
     gpu_compute_s: float = 0.0  # GPU time of the decode graphs (CUDA events), on sampled steps
     gpu_sampled_steps: int = 0
+    kernel_s: float = 0.0  # CPU executor: inside the FFN kernel call (the rest of an answer is Python)
     # host seconds: attn / ffn of eager steps, wait for the CPU's answers, gpu_wait of graph
     # steps (for the GPU's segment to finish before a post)
     layer_s: dict[str, float] = field(default_factory=lambda: {"attn": 0.0, "ffn": 0.0, "wait": 0.0, "gpu_wait": 0.0})
@@ -495,9 +496,11 @@ class CPUExecutor:
                 out.copy_(y)
             else:  # one compiled call from the channel's packed mask and x to out
                 packed = ch.mask_rows(n_tok, n_mask) if self.policy == "predictor" else None
+                t_k = time.monotonic_ns()
                 pairs, rows = sparse_ffn_bitmask(ch.x_ffn[:n_tok], sh.up, sh.gate, sh.down_t, packed,
                                                  n_mask if packed is not None else sh.n, cfg.ffn_act,
                                                  sh.up_bias, out, self.threads)
+                self.stats.kernel_s += (time.monotonic_ns() - t_k) * 1e-9
             self.stats.neurons += pairs
             self.stats.active_bytes += rows * cfg.neuron_bytes
             wrote = True

@@ -32,6 +32,7 @@ def test_runtime_top1_agreement_matches_the_quality_report():
             agree += int((dense == np.array(got)).sum())
             n += len(inp)
         assert eng.cpu is not None and eng.cpu.stats.neurons > 0  # the CPU shard took part
+        assert 0 < eng.cpu.stats.kernel_s <= eng.cpu.stats.busy_s  # its kernel time, within its answers'
     finally:
         eng.close()
     assert n == report["tokens"]
