@@ -145,7 +145,9 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
     gpu_bytes = _delta(g1, g0, "active_bytes") + steps * g1.get("read_bytes_per_step", 0)
     cpu_bytes = _delta(cpu1, cpu0, "active_bytes")
     exchanges = _delta(g1, g0, "exchanges")
-    gn, cn = _delta(g1, g0, "neurons"), _delta(cpu1, cpu0, "neurons")
+    # GPU share: activated neurons placed on the GPU (the CPU shard's, when the GPU computes them
+    # densely for a long prompt, count as the CPU's)
+    gn, cn = _delta(g1, g0, "neurons"), _delta(cpu1, cpu0, "neurons") + _delta(g1, g0, "cold_neurons")
     n_layer = a.n_layer
     # host time per layer: attn / ffn (eager steps), wait (for the CPU executor's answer),
     # gpu_wait (graph steps: for the GPU's segment before a post)

@@ -55,6 +55,9 @@ class ExecStats:
     sync_s: float = 0.0  # notify + return latency + host copies, summed over exchanges
     peer_compute_s: float = 0.0
     peer_neurons: int = 0
+    # the CPU shard's neurons this device computed densely (long prompts): placed on the CPU,
+    # so the GPU share of activations counts them with the CPU's
+    cold_neurons: int = 0
     gpu_compute_s: float = 0.0  # GPU time of the decode graphs (CUDA events), on sampled steps
     gpu_sampled_steps: int = 0
     kernel_s: float = 0.0  # CPU executor: inside the FFN kernel call (the rest of an answer is Python)
@@ -66,7 +69,7 @@ class ExecStats:
         d = dict(self.__dict__)
         d["layer_s"] = dict(self.layer_s)
         d["per_exchange_sync_us"] = 1e6 * self.sync_s / self.exchanges if self.exchanges else 0.0
-        tot = self.neurons + self.peer_neurons
+        tot = self.neurons + self.peer_neurons + self.cold_neurons
         d["gpu_activation_share"] = self.neurons / tot if tot else 0.0
         return d
 
@@ -309,7 +312,7 @@ class PrimaryExecutor:
                 hid = hid * mask[:, a:b]
             y += (hid @ cold.down_t[a:b].to(dev, non_blocking=True)).float()
         pairs = int(mask.sum()) if mask is not None else x.shape[0] * cold.n
-        self.stats.neurons += pairs
+        self.stats.cold_neurons += pairs
         self.stats.active_bytes += cold.n * self.cfg.neuron_bytes
         return y
 

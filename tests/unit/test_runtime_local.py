@@ -89,7 +89,7 @@ def test_dense_prefill_of_the_cpu_shard_equals_the_exchange(tmp_path, variant, d
                                        prefill_chunk=32, prefill_dense_min=dense_min, dtype=dtype))
         try:
             out[dense_min] = (eng.primary.step([0], [prompt], [0])[0], eng.primary.step([0], [[9]], [20])[0],
-                              eng.cpu.stats.neurons)
+                              eng.cpu.stats.neurons, eng.primary.stats.neurons, eng.primary.stats.cold_neurons)
         finally:
             eng.close()
     tol = 1e-4 if dtype == "f32" else 2e-2
@@ -97,6 +97,11 @@ def test_dense_prefill_of_the_cpu_shard_equals_the_exchange(tmp_path, variant, d
         a, b = torch.from_numpy(out[8][i]).float(), torch.from_numpy(out[0][i]).float()
         assert float((a - b).abs().max() / b.abs().max()) < tol
     assert out[8][2] < out[0][2]  # the CPU executor computed only the decode step's neurons
+    # the same predicted neurons either way (fp16: up to a rounding flip of a logit at the
+    # threshold); those of the CPU shard count as the CPU's in the GPU share
+    slack = 0 if dtype == "f32" else out[0][2] // 100
+    assert out[0][4] == 0 and abs(out[8][3] - out[0][3]) <= slack
+    assert abs(out[8][4] + out[8][2] - out[0][2]) <= slack
 
 
 def test_batched_decode_equals_single_sequences(models):
