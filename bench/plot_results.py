@@ -2,6 +2,11 @@
 mode, batch and prompt+output length, beside upstream's batch-1 figures from DESIGN.md section 3.
 
     python bench/plot_results.py bench/results/runtime-13b-16gib-h200.json -o bench/results/runtime-13b.png
+
+--sweeps: one panel per swept field (VRAM budget, prompt length, output length) of the batch-1
+records given, decode tokens/s with the GPU share of activated neurons on each point:
+
+    python bench/plot_results.py --sweeps bench/results/runtime-13b-{budgets,shapes,long}-h200.json -o sweeps.png
 """
 from __future__ import annotations
 
@@ -15,6 +20,38 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+SWEPT = (("vram_budget_gib", "VRAM budget (GiB), prompt 64 + 128"), ("prompt_len", "prompt length"),
+         ("output_len", "output length"))
+
+
+def plot_sweeps(records: list[dict], out: str, title: str) -> None:
+    """Decode tok/s of batch-1 records against each swept field, the other two at their most
+    common values (prompt 64, output 128, budget 16 GiB in our runs)."""
+    recs = [r for r in records if r["batch"] == 1]
+    common = {f: max({r[f] for r in recs}, key=lambda v: sum(r[f] == v for r in recs)) for f, _ in SWEPT}
+    fig, axes = plt.subplots(1, len(SWEPT), figsize=(11, 3.6), sharey=True)
+    for ax, (field, label) in zip(axes, SWEPT):
+        pts = sorted({(r[field], r["mode"]): r for r in recs
+                      if all(r[f] == common[f] for f, _ in SWEPT if f != field)}.values(),
+                     key=lambda r: (r["mode"], r[field]))
+        for mode in sorted({r["mode"] for r in pts}):
+            xs = [r for r in pts if r["mode"] == mode]
+            ax.plot([r[field] for r in xs], [r["decode_tok_s"] for r in xs], "o-", label=mode)
+            for r in xs:
+                ax.annotate(f"{r['decode_tok_s']:.1f}\n{r['gpu_activation_share']:.0%}", (r[field], r["decode_tok_s"]),
+                            fontsize=7, textcoords="offset points", xytext=(0, 4), ha="center")
+        if field == "prompt_len":
+            ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("decode tokens/s (label: tok/s, GPU share)")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("results", nargs="+")
@@ -22,7 +59,12 @@ def main() -> None:
     ap.add_argument("--upstream", default="PowerInfer C++=27.2,llama.cpp -ngl 27=7.0",
                     help="name=tok/s pairs drawn as reference lines (batch 1)")
     ap.add_argument("--title", default="planted Llama-2-13B, fp16, VRAM budget 16 GiB (B=batch, prompt+output)")
+    ap.add_argument("--sweeps", action="store_true", help="panels per swept field instead of bars")
     a = ap.parse_args()
+    if a.sweeps:
+        recs = [r for f in a.results for r in json.loads(Path(f).read_text())["records"]]
+        plot_sweeps(recs, a.out, a.title)
+        return
     rows = []
     for f in a.results:
         doc = json.loads(Path(f).read_text())
