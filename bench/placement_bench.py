@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--machine", default=None, help="name in the output file (default cpu-<N>c)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)  # before the solves: a bad --out fails at once
     info = machine_info(args.machine)
     record: dict[str, Any] = {**info, "commit": commit(), "command": " ".join(["placement_bench.py", *sys.argv[1:]]),
                               "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host_profile": vars(P.HostProfile()),
