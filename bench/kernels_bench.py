@@ -78,6 +78,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--exchange-layers", type=int, default=1,
                    help="--cpu-exchange: > 1 rotates over this many layers' CPU shards (40 x 264 MB: the "
                         "runtime's cold working set, beyond any L3): sparse_ffn_bitmask per work split only")
+    p.add_argument("--exchange-cflags", default=None,
+                   help="--cpu-exchange: ';'-separated kernel builds to compare (POWERINFER_RAY_CPU_CFLAGS each, "
+                        "'' = the default), e.g. ';-DPI_PF_AHEAD=1024'; one worker process per build and policy")
     p.add_argument("--exchange-worker", default=None, help=argparse.SUPPRESS)  # internal: JSON path of one worker
     return p.parse_args(argv)
 
@@ -374,7 +377,8 @@ def _exchange_cold(args) -> dict:
                                  p10_us=round(sorted(ts)[len(ts) // 10] * 1e6, 1),
                                  p90_us=round(sorted(ts)[len(ts) * 9 // 10] * 1e6, 1),
                                  GBps=round(nbytes / med / 1e9, 2)))
-        print(f"[exchange cold {os.environ.get('OMP_WAIT_POLICY', 'unset')}] t={threads} L={L} K={K}: " + ", ".join(
+        print(f"[exchange cold {os.environ.get('OMP_WAIT_POLICY', 'unset')} "
+              f"{os.environ.get('POWERINFER_RAY_CPU_CFLAGS') or 'default build'}] t={threads} L={L} K={K}: " + ", ".join(
             f"{r['variant']} {r['median_us']:.0f} us ({r['GBps']} GB/s)" for r in rows_out[-len(times):]), flush=True)
     return dict(threads=threads, layers=L, rows=rows_out)
 
@@ -400,11 +404,14 @@ def bench_cpu_exchange(args) -> dict:
                        "each round), each after a sleep of gap_ms; "
                        f"rotating masks whose active rows cover >= {EX_SET_BYTES >> 20} MiB (cold caches)"),
                policies={})
-    for pol in EX_POLICIES:
+    builds = args.exchange_cflags.split(";") if args.exchange_cflags is not None else [None]
+    for cflags, pol in itertools.product(builds, EX_POLICIES):
         env = dict(os.environ)
         env.pop("OMP_WAIT_POLICY", None)
         if pol != "unset":
             env["OMP_WAIT_POLICY"] = pol
+        if cflags is not None:
+            env["POWERINFER_RAY_CPU_CFLAGS"] = cflags.strip()
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "worker.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--exchange-worker", str(path),
@@ -414,7 +421,10 @@ def bench_cpu_exchange(args) -> dict:
             cmd += ["--quick"] if args.quick else []
             cmd += ["--threads", str(args.threads)] if args.threads else []
             subprocess.run(cmd, env=env, check=True)
-            res["policies"][pol] = json.loads(path.read_text())
+            if cflags is None:
+                res["policies"][pol] = json.loads(path.read_text())
+            else:
+                res.setdefault("builds", {}).setdefault(cflags.strip() or "default", {})[pol] = json.loads(path.read_text())
     return res
 
 

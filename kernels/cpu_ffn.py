@@ -31,6 +31,9 @@ import torch
 SOURCE = Path(__file__).with_name("csrc") / "sparse_ffn.cpp"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 FALLBACK_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]  # compilers without -march=native
+# Extra compiler flags for kernel variants (A/B runs on a host, e.g. "-DPI_PF_AHEAD=1024"; see the
+# macros in csrc/sparse_ffn.cpp): part of the build's cache key, read at first use.
+EXTRA_FLAGS = os.environ.get("POWERINFER_RAY_CPU_CFLAGS", "").split()
 
 _W_DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _ACT = {"relu": 0, "reglu": 1, "drelu": 2, "swiglu": 3}
@@ -80,7 +83,8 @@ def _compiler() -> str | None:
 def _build(cxx: str) -> Path:
     src = SOURCE.read_bytes()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    key = hashlib.sha256(src + " ".join(FLAGS).encode() + version.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join(FLAGS + EXTRA_FLAGS).encode() + version.encode()
+                         + _cpu_flags().encode()).hexdigest()[:16]
     out = cache_dir() / f"sparse_ffn-{key}.so"
     if out.exists():
         return out
@@ -90,7 +94,7 @@ def _build(cxx: str) -> Path:
         # Build into a temporary file and rename: concurrent processes never load a partial .so.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        proc = subprocess.run([cxx, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        proc = subprocess.run([cxx, *flags, *EXTRA_FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
         if proc.returncode == 0:
             os.replace(tmp, out)
             return out

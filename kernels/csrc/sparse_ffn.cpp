@@ -41,6 +41,11 @@ enum { SPLIT_AUTO = 0, SPLIT_ROWS = 1, SPLIT_COLS = 2 };
 
 constexpr int R = 8;  // rows per block: A_i is touched once per R down rows
 constexpr int PF_LINES = 8;  // cache lines prefetched at the head of a row about to be streamed
+// Variant knob (off by default; build with POWERINFER_RAY_CPU_CFLAGS=-DPI_PF_AHEAD=<elements>):
+// phase 1 prefetches its up / gate rows this many elements ahead of the dot product, so page
+// boundaries inside a row (a 13B fp16 row spans 2.5 pages) start their walk early. On the 2-core
+// Zen 4 dev machine 256-2048 changed nothing (its hardware prefetchers cover it); untested on the
+// H200 host's Xeon, whose runtime answer runs at ~35 GB/s of a 100 GB/s read ceiling.
 
 // ---- scalar conversions (tails and the portable path) ---------------------------------------
 inline float f16_to_f32(uint16_t h) {
@@ -180,6 +185,13 @@ inline void dot_rows(const typename W::T* up, const typename W::T* gate, const f
         for (int j = 0; j < U; ++j) au[t][j] = ag[t][j] = vzero();
     int64_t d = 0;
     for (; d + U * VW <= D; d += U * VW) {
+#ifdef PI_PF_AHEAD
+        if (d + PI_PF_AHEAD < D)
+            for (int64_t o = 0; o < U * VW * (int64_t)sizeof(typename W::T); o += 64) {
+                __builtin_prefetch((const char*)(up + d + PI_PF_AHEAD) + o);
+                if (GATE) __builtin_prefetch((const char*)(gate + d + PI_PF_AHEAD) + o);
+            }
+#endif
         for (int j = 0; j < U; ++j) {
             vf wu = W::load(up + d + j * VW);
             vf wg = GATE ? W::load(gate + d + j * VW) : vzero();

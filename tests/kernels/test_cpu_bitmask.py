@@ -232,3 +232,38 @@ def test_weight_checks_are_redone_for_new_tensors():
         cpu_ffn.sparse_ffn_bitmask(**dict(a, down_t=torch.randn(20, 17)))
     cpu_ffn.sparse_ffn_bitmask(**a)
 
+
+
+VARIANT_SCRIPT = r"""
+import numpy as np, torch
+from powerinfer_ray.kernels import cpu_ffn
+assert cpu_ffn.EXTRA_FLAGS == ["-DPI_PF_AHEAD=64"], cpu_ffn.EXTRA_FLAGS
+g = torch.Generator().manual_seed(7)
+n, D = 300, 520  # rows longer than the prefetch distance, a tail past the vector blocks
+up, gate, down_t = (torch.randn(n, D, generator=g).half() for _ in range(3))
+x = torch.randn(1, D, generator=g).half()
+active = torch.rand(n, generator=g) < 0.3
+packed = np.packbits(active.numpy()[None, :], axis=1, bitorder="little")
+out = torch.empty(1, D)
+cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, packed, n, "reglu", None, out, 2)
+xd, ud, gd, dd = (t.double() for t in (x, up, gate, down_t))
+h = torch.relu(xd @ gd.T) * (xd @ ud.T) * active.double()
+ref = h @ dd
+err = float((out.double() - ref).abs().max() / ref.abs().max())
+assert err < 1e-5, err
+print("ok", sorted(p.name for p in cpu_ffn.cache_dir().glob("sparse_ffn-*.so")))
+"""
+
+
+@needs_compiler
+def test_kernel_variant_build_from_extra_flags(tmp_path):
+    """POWERINFER_RAY_CPU_CFLAGS builds a kernel variant (here the in-row prefetch, PI_PF_AHEAD) into
+    its own cache entry; the variant agrees with the float64 reference."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, POWERINFER_RAY_CPU_CFLAGS="-DPI_PF_AHEAD=64", POWERINFER_RAY_CACHE=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", VARIANT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("ok") and len(list((tmp_path / "kernels").glob("sparse_ffn-*.so"))) == 1
