@@ -36,9 +36,10 @@ import triton.language as tl
 
 ACT_CODE = {"relu": 0, "reglu": 1, "drelu": 2, "swiglu": 3}
 # Tokens per launch: the T > 1 kernels keep [TP, BD] token tiles in shared memory. Not 64: with
-# TP = 64 the down kernel's tl.dot is [64, BK] x [BK, BD], which Triton lowers to Hopper's wgmma,
-# and on the H200 (Triton 3.x) its results were wrong (rel err 1.35 at T = 64, GPU test
-# test_triton_at_llama13b_shape[64]); TP <= 32 passed at every shape.
+# TP = 64 the results on the H200 were wrong (rel err 1.35 at T = 64 and 256, GPU test
+# test_triton_at_llama13b_shape; under the interpreter they are right). Not investigated further:
+# a 64-row tl.dot is where Triton switches to Hopper's wgmma, the likely place. TP <= 32 passed
+# at every shape tested on the H200.
 MAX_T = 32
 
 

@@ -573,9 +573,9 @@ void run_rows(const Args& a) {
 
 // Which split. auto: rows when every thread gets at least two R-row blocks (K >= 16 per thread:
 // its ~3 dynamic chunks per thread keep them all reading), else columns (few rows: every thread
-// still has work, and no reduction; 2 cores, K = 16: columns 52 us, rows 60). On the H200 host, 14 threads, rows cold over 40
-// layers' shards (bench/results/kernels-exchange-cold-splits-h200.json): K = 254 198 us vs
-// columns 218, K = 1024 523 vs 628; on 2 cores within noise (NOTES.md).
+// still has work, and no reduction). H200 host, 14 threads, cold over 40 layers' shards
+// (bench/results/kernels-exchange-cold-splits-h200.json): K = 254 rows 198 us vs columns 218,
+// K = 1024 523 vs 628. 2 cores: within noise, except K = 16 (columns 52 us, rows 60).
 inline int pick_split(int split, int64_t K, int nthreads) {
     if (split == SPLIT_ROWS || split == SPLIT_COLS) return split;
     return K >= 2 * (int64_t)R * nthreads ? SPLIT_ROWS : SPLIT_COLS;
