@@ -6,7 +6,8 @@
 
 It builds the executor actors for its plan (one GPU executor per GPU, one CPU executor), sets up
 their shared-memory channel through Ray, and runs the request loop
-(``runtime.coordinator.Coordinator``) talking to the GPU executor once per step. When an
+(``runtime.coordinator.Coordinator``) talking to the GPU executor once per step, over a Unix
+socket the executor opens (``runtime.steplink``; $POWERINFER_RAY_STEP_LINK=0: Ray calls). When an
 executor dies, in-flight requests fail with a clear error, the executors are rebuilt and the
 next request is served.
 """
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 import ray
@@ -24,10 +27,12 @@ from ..model.source import open_model
 from ..runtime import coordinator as core
 from ..runtime.engine import (GIB, EngineConfig, engine_n_ctx, make_tokenizer, resolve_plan, resolve_policy,
                               resolve_prefill_chunk)
+from ..runtime.steplink import StepClient
 from .executors import CPUExecutor, GPUExecutor
 
 log = logging.getLogger(__name__)
 DEFAULT_NAME = "powerinfer-engine"
+STEP_LINK = os.environ.get("POWERINFER_RAY_STEP_LINK", "1") != "0"  # 0: steps as Ray calls (A/B runs)
 
 
 @ray.remote
@@ -85,7 +90,7 @@ class Coordinator:
                 raise ValueError(f"threads={threads}: the CPU executor reserves one CPU per thread and the GPU "
                                  f"executor one more, but the Ray cluster has {n_cpus} CPUs; use threads <= "
                                  f"{n_cpus - 1} (or start Ray with more CPUs)")
-        self.gpu = self.cpu = self.spec = None
+        self.gpu = self.cpu = self.spec = self.link = None
         try:  # all or nothing: a half-built pair would hold the names a retry needs
             self.gpu = GPUExecutor.options(
                 name=f"{self.name}.gpu-executor.{dev_name}", num_gpus=1 if device == "cuda" else 0, num_cpus=1,
@@ -100,6 +105,8 @@ class Coordinator:
             self.spec = ray.get(self.gpu.create_channel.remote())
             if self.cpu is not None:
                 ray.get(self.cpu.attach.remote(self.spec))
+            if STEP_LINK:  # steps over a Unix socket: Ray's ~1.5 ms per call off every token
+                self.link = StepClient(ray.get(self.gpu.open_step_link.remote()))
         except BaseException:
             self._kill_executors()
             raise
@@ -114,6 +121,11 @@ class Coordinator:
         self.gpu = self.cpu = None
         if getattr(self, "spec", None) is not None:
             self.spec.path.unlink(missing_ok=True)  # the dead primary cannot remove its channel
+        link = getattr(self, "link", None)
+        if link is not None:
+            link.close()
+            Path(link.path).unlink(missing_ok=True)  # nor its step link's socket
+            self.link = None
 
     async def _recover(self, exc: BaseException) -> None:
         log.error("executor failure (%s): restarting the executors", exc)
@@ -129,7 +141,10 @@ class Coordinator:
                 await asyncio.sleep(0.2)
 
     async def _step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]):  # noqa: ANN202
-        out = await self.gpu.step.remote(slots, tokens, start_pos)
+        if self.link is not None:
+            out = await self.link.call(slots, tokens, start_pos)
+        else:
+            out = await self.gpu.step.remote(slots, tokens, start_pos)
         self.m_tokens.inc(len(tokens), tags={"engine": self.name})
         return out
 

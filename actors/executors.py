@@ -69,10 +69,20 @@ class GPUExecutor:
         if budget_bytes:
             self.metrics.budget.set(budget_bytes, tags=self.metrics.tags)
         self.peer_neurons = 0
+        self.link = None
 
     def ready(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "device": self.device, "weight_bytes": self.impl.weight_bytes(),
                 "vram_used_bytes": _vram_used(self.impl.device)}
+
+    def open_step_link(self) -> str:
+        """Serve `step` over a Unix socket (runtime.steplink); its path. The coordinator's decode
+        steps then skip Ray's per-call cost; Ray's `step` stays for everything else."""
+        from ..runtime.steplink import StepServer
+
+        if self.link is None:
+            self.link = StepServer(self.step, name="step")
+        return str(self.link.path)
 
     def create_channel(self) -> ChannelSpec | None:
         return self.impl.create_channel()
@@ -104,6 +114,8 @@ class GPUExecutor:
             ch.wait_response(ch.post(OP_STOP, 0, 0, 0, 0), timeout_s=5)
 
     def shutdown(self) -> None:
+        if self.link is not None:
+            self.link.close()
         self.impl.close()
 
 

@@ -7,7 +7,9 @@ compute dtype: fp16 from a GPU) and an active-neuron mask (packed 8 a byte) into
 (D2H from the GPU when present), publishes, spins for the answer, and copies the peer's output
 back (H2D). On CUDA the copies (and the mask packing) run as captured CUDA graphs, as in the
 decode step (round_trip_us_median, split into send / notify / peer / return / recv medians, all
-on the shared monotonic clock; per_layer_sync_us = median of the round trip less the peer's work); the eager form is reported beside it. The peer spins on the request flag, copies
+on the shared monotonic clock; per_layer_sync_us = median of the round trip less the peer's work)
+Also the coordinator's per-step call with B = 1 logits (128 KB) back: a Ray call
+(step_ray_call_us_median) vs the step link over a Unix socket (step_link_us_median).; the eager form is reported beside it. The peer spins on the request flag, copies
 input to output, answers. Beside it, the same payload as a plain Ray actor call.
 
     powerinfer-ray bench sync [--d 5120] [--iters 2000]
@@ -50,6 +52,16 @@ class Peer:
 
     def echo(self, x):  # noqa: ANN001, ANN201
         return x
+
+    def logits(self, slots, tokens, start_pos):  # noqa: ANN001, ANN201
+        """A decode step's answer as the engine's coordinator gets it: float32 [B, 32000]."""
+        return np.full((len(slots), 32000), float(start_pos[0]), np.float32)
+
+    def open_link(self) -> str:
+        from powerinfer_ray.runtime.steplink import StepServer
+
+        self.link = StepServer(self.logits, name="bench")
+        return str(self.link.path)
 
 
 @ray.remote
@@ -126,13 +138,39 @@ class Primary:
             ray.get(peer.echo.remote(payload))
             if i >= 20:
                 ray_rt.append((time.perf_counter_ns() - t0) / 1e3)
+        # the coordinator's per-step call to the primary (B = 1, logits back): Ray vs the step link
+        step_ray, step_link = [], []
+        for i in range(200):
+            t0 = time.perf_counter_ns()
+            ray.get(peer.logits.remote([0], [[1]], [i]))
+            if i >= 20:
+                step_ray.append((time.perf_counter_ns() - t0) / 1e3)
+
+        async def link_calls() -> None:
+            import asyncio  # noqa: F401
+
+            from powerinfer_ray.runtime.steplink import StepClient
+
+            cli = StepClient(ray.get(peer.open_link.remote()))
+            for i in range(500):
+                t0 = time.perf_counter_ns()
+                out = await cli.call([0], [[1]], [i])
+                if i >= 50:
+                    step_link.append((time.perf_counter_ns() - t0) / 1e3)
+            assert out.shape == (1, 32000) and out[0, 0] == 499
+            cli.close()
+
+        import asyncio
+
+        asyncio.run(link_calls())
         pinned = ch.pinned
         ch.close(unlink=True)
         med = lambda v: float(np.median(v))  # noqa: E731
         res = {"device": str(dev), "pinned": pinned, "iters": iters, "cuda_graphs": graphs is not None,
                "round_trip_us_p90": float(np.percentile(parts["round_trip"], 90))}
         res.update({f"{k}_us_median": med(v) for k, v in parts.items()})
-        res.update(round_trip_eager_us_median=med(eager["round_trip"]), ray_call_us_median=med(ray_rt))
+        res.update(round_trip_eager_us_median=med(eager["round_trip"]), ray_call_us_median=med(ray_rt),
+                   step_ray_call_us_median=med(step_ray), step_link_us_median=med(step_link))
         return res
 
 

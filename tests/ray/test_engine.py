@@ -76,11 +76,13 @@ def test_killed_executor_fails_the_request_and_the_next_one_succeeds(engine, mod
     _, ref = model
     prompt = list(range(5, 30))
     handles = ray.get(engine.executor_handles.remote())
-    pending = engine.generate.remote(prompt_token_ids=prompt, max_tokens=200, ignore_eos=True)
-    time.sleep(0.5)
+    stream = engine.generate_stream.remote(prompt_token_ids=prompt, max_tokens=200, ignore_eos=True)
+    first = ray.get(next(stream), timeout=120)  # generating now: kill mid-generation
+    assert first["token_ids"]
     ray.kill(handles[victim])
     with pytest.raises(ray.exceptions.RayTaskError, match="generation failed"):
-        ray.get(pending, timeout=120)
+        for ref_ in stream:
+            ray.get(ref_, timeout=120)
     out = ray.get(engine.generate.remote(prompt_token_ids=prompt, max_tokens=6, ignore_eos=True), timeout=120)
     assert out["token_ids"] == ref.generate_greedy(prompt, 6)
     assert ray.get(engine.stats.remote())["restarts"] >= 1
