@@ -147,8 +147,6 @@ class Primary:
                 step_ray.append((time.perf_counter_ns() - t0) / 1e3)
 
         async def link_calls() -> None:
-            import asyncio  # noqa: F401
-
             from powerinfer_ray.runtime.steplink import StepClient
 
             cli = StepClient(ray.get(peer.open_link.remote()))
