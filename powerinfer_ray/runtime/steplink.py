@@ -13,7 +13,7 @@ closes its end, and the coordinator's pending read raises `LinkClosed` at once.
 from __future__ import annotations
 
 import asyncio
-import logging
+import os
 import pickle
 import socket
 import struct
@@ -25,7 +25,6 @@ from typing import Any
 
 from .channel import SHM_DIR
 
-log = logging.getLogger(__name__)
 _LEN = struct.Struct("<Q")
 
 
@@ -58,6 +57,7 @@ class StepServer:
         self.path = SHM_DIR / f"powerinfer-{name}-{uuid.uuid4().hex[:12]}.sock"
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.bind(str(self.path))
+        os.chmod(self.path, 0o600)  # requests are pickles: only this user may connect
         self.sock.listen(1)
         self.closed = False
         self.conn: socket.socket | None = None
@@ -73,12 +73,13 @@ class StepServer:
             self.conn = conn
             with conn:
                 while not self.closed:
-                    head = _recv_exact(conn, _LEN.size)
-                    if head is None:
-                        break  # the coordinator went away: wait for the next one
-                    body = _recv_exact(conn, _LEN.unpack(head)[0])
+                    try:
+                        head = _recv_exact(conn, _LEN.size)
+                        body = None if head is None else _recv_exact(conn, _LEN.unpack(head)[0])
+                    except OSError:
+                        body = None
                     if body is None:
-                        break
+                        break  # the coordinator went away (or close()): wait for the next one
                     try:
                         reply = ("ok", self.handler(*pickle.loads(body)))
                     except Exception as e:  # noqa: BLE001  (the caller re-raises it)

@@ -21,6 +21,7 @@ def fake_step(slots, tokens, start_pos):  # noqa: ANN001, ANN201
 
 def test_steps_over_the_link_equal_direct_calls_and_errors_come_back():
     srv = StepServer(fake_step, name="test")
+    assert srv.path.stat().st_mode & 0o777 == 0o600  # requests are pickles: owner only
     try:
         async def main():  # noqa: ANN202
             cli = StepClient(srv.path)
