@@ -481,6 +481,13 @@ SWEEP_DOWN = {1: [(False, 64, 64, 4, 3), (False, 64, 32, 4, 3), (False, 128, 32,
                   (True, 128, 16, 4, 4), (True, 128, 64, 4, 3), (True, 128, 32, 8, 3), (True, 256, 32, 8, 3)]}
 
 
+# T == 1 split variant (Config.up_sd / down_sk), timed as the whole op against the best two-stage
+# config: (up_bk, up_bd, up_sd, up_warps) x (down_bk, down_bd, down_sk, down_warps). At 10 % of
+# the 13B shape (K = 1382): e.g. 4 x 1024 tiles over 5 D splits = 1730 one-step programs.
+SWEEP_SPLIT_UP = [(4, 1024, 5, 4), (8, 512, 10, 4), (4, 512, 10, 4), (16, 256, 20, 4)]
+SWEEP_SPLIT_DOWN = [(64, 32, 8, 4), (32, 64, 16, 4), (128, 32, 4, 8), (64, 64, 8, 4)]
+
+
 def sweep_triton(up, gate, down_t, gen, quick: bool) -> dict:
     """Time each stage alone over tile configs at 10 % density; return the best Config per mode."""
     tf = importlib.import_module(K.__name__ + ".triton_ffn")
@@ -503,6 +510,30 @@ def sweep_triton(up, gate, down_t, gen, quick: bool) -> dict:
         bu, bdn = min(res_up, key=res_up.get), min(res_down, key=res_down.get)
         best[mode] = tf.Config(bu[1], bu[2], bu[3], bdn[1], bdn[2], bdn[3], up_stages=bu[4], down_stages=bdn[4],
                                up_dot=bu[0], down_dot=bdn[0])
+        if T == 1:  # the split variant, whole op against the two-stage winner's whole op
+            yo = torch.empty(1, D, dtype=torch.float16, device=GPU)
+
+            def whole(cfg):  # noqa: ANN001, ANN202
+                cyc = itertools.cycle(sets)
+                return gpu_time(lambda: tf.sparse_ffn_triton(x, up, gate, down_t, next(cyc), None, "reglu", None,
+                                                             yo, None, cfg), True)
+
+            res_op = {"two-stage": whole(best[mode])}
+            for cu, cd in itertools.product(SWEEP_SPLIT_UP, SWEEP_SPLIT_DOWN):
+                cfg = tf.Config(cu[0], cu[1], cu[3], cd[0], cd[1], cd[3], up_dot=False, down_dot=False,
+                                up_sd=cu[2], down_sk=cd[2])
+                res_op[(cu, cd)] = whole(cfg)
+                table.append(dict(T=1, stage="whole op, split", up=cu, down=cd, us=round(res_op[(cu, cd)] * 1e6, 2),
+                                  GBps=round(3 * k * D * 2 / res_op[(cu, cd)] / 1e9, 1)))
+            table.append(dict(T=1, stage="whole op, two-stage", us=round(res_op["two-stage"] * 1e6, 2),
+                              GBps=round(3 * k * D * 2 / res_op["two-stage"] / 1e9, 1)))
+            win = min(res_op, key=res_op.get)
+            if win != "two-stage":
+                cu, cd = win
+                best[mode] = tf.Config(cu[0], cu[1], cu[3], cd[0], cd[1], cd[3], up_dot=False, down_dot=False,
+                                       up_sd=cu[2], down_sk=cd[2])
+            print(f"[sweep] T=1 whole op: two-stage {res_op['two-stage']*1e6:.1f} us, best split {win} "
+                  f"{res_op[win]*1e6:.1f} us ({3*k*D*2/res_op[win]/1e9:.0f} GB/s)", flush=True)
         for stage, res, nb in (("up", res_up, 2 * k * D * 2), ("down", res_down, k * D * 2)):
             for c, t in sorted(res.items(), key=lambda kv: kv[1]):
                 table.append(dict(T=T, stage=stage, dot=c[0], bk=c[1], bd=c[2], warps=c[3], stages=c[4], us=round(t * 1e6, 2),
@@ -567,16 +598,20 @@ def bench_gpu(args) -> dict:
         t_k = gpu_time(run, args.quick)
         wall = gpu_wall(run)
         t_b = gpu_time(lambda: torch_baseline(x, up, gate, down_t, next(cyc)), args.quick)
-        h = torch.empty(T, k, device=GPU)
-        t_up = gpu_time(lambda: tf.launch_up(x, up, gate, None, next(cyc), None, None, "reglu", h, cfg), args.quick)
-        h.uniform_(0.5, 1.5)  # nonzero activations: every down row is read
-        t_dn = gpu_time(lambda: tf.launch_down(h, down_t, next(cyc), None, out, cfg), args.quick)
+        t_up = t_dn = float("nan")  # the stages alone: two-stage configs only (the split's share one buffer)
+        if not cfg.split:
+            h = torch.empty(T, k, device=GPU)
+            t_up = gpu_time(lambda: tf.launch_up(x, up, gate, None, next(cyc), None, None, "reglu", h, cfg), args.quick)
+            h.uniform_(0.5, 1.5)  # nonzero activations: every down row is read
+            t_dn = gpu_time(lambda: tf.launch_down(h, down_t, next(cyc), None, out, cfg), args.quick)
         err = check_gpu(x, up, gate, down_t, sets[0], cfg, tf)
         t_g = graph_time(lambda s_: tf.sparse_ffn_triton(x, up, gate, down_t, s_, None, "reglu", None, out, None, cfg),
                          sets, args.quick)
         row = record("cuda", "triton", "fp16", T, pct, k, t_k, t_b, ceiling,
-                     dict(wall_us_per_call=round(wall * 1e6, 2), up_stage_us=round(t_up * 1e6, 2),
-                          down_stage_us=round(t_dn * 1e6, 2), rel_err_vs_fp64=float(f"{err:.3g}"), config=vars(cfg)))
+                     dict(wall_us_per_call=round(wall * 1e6, 2),
+                          up_stage_us=None if cfg.split else round(t_up * 1e6, 2),
+                          down_stage_us=None if cfg.split else round(t_dn * 1e6, 2),
+                          rel_err_vs_fp64=float(f"{err:.3g}"), config=vars(cfg)))
         if t_g is not None:  # as the runtime runs it: one graph replay, no Python launch per kernel
             row.update(graph_median_us=round(t_g * 1e6, 2), graph_GBps=round(row["GBps"] * t_k / t_g, 1),
                        graph_frac_ceiling=round(row["frac_ceiling"] * t_k / t_g, 3))

@@ -25,6 +25,13 @@ weights widened to fp32 under tf32 (fp16/bf16 weights are exact in tf32; h is ro
 relative 2^-11) or tf32x3 for fp32 weights.
 
 `n_active` (device int32 [1]) bounds K inside the kernels: no host sync, CUDA-graph safe.
+
+Split variant (T == 1, `Config.up_sd` / `down_sk`, third session; written for that next step,
+checked against float64 under the interpreter, GPU test written, not yet run or timed on the
+H200): the up stage splits D over up_sd programs per row block and adds partial pre-activations
+into fp32 [K] with atomics; the down stage applies the activation as it loads them and splits
+the active rows over down_sk programs per column block, adding into an fp32 y (then cast).
+`bench kernels --sweep` times it as a whole op against the two-stage winner and keeps the faster.
 """
 from __future__ import annotations
 
@@ -60,6 +67,17 @@ class Config:
     down_stages: int = 3
     up_dot: bool = True
     down_dot: bool = True
+    # T == 1 split variant (both > 0 selects it; masks fall back to the two-stage path): the up
+    # stage splits D over up_sd programs per row block and adds partial pre-activations into fp32
+    # with atomics; the down stage applies the activation as it loads them and splits the active
+    # rows over down_sk programs per column block, adding into an fp32 y. More programs with
+    # fewer sequential steps each (the two-stage kernels are latency-chain bound: NOTES.md).
+    up_sd: int = 0
+    down_sk: int = 0
+
+    @property
+    def split(self) -> bool:
+        return self.up_sd > 0 and self.down_sk > 0
 
 
 # T == 1 and T > 1 defaults: the winners of `bench/kernels_bench.py --sweep` on the H200 (stage
@@ -220,6 +238,92 @@ def _down_dot_kernel(h_ptr, down_ptr, idx_ptr, nact_ptr, y_ptr, T, D, K, s_down,
              mask=tmask[:, None] & dmask[None, :])
 
 
+@triton.jit
+def _up_partial_kernel(x_ptr, up_ptr, gate_ptr, idx_ptr, nact_ptr, u_ptr, g_ptr, D, K, s_up, s_gate, D_PER,
+                       HAS_GATE: tl.constexpr, HAS_NACT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+    """T == 1, split D: program (k block, d block) adds the partial dot products of BK active rows
+    over columns [pid_d * D_PER, +D_PER) into u [K] (and g [K]), fp32, zeroed beforehand."""
+    pid_k, pid_d = tl.program_id(0), tl.program_id(1)
+    if HAS_NACT:
+        K = tl.minimum(tl.load(nact_ptr), K)
+    offs_k = pid_k * BK + tl.arange(0, BK)
+    kmask = offs_k < K
+    rows = tl.load(idx_ptr + offs_k, mask=kmask, other=0).to(tl.int64)
+    acc_u = tl.zeros((BK, BD), dtype=tl.float32)
+    acc_g = tl.zeros((BK, BD), dtype=tl.float32)
+    d_lo = pid_d * D_PER
+    d_hi = tl.minimum(d_lo + D_PER, D)
+    for d0 in range(d_lo, d_hi, BD):
+        offs_d = d0 + tl.arange(0, BD)
+        dmask = offs_d < d_hi
+        xv = tl.load(x_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
+        wmask = kmask[:, None] & dmask[None, :]
+        wu = tl.load(up_ptr + rows[:, None] * s_up + offs_d[None, :], mask=wmask, other=0.0)
+        acc_u += wu.to(tl.float32) * xv[None, :]
+        if HAS_GATE:
+            wg = tl.load(gate_ptr + rows[:, None] * s_gate + offs_d[None, :], mask=wmask, other=0.0)
+            acc_g += wg.to(tl.float32) * xv[None, :]
+    tl.atomic_add(u_ptr + offs_k, tl.sum(acc_u, axis=1), mask=kmask)
+    if HAS_GATE:
+        tl.atomic_add(g_ptr + offs_k, tl.sum(acc_g, axis=1), mask=kmask)
+
+
+@triton.jit
+def _down_split_kernel(u_ptr, g_ptr, bias_ptr, down_ptr, idx_ptr, nact_ptr, y_ptr, D, K, s_down, SK,
+                       ACT: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NACT: tl.constexpr,
+                       BK: tl.constexpr, BD: tl.constexpr):
+    """T == 1, split K: program (d block, k split) applies the activation to its share of the
+    summed pre-activations as it loads them and adds h * down_t[idx, BD columns] into y [D] fp32
+    (zeroed beforehand)."""
+    pid_d, pid_s = tl.program_id(0), tl.program_id(1)
+    if HAS_NACT:
+        K = tl.minimum(tl.load(nact_ptr), K)
+    per = tl.cdiv(tl.cdiv(K, SK), BK) * BK  # rows per split, whole BK tiles
+    k_lo = pid_s * per
+    k_hi = tl.minimum(k_lo + per, K)
+    offs_d = pid_d * BD + tl.arange(0, BD)
+    dmask = offs_d < D
+    acc = tl.zeros((BK, BD), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        kmask = offs_k < k_hi
+        rows = tl.load(idx_ptr + offs_k, mask=kmask, other=0).to(tl.int64)
+        u = tl.load(u_ptr + offs_k, mask=kmask, other=0.0)
+        if HAS_BIAS:
+            u += tl.load(bias_ptr + rows, mask=kmask, other=0.0).to(tl.float32)
+        h = _act(u, tl.load(g_ptr + offs_k, mask=kmask, other=0.0), ACT)
+        live = kmask & (h != 0)  # zero activation: skip the row's bytes
+        w = tl.load(down_ptr + rows[:, None] * s_down + offs_d[None, :],
+                    mask=live[:, None] & dmask[None, :], other=0.0)
+        acc += h[:, None] * w.to(tl.float32)
+    tl.atomic_add(y_ptr + offs_d, tl.sum(acc, axis=0), mask=dmask)
+
+
+def sparse_ffn_split(x, up, gate, up_bias, down_t, idx, n_active, act, y, cfg: Config) -> None:
+    """T == 1 through the split kernels: y [1, D] (y's dtype) = sum over active rows."""
+    D, K = x.shape[1], idx.shape[0]
+    if K == 0:
+        y.zero_()
+        return
+    u = torch.zeros(2 if gate is not None else 1, K, dtype=torch.float32, device=x.device)  # pre-activations
+    y32 = y if y.dtype == torch.float32 else torch.zeros(D, dtype=torch.float32, device=x.device)
+    if y32 is y:
+        y.zero_()
+    nact = n_active if n_active is not None else idx
+    g = u[1] if gate is not None else u[0]
+    d_per = triton.cdiv(triton.cdiv(D, cfg.up_sd), cfg.up_bd) * cfg.up_bd
+    _up_partial_kernel[(triton.cdiv(K, cfg.up_bk), triton.cdiv(D, d_per))](
+        x, up, gate if gate is not None else up, idx, nact, u[0], g, D, K, up.stride(0),
+        (gate if gate is not None else up).stride(0), d_per, HAS_GATE=gate is not None,
+        HAS_NACT=n_active is not None, BK=cfg.up_bk, BD=cfg.up_bd, num_warps=cfg.up_warps)
+    _down_split_kernel[(triton.cdiv(D, cfg.down_bd), cfg.down_sk)](
+        u[0], g, up_bias if up_bias is not None else u[0], down_t, idx, nact, y32, D, K, down_t.stride(0),
+        cfg.down_sk, ACT=ACT_CODE[act], HAS_BIAS=up_bias is not None, HAS_NACT=n_active is not None,
+        BK=cfg.down_bk, BD=cfg.down_bd, num_warps=cfg.down_warps)
+    if y32 is not y:
+        y.copy_(y32.view(1, D))
+
+
 def _mask_mode(mask: torch.Tensor | None) -> int:
     return 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
 
@@ -294,6 +398,9 @@ def sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_activ
     if n_active is not None:
         n_active = n_active.reshape(1).to(torch.int32)
     y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    if T == 1 and mask is None and cfg.split:
+        sparse_ffn_split(x, up, gate, up_bias, down_t, idx, n_active, act, y, cfg)
+        return y
     h = torch.empty((T, max(1, idx.shape[0])), dtype=torch.float32, device=x.device)  # [T, K]
     launch_up(x, up, gate, up_bias, idx, mask, n_active, act, h, cfg)
     launch_down(h, down_t, idx, n_active, y, cfg)

@@ -133,3 +133,35 @@ def test_triton_sparse_ffn_over_max_t_tokens_runs_in_blocks():
     out = poisoned((T, D), torch.float32)
     y = triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, mask, "reglu", b, out, None, cfg)
     assert rel_err(y, sparse_ffn_ref(x, up, gate, down_t, idx, mask, "reglu", b)) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("act", ["relu", "reglu", "swiglu"])
+def test_triton_split_variant_matches_reference(dtype, act):
+    """Config.up_sd / down_sk (T == 1): D split over programs with atomics into the pre-activations,
+    the activation applied by the down stage, active rows split over programs into an fp32 y;
+    against float64 for several splits (uneven last splits, more splits than tiles), a device
+    count below len(idx), no active row, fp32 and fp16 outputs, and OPT's up bias (relu)."""
+    gen = torch.Generator().manual_seed(len(act) + (dtype == torch.float16))
+    N, D, K = 90, 70, 41
+    up, gate, down_t, b = make_shard(N, D, dtype, act, act == "relu", gen)
+    x = torch.randn(1, D, generator=gen).to(dtype)
+    idx = make_idx(K, N, gen, torch.int32)
+    for sd, sk in ((1, 1), (3, 2), (2, 5), (7, 13)):
+        cfg = triton_ffn.Config(up_bk=8, up_bd=16, up_warps=4, down_bk=8, down_bd=32, down_warps=4,
+                                up_sd=sd, down_sk=sk)
+        assert cfg.split
+        for n_act, out_dt in ((None, torch.float32), (torch.tensor([29], dtype=torch.int32), dtype),
+                              (torch.tensor([0], dtype=torch.int32), dtype)):
+            out = poisoned((1, D), out_dt)
+            y = triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, None, act, b, out, n_act, cfg)
+            assert y is out
+            ref = sparse_ffn_ref(x, up, gate, down_t, idx, None, act, b, n_active=n_act)
+            if n_act is not None and int(n_act) == 0:
+                assert torch.equal(y, torch.zeros_like(y)), (sd, sk)
+                continue
+            err = rel_err(y, ref)
+            assert err < TOL[out_dt], f"split sd={sd} sk={sk} n_active={n_act} out {out_dt}: {err:.2e}"
+    out = poisoned((1, D), dtype)  # no active row at all
+    y = triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx[:0], None, act, b, out, None, cfg)
+    assert torch.equal(y, torch.zeros_like(y))
