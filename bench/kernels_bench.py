@@ -80,7 +80,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "runtime's cold working set, beyond any L3): sparse_ffn_bitmask per work split only")
     p.add_argument("--exchange-cflags", default=None,
                    help="--cpu-exchange: ';'-separated kernel builds to compare (POWERINFER_RAY_CPU_CFLAGS each, "
-                        "'' = the default), e.g. ';-DPI_PF_AHEAD=1024'; one worker process per build and policy")
+                        "'' = the default), e.g. ';-DPI_ONE_ROW' (a value starting with '-' needs '=': "
+                        "--exchange-cflags=-DPI_ONE_ROW;); one worker process per build and policy")
     p.add_argument("--exchange-worker", default=None, help=argparse.SUPPRESS)  # internal: JSON path of one worker
     return p.parse_args(argv)
 

@@ -17,6 +17,8 @@
 //    private fp32 accumulator A_i [T, D] (phase 2, R rows interleaved so A_i is loaded and stored
 //    once per R rows); after a barrier the accumulators are summed in parallel over D.
 // Rows whose activation is zero for every token (ReLU zeros, masked tokens) skip their down row.
+// At T = 1 phase 1 takes active rows in pairs, one pass over x for both (dot2_t1): four weight
+// streams per thread keep more reads in flight than two.
 // pi_sparse_ffn_bitmask decodes the CPU executor's packed mask (active rows and token bits) and
 // converts x itself, so the executor's exchange is one call.
 //
@@ -243,6 +245,53 @@ void dot_all_tokens(const typename W::T* up, const typename W::T* gate, const fl
     }
 }
 
+#ifndef PI_ONE_ROW
+// T == 1, two rows in one pass over x: four weight streams in flight per thread instead of two.
+// Dev machine (Zen 4, cold rows, bench kernels --cpu-exchange --exchange-layers 4): 1 thread
+// K = 254 594 -> 528 us, K = 1024 2210 -> 1920 us; 2 threads 1-6 % faster. Not yet measured on
+// the H200 host; -DPI_ONE_ROW (POWERINFER_RAY_CPU_CFLAGS) builds the one-row loop for an A/B.
+template <class W, bool GATE>
+void dot2_t1(const typename W::T* up0, const typename W::T* gate0, const typename W::T* up1,
+             const typename W::T* gate1, const float* x, int64_t D, float* u, float* g) {
+    vf u0a = vzero(), u0b = vzero(), u1a = vzero(), u1b = vzero();
+    vf g0a = vzero(), g0b = vzero(), g1a = vzero(), g1b = vzero();
+    int64_t d = 0;
+    for (; d + 2 * VW <= D; d += 2 * VW) {
+        const vf xa = vload(x + d), xb = vload(x + d + VW);
+        u0a = vfma(W::load(up0 + d), xa, u0a);
+        u1a = vfma(W::load(up1 + d), xa, u1a);
+        u0b = vfma(W::load(up0 + d + VW), xb, u0b);
+        u1b = vfma(W::load(up1 + d + VW), xb, u1b);
+        if (GATE) {
+            g0a = vfma(W::load(gate0 + d), xa, g0a);
+            g1a = vfma(W::load(gate1 + d), xa, g1a);
+            g0b = vfma(W::load(gate0 + d + VW), xb, g0b);
+            g1b = vfma(W::load(gate1 + d + VW), xb, g1b);
+        }
+    }
+    for (; d + VW <= D; d += VW) {
+        const vf xa = vload(x + d);
+        u0a = vfma(W::load(up0 + d), xa, u0a);
+        u1a = vfma(W::load(up1 + d), xa, u1a);
+        if (GATE) {
+            g0a = vfma(W::load(gate0 + d), xa, g0a);
+            g1a = vfma(W::load(gate1 + d), xa, g1a);
+        }
+    }
+    float s[4] = {vsum(vadd(u0a, u0b)), vsum(vadd(u1a, u1b)), GATE ? vsum(vadd(g0a, g0b)) : 0.f,
+                  GATE ? vsum(vadd(g1a, g1b)) : 0.f};
+    for (; d < D; ++d) {  // tail
+        s[0] += W::at(up0 + d) * x[d];
+        s[1] += W::at(up1 + d) * x[d];
+        if (GATE) {
+            s[2] += W::at(gate0 + d) * x[d];
+            s[3] += W::at(gate1 + d) * x[d];
+        }
+    }
+    u[0] = s[0], u[1] = s[1], g[0] = s[2], g[1] = s[3];
+}
+#endif
+
 inline float activate(int act, float u, float g) {
     switch (act) {
         case ACT_RELU: return u > 0.f ? u : 0.f;
@@ -331,29 +380,53 @@ inline bool mask_at(const Args& a, int64_t t, int64_t k) {
     return true;
 }
 
+// Pre-activations of idx entries k0 .. k0+m-1 (m <= R): u, g [m, T] (row j at j * T). Each row's
+// up / gate are streamed once; the next entry's (nx, -1 if none) heads are prefetched first.
+template <class W, bool GATE>
+void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g) {
+    typedef typename W::T WT;
+    const WT* up = (const WT*)a.up;
+    const WT* gate = (const WT*)a.gate;
+    const int64_t T = a.T, D = a.D;
+    auto row_up = [&](int64_t r) { return up + r * a.ld_up; };
+    auto row_gate = [&](int64_t r) { return GATE ? gate + r * a.ld_gate : nullptr; };
+    int j = 0;
+#ifndef PI_ONE_ROW
+    if (T == 1)
+        for (; j + 2 <= m; j += 2) {
+            const int64_t r0 = row_id(a, k0 + j), r1 = row_id(a, k0 + j + 1);
+            dot2_t1<W, GATE>(row_up(r0), row_gate(r0), row_up(r1), row_gate(r1), a.x, D, u + j, g + j);
+        }
+#endif
+    for (; j < m; ++j) {
+        const int64_t row = row_id(a, k0 + j);
+        const int64_t next = j + 1 < m ? row_id(a, k0 + j + 1) : nx;
+        if (next >= 0)  // start the next row's up / gate streams before this row's dot
+            for (int l = 0; l < PF_LINES; ++l) {
+                __builtin_prefetch((const char*)row_up(next) + 64 * l);
+                if (GATE) __builtin_prefetch((const char*)row_gate(next) + 64 * l);
+            }
+        dot_all_tokens<W, GATE>(row_up(row), row_gate(row), a.x, T, D, u + j * T, g + j * T);
+    }
+}
+
 // One thread's slice [k0, k1) of idx into its accumulator A [T, D].
 template <class W, bool GATE>
 void run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
     typedef typename W::T WT;
-    const WT* up = (const WT*)a.up;
-    const WT* gate = (const WT*)a.gate;
     const WT* down = (const WT*)a.down;
     const int64_t T = a.T, D = a.D;
-    float u[64], g[64];  // T <= 64 per block of tokens, see pi_sparse_ffn
+    float ub[R * 64], gb[R * 64];  // T <= 64 per block of tokens, see pi_sparse_ffn
     float h[R * 64];
     const WT* rows[R];
     for (int64_t kb = k0; kb < k1; kb += R) {
+        const int m = (int)(kb + R < k1 ? R : k1 - kb);
+        dot_block<W, GATE>(a, kb, m, kb + m < k1 ? row_id(a, kb + m) : -1, ub, gb);
         int nr = 0;
-        for (int64_t k = kb; k < kb + R && k < k1; ++k) {
-            int64_t row = row_id(a, k);
-            if (k + 1 < k1) {  // start the next row's up / gate streams before this row's dot
-                int64_t nx = row_id(a, k + 1);
-                for (int l = 0; l < PF_LINES; ++l) {
-                    __builtin_prefetch((const char*)(up + nx * a.ld_up) + 64 * l);
-                    if (GATE) __builtin_prefetch((const char*)(gate + nx * a.ld_gate) + 64 * l);
-                }
-            }
-            dot_all_tokens<W, GATE>(up + row * a.ld_up, GATE ? gate + row * a.ld_gate : nullptr, a.x, T, D, u, g);
+        for (int64_t k = kb; k < kb + m; ++k) {
+            const int64_t row = row_id(a, k);
+            const float* u = ub + (k - kb) * T;
+            const float* g = gb + (k - kb) * T;
             float b = a.bias ? bias_at(a, row) : 0.f;
             bool any = false;
             for (int64_t t = 0; t < T; ++t) {
@@ -426,21 +499,16 @@ inline void convert_x_par(const Args& a) {
 // nz[k] (any of them nonzero).
 template <class W, bool GATE>
 void act_rows(const Args& a, int64_t k0, int64_t k1) {
-    typedef typename W::T WT;
-    const WT* up = (const WT*)a.up;
-    const WT* gate = (const WT*)a.gate;
-    const int64_t T = a.T, D = a.D;
-    float u[64], g[64];
+    const int64_t T = a.T;
+    float ub[R * 64], gb[R * 64];
     for (int64_t k = k0; k < k1; ++k) {
         const int64_t row = row_id(a, k);
-        if (k + 1 < k1) {  // start the next row's up / gate streams before this row's dot
-            const int64_t nx = row_id(a, k + 1);
-            for (int l = 0; l < PF_LINES; ++l) {
-                __builtin_prefetch((const char*)(up + nx * a.ld_up) + 64 * l);
-                if (GATE) __builtin_prefetch((const char*)(gate + nx * a.ld_gate) + 64 * l);
-            }
+        if ((k - k0) % R == 0) {  // the next block's pre-activations
+            const int m = (int)(k + R < k1 ? R : k1 - k);
+            dot_block<W, GATE>(a, k, m, k + m < k1 ? row_id(a, k + m) : -1, ub, gb);
         }
-        dot_all_tokens<W, GATE>(up + row * a.ld_up, GATE ? gate + row * a.ld_gate : nullptr, a.x, T, D, u, g);
+        const float* u = ub + (k - k0) % R * T;
+        const float* g = gb + (k - k0) % R * T;
         const float b = a.bias ? bias_at(a, row) : 0.f;
         bool any = false;
         float* h = a.h + k * T;
