@@ -390,6 +390,14 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g)
     const int64_t T = a.T, D = a.D;
     auto row_up = [&](int64_t r) { return up + r * a.ld_up; };
     auto row_gate = [&](int64_t r) { return GATE ? gate + r * a.ld_gate : nullptr; };
+    auto prefetch_heads = [&](int64_t r) {  // start a row's up / gate streams ahead of its dot
+        if (r < 0) return;
+        for (int l = 0; l < PF_LINES; ++l) {
+            __builtin_prefetch((const char*)row_up(r) + 64 * l);
+            if (GATE) __builtin_prefetch((const char*)row_gate(r) + 64 * l);
+        }
+    };
+    auto entry = [&](int j) { return j < m ? row_id(a, k0 + j) : (j == m ? nx : -1); };
     int j = 0;
 #ifndef PI_ONE_ROW
     if (T == 1)
@@ -399,14 +407,9 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g)
         }
 #endif
     for (; j < m; ++j) {
-        const int64_t row = row_id(a, k0 + j);
-        const int64_t next = j + 1 < m ? row_id(a, k0 + j + 1) : nx;
-        if (next >= 0)  // start the next row's up / gate streams before this row's dot
-            for (int l = 0; l < PF_LINES; ++l) {
-                __builtin_prefetch((const char*)row_up(next) + 64 * l);
-                if (GATE) __builtin_prefetch((const char*)row_gate(next) + 64 * l);
-            }
-        dot_all_tokens<W, GATE>(row_up(row), row_gate(row), a.x, T, D, u + j * T, g + j * T);
+        prefetch_heads(entry(j + 1));
+        dot_all_tokens<W, GATE>(row_up(row_id(a, k0 + j)), row_gate(row_id(a, k0 + j)), a.x, T, D, u + j * T,
+                                g + j * T);
     }
 }
 
