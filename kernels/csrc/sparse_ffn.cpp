@@ -612,10 +612,15 @@ void run_rows(const Args& a) {
         std::memset(A, 0, TD * sizeof(float));
         convert_x_par(a);
         // Chunks of CH rows handed out dynamically: a thread that the OS preempts (cores shared
-        // with other processes) delays the barrier by one chunk, not by a whole slice. ~3 chunks
-        // per thread (2 .. 4R rows each), so few active rows still keep every thread reading:
-        // with a fixed 4R, 254 rows were 8 chunks for 14 threads.
-        int64_t CH = K / (3 * n);
+        // with other processes) delays the barrier by one chunk, not by a whole slice. ~PI_CHUNKS
+        // chunks per thread (2 .. 4R rows each), so few active rows still keep every thread
+        // reading (with a fixed 4R, 254 rows were 8 chunks for 14 threads) and the last chunks
+        // even out. Dev machine, 2 threads, cold, K = 254: 3 per thread 346 / 383 us, 8 per
+        // thread 313 / 319 us, 16 306 / 315 (two repeats); K = 1024 within noise.
+#ifndef PI_CHUNKS
+#define PI_CHUNKS 8
+#endif
+        int64_t CH = K / (PI_CHUNKS * n);
         CH = CH < 2 ? 2 : (CH > 4 * R ? 4 * R : CH);
         const int64_t nch = (K + CH - 1) / CH;
 #pragma omp for schedule(dynamic, 1)
