@@ -90,7 +90,7 @@ class Coordinator:
                 raise ValueError(f"threads={threads}: the CPU executor reserves one CPU per thread and the GPU "
                                  f"executor one more, but the Ray cluster has {n_cpus} CPUs; use threads <= "
                                  f"{n_cpus - 1} (or start Ray with more CPUs)")
-        self.gpu = self.cpu = self.spec = self.link = None
+        self.gpu = self.cpu = self.spec = self.link = self.shard_spec = self.dense_prefill = None
         try:  # all or nothing: a half-built pair would hold the names a retry needs
             self.gpu = GPUExecutor.options(
                 name=f"{self.name}.gpu-executor.{dev_name}", num_gpus=1 if device == "cuda" else 0, num_cpus=1,
@@ -105,6 +105,9 @@ class Coordinator:
             self.spec = ray.get(self.gpu.create_channel.remote())
             if self.cpu is not None:
                 ray.get(self.cpu.attach.remote(self.spec))
+                self.shard_spec = ray.get(self.cpu.shard_spec.remote())
+                # dense prefill of long prompts reads the CPU executor's rows: its shared pages, or a copy
+                self.dense_prefill = ray.get(self.gpu.attach_cold.remote(self.shard_spec))
             if STEP_LINK:  # steps over a Unix socket: Ray's ~1.5 ms per call off every token
                 self.link = StepClient(ray.get(self.gpu.open_step_link.remote()))
         except BaseException:
@@ -163,7 +166,8 @@ class Coordinator:
 
     def ready(self) -> dict[str, Any]:
         return {"model": self.model_name, "n_ctx": self.n_ctx, "policy": self.policy,
-                "executors": ["gpu"] + (["cpu"] if self.cpu else []), "plan_s": self.plan_s}
+                "executors": ["gpu"] + (["cpu"] if self.cpu else []), "plan_s": self.plan_s,
+                "dense_prefill": self.dense_prefill}
 
     def model_info(self) -> dict[str, Any]:
         return {"name": self.model_name, "n_ctx": self.n_ctx, "n_vocab": self.cfg.n_vocab,

@@ -87,6 +87,10 @@ class GPUExecutor:
     def create_channel(self) -> ChannelSpec | None:
         return self.impl.create_channel()
 
+    def attach_cold(self, spec: Any) -> str | None:  # noqa: ANN401
+        """The CPU shard's rows for dense prefill (the CPU executor's shared pages, or a copy)."""
+        return self.impl.attach_cold(spec)
+
     def step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]):  # noqa: ANN201
         t0 = time.perf_counter()
         out = self.impl.step(slots, tokens, start_pos)
@@ -136,6 +140,10 @@ class CPUExecutor:
 
     def set_threads(self, n: int) -> int:
         return self.impl.set_threads(n)
+
+    def shard_spec(self) -> Any:  # noqa: ANN401
+        """Where its FFN rows are shared (runtime.sharedshard), or None."""
+        return self.impl.shard_spec
 
     def attach(self, spec: ChannelSpec) -> int:
         pid = self.impl.attach(spec)

@@ -169,6 +169,7 @@ class LocalEngine:
             self.cpu = CPUExecutor(src, plan, policy=policy, slots=ec.max_batch, n_ctx=n_ctx, threads=ec.threads)
             self.cpu.attach(spec)
             self.cpu.start()
+            self.primary.attach_cold(self.cpu.shard_spec)
         tok = make_tokenizer(src.fields)
         self.coordinator = Coordinator(self._step, tok, n_ctx=n_ctx, max_batch=ec.max_batch,
                                        prefill_chunk=chunk)

@@ -32,11 +32,13 @@ from ..kernels.predictor import predictor_logits
 from ..model import gguf_keys as K
 from ..model.reference import ffn_activation, layer_norm, rms_norm
 from ..model.source import WeightSource, open_model
-from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec, pack_mask
+from .channel import (OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec, _clear_cuda_error,
+                      pack_mask)
 from .graphs import GRAPH_POLICIES, DecodeGraphs, GraphCaptureError
 from .layers import POLICIES, attn_partial, ffn_partial, merge_partials
 from .plan import Plan
 from .shard import AttnShard, FFNShard, load_attn_shard, load_ffn_shard
+from .sharedshard import SharedShardSpec, attach, release, share
 
 log = logging.getLogger(__name__)
 _DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -179,17 +181,43 @@ class PrimaryExecutor:
         self.gpu_first = [torch.arange(lw.ffn.n + len(lp.cpu_neurons), device=dev) < lw.ffn.n
                           for lw, lp in zip(self.layers, self.plan.layers)]
         self.all_rows = [torch.arange(lw.ffn.n, dtype=torch.int32, device=dev) for lw in self.layers]
+        # the CPU shard's rows for dense prefill: set by attach_cold once the CPU executor exists
         self.cold: list[FFNShard] | None = None
-        if self.prefill_dense_min > 0 and any(len(lp.cpu_neurons) for lp in self.plan.layers):
-            cold_bytes = sum(len(lp.cpu_neurons) for lp in self.plan.layers) * cfg.neuron_bytes
-            avail = _host_available_bytes()
-            if self._prefill_auto and avail is not None and cold_bytes > avail // 3:
-                # a second host copy of the CPU shard would crowd the CPU executor's own
-                log.warning("primary: dense prefill off: the CPU shard's %.1f GiB would take more than a third "
-                            "of the host's %.1f GiB available", cold_bytes / 2**30, avail / 2**30)
-                self.prefill_dense_min = 0
-            else:
-                self.cold = [self._host_shard(l) for l in range(cfg.n_layer)]
+        self.cold_source: str | None = None  # "shared" (the CPU executor's pages) | "copy" (our own)
+        self._cold_pinned: int = 0  # address cudaHostRegister'ed (shared pages), for close()
+
+    def attach_cold(self, spec: SharedShardSpec | None) -> str | None:
+        """The CPU shard's rows for dense prefill of long prompts: the CPU executor's shared pages
+        (``spec``; pinned for DMA on CUDA), else our own host copy when it takes at most a third of
+        the host's available memory. Called by the engine after both executors exist; returns
+        where the rows come from (None: dense prefill off)."""
+        cfg = self.cfg
+        if self.cold is not None or self.prefill_dense_min <= 0 or not any(len(lp.cpu_neurons) for lp in self.plan.layers):
+            return self.cold_source
+        mapped = attach(spec) if spec is not None else None
+        if mapped is not None:
+            self.cold, buf = mapped
+            self.cold_source = "shared"
+            if self.device.type == "cuda":
+                err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0))
+                if err:
+                    _clear_cuda_error()
+                    log.warning("primary: cudaHostRegister of the shared CPU shard failed (error %d): dense prefill "
+                                "copies will be synchronous", err)
+                else:
+                    self._cold_pinned = buf.data_ptr()
+            return self.cold_source
+        cold_bytes = sum(len(lp.cpu_neurons) for lp in self.plan.layers) * cfg.neuron_bytes
+        avail = _host_available_bytes()
+        if self._prefill_auto and avail is not None and cold_bytes > avail // 3:
+            # a second host copy of the CPU shard would crowd the CPU executor's own
+            log.warning("primary: dense prefill off: the CPU shard's %.1f GiB would take more than a third "
+                        "of the host's %.1f GiB available", cold_bytes / 2**30, avail / 2**30)
+            self.prefill_dense_min = 0
+            return None
+        self.cold = [self._host_shard(l) for l in range(cfg.n_layer)]
+        self.cold_source = "copy"
+        return self.cold_source
 
     def _host_shard(self, l: int) -> FFNShard:
         """The CPU executor's rows of layer l, in (pinned) host memory, for dense prefill."""
@@ -231,6 +259,9 @@ class PrimaryExecutor:
         if self.channel is not None:
             self.channel.close(unlink=True)
             self.channel = None
+        if self._cold_pinned:
+            torch.cuda.cudart().cudaHostUnregister(self._cold_pinned)
+            self._cold_pinned = 0
 
     # --- the step ----------------------------------------------------------------------------------
     def _norm(self, x: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
@@ -302,15 +333,15 @@ class PrimaryExecutor:
         y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=dev)
         for a in range(0, cold.n, rows):
             b = min(a + rows, cold.n)
-            up = cold.up[a:b].to(dev, non_blocking=True)
-            gate = cold.gate[a:b].to(dev, non_blocking=True) if cold.gate is not None else None
+            up = cold.up[a:b].to(dev, x.dtype, non_blocking=True)  # shared rows keep the CPU executor's dtype
+            gate = cold.gate[a:b].to(dev, x.dtype, non_blocking=True) if cold.gate is not None else None
             u = x @ up.T  # [N, b-a]
             if cold.up_bias is not None:
                 u = u + cold.up_bias[a:b].to(dev, u.dtype, non_blocking=True)  # fp32 bias: keep u's dtype
             hid = ffn_activation(self.cfg.ffn_act, u, x @ gate.T if gate is not None else None)
             if mask is not None:
                 hid = hid * mask[:, a:b]
-            y += (hid @ cold.down_t[a:b].to(dev, non_blocking=True)).float()
+            y += (hid @ cold.down_t[a:b].to(dev, hid.dtype, non_blocking=True)).float()
         pairs = int(mask.sum()) if mask is not None else x.shape[0] * cold.n
         self.stats.cold_neurons += pairs
         self.stats.active_bytes += cold.n * self.cfg.neuron_bytes
@@ -438,7 +469,11 @@ class CPUExecutor:
         wdt = _DTYPES[dtype or cfg.dtype]
         n_ctx = min(n_ctx or cfg.n_ctx, cfg.n_ctx)
         dev = torch.device("cpu")
-        self.ffn = [load_ffn_shard(self.src, l, plan[l].cpu_neurons, wdt, dev) for l in range(cfg.n_layer)]
+        # the FFN rows go into one shared-memory file when /dev/shm has room: the primary maps the
+        # same pages for dense prefill instead of holding a second copy (runtime/sharedshard.py)
+        load = lambda l: load_ffn_shard(self.src, l, plan[l].cpu_neurons, wdt, dev)  # noqa: E731
+        shared = share([len(plan[l].cpu_neurons) for l in range(cfg.n_layer)], cfg.gated, cfg.n_embd, wdt, load)
+        self.ffn, self.shard_spec = shared if shared is not None else ([load(l) for l in range(cfg.n_layer)], None)
         self.attn = [load_attn_shard(self.src, l, plan[l].cpu_groups, torch.float32, dev, slots + 1, n_ctx)
                      for l in range(cfg.n_layer)]
         self.stats = ExecStats()
@@ -522,3 +557,4 @@ class CPUExecutor:
     def stop(self) -> None:
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout=5)
+        release(self.shard_spec)  # our handle on the shared rows (their pages stay while mapped)

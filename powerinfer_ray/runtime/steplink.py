@@ -8,7 +8,9 @@ Ray still sets it up (the executor opens it and returns its path) and carries ev
 
 Frames: 8-byte little-endian length, then a pickle. Request: (slots, tokens, start_pos).
 Response: ("ok", logits) or ("error", exception). When the executor's process dies the kernel
-closes its end, and the coordinator's pending read raises `LinkClosed` at once.
+closes its end, and the coordinator's pending read raises `LinkClosed` at once. The socket's
+name is removed once the coordinator is connected (nothing left in /dev/shm; a coordinator
+never reconnects to the same executor: a closed link means a dead one).
 """
 from __future__ import annotations
 
@@ -71,6 +73,7 @@ class StepServer:
             except OSError:  # closed
                 return
             self.conn = conn
+            Path(self.path).unlink(missing_ok=True)  # connected: the name is no longer needed
             with conn:
                 while not self.closed:
                     try:

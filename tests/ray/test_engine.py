@@ -20,10 +20,13 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(ray_cluster, model):
-    # mixed split with CPU-placed heads: both executors and both kinds of exchange are exercised
+    # mixed split with CPU-placed heads: both executors and both kinds of exchange are exercised;
+    # prompts of >= 8 tokens run the CPU shard densely on the primary, from the CPU executor's
+    # shared pages (mapped across the two actor processes)
     eng = Coordinator.options(name="test-engine").remote(str(model[0]), gpu_fraction=0.5, cpu_groups=1,
-                                                         policy="oracle", max_batch=8, threads=1)
-    ray.get(eng.ready.remote())
+                                                         policy="oracle", max_batch=8, threads=1,
+                                                         prefill_dense_min=8)
+    assert ray.get(eng.ready.remote())["dense_prefill"] == "shared"
     yield eng
     ray.get(eng.shutdown.remote())
     ray.kill(eng)

@@ -290,3 +290,31 @@ def test_coordinator_stops_and_limits(models):
                 asyncio.run(eng.generate(prompt_token_ids=prompt, **bad))
     finally:
         eng.close()
+
+
+def test_primary_maps_the_cpu_executors_rows_instead_of_copying_them(tmp_path, monkeypatch):
+    """Dense prefill reads the CPU executor's own pages (runtime/sharedshard.py): a row changed on
+    the CPU executor's side is what the primary sees; nothing is left in /dev/shm; with sharing
+    off the primary makes its own copy and the logits are the same."""
+    from powerinfer_ray.runtime.channel import SHM_DIR
+
+    path = write_tiny_model(tmp_path / "m.gguf", "llama-reglu", seed=4, n_layer=2, n_ctx=64, predictor_rank=16)
+    plan = _plans(ReferenceModel.from_file(path).cfg)["mixed"]
+    before = set(SHM_DIR.glob("powerinfer-shard-*"))
+    prompt, out = list(range(3, 23)), {}
+    for share in ("1", "0"):
+        monkeypatch.setenv("POWERINFER_RAY_SHARE_SHARD", share)
+        eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="predictor", threshold=0.3, prefill_chunk=32,
+                                       prefill_dense_min=8))
+        try:
+            assert eng.primary.cold_source == ("shared" if share == "1" else "copy")
+            assert set(SHM_DIR.glob("powerinfer-shard-*")) == before  # no name left behind
+            out[share] = eng.primary.step([0], [prompt], [0])[0]
+            if share == "1":
+                cpu_up, cold_up = eng.cpu.ffn[1].up, eng.primary.cold[1].up
+                assert cpu_up.data_ptr() != cold_up.data_ptr() and torch.equal(cpu_up, cold_up.to(cpu_up.dtype))
+                cpu_up[0, :4] = 7.0  # the same pages, two mappings
+                assert torch.equal(cold_up[0, :4], torch.full((4,), 7.0, dtype=cold_up.dtype))
+        finally:
+            eng.close()
+    torch.testing.assert_close(torch.from_numpy(out["1"]), torch.from_numpy(out["0"]), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,139 @@
+"""The CPU executor's FFN shard in one shared-memory file that the primary maps too.
+
+For long prompts the primary computes the CPU shard's neurons densely, streaming their rows to
+its device (`PrimaryExecutor._cold_ffn`). It used to load its own host copy of those rows: a
+second copy of the largest thing on the host (10.8 GiB for the 13B shape at 16 GiB, ~50 GB for
+Falcon-40B at 32 GiB, where it was switched off for lack of RAM and prompts fell back to the
+CPU executor's kernel: 10 prompt tok/s, `bench/results/runtime-falcon40b-32gib-h200.json`).
+
+Now the CPU executor loads its rows into one file in /dev/shm, reserved up front with
+posix_fallocate (a full tmpfs would otherwise kill the writer with SIGBUS), and hands its layout
+to the primary through Ray; the file's name is removed at once and the primary opens it as
+/proc/<pid>/fd/<fd>, so it lives exactly as long as the two processes map it and nothing is left
+behind in /dev/shm whichever dies first. Where /dev/shm lacks the room, `share` returns None: the
+CPU executor keeps private memory and the primary makes its own copy if RAM allows (as before).
+$POWERINFER_RAY_SHARE_SHARD=0 turns sharing off.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .channel import SHM_DIR
+from .shard import FFNShard
+
+log = logging.getLogger(__name__)
+HEADROOM = 256 << 20  # bytes of /dev/shm left free for the channel and Ray
+_open_fds: list[int] = []  # the shared files of this process (open for its lifetime)
+
+
+@dataclass(frozen=True)
+class SharedShardSpec:
+    """Where each layer's rows are in the file (element offsets); the small parts travel inline."""
+
+    path: str
+    dtype: str  # torch dtype name of the weights
+    numel: int
+    d: int
+    # per layer: (ids [n], off_up, off_gate or -1, off_down, up_bias [n] float32 or None)
+    layers: tuple[tuple[np.ndarray, int, int, int, np.ndarray | None], ...]
+
+
+def _views(buf: torch.Tensor, spec: SharedShardSpec) -> list[FFNShard]:
+    out = []
+    for ids, o_up, o_gate, o_down, bias in spec.layers:
+        n = len(ids)
+
+        def at(off: int) -> torch.Tensor:
+            return buf[off: off + n * spec.d].view(n, spec.d)
+
+        out.append(FFNShard(np.asarray(ids), at(o_up), at(o_gate) if o_gate >= 0 else None, at(o_down),
+                            None if bias is None else torch.from_numpy(np.array(bias))))
+    return out
+
+
+def share(n_rows: list[int], gated: bool, d: int, dtype: torch.dtype,
+          load: Callable[[int], FFNShard]) -> tuple[list[FFNShard], SharedShardSpec] | None:
+    """Load layer l's shard with ``load(l)`` (n_rows[l] rows) straight into a new shared file,
+    one layer at a time (peak memory: the file plus one layer); the shards over it and its spec,
+    or None without loading anything (nothing to share, sharing off, no room in /dev/shm)."""
+    per_row = d * (3 if gated else 2)
+    numel = sum(n_rows) * per_row
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if numel == 0 or os.environ.get("POWERINFER_RAY_SHARE_SHARD", "1") == "0":
+        return None
+    try:
+        st = os.statvfs(SHM_DIR)
+        free = st.f_bavail * st.f_frsize
+    except OSError:
+        free = 0
+    if free < nbytes + HEADROOM:
+        log.warning("CPU shard not shared: %s has %.1f GiB free, the shard needs %.1f GiB; the primary "
+                    "will need its own copy for dense prefill", SHM_DIR, free / 2**30, nbytes / 2**30)
+        return None
+    path = SHM_DIR / f"powerinfer-shard-{uuid.uuid4().hex[:12]}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)  # every page reserved now: no SIGBUS on a later write
+    except OSError as e:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        log.warning("CPU shard not shared: reserving %.1f GiB in %s failed (%s)", nbytes / 2**30, SHM_DIR, e)
+        return None
+    # The name goes at once; the open fd keeps the file, and the primary opens it as
+    # /proc/<pid>/fd/<fd>: nothing is left in /dev/shm whichever process dies first.
+    path.unlink()
+    _open_fds.append(fd)
+    proc_path = f"/proc/{os.getpid()}/fd/{fd}"
+    try:
+        buf = torch.from_file(proc_path, shared=True, size=numel, dtype=dtype)
+        layers, off = [], 0
+        for l, n in enumerate(n_rows):
+            sh = load(l)
+            offs = []
+            for t in (sh.up, sh.gate, sh.down_t):
+                if t is None:
+                    offs.append(-1)
+                    continue
+                if tuple(t.shape) != (n, d) or t.dtype != dtype:
+                    raise ValueError(f"layer {l}: shard rows {tuple(t.shape)} {t.dtype}, expected ({n}, {d}) {dtype}")
+                buf[off: off + t.numel()].view_as(t).copy_(t)
+                offs.append(off)
+                off += t.numel()
+            bias = None if sh.up_bias is None else sh.up_bias.float().numpy()
+            layers.append((np.asarray(sh.ids), offs[0], offs[1], offs[2], bias))
+            del sh
+    except BaseException:
+        _open_fds.remove(fd)
+        os.close(fd)
+        raise
+    spec = SharedShardSpec(proc_path, str(dtype).removeprefix("torch."), numel, d, tuple(layers))
+    return _views(buf, spec), spec
+
+
+def attach(spec: SharedShardSpec) -> tuple[list[FFNShard], torch.Tensor] | None:
+    """Map the shared file: the shards over it and the flat buffer (to pin it); None if it cannot
+    be opened (its process is gone, or /proc/<pid>/fd is not readable here)."""
+    try:
+        buf = torch.from_file(spec.path, shared=True, size=spec.numel, dtype=getattr(torch, spec.dtype))
+    except (OSError, RuntimeError) as e:
+        log.warning("the CPU executor's shared shard (%s) could not be mapped: %s", spec.path, e)
+        return None
+    return _views(buf, spec), buf
+
+
+def release(spec: SharedShardSpec | None) -> None:
+    """Close this process's handle on a file it shared (``share``): the pages go when the last
+    mapping does."""
+    if spec is None:
+        return
+    fd = int(spec.path.rsplit("/", 1)[1])
+    if fd in _open_fds and spec.path.startswith(f"/proc/{os.getpid()}/fd/"):
+        _open_fds.remove(fd)
+        os.close(fd)
