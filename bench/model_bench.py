@@ -158,6 +158,7 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
     return {
         "batch": batch, "prompt_len": prompt_len, "output_len": output_len,
         "decode_tok_s": decode_tokens / decode_s if decode_s else 0.0,
+        "decode_step_ms": 1e3 * decode_s / decode_steps if decode_steps else 0.0,  # vs n_layer x per_layer_us
         "e2e_tok_s": batch * (prompt_len + output_len) / wall,
         "prefill_tok_s": _delta(c1, c0, "prompt_tokens") / max(_delta(c1, c0, "prefill_s"), 1e-9),
         "wall_s": wall, "decode_steps": decode_steps,

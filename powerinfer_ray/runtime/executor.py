@@ -64,8 +64,9 @@ class ExecStats:
     gpu_sampled_steps: int = 0
     kernel_s: float = 0.0  # CPU executor: inside the FFN kernel call (the rest of an answer is Python)
     # host seconds: attn / ffn of eager steps, wait for the CPU's answers, gpu_wait of graph
-    # steps (for the GPU's segment to finish before a post)
-    layer_s: dict[str, float] = field(default_factory=lambda: {"attn": 0.0, "ffn": 0.0, "wait": 0.0, "gpu_wait": 0.0})
+    # steps (for the GPU's segment to finish before a post), launch (inside graph replay calls)
+    layer_s: dict[str, float] = field(default_factory=lambda: {"attn": 0.0, "ffn": 0.0, "wait": 0.0, "gpu_wait": 0.0,
+                                                               "launch": 0.0})
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)

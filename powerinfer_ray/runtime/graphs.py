@@ -278,11 +278,13 @@ class DecodeGraphs:
         for it in self.items:
             if it[0] == "run":
                 if self.cuda:
+                    t_l = time.monotonic_ns()
                     if timed:
                         self.timers[k][0].record()
                     self.graphs[k].replay()
                     if timed:
                         self.timers[k][1].record()
+                    st.layer_s["launch"] += (time.monotonic_ns() - t_l) * 1e-9
                 else:
                     for fn in it[1]:
                         fn()
