@@ -400,6 +400,23 @@ inline bool mask_at(const Args& a, int64_t t, int64_t k) {
     return true;
 }
 
+// Few tokens of a row active (T > 1): the row is computed for those tokens alone, one dot product
+// and one axpy each, instead of for all T in register blocks and masked after. At batch 32 the
+// union of the sequences' active cold rows covers most of the CPU shard while each row is active
+// for a few sequences: the blocked path spent its FMAs on masked tokens.
+// (-DPI_DENSE_TOKENS: always the blocked path, for A/B runs.)
+#ifndef PI_DENSE_TOKENS
+inline bool few_tokens(const Args& a, int64_t k, uint64_t* bits) {
+    if (a.T < 4 || a.T > 64 || (a.mask_mode != MASK_BITS && a.mask_mode != MASK_BITS64)) return false;
+    const uint64_t b = a.mask_mode == MASK_BITS ? (uint64_t)(uint32_t)((const int32_t*)a.mask)[k]
+                                                : ((const uint64_t*)a.mask)[k];
+    *bits = b;
+    return 2 * __builtin_popcountll(b) <= a.T;
+}
+#else
+inline bool few_tokens(const Args&, int64_t, uint64_t*) { return false; }
+#endif
+
 // Pre-activations of idx entries k0 .. k0+m-1 (m <= R): u, g [m, T] (row j at j * T). Each row's
 // up / gate are streamed once; the next entry's (nx, -1 if none) heads are prefetched first.
 template <class W, bool GATE>
@@ -433,6 +450,26 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g)
     }
 }
 
+// Row k for the tokens in ``bits`` only: per token u, g = up/gate . x[t], h = act, A[t] += h * down.
+// The row's bytes come from memory once (first token) and from cache after.
+template <class W, bool GATE>
+void row_few_tokens(const Args& a, int64_t k, uint64_t bits, float* A) {
+    typedef typename W::T WT;
+    const int64_t row = row_id(a, k), D = a.D;
+    const WT* up = (const WT*)a.up + row * a.ld_up;
+    const WT* gate = GATE ? (const WT*)a.gate + row * a.ld_gate : nullptr;
+    const WT* down = (const WT*)a.down + row * a.ld_down;
+    const float b = a.bias ? bias_at(a, row) : 0.f;
+    while (bits) {
+        const int t = __builtin_ctzll(bits);
+        bits &= bits - 1;
+        float u, g;
+        dot_rows<W, 1, GATE>(up, gate, a.x + t * D, D, &u, &g);
+        const float h = activate(a.act, u + b, g);
+        if (h != 0.f) axpy_rows<W, 1>(&down, 1, &h, 1, 0, A + t * D, D, 0, D);
+    }
+}
+
 // One thread's slice [k0, k1) of idx into its accumulator A [T, D].
 template <class W, bool GATE>
 void run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
@@ -444,9 +481,20 @@ void run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
     const WT* rows[R];
     for (int64_t kb = k0; kb < k1; kb += R) {
         const int m = (int)(kb + R < k1 ? R : k1 - kb);
-        dot_block<W, GATE>(a, kb, m, kb + m < k1 ? row_id(a, kb + m) : -1, ub, gb);
+        bool few[R] = {};
+        if (T == 1) {
+            dot_block<W, GATE>(a, kb, m, kb + m < k1 ? row_id(a, kb + m) : -1, ub, gb);
+        } else {  // rows active for few tokens: those tokens alone, now; the others' dots for the block
+            for (int j = 0; j < m; ++j) {
+                uint64_t bits;
+                few[j] = few_tokens(a, kb + j, &bits);
+                if (few[j]) row_few_tokens<W, GATE>(a, kb + j, bits, A);
+                else dot_block<W, GATE>(a, kb + j, 1, -1, ub + j * T, gb + j * T);
+            }
+        }
         int nr = 0;
         for (int64_t k = kb; k < kb + m; ++k) {
+            if (few[k - kb]) continue;  // done above
             const int64_t row = row_id(a, k);
             const float* u = ub + (k - kb) * T;
             const float* g = gb + (k - kb) * T;
