@@ -570,19 +570,38 @@ inline void convert_x_par(const Args& a) {
 // nz[k] (any of them nonzero).
 template <class W, bool GATE>
 void act_rows(const Args& a, int64_t k0, int64_t k1) {
-    const int64_t T = a.T;
+    typedef typename W::T WT;
+    const int64_t T = a.T, D = a.D;
     float ub[R * 64], gb[R * 64];
     for (int64_t k = k0; k < k1; ++k) {
         const int64_t row = row_id(a, k);
-        if ((k - k0) % R == 0) {  // the next block's pre-activations
+        const float b = a.bias ? bias_at(a, row) : 0.f;
+        float* h = a.h + k * T;
+        uint64_t bits;
+        if (T > 1 && few_tokens(a, k, &bits)) {  // those tokens' dots alone (see few_tokens)
+            const WT* up = (const WT*)a.up + row * a.ld_up;
+            const WT* gate = GATE ? (const WT*)a.gate + row * a.ld_gate : nullptr;
+            bool any = false;
+            for (int64_t t = 0; t < T; ++t) h[t] = 0.f;
+            for (; bits; bits &= bits - 1) {
+                const int t = __builtin_ctzll(bits);
+                float u, g;
+                dot_rows<W, 1, GATE>(up, gate, a.x + t * D, D, &u, &g);
+                h[t] = activate(a.act, u + b, g);
+                any |= h[t] != 0.f;
+            }
+            a.nz[k] = any;
+            continue;
+        }
+        if (T > 1) {  // this row's pre-activations (rows of a block may take the path above)
+            dot_block<W, GATE>(a, k, 1, k + 1 < k1 ? row_id(a, k + 1) : -1, ub, gb);
+        } else if ((k - k0) % R == 0) {  // T == 1: the next block's, in pairs
             const int m = (int)(k + R < k1 ? R : k1 - k);
             dot_block<W, GATE>(a, k, m, k + m < k1 ? row_id(a, k + m) : -1, ub, gb);
         }
-        const float* u = ub + (k - k0) % R * T;
-        const float* g = gb + (k - k0) % R * T;
-        const float b = a.bias ? bias_at(a, row) : 0.f;
+        const float* u = ub + (T == 1 ? (k - k0) % R : 0) * T;
+        const float* g = gb + (T == 1 ? (k - k0) % R : 0) * T;
         bool any = false;
-        float* h = a.h + k * T;
         for (int64_t t = 0; t < T; ++t) {
             const float v = mask_at(a, t, k) ? activate(a.act, u[t] + b, g[t]) : 0.f;
             h[t] = v;
