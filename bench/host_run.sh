@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One GPU-host run of a stage of the benchmark plan, results under $OUT (at most 8 files: the
+# device tool returns no more). Run from the repository root on the host:
+#
+#   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
+#       bash bench/host_run.sh verify|13b|b32|cpu|falcon
+#
+# The host's copy of the repository carries a stale .git, so the commit must come from the
+# caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
+# and writes its JSON as it goes, so a cut-short run keeps what it measured.
+set -u
+stage=${1:?usage: host_run.sh verify|13b|b32|cpu|falcon}
+: "${OUT:?OUT must be set (the device tool sets it)}"
+: "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
+export RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1 POWERINFER_COMMIT
+M13=${M13:-"planted:llama2-13b?dtype=f16"}  # a small model for a dry run elsewhere
+THREADS=${THREADS:-14}  # CPU executor threads (the H200 host: 14 of 16 cores)
+log=$OUT/$stage.log
+suite() {  # name timeout args...: one bench suite into $OUT/<name>.json, its lines into the stage log
+    local name=$1 limit=$2
+    shift 2
+    echo "== suite $name: $*" >> "$log"
+    timeout -s INT "$limit" powerinfer-ray bench suite --out-dir "$OUT" --name "$name" "$@" >> "$log" 2>&1
+    grep -E "tok/s|loaded in|Error" "$log" | tail -n 6 | cut -c1-400
+}
+case $stage in
+verify)  # the GPU tests, the sync microbenchmark, the Triton sweep (split variant included)
+    timeout -s INT 240 python -m pytest tests/gpu -q -rf > "$OUT/gpu-tests.log" 2>&1
+    tail -n 5 "$OUT/gpu-tests.log" | cut -c1-300
+    timeout 60 powerinfer-ray bench sync --out-dir "$OUT" --name sync-h200 >> "$log" 2>&1
+    grep -E '"(sync|round_trip|step_link|step_ray_call)_us_median"' "$log"
+    timeout 200 powerinfer-ray bench kernels --device cuda --sweep --out "$OUT" >> "$log" 2>&1
+    grep -E "^\[(sweep|gpu)\]" "$log" | tail -n 14 | cut -c1-300
+    ;;
+13b)  # the headline (share fixed, step link, CPU pairs) and the step-link A/B
+    suite runtime-13b-16gib-h200 330 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload,dense-gpu \
+        --shapes 64x128 --batch 1 -t "$THREADS"
+    POWERINFER_RAY_STEP_LINK=0 suite runtime-13b-16gib-raycall-h200 120 -m "$M13" --vram-budget 16 \
+        --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS"
+    ;;
+b32)  # batch 32 (the CPU's per-token path) and long prompts
+    suite runtime-13b-16gib-b32-h200 300 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload \
+        --shapes 16x32 --batch 32 -t "$THREADS"
+    suite runtime-13b-long-h200 200 -m "$M13" --vram-budget 16 --modes hybrid --shapes 1500x128,64x512 -t "$THREADS"
+    ;;
+cpu)  # the CPU exchange over the runtime's cold working set, kernel builds compared
+    mkdir -p "$OUT/x"
+    timeout 400 python bench/kernels_bench.py --cpu-exchange -t "$THREADS" --tokens 1 --exchange-k 254,1024 \
+        --exchange-layers 40 --exchange-gap-ms 0.3 --exchange-reps 150 \
+        --exchange-cflags ";-DPI_ONE_ROW;-DPI_PF_AHEAD=1024;-DPI_CHUNKS=3" --out "$OUT/x" >> "$log" 2>&1
+    grep "exchange cold" "$log" | cut -c1-300
+    ;;
+falcon)  # Falcon-40B at 32 GiB: decode and a long prompt (dense prefill from the shared pages)
+    suite runtime-falcon40b-32gib-h200 560 -m "planted:falcon-40b?dtype=f16" --vram-budget 32 \
+        --modes hybrid --shapes 64x32,1500x32 -t "$THREADS"
+    ;;
+*)
+    echo "unknown stage $stage: expected verify|13b|b32|cpu|falcon" >&2
+    exit 2
+    ;;
+esac
