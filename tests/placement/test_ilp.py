@@ -61,13 +61,16 @@ def test_communication_constraint_empties_a_layer():
     assert solve_greedy(problem, communication=True).gpu_counts() == [4, 0]
 
 
-def test_layer_never_worth_a_sync():
-    # four neurons of frequency .1: all of them save .4 us < T_sync 1.2 us -> C = n_ff + 1
+def test_layer_never_worth_a_sync_goes_to_the_gpu_whole_or_not_at_all():
+    # four neurons of frequency .1: all of them save .4 us < T_sync 1.2 us -> C = n_ff: a split
+    # never pays for its sync, but the whole layer on the GPU needs none
     host = HostProfile(dram_gbs=1.0, sync_us=1.2)
-    assert communication_threshold(np.full(4, 0.1), 1000, host) == 5
+    assert communication_threshold(np.full(4, 0.1), 1000, host) == 4
     costs = flat_costs([4], [1000])
     placement = solve_placement(counts_of([[0.1] * 4], 10), 10, costs, 10_000, host, group_size=1)
-    assert placement.gpu_counts() == [0]  # the whole layer fits, yet none goes to the GPU
+    assert placement.gpu_counts() == [4]  # the whole layer fits: all of it
+    placement = solve_placement(counts_of([[0.1] * 4], 10), 10, costs, 3_000, host, group_size=1)
+    assert placement.gpu_counts() == [0]  # three of four would fit, but a split is not worth its sync
 
 
 def test_attention_becomes_placeable_when_it_does_not_fit():
@@ -139,7 +142,7 @@ def thresholds(freqs, neuron_bytes, host):
                     break
                 saved, n = saved + x, n + 1
             if saved * nb / (host.dram_gbs * 1e9) < host.sync_us * 1e-6 * (1 - 1e-12):
-                n = len(f) + 1
+                n = len(f)  # no split pays for its sync: the whole layer (no sync at all) or nothing
         out.append(n)
     return out
 

@@ -68,10 +68,15 @@ def test_budget_solves_caches_and_reuses_the_split(model, host):
     assert not split.exists()
 
 
-def test_sync_cost_keeps_small_neurons_on_the_cpu(model):
-    """At the default 45 us per sync, none of the tiny model's layers is worth splitting."""
-    plan = resolve_plan(EngineConfig(str(model), vram_budget_gib=_budget(open_model(model).config, 0.3)))
-    assert all(len(lp.gpu_neurons) == 0 for lp in plan.layers)
+def test_sync_cost_keeps_small_layers_whole(model):
+    """At the default 45 us per sync, none of the tiny model's layers is worth splitting: each
+    goes whole to the GPU (no sync then) or stays whole on the CPU. With room for 30 % of the FFN
+    bytes, the whole layers that fit go to the GPU."""
+    cfg = open_model(model).config
+    plan = resolve_plan(EngineConfig(str(model), vram_budget_gib=_budget(cfg, 0.3), disable_gpu_index=True))
+    whole = [len(lp.gpu_neurons) == cfg.n_ff for lp in plan.layers]
+    assert all(w or len(lp.gpu_neurons) == 0 for w, lp in zip(whole, plan.layers))
+    assert sum(whole) == int(0.3 * cfg.n_layer)  # as many whole layers as fit
 
 
 def test_hotter_neurons_go_to_the_gpu(model, host):
