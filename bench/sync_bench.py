@@ -7,10 +7,11 @@ compute dtype: fp16 from a GPU) and an active-neuron mask (packed 8 a byte) into
 (D2H from the GPU when present), publishes, spins for the answer, and copies the peer's output
 back (H2D). On CUDA the copies (and the mask packing) run as captured CUDA graphs, as in the
 decode step (round_trip_us_median, split into send / notify / peer / return / recv medians, all
-on the shared monotonic clock; per_layer_sync_us = median of the round trip less the peer's work)
-Also the coordinator's per-step call with B = 1 logits (128 KB) back: a Ray call
-(step_ray_call_us_median) vs the step link over a Unix socket (step_link_us_median).; the eager form is reported beside it. The peer spins on the request flag, copies
-input to output, answers. Beside it, the same payload as a plain Ray actor call.
+on the shared monotonic clock; per_layer_sync_us = median of the round trip less the peer's work);
+the eager form is reported beside it. The peer spins on the request flag, copies input to
+output, answers. Beside it, the same payload as a plain Ray actor call, and the coordinator's
+per-step call with B = 1 logits (128 KB) back: a Ray call (step_ray_call_us_median) vs the step
+link over a Unix socket (step_link_us_median).
 
     powerinfer-ray bench sync [--d 5120] [--iters 2000]
 """
