@@ -339,7 +339,7 @@ def _exchange_cold(args) -> dict:
     """The CPU executor's answer (sparse_ffn_bitmask) when each call reads the next of L layers'
     shards, as the runtime does (40 layers: ~10 GB, cold in any cache), with the kernel's work
     split chosen (auto) and forced (rows / cols), variants interleaved call by call after a gap
-    of sleep. (Huge pages for the shards were measured here too, commit ca5c0a1: no gain cold,
+    of sleep. (Huge pages for the shards were measured here too, commit 171befb: no gain cold,
     2x slower in the runtime; bench/results/kernels-exchange-cold-h200.json.)"""
     threads = args.threads or os.cpu_count()
     torch.set_num_threads(threads)
