@@ -146,12 +146,7 @@ class Channel:
         """Page-lock the segment (cudaHostRegister) so D2H/H2D copies are true async DMA."""
         if self.pinned or not torch.cuda.is_available():
             return
-        base = self.header.ctypes.data
-        err = int(torch.cuda.cudart().cudaHostRegister(base, self.spec.nbytes, 0))
-        self.pinned = err == 0
-        if err:  # the copies stay correct, only synchronous; clear CUDA's last error, which the
-            _clear_cuda_error()  # next kernel launch check would otherwise raise
-            log.warning("channel: cudaHostRegister failed (error %d); host copies will not be async", err)
+        self.pinned = pin_host(self.header.ctypes.data, self.spec.nbytes, "the channel")
 
     def mask_rows(self, n_tok: int, n_mask: int) -> np.ndarray:
         """The packed mask of an exchange: uint8 [n_tok, ceil(n_mask/8)], a contiguous view."""
@@ -216,6 +211,17 @@ class Channel:
             pass  # views still alive; the mapping goes with the process
         if unlink:
             self.spec.path.unlink(missing_ok=True)
+
+
+def pin_host(addr: int, nbytes: int, what: str) -> bool:
+    """Page-lock host memory (cudaHostRegister) so copies from and to it are true async DMA; on
+    failure the copies stay correct, only synchronous: warn, and clear CUDA's last error, which
+    the next kernel launch check would otherwise raise. Returns whether it is pinned."""
+    err = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 0))
+    if err:
+        _clear_cuda_error()
+        log.warning("cudaHostRegister of %s failed (error %d): its host copies will not be async", what, err)
+    return err == 0
 
 
 def _clear_cuda_error() -> None:

@@ -32,8 +32,7 @@ from ..kernels.predictor import predictor_logits
 from ..model import gguf_keys as K
 from ..model.reference import ffn_activation, layer_norm, rms_norm
 from ..model.source import WeightSource, open_model
-from .channel import (OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec, _clear_cuda_error,
-                      pack_mask)
+from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec, pack_mask, pin_host
 from .graphs import GRAPH_POLICIES, DecodeGraphs, GraphCaptureError
 from .layers import POLICIES, attn_partial, ffn_partial, merge_partials
 from .plan import Plan
@@ -199,14 +198,9 @@ class PrimaryExecutor:
         if mapped is not None:
             self.cold, buf = mapped
             self.cold_source = "shared"
-            if self.device.type == "cuda":
-                err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0))
-                if err:
-                    _clear_cuda_error()
-                    log.warning("primary: cudaHostRegister of the shared CPU shard failed (error %d): dense prefill "
-                                "copies will be synchronous", err)
-                else:
-                    self._cold_pinned = buf.data_ptr()
+            if self.device.type == "cuda" and pin_host(buf.data_ptr(), buf.numel() * buf.element_size(),
+                                                       "the shared CPU shard (dense prefill)"):
+                self._cold_pinned = buf.data_ptr()
             return self.cold_source
         cold_bytes = sum(len(lp.cpu_neurons) for lp in self.plan.layers) * cfg.neuron_bytes
         avail = _host_available_bytes()
