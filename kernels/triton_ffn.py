@@ -104,6 +104,25 @@ def _act(u, g, ACT: tl.constexpr):
 
 
 @triton.jit
+def _rows_dot_x(x_ptr, up_ptr, gate_ptr, rows, kmask, d_lo, d_hi, s_up, s_gate,
+                HAS_GATE: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+    """T == 1: (up . x, gate . x) over columns [d_lo, d_hi) of BK rows, as [BK] fp32 sums."""
+    acc_u = tl.zeros((BK, BD), dtype=tl.float32)
+    acc_g = tl.zeros((BK, BD), dtype=tl.float32)
+    for d0 in range(d_lo, d_hi, BD):
+        offs_d = d0 + tl.arange(0, BD)  # [BD]
+        dmask = offs_d < d_hi
+        xv = tl.load(x_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)  # [BD]
+        wmask = kmask[:, None] & dmask[None, :]
+        wu = tl.load(up_ptr + rows[:, None] * s_up + offs_d[None, :], mask=wmask, other=0.0)  # [BK, BD]
+        acc_u += wu.to(tl.float32) * xv[None, :]
+        if HAS_GATE:
+            wg = tl.load(gate_ptr + rows[:, None] * s_gate + offs_d[None, :], mask=wmask, other=0.0)
+            acc_g += wg.to(tl.float32) * xv[None, :]
+    return tl.sum(acc_u, axis=1), tl.sum(acc_g, axis=1)
+
+
+@triton.jit
 def _up_gemv_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_ptr, h_ptr,
                     D, K, s_up, s_gate,
                     ACT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -116,20 +135,7 @@ def _up_gemv_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_p
     offs_k = pid * BK + tl.arange(0, BK)  # [BK]
     kmask = offs_k < K
     rows = tl.load(idx_ptr + offs_k, mask=kmask, other=0).to(tl.int64)  # [BK]
-    acc_u = tl.zeros((BK, BD), dtype=tl.float32)
-    acc_g = tl.zeros((BK, BD), dtype=tl.float32)
-    for d0 in range(0, D, BD):
-        offs_d = d0 + tl.arange(0, BD)  # [BD]
-        dmask = offs_d < D
-        xv = tl.load(x_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)  # [BD]
-        wmask = kmask[:, None] & dmask[None, :]
-        wu = tl.load(up_ptr + rows[:, None] * s_up + offs_d[None, :], mask=wmask, other=0.0)  # [BK, BD]
-        acc_u += wu.to(tl.float32) * xv[None, :]
-        if HAS_GATE:
-            wg = tl.load(gate_ptr + rows[:, None] * s_gate + offs_d[None, :], mask=wmask, other=0.0)
-            acc_g += wg.to(tl.float32) * xv[None, :]
-    u = tl.sum(acc_u, axis=1)  # [BK]
-    g = tl.sum(acc_g, axis=1)
+    u, g = _rows_dot_x(x_ptr, up_ptr, gate_ptr, rows, kmask, 0, D, s_up, s_gate, HAS_GATE, BK, BD)  # [BK]
     if HAS_BIAS:
         u += tl.load(bias_ptr + rows, mask=kmask, other=0.0).to(tl.float32)
     h = _act(u, g, ACT)
@@ -249,23 +255,12 @@ def _up_partial_kernel(x_ptr, up_ptr, gate_ptr, idx_ptr, nact_ptr, u_ptr, g_ptr,
     offs_k = pid_k * BK + tl.arange(0, BK)
     kmask = offs_k < K
     rows = tl.load(idx_ptr + offs_k, mask=kmask, other=0).to(tl.int64)
-    acc_u = tl.zeros((BK, BD), dtype=tl.float32)
-    acc_g = tl.zeros((BK, BD), dtype=tl.float32)
     d_lo = pid_d * D_PER
-    d_hi = tl.minimum(d_lo + D_PER, D)
-    for d0 in range(d_lo, d_hi, BD):
-        offs_d = d0 + tl.arange(0, BD)
-        dmask = offs_d < d_hi
-        xv = tl.load(x_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)
-        wmask = kmask[:, None] & dmask[None, :]
-        wu = tl.load(up_ptr + rows[:, None] * s_up + offs_d[None, :], mask=wmask, other=0.0)
-        acc_u += wu.to(tl.float32) * xv[None, :]
-        if HAS_GATE:
-            wg = tl.load(gate_ptr + rows[:, None] * s_gate + offs_d[None, :], mask=wmask, other=0.0)
-            acc_g += wg.to(tl.float32) * xv[None, :]
-    tl.atomic_add(u_ptr + offs_k, tl.sum(acc_u, axis=1), mask=kmask)
+    u, g = _rows_dot_x(x_ptr, up_ptr, gate_ptr, rows, kmask, d_lo, tl.minimum(d_lo + D_PER, D), s_up, s_gate,
+                       HAS_GATE, BK, BD)
+    tl.atomic_add(u_ptr + offs_k, u, mask=kmask)
     if HAS_GATE:
-        tl.atomic_add(g_ptr + offs_k, tl.sum(acc_g, axis=1), mask=kmask)
+        tl.atomic_add(g_ptr + offs_k, g, mask=kmask)
 
 
 @triton.jit
