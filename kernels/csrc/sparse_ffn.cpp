@@ -450,22 +450,27 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g)
     }
 }
 
+// act(gate[row] . x[t], up[row] . x[t] + b) for one token t (the few-tokens paths).
+template <class W, bool GATE>
+inline float token_act(const Args& a, int64_t row, float b, int t) {
+    typedef typename W::T WT;
+    float u, g;
+    dot_rows<W, 1, GATE>((const WT*)a.up + row * a.ld_up, GATE ? (const WT*)a.gate + row * a.ld_gate : nullptr,
+                         a.x + t * a.D, a.D, &u, &g);
+    return activate(a.act, u + b, g);
+}
+
 // Row k for the tokens in ``bits`` only: per token u, g = up/gate . x[t], h = act, A[t] += h * down.
 // The row's bytes come from memory once (first token) and from cache after.
 template <class W, bool GATE>
 void row_few_tokens(const Args& a, int64_t k, uint64_t bits, float* A) {
     typedef typename W::T WT;
     const int64_t row = row_id(a, k), D = a.D;
-    const WT* up = (const WT*)a.up + row * a.ld_up;
-    const WT* gate = GATE ? (const WT*)a.gate + row * a.ld_gate : nullptr;
     const WT* down = (const WT*)a.down + row * a.ld_down;
     const float b = a.bias ? bias_at(a, row) : 0.f;
-    while (bits) {
+    for (; bits; bits &= bits - 1) {
         const int t = __builtin_ctzll(bits);
-        bits &= bits - 1;
-        float u, g;
-        dot_rows<W, 1, GATE>(up, gate, a.x + t * D, D, &u, &g);
-        const float h = activate(a.act, u + b, g);
+        const float h = token_act<W, GATE>(a, row, b, t);
         if (h != 0.f) axpy_rows<W, 1>(&down, 1, &h, 1, 0, A + t * D, D, 0, D);
     }
 }
@@ -570,8 +575,7 @@ inline void convert_x_par(const Args& a) {
 // nz[k] (any of them nonzero).
 template <class W, bool GATE>
 void act_rows(const Args& a, int64_t k0, int64_t k1) {
-    typedef typename W::T WT;
-    const int64_t T = a.T, D = a.D;
+    const int64_t T = a.T;
     float ub[R * 64], gb[R * 64];
     for (int64_t k = k0; k < k1; ++k) {
         const int64_t row = row_id(a, k);
@@ -579,15 +583,11 @@ void act_rows(const Args& a, int64_t k0, int64_t k1) {
         float* h = a.h + k * T;
         uint64_t bits;
         if (T > 1 && few_tokens(a, k, &bits)) {  // those tokens' dots alone (see few_tokens)
-            const WT* up = (const WT*)a.up + row * a.ld_up;
-            const WT* gate = GATE ? (const WT*)a.gate + row * a.ld_gate : nullptr;
             bool any = false;
             for (int64_t t = 0; t < T; ++t) h[t] = 0.f;
             for (; bits; bits &= bits - 1) {
                 const int t = __builtin_ctzll(bits);
-                float u, g;
-                dot_rows<W, 1, GATE>(up, gate, a.x + t * D, D, &u, &g);
-                h[t] = activate(a.act, u + b, g);
+                h[t] = token_act<W, GATE>(a, row, b, t);
                 any |= h[t] != 0.f;
             }
             a.nz[k] = any;
