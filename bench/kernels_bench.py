@@ -224,6 +224,14 @@ def exchange_masks(K: int, T: int, n: int, sets: int, gen: torch.Generator):
     return out
 
 
+def _call_times(ts: list[float], nbytes: int | None) -> dict:
+    """Median / p10 / p90 us of timed calls, and GB/s of nbytes at the median (None: not a read)."""
+    med, srt = statistics.median(ts), sorted(ts)
+    return dict(median_us=round(med * 1e6, 1), p10_us=round(srt[len(ts) // 10] * 1e6, 1),
+                p90_us=round(srt[len(ts) * 9 // 10] * 1e6, 1),
+                GBps=round(nbytes / med / 1e9, 2) if nbytes is not None else None)
+
+
 def _exchange_worker(args) -> dict:
     """One process (OMP_WAIT_POLICY as inherited): median wall time per call of each variant, calls
     separated by args.exchange_gap_ms of sleep, variants interleaved call by call."""
@@ -325,11 +333,8 @@ def _exchange_worker(args) -> dict:
                 times[name].append(time.perf_counter() - t0)
         nbytes = 3 * K * D * 2
         for name, ts in times.items():
-            med = statistics.median(ts)
-            rows_out.append(dict(variant=name, T=T, K=K, median_us=round(med * 1e6, 1),
-                                 p10_us=round(sorted(ts)[len(ts) // 10] * 1e6, 1),
-                                 p90_us=round(sorted(ts)[len(ts) * 9 // 10] * 1e6, 1),
-                                 GBps=round(nbytes / med / 1e9, 2) if name not in ("decode_python", "omp_region") else None))
+            rows_out.append(dict(variant=name, T=T, K=K,
+                                 **_call_times(ts, None if name in ("decode_python", "omp_region") else nbytes)))
         print(f"[exchange {os.environ.get('OMP_WAIT_POLICY', 'unset')}] T={T} K={K}: " + ", ".join(
             f"{r['variant']} {r['median_us']:.0f} us" for r in rows_out[-len(times):]), flush=True)
     return dict(threads=threads, rows=rows_out)
@@ -373,11 +378,7 @@ def _exchange_cold(args) -> dict:
                     times[sp].append(time.perf_counter() - t0)
         nbytes = 3 * K * D * 2
         for sp, ts in times.items():
-            med = statistics.median(ts)
-            rows_out.append(dict(variant=f"bitmask_{sp}", T=1, K=K, layers=L, median_us=round(med * 1e6, 1),
-                                 p10_us=round(sorted(ts)[len(ts) // 10] * 1e6, 1),
-                                 p90_us=round(sorted(ts)[len(ts) * 9 // 10] * 1e6, 1),
-                                 GBps=round(nbytes / med / 1e9, 2)))
+            rows_out.append(dict(variant=f"bitmask_{sp}", T=1, K=K, layers=L, **_call_times(ts, nbytes)))
         print(f"[exchange cold {os.environ.get('OMP_WAIT_POLICY', 'unset')} "
               f"{os.environ.get('POWERINFER_RAY_CPU_CFLAGS') or 'default build'}] t={threads} L={L} K={K}: " + ", ".join(
             f"{r['variant']} {r['median_us']:.0f} us ({r['GBps']} GB/s)" for r in rows_out[-len(times):]), flush=True)
