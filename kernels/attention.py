@@ -120,7 +120,7 @@ def head_attention(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
                    rope_style: str | None = "norm", n_rot: int | None = None,
                    bq: torch.Tensor | None = None, bk: torch.Tensor | None = None,
                    bv: torch.Tensor | None = None, *, wqkv: torch.Tensor | None = None,
-                   bqkv: torch.Tensor | None = None) -> torch.Tensor:
+                   bqkv: torch.Tensor | None = None, linear=None) -> torch.Tensor:
     """Partial attention output y [B, T, D] of the shard's heads (see the module docstring).
 
     x [B, T, D] (already normed); wq [Hs*hd, D]; wk, wv [Gs*hd, D]; wo_t [Hs*hd, D];
@@ -130,6 +130,9 @@ def head_attention(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
     query heads of a group are stacked along the query axis).
     wqkv [(Hs+2Gs)*hd, D] (and bqkv): the three projections stacked, when the caller holds them
     so (wq/wk/wv are then its row views): one matmul instead of three.
+    linear: ``linear(x, w, b)`` computing F.linear for the projections (the output one as
+    ``linear(o, wo_t.T, None)``), e.g. kernels.cpu_ffn.linear, which reads fp16 weights in place
+    for fp32 x; None: F.linear and ``o @ wo_t``.
 
     One sequence with host positions (the decode and prefill steps of a single request) takes
     a short path: one projection, one rotary call for q and k, slice writes into the cache,
@@ -140,7 +143,7 @@ def head_attention(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
     B, T, D = x.shape
     if B == 1 and not isinstance(start_pos, torch.Tensor) and not isinstance(slots, torch.Tensor):
         return _one_sequence(x, wq, wk, wv, wo_t, k_cache, v_cache, int(slots[0]), int(start_pos[0]),
-                             rope_theta, rope_style, n_rot, bq, bk, bv, wqkv, bqkv)
+                             rope_theta, rope_style, n_rot, bq, bk, bv, wqkv, bqkv, linear)
     n_gqa = Hs // Gs
     angles = None
     if isinstance(start_pos, torch.Tensor):
@@ -158,9 +161,10 @@ def head_attention(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
     if L > k_cache.shape[2]:
         raise ValueError(f"head_attention: positions reach {L}, expected <= S_max {k_cache.shape[2]}")
     slots_t = torch.as_tensor(slots, dtype=torch.long).to(x.device, non_blocking=True).reshape(B)  # [B]
-    q = F.linear(x, wq, bq).view(B, T, Hs, hd)
-    k = F.linear(x, wk, bk).view(B, T, Gs, hd)
-    v = F.linear(x, wv, bv).view(B, T, Gs, hd)
+    lin = linear or F.linear
+    q = lin(x, wq, bq).view(B, T, Hs, hd)
+    k = lin(x, wk, bk).view(B, T, Gs, hd)
+    v = lin(x, wv, bv).view(B, T, Gs, hd)
     if rope_style is not None:
         q = rope(q, pos, rope_theta, rope_style, n_rot, angles)
         k = rope(k, pos, rope_theta, rope_style, n_rot, angles)
@@ -179,21 +183,22 @@ def head_attention(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
     o = F.scaled_dot_product_attention(qg, kc.to(q.dtype), vc.to(q.dtype), attn_mask=allowed,
                                        scale=1.0 / math.sqrt(hd))  # [B, Gs, n_gqa*T, hd]
     o = o.view(B, Gs, n_gqa, T, hd).permute(0, 3, 1, 2, 4).reshape(B, T, Hs * hd)
-    return o @ wo_t.to(o.dtype)  # [B, T, D]
+    return _out_proj(o, wo_t, linear)  # [B, T, D]
 
 
 def _one_sequence(x, wq, wk, wv, wo_t, k_cache, v_cache, s: int, p: int, theta, style, n_rot,
-                  bq, bk, bv, wqkv, bqkv) -> torch.Tensor:  # noqa: ANN001
+                  bq, bk, bv, wqkv, bqkv, linear) -> torch.Tensor:  # noqa: ANN001
     """head_attention for B = 1 at host position p of cache slot s (see its docstring)."""
     _, T, D = x.shape
     Hs, hd, Gs = wq.shape[0] // k_cache.shape[-1], k_cache.shape[-1], k_cache.shape[1]
     L = p + T
     if L > k_cache.shape[2]:
         raise ValueError(f"head_attention: positions reach {L}, expected <= S_max {k_cache.shape[2]}")
+    lin = linear or F.linear
     if wqkv is not None:
-        qkv = F.linear(x[0], wqkv, bqkv).view(T, Hs + 2 * Gs, hd)  # [T, Hs+2Gs, hd]
+        qkv = lin(x[0], wqkv, bqkv).view(T, Hs + 2 * Gs, hd)  # [T, Hs+2Gs, hd]
     else:
-        qkv = torch.cat([F.linear(x[0], w, b) for w, b in ((wq, bq), (wk, bk), (wv, bv))], -1).view(T, Hs + 2 * Gs, hd)
+        qkv = torch.cat([lin(x[0], w, b) for w, b in ((wq, bq), (wk, bk), (wv, bv))], -1).view(T, Hs + 2 * Gs, hd)
     qk, v = qkv[:, : Hs + Gs], qkv[:, Hs + Gs:]  # [T, Hs+Gs, hd], [T, Gs, hd]
     if style is not None:
         n_r = n_rot or hd
@@ -216,7 +221,12 @@ def _one_sequence(x, wq, wk, wv, wo_t, k_cache, v_cache, s: int, p: int, theta, 
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc, vc, attn_mask=mask,
                                        scale=1.0 / math.sqrt(hd), enable_gqa=Hs != Gs)  # [1, Hs, T, hd]
     o = o[0].transpose(0, 1).reshape(T, Hs * hd)
-    return (o @ wo_t.to(o.dtype))[None]  # [1, T, D]
+    return _out_proj(o, wo_t, linear)[None]  # [1, T, D]
+
+
+def _out_proj(o: torch.Tensor, wo_t: torch.Tensor, linear) -> torch.Tensor:  # noqa: ANN001
+    """o [.., Hs*hd] times the shard's output-projection rows wo_t [Hs*hd, D] -> [.., D]."""
+    return o @ wo_t.to(o.dtype) if linear is None else linear(o, wo_t.T, None)
 
 
 def rope_table(n_ctx: int, n_rot: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:

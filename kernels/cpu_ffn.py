@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 SOURCE = Path(__file__).with_name("csrc") / "sparse_ffn.cpp"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -115,6 +116,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pi_scratch_bytes.argtypes = [i64, i64, i64, i32, i32, i32, i32]
     lib.pi_read_sum.restype = ctypes.c_double
     lib.pi_read_sum.argtypes = [p, i64, i32]
+    lib.pi_linear.restype = i64
+    lib.pi_linear.argtypes = [p, i64, i64, p, i32, i64, i64, p, i32]
     lib.pi_simd_width.restype = i32
     return lib
 
@@ -397,6 +400,36 @@ def _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out) -> tu
     else:
         out.copy_(sparse_ffn_torch(x.float(), up, gate, down_t, idx, tok, act, up_bias))
     return pairs, idx.numel()
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+           threads: int | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` in float32 for CPU tensors, reading w in its own dtype: x [..., D]
+    any float dtype, w [R, D] fp32 / fp16 / bf16 (rows with unit column stride, else torch),
+    bias [R] or None -> [..., R] float32. The CPU executor's attention
+    projections: every row of w read once by the compiled kernel's threads, no fp32 copy of the
+    weights (torch would widen fp16 weights first). Without a compiler: torch, same values."""
+    if w.dim() != 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"linear: x {tuple(x.shape)} and w {tuple(w.shape)}: expected x [..., D] and w [R, D]")
+    if w.dtype not in _W_DT or not (w.is_cpu and x.is_cpu):
+        raise ValueError(f"linear: w is {w.dtype} on {w.device}, x on {x.device}: expected CPU tensors, "
+                         "w float32 / float16 / bfloat16")
+    R, D = w.shape
+    lib = library()
+    if lib is None or (D > 1 and w.stride(1) != 1):
+        y = F.linear(x.float(), w.float())
+    else:
+        xs = x.reshape(-1, D).to(torch.float32).contiguous()
+        y = torch.empty(xs.shape[0], R, dtype=torch.float32)
+        nthreads = int(threads or torch.get_num_threads())
+        for t0 in range(0, xs.shape[0], 64):  # the kernel takes up to 64 tokens per call
+            t1 = min(xs.shape[0], t0 + 64)
+            rc = lib.pi_linear(xs[t0:t1].data_ptr(), t1 - t0, D, w.data_ptr(), _W_DT[w.dtype],
+                               w.stride(0) if R else D, R, y[t0:t1].data_ptr(), nthreads)
+            if rc != 0:
+                raise ValueError(f"linear: bad arguments T={t1 - t0}, D={D}, R={R}, threads={nthreads}")
+        y = y.view(*x.shape[:-1], R)
+    return y if bias is None else y.add_(bias.float())
 
 
 def read_bandwidth(nbytes: int = 1 << 30, threads: int | None = None, reps: int = 5) -> float:

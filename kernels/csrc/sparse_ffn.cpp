@@ -807,6 +807,43 @@ inline uint64_t valid_bits(int64_t w, int64_t n) {
     return left >= 64 ? ~0ull : ((1ull << left) - 1);
 }
 
+// ---- dense rows: y[t, r] = W[r] . x[t] (the CPU executor's attention projections) -------------
+// Rows r0 .. r1-1 of W [R, D] (row stride ld_w) against every token of x [T, D]; y is [T, R]. At
+// T = 1 rows go in pairs (dot2_t1), as the FFN's phase 1 does.
+template <class W>
+void linear_rows(const float* x, int64_t T, int64_t D, const typename W::T* w, int64_t ld_w, int64_t R,
+                 int64_t r0, int64_t r1, float* y) {
+    float u[64], g[64];
+    int64_t r = r0;
+#ifndef PI_ONE_ROW
+    if (T == 1)
+        for (; r + 2 <= r1; r += 2) {
+            dot2_t1<W, false>(w + r * ld_w, nullptr, w + (r + 1) * ld_w, nullptr, x, D, u, g);
+            y[r] = u[0];
+            y[r + 1] = u[1];
+        }
+#endif
+    for (; r < r1; ++r) {
+        dot_all_tokens<W, false>(w + r * ld_w, nullptr, x, T, D, u, g);
+        for (int64_t t = 0; t < T; ++t) y[t * R + r] = u[t];
+    }
+}
+
+template <class W>
+void linear_par(const float* x, int64_t T, int64_t D, const void* w, int64_t ld_w, int64_t R, float* y,
+                int nthreads) {
+    int64_t nt = (R + 1) / 2;
+    nt = nt > nthreads ? nthreads : nt;
+    int64_t ch = R / (8 * nt);  // ~8 dynamic chunks per thread, an even number of rows each
+    ch = ch < 2 ? 2 : ch + (ch & 1);
+    const int64_t nch = (R + ch - 1) / ch;
+#pragma omp parallel for schedule(dynamic, 1) num_threads((int)nt)
+    for (int64_t c = 0; c < nch; ++c) {
+        const int64_t r0 = c * ch, r1 = r0 + ch < R ? r0 + ch : R;
+        linear_rows<W>(x, T, D, (const typename W::T*)w, ld_w, R, r0, r1, y);
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -943,6 +980,21 @@ double pi_read_sum(const float* p, int64_t n, int nthreads) {
         total += s;
     }
     return total;
+}
+
+// y [T, R] fp32 = x [T, D] fp32 times the rows of W [R, D] (row stride ld_w >= D; fp32 / fp16 /
+// bf16 by w_dt): a dense matrix-vector product, every row read once, rows over threads. T <= 64.
+// Returns 0 or BAD_ARGS.
+int64_t pi_linear(const float* x, int64_t T, int64_t D, const void* w, int w_dt, int64_t ld_w, int64_t R,
+                  float* y, int nthreads) {
+    if (T < 1 || T > 64 || D < 1 || R < 0 || ld_w < D || nthreads < 1 || w_dt < 0 || w_dt > 2) return BAD_ARGS;
+    if (R == 0) return 0;
+    switch (w_dt) {
+        case DT_F32: linear_par<WF32>(x, T, D, w, ld_w, R, y, nthreads); break;
+        case DT_F16: linear_par<WF16>(x, T, D, w, ld_w, R, y, nthreads); break;
+        default: linear_par<WBF16>(x, T, D, w, ld_w, R, y, nthreads); break;
+    }
+    return 0;
 }
 
 int pi_simd_width() { return VW; }

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as Fn
 
-from ..kernels.cpu_ffn import sparse_ffn_bitmask
+from ..kernels.cpu_ffn import linear as cpu_linear, sparse_ffn_bitmask
 from ..kernels.predictor import predictor_logits
 from ..model import gguf_keys as K
 from ..model.reference import ffn_activation, layer_norm, rms_norm
@@ -469,8 +469,10 @@ class CPUExecutor:
         load = lambda l: load_ffn_shard(self.src, l, plan[l].cpu_neurons, wdt, dev)  # noqa: E731
         shared = share([len(plan[l].cpu_neurons) for l in range(cfg.n_layer)], cfg.gated, cfg.n_embd, wdt, load)
         self.ffn, self.shard_spec = shared if shared is not None else ([load(l) for l in range(cfg.n_layer)], None)
-        self.attn = [load_attn_shard(self.src, l, plan[l].cpu_groups, torch.float32, dev, slots + 1, n_ctx)
-                     for l in range(cfg.n_layer)]
+        # attention weights in the model's dtype, read in place by the compiled kernel's linear
+        # (fp32 weights read twice the bytes; torch would widen them per call); KV cache in fp32
+        self.attn = [load_attn_shard(self.src, l, plan[l].cpu_groups, wdt, dev, slots + 1, n_ctx,
+                                     cache_dtype=torch.float32, out_rows=True) for l in range(cfg.n_layer)]
         self.stats = ExecStats()
         self.channel: Channel | None = None
         self._thread: threading.Thread | None = None
@@ -487,6 +489,10 @@ class CPUExecutor:
         self.threads = n
         torch.set_num_threads(n)
         return n
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """The attention projections: fp32 x, weights read in place by the kernel's threads."""
+        return cpu_linear(x, w, b, self.threads)
 
     def attach(self, spec: ChannelSpec) -> int:
         self.channel = Channel.attach(spec)
@@ -540,7 +546,7 @@ class CPUExecutor:
         if op in (OP_ATTN, OP_ATTN_FFN) and self.attn[l].n_groups:
             x = ch.x_attn[:n_tok].float().view(n_seq, n_tok // n_seq, cfg.n_embd)
             slots, start = ch.slots[:n_seq].tolist(), ch.start_pos[:n_seq].tolist()
-            a = attn_partial(x, self.attn[l], cfg, slots, start).view(n_tok, cfg.n_embd)
+            a = attn_partial(x, self.attn[l], cfg, slots, start, self._linear).view(n_tok, cfg.n_embd)
             out.add_(a) if wrote else out.copy_(a)
             self.stats.active_bytes += self.attn[l].weight_bytes  # read in full by every step
             wrote = True

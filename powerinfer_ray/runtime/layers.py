@@ -63,14 +63,16 @@ def ffn_partial(x: torch.Tensor, shard: FFNShard, act: str, policy: str,
 
 
 def attn_partial(x: torch.Tensor, shard: AttnShard, cfg: ModelConfig, slots: list[int],
-                 start_pos: list[int]) -> torch.Tensor:
+                 start_pos: list[int], linear=None) -> torch.Tensor:  # noqa: ANN001
     """The shard's heads' share of the attention output y [B, T, D] for normed x [B, T, D];
-    writes this step's K/V into the shard's cache at start_pos of each sequence's slot."""
+    writes this step's K/V into the shard's cache at start_pos of each sequence's slot.
+    linear: the projections' F.linear (see kernels.head_attention)."""
     from ..kernels.attention import head_attention
 
     return head_attention(x, shard.wq, shard.wk, shard.wv, shard.wo_t, shard.k_cache, shard.v_cache,
                           slots, start_pos, cfg.rope_theta, cfg.rope_style, cfg.rot_dims,
-                          bq=shard.bq, bk=shard.bk, bv=shard.bv, wqkv=shard.wqkv, bqkv=shard.bqkv)
+                          bq=shard.bq, bk=shard.bk, bv=shard.bv, wqkv=shard.wqkv, bqkv=shard.bqkv,
+                          linear=linear)
 
 
 def merge_partials(parts: list[torch.Tensor | None], bias: torch.Tensor | None = None) -> torch.Tensor:

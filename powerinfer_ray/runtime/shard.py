@@ -86,7 +86,12 @@ def load_ffn_shard(src: WeightSource, l: int, ids: np.ndarray, dtype: torch.dtyp
 
 
 def load_attn_shard(src: WeightSource, l: int, groups: np.ndarray, dtype: torch.dtype,
-                    device: torch.device, slots: int, n_ctx: int) -> AttnShard:
+                    device: torch.device, slots: int, n_ctx: int, *, cache_dtype: torch.dtype | None = None,
+                    out_rows: bool = False) -> AttnShard:
+    """Layer l's attention for the KV-head groups `groups`: weights in dtype, KV cache in
+    cache_dtype (default dtype). out_rows: wo_t is the transposed view of a row-major [D, Hs*hd]
+    (wo_t.T has unit column stride: what kernels.cpu_ffn.linear reads in place on the CPU);
+    else wo_t itself is row-major."""
     cfg = src.config
     q_rows, kv_rows = head_rows(cfg, np.asarray(groups, np.int64))
 
@@ -100,7 +105,8 @@ def load_attn_shard(src: WeightSource, l: int, groups: np.ndarray, dtype: torch.
         wo_t = torch.empty(0, cfg.n_embd, dtype=dtype, device=device)
     else:
         wo = src.layer(K.ATTN_OUT, l, dtype=dtype, device=device)  # [D, H*hd]
-        wo_t = wo[:, torch.from_numpy(q_rows).to(device)].T.contiguous()  # our heads' columns
+        wo_t = wo[:, torch.from_numpy(q_rows).to(device)].T  # our heads' columns (a copy)
+        wo_t = wo_t if out_rows else wo_t.contiguous()
     cache_shape = (slots, len(groups), n_ctx, cfg.head_dim)
     nq, nkv = len(q_rows), len(kv_rows)
     wqkv = torch.cat([rows(K.ATTN_Q, q_rows), rows(K.ATTN_K, kv_rows), rows(K.ATTN_V, kv_rows)])
@@ -110,5 +116,5 @@ def load_attn_shard(src: WeightSource, l: int, groups: np.ndarray, dtype: torch.
     return AttnShard(groups=np.asarray(groups, np.int64), wqkv=wqkv, bqkv=bqkv,
                      wq=wqkv[:nq], wk=wqkv[nq:nq + nkv], wv=wqkv[nq + nkv:], wo_t=wo_t,
                      bq=part(bqkv, 0, nq), bk=part(bqkv, nq, nq + nkv), bv=part(bqkv, nq + nkv, nq + 2 * nkv),
-                     k_cache=torch.zeros(cache_shape, dtype=dtype, device=device),
-                     v_cache=torch.zeros(cache_shape, dtype=dtype, device=device))
+                     k_cache=torch.zeros(cache_shape, dtype=cache_dtype or dtype, device=device),
+                     v_cache=torch.zeros(cache_shape, dtype=cache_dtype or dtype, device=device))

@@ -187,3 +187,28 @@ def test_step_attention_with_device_positions_matches_reference(H, G, style):
         pos = [p + 1 for p in pos]
     assert rel_err(cache[0], ref_cache[0]) < 1e-5 and rel_err(cache[1], ref_cache[1]) < 1e-5
     assert torch.equal(cache[0][2], hist[0][2])  # slot 2 belongs to no sequence
+
+
+@pytest.mark.parametrize("wdt", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("B, T", [(1, 1), (1, 5), (3, 2)], ids=["decode", "prefill", "batch"])
+def test_cpu_executor_layout_fp32_x_with_weights_read_in_place(wdt, B, T):
+    """The CPU executor's attention: fp32 x and KV cache, weights in the model's dtype with wo_t a
+    transposed view of row-major [D, Hs*hd], projections by kernels.cpu_ffn.linear (the compiled
+    kernel reading fp16 / bf16 rows in place) = the float64 reference on the same weights."""
+    from powerinfer_ray.kernels.cpu_ffn import linear
+
+    gen = torch.Generator().manual_seed(11)
+    H, G, hd, D, S = 8, 2, 16, 80, 12
+    w = _weights(H, G, hd, D, wdt, gen, bias=True)
+    w["wo_t"] = w["wo_t"].T.contiguous().T  # the out_rows layout of runtime.shard.load_attn_shard
+    assert w["wo_t"].T.is_contiguous() and not w["wo_t"].is_contiguous()
+    x = torch.randn(B, T, D, generator=gen)
+    cache = [torch.zeros(B + 1, G, S, hd) for _ in range(2)]
+    ref_cache = [torch.zeros(B + 1, G, S, hd, dtype=torch.float64) for _ in range(2)]
+    slots, start = list(range(1, B + 1)), [3 * b for b in range(B)]
+    y = head_attention(x, k_cache=cache[0], v_cache=cache[1], slots=slots, start_pos=start, rope_style="norm",
+                       linear=lambda a, m, b: linear(a, m, b, threads=2), **w)
+    ref = head_attention_ref(x.double(), k_cache=ref_cache[0], v_cache=ref_cache[1], slots=slots,
+                             start_pos=start, rope_style="norm", **{k: v.double() for k, v in w.items()})
+    assert y.dtype == torch.float32 and rel_err(y, ref) < 1e-5
+    assert rel_err(cache[0], ref_cache[0]) < 1e-5

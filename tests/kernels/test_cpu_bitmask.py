@@ -269,3 +269,37 @@ def test_kernel_variant_build_from_extra_flags(tmp_path):
     proc = subprocess.run([sys.executable, "-c", VARIANT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("ok") and len(list((tmp_path / "kernels").glob("sparse_ffn-*.so"))) == 1
+
+
+@pytest.mark.parametrize("wdt", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("T, R, D", [(1, 7, 100), (1, 130, 544), (3, 33, 77), (8, 64, 128), (70, 9, 33),
+                                     (1, 1, 1), (2, 0, 16)])
+def test_linear_matches_float64(wdt, T, R, D):
+    """kernels.cpu_ffn.linear (the compiled dense rows kernel: pairs at T = 1, token blocks, 64
+    tokens per call) against float64 on the same weights; output poisoned first."""
+    from powerinfer_ray.kernels.cpu_ffn import linear
+
+    gen = torch.Generator().manual_seed(T * 1000 + R)
+    x = torch.randn(T, D, generator=gen)
+    w = torch.randn(R, D, generator=gen).to(wdt)
+    b = torch.randn(R, generator=gen).half()
+    y = linear(x, w, b, threads=2)
+    ref = x.double() @ w.double().T + b.double()
+    assert y.shape == (T, R) and y.dtype == torch.float32
+    if R:
+        assert torch.isfinite(y).all()
+        assert (y.double() - ref).abs().max() < 1e-5 * (1 + ref.abs().max())
+    xs = x.reshape(1, T, D).to(wdt)  # leading dims kept, x converted
+    assert torch.allclose(linear(xs, w, threads=2)[0].double(), xs[0].double() @ w.double().T, rtol=1e-5, atol=1e-4)
+
+
+def test_linear_strided_weights_and_bad_shapes():
+    from powerinfer_ray.kernels.cpu_ffn import linear
+
+    gen = torch.Generator().manual_seed(5)
+    x, w = torch.randn(2, 24, generator=gen), torch.randn(24, 10, generator=gen).half()
+    assert torch.allclose(linear(x, w.T), x @ w.float(), rtol=1e-5, atol=1e-5)  # columns strided: torch path
+    with pytest.raises(ValueError, match=r"expected x \[\.\.\., D\] and w \[R, D\]"):
+        linear(x, w)
+    with pytest.raises(ValueError, match="float32 / float16 / bfloat16"):
+        linear(x, w.T.to(torch.int8))
