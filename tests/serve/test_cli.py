@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import requests
@@ -38,6 +39,8 @@ def test_serve_cli_serves_until_interrupted(tmp_path):
             if line.startswith("serving "):
                 break
         url = re.search(r"at (http://\S+)/v1", lines[-1]).group(1)
+        # keep draining its output: a full pipe would block the server's logging (and its exit)
+        threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
         assert url == f"http://127.0.0.1:{port}"
         auth = {"Authorization": "Bearer sk-cli"}
         assert requests.get(f"{url}/v1/models", timeout=30).status_code == 401
@@ -46,7 +49,7 @@ def test_serve_cli_serves_until_interrupted(tmp_path):
                           json={"model": model_id, "prompt": "Hi", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=60) == 0, "".join(lines[-30:])
     finally:
         if proc.poll() is None:
             proc.kill()
