@@ -4,7 +4,8 @@ mode, batch and prompt+output length, beside upstream's batch-1 figures from DES
     python bench/plot_results.py bench/results/runtime-13b-16gib-h200.json -o bench/results/runtime-13b.png
 
 --sweeps: one panel per swept field (VRAM budget, prompt length, output length) of the batch-1
-records given, decode tokens/s with the GPU share of activated neurons on each point:
+records given, decode tokens/s with the GPU share of activated neurons on each point, and a batch
+panel when records of several batch sizes share one prompt + output shape:
 
     python bench/plot_results.py --sweeps bench/results/runtime-13b-{budgets,shapes,long}-h200.json -o sweeps.png
 """
@@ -29,23 +30,29 @@ def plot_sweeps(records: list[dict], out: str, title: str) -> None:
     common values (prompt 64, output 128, budget 16 GiB in our runs)."""
     recs = [r for r in records if r["batch"] == 1]
     common = {f: max({r[f] for r in recs}, key=lambda v: sum(r[f] == v for r in recs)) for f, _ in SWEPT}
-    fig, axes = plt.subplots(1, len(SWEPT), figsize=(11, 3.6), sharey=True)
-    for ax, (field, label) in zip(axes, SWEPT):
-        pts = sorted({(r[field], r["mode"]): r for r in recs
-                      if all(r[f] == common[f] for f, _ in SWEPT if f != field)}.values(),
-                     key=lambda r: (r["mode"], r[field]))
+    panels = [(field, label, [r for r in recs if all(r[f] == common[f] for f, _ in SWEPT if f != field)])
+              for field, label in SWEPT]
+    shape = lambda r: tuple(r[f] for f, _ in SWEPT)  # noqa: E731
+    multi = [shape(r) for r in records if r["batch"] > 1]
+    if multi:  # batch sizes at the shape the batched runs used
+        at = max(set(multi), key=multi.count)
+        panels.append(("batch", f"batch size ({at[1]} + {at[2]}, {at[0]:g} GiB)",
+                       [r for r in records if shape(r) == at]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.7 * len(panels), 3.6))
+    for ax, (field, label, sel) in zip(axes, panels):
+        pts = sorted({(r[field], r["mode"]): r for r in sel}.values(), key=lambda r: (r["mode"], r[field]))
         for mode in sorted({r["mode"] for r in pts}):
             xs = [r for r in pts if r["mode"] == mode]
             ax.plot([r[field] for r in xs], [r["decode_tok_s"] for r in xs], "o-", label=mode)
             for r in xs:
                 ax.annotate(f"{r['decode_tok_s']:.1f}\n{r['gpu_activation_share']:.0%}", (r[field], r["decode_tok_s"]),
                             fontsize=7, textcoords="offset points", xytext=(0, 4), ha="center")
-        if field == "prompt_len":
-            ax.set_xscale("log")
+        if field in ("prompt_len", "batch"):
+            ax.set_xscale("log", base=2 if field == "batch" else 10)
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     axes[0].set_ylabel("decode tokens/s (label: tok/s, GPU share)")
-    axes[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
