@@ -32,7 +32,7 @@ import torch.nn.functional as F
 SOURCE = Path(__file__).with_name("csrc") / "sparse_ffn.cpp"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 FALLBACK_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]  # compilers without -march=native
-# Extra compiler flags for kernel variants (A/B runs on a host, e.g. "-DPI_PF_AHEAD=1024"; see the
+# Extra compiler flags for kernel variants (A/B runs on a host, e.g. "-DPI_CHUNKS=3"; see the
 # macros in csrc/sparse_ffn.cpp): part of the build's cache key, read at first use.
 EXTRA_FLAGS = os.environ.get("POWERINFER_RAY_CPU_CFLAGS", "").split()
 

@@ -43,11 +43,9 @@ enum { SPLIT_AUTO = 0, SPLIT_ROWS = 1, SPLIT_COLS = 2 };
 
 constexpr int R = 8;  // rows per block: A_i is touched once per R down rows
 constexpr int PF_LINES = 8;  // cache lines prefetched at the head of a row about to be streamed
-// Variant knob (off by default; build with POWERINFER_RAY_CPU_CFLAGS=-DPI_PF_AHEAD=<elements>):
-// phase 1 prefetches its up / gate rows this many elements ahead of the dot product, so page
-// boundaries inside a row (a 13B fp16 row spans 2.5 pages) start their walk early. On the 2-core
-// Zen 4 dev machine 256-2048 changed nothing (its hardware prefetchers cover it); untested on the
-// H200 host's Xeon, whose runtime answer runs at ~35 GB/s of a 100 GB/s read ceiling.
+// (An in-row prefetch PI_PF_AHEAD elements ahead of phase 1's dot product was tried and dropped:
+// H200 host, 14 threads, cold exchange over 40 layers, K = 254 178 vs 159 us, K = 1024 456 vs 431,
+// bench/results/kernels-exchange-cold-builds-h200.json.)
 
 // ---- scalar conversions (tails and the portable path) ---------------------------------------
 inline float f16_to_f32(uint16_t h) {
@@ -175,25 +173,31 @@ constexpr int TBMAX = 8;
 constexpr int TBMAX = 4;
 #endif
 
+// Rows to prefetch while a row's dot products run (T > 1, where the FMAs take longer than the
+// row's bytes): byte pointers to row starts, each prefetched at the offset the dot has reached, so
+// the next row's up / gate and this row's down arrive while the FMAs run (without it a thread
+// computed, then waited for memory, in turn: dev machine, T = 8 cold rows took compute + memory).
+struct Pf {
+    const char* p[3];
+    int n;
+};
+
 // ---- phase 1: u[t] = up_row . x[t], g[t] = gate_row . x[t] for tokens t0 .. t0+TB-1 ----------
 template <class W, int TB, bool GATE>
 inline void dot_rows(const typename W::T* up, const typename W::T* gate, const float* x, int64_t D,
-                     float* u, float* g) {
+                     float* u, float* g, const Pf* pf = nullptr) {
     // x points at token t0; u, g get TB values. Single-token blocks use 4 accumulators so the
     // FMA latency chain does not cap the read rate.
     constexpr int U = TB == 1 ? 4 : (TB == 2 ? 2 : 1);
+    constexpr int64_t SZ = sizeof(typename W::T);
     vf au[TB][U], ag[TB][U];
     for (int t = 0; t < TB; ++t)
         for (int j = 0; j < U; ++j) au[t][j] = ag[t][j] = vzero();
     int64_t d = 0;
     for (; d + U * VW <= D; d += U * VW) {
-#ifdef PI_PF_AHEAD
-        if (d + PI_PF_AHEAD < D)
-            for (int64_t o = 0; o < U * VW * (int64_t)sizeof(typename W::T); o += 64) {
-                __builtin_prefetch((const char*)(up + d + PI_PF_AHEAD) + o);
-                if (GATE) __builtin_prefetch((const char*)(gate + d + PI_PF_AHEAD) + o);
-            }
-#endif
+        if (pf)  // the cache lines that start within this step's bytes, in each prefetched row
+            for (int64_t o = (d * SZ + 63) & ~(int64_t)63; o < (d + U * VW) * SZ; o += 64)
+                for (int i = 0; i < pf->n; ++i) __builtin_prefetch(pf->p[i] + o, 0, 2);  // to L2
         for (int j = 0; j < U; ++j) {
             vf wu = W::load(up + d + j * VW);
             vf wg = GATE ? W::load(gate + d + j * VW) : vzero();
@@ -228,19 +232,20 @@ inline void dot_rows(const typename W::T* up, const typename W::T* gate, const f
 
 template <class W, bool GATE>
 void dot_all_tokens(const typename W::T* up, const typename W::T* gate, const float* x, int64_t T,
-                    int64_t D, float* u, float* g) {
+                    int64_t D, float* u, float* g, const Pf* pf = nullptr) {
     int64_t t0 = 0;
-    for (; t0 + TBMAX <= T; t0 += TBMAX) dot_rows<W, TBMAX, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0);
+    for (; t0 + TBMAX <= T; t0 += TBMAX, pf = nullptr)  // prefetches with the first token block
+        dot_rows<W, TBMAX, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf);
     switch (T - t0) {  // remainder block
         case 0: break;
-        case 1: dot_rows<W, 1, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0); break;
-        case 2: dot_rows<W, 2, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0); break;
-        case 3: dot_rows<W, 3, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0); break;
+        case 1: dot_rows<W, 1, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
+        case 2: dot_rows<W, 2, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
+        case 3: dot_rows<W, 3, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
 #if defined(__AVX512F__)
-        case 4: dot_rows<W, 4, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0); break;
-        case 5: dot_rows<W, 5, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0); break;
-        case 6: dot_rows<W, 6, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0); break;
-        case 7: dot_rows<W, 7, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0); break;
+        case 4: dot_rows<W, 4, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
+        case 5: dot_rows<W, 5, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
+        case 6: dot_rows<W, 6, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
+        case 7: dot_rows<W, 7, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
 #endif
     }
 }
@@ -420,7 +425,7 @@ inline bool few_tokens(const Args&, int64_t, uint64_t*) { return false; }
 // Pre-activations of idx entries k0 .. k0+m-1 (m <= R): u, g [m, T] (row j at j * T). Each row's
 // up / gate are streamed once; the next entry's (nx, -1 if none) heads are prefetched first.
 template <class W, bool GATE>
-void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g) {
+void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g, const Pf* pf = nullptr) {
     typedef typename W::T WT;
     const WT* up = (const WT*)a.up;
     const WT* gate = (const WT*)a.gate;
@@ -446,8 +451,26 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g)
     for (; j < m; ++j) {
         prefetch_heads(entry(j + 1));
         dot_all_tokens<W, GATE>(row_up(row_id(a, k0 + j)), row_gate(row_id(a, k0 + j)), a.x, T, D, u + j * T,
-                                g + j * T);
+                                g + j * T, pf);
     }
+}
+
+// What to prefetch while idx entry k's dots run for T > 1 tokens: the up / gate rows of entry
+// k + 1 (if < k1) and, with_down, entry k's own down row (its axpy follows the block).
+// -DPI_NO_NEXT_PF: none (the A/B's other side).
+template <class W, bool GATE>
+Pf next_rows(const Args& a, int64_t k, int64_t k1, bool with_down) {
+    typedef typename W::T WT;
+    Pf pf{{nullptr, nullptr, nullptr}, 0};
+#ifndef PI_NO_NEXT_PF
+    if (with_down) pf.p[pf.n++] = (const char*)((const WT*)a.down + row_id(a, k) * a.ld_down);
+    if (k + 1 < k1) {
+        const int64_t nx = row_id(a, k + 1);
+        pf.p[pf.n++] = (const char*)((const WT*)a.up + nx * a.ld_up);
+        if (GATE) pf.p[pf.n++] = (const char*)((const WT*)a.gate + nx * a.ld_gate);
+    }
+#endif
+    return pf;
 }
 
 // act(gate[row] . x[t], up[row] . x[t] + b) for one token t (the few-tokens paths).
@@ -493,8 +516,12 @@ void run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
             for (int j = 0; j < m; ++j) {
                 uint64_t bits;
                 few[j] = few_tokens(a, kb + j, &bits);
-                if (few[j]) row_few_tokens<W, GATE>(a, kb + j, bits, A);
-                else dot_block<W, GATE>(a, kb + j, 1, -1, ub + j * T, gb + j * T);
+                if (few[j]) {
+                    row_few_tokens<W, GATE>(a, kb + j, bits, A);
+                } else {
+                    const Pf pf = next_rows<W, GATE>(a, kb + j, k1, true);
+                    dot_block<W, GATE>(a, kb + j, 1, -1, ub + j * T, gb + j * T, pf.n ? &pf : nullptr);
+                }
             }
         }
         int nr = 0;
@@ -594,7 +621,8 @@ void act_rows(const Args& a, int64_t k0, int64_t k1) {
             continue;
         }
         if (T > 1) {  // this row's pre-activations (rows of a block may take the path above)
-            dot_block<W, GATE>(a, k, 1, k + 1 < k1 ? row_id(a, k + 1) : -1, ub, gb);
+            const Pf pf = next_rows<W, GATE>(a, k, k1, false);
+            dot_block<W, GATE>(a, k, 1, pf.n ? -1 : (k + 1 < k1 ? row_id(a, k + 1) : -1), ub, gb, pf.n ? &pf : nullptr);
         } else if ((k - k0) % R == 0) {  // T == 1: the next block's, in pairs
             const int m = (int)(k + R < k1 ? R : k1 - k);
             dot_block<W, GATE>(a, k, m, k + m < k1 ? row_id(a, k + m) : -1, ub, gb);

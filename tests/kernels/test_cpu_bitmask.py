@@ -237,9 +237,9 @@ def test_weight_checks_are_redone_for_new_tensors():
 VARIANT_SCRIPT = r"""
 import numpy as np, torch
 from powerinfer_ray.kernels import cpu_ffn
-assert cpu_ffn.EXTRA_FLAGS == ["-DPI_PF_AHEAD=64", "-DPI_ONE_ROW"], cpu_ffn.EXTRA_FLAGS
+assert cpu_ffn.EXTRA_FLAGS == ["-DPI_CHUNKS=3", "-DPI_ONE_ROW"], cpu_ffn.EXTRA_FLAGS
 g = torch.Generator().manual_seed(7)
-n, D = 300, 520  # rows longer than the prefetch distance, a tail past the vector blocks
+n, D = 300, 520  # a tail past the vector blocks
 up, gate, down_t = (torch.randn(n, D, generator=g).half() for _ in range(3))
 x = torch.randn(1, D, generator=g).half()
 active = torch.rand(n, generator=g) < 0.3
@@ -257,14 +257,14 @@ print("ok", sorted(p.name for p in cpu_ffn.cache_dir().glob("sparse_ffn-*.so")))
 
 @needs_compiler
 def test_kernel_variant_build_from_extra_flags(tmp_path):
-    """POWERINFER_RAY_CPU_CFLAGS builds a kernel variant (here the in-row prefetch, PI_PF_AHEAD, and the
-    one-row phase 1, PI_ONE_ROW) into its own cache entry; the variant agrees with the float64
+    """POWERINFER_RAY_CPU_CFLAGS builds a kernel variant (here 3 row chunks per thread, PI_CHUNKS, and
+    the one-row phase 1, PI_ONE_ROW) into its own cache entry; the variant agrees with the float64
     reference."""
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ, POWERINFER_RAY_CPU_CFLAGS="-DPI_PF_AHEAD=64 -DPI_ONE_ROW",
+    env = dict(os.environ, POWERINFER_RAY_CPU_CFLAGS="-DPI_CHUNKS=3 -DPI_ONE_ROW",
                POWERINFER_RAY_CACHE=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", VARIANT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
