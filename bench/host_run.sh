@@ -47,10 +47,10 @@ batch)  # the batch sweep, one engine per (mode, batch size): prompt 16, 32 gene
     suite runtime-13b-16gib-batch-h200 570 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload \
         --shapes 16x32 --batch 1,2,4,8,16,32 -t "$THREADS"
     ;;
-cpu)  # the CPU kernel bench (16 threads) with and without the next-row prefetch at T > 1, twice
-    # interleaved; the exchange over the runtime's cold working set, builds compared
+cpu)  # the CPU kernel bench (16 threads): default, without the next-row prefetch at T > 1, with
+    # one at T = 1, default again; the exchange over the runtime's cold working set, builds compared
     i=0
-    for v in "" "-DPI_NO_NEXT_PF" "" "-DPI_NO_NEXT_PF"; do
+    for v in "" "-DPI_NO_NEXT_PF" "-DPI_T1_NEXT_PF" ""; do
         i=$((i + 1))
         mkdir -p "$OUT/c$i"
         echo "== cpu kernels, POWERINFER_RAY_CPU_CFLAGS='$v'" >> "$log"
@@ -60,8 +60,8 @@ cpu)  # the CPU kernel bench (16 threads) with and without the next-row prefetch
     grep -E "^== cpu|\[cpu\] fp" "$log" | cut -c1-160
     mkdir -p "$OUT/x"
     timeout 300 python bench/kernels_bench.py --cpu-exchange -t "$THREADS" --tokens 1 --exchange-k 254,1024 \
-        --exchange-layers 40 --exchange-gap-ms 0.3 --exchange-reps 100 \
-        --exchange-cflags ";-DPI_NO_NEXT_PF" --out "$OUT/x" >> "$log" 2>&1
+        --exchange-layers 40 --exchange-gap-ms 0.3 --exchange-reps 150 \
+        --exchange-cflags ";-DPI_T1_NEXT_PF" --out "$OUT/x" >> "$log" 2>&1
     grep "exchange cold" "$log" | cut -c1-300
     ;;
 falcon)  # Falcon-40B at 32 GiB: decode and a long prompt (dense prefill from the shared pages)

@@ -257,11 +257,15 @@ void dot_all_tokens(const typename W::T* up, const typename W::T* gate, const fl
 // the H200 host; -DPI_ONE_ROW (POWERINFER_RAY_CPU_CFLAGS) builds the one-row loop for an A/B.
 template <class W, bool GATE>
 void dot2_t1(const typename W::T* up0, const typename W::T* gate0, const typename W::T* up1,
-             const typename W::T* gate1, const float* x, int64_t D, float* u, float* g) {
+             const typename W::T* gate1, const float* x, int64_t D, float* u, float* g, const Pf* pf = nullptr) {
     vf u0a = vzero(), u0b = vzero(), u1a = vzero(), u1b = vzero();
     vf g0a = vzero(), g0b = vzero(), g1a = vzero(), g1b = vzero();
+    constexpr int64_t SZ = sizeof(typename W::T);
     int64_t d = 0;
     for (; d + 2 * VW <= D; d += 2 * VW) {
+        if (pf)
+            for (int64_t o = (d * SZ + 63) & ~(int64_t)63; o < (d + 2 * VW) * SZ; o += 64)
+                for (int i = 0; i < pf->n; ++i) __builtin_prefetch(pf->p[i] + o, 0, 2);
         const vf xa = vload(x + d), xb = vload(x + d + VW);
         u0a = vfma(W::load(up0 + d), xa, u0a);
         u1a = vfma(W::load(up1 + d), xa, u1a);
@@ -424,6 +428,19 @@ inline bool few_tokens(const Args&, int64_t, uint64_t*) { return false; }
 
 // Pre-activations of idx entries k0 .. k0+m-1 (m <= R): u, g [m, T] (row j at j * T). Each row's
 // up / gate are streamed once; the next entry's (nx, -1 if none) heads are prefetched first.
+#ifdef PI_T1_NEXT_PF
+// Variant (T = 1): the up / gate rows of idx entries k, k + 1 (those < k1), prefetched while the
+// pair before them streams; for a host A/B against the default (hardware prefetchers alone).
+template <class W, bool GATE>
+Pf next_pair(const Args& a, int64_t k, int64_t k1) {
+    typedef typename W::T WT;
+    Pf pf{{nullptr, nullptr, nullptr}, 0};
+    for (int64_t q = k; q < k + 2 && q < k1 && pf.n < 2; ++q)
+        pf.p[pf.n++] = (const char*)((const WT*)a.up + row_id(a, q) * a.ld_up);
+    return pf;  // gate rows left to the hardware: Pf holds three rows
+}
+#endif
+
 template <class W, bool GATE>
 void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g, const Pf* pf = nullptr) {
     typedef typename W::T WT;
@@ -445,7 +462,13 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g,
     if (T == 1)
         for (; j + 2 <= m; j += 2) {
             const int64_t r0 = row_id(a, k0 + j), r1 = row_id(a, k0 + j + 1);
+#ifdef PI_T1_NEXT_PF
+            const Pf pf = next_pair<W, GATE>(a, k0 + j + 2, k0 + m);
+            dot2_t1<W, GATE>(row_up(r0), row_gate(r0), row_up(r1), row_gate(r1), a.x, D, u + j, g + j,
+                             pf.n ? &pf : nullptr);
+#else
             dot2_t1<W, GATE>(row_up(r0), row_gate(r0), row_up(r1), row_gate(r1), a.x, D, u + j, g + j);
+#endif
         }
 #endif
     for (; j < m; ++j) {

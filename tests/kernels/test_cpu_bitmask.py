@@ -235,36 +235,38 @@ def test_weight_checks_are_redone_for_new_tensors():
 
 
 VARIANT_SCRIPT = r"""
-import numpy as np, torch
+import os, numpy as np, torch
 from powerinfer_ray.kernels import cpu_ffn
-assert cpu_ffn.EXTRA_FLAGS == ["-DPI_CHUNKS=3", "-DPI_ONE_ROW"], cpu_ffn.EXTRA_FLAGS
+assert cpu_ffn.EXTRA_FLAGS == os.environ["POWERINFER_RAY_CPU_CFLAGS"].split(), cpu_ffn.EXTRA_FLAGS
 g = torch.Generator().manual_seed(7)
 n, D = 300, 520  # a tail past the vector blocks
 up, gate, down_t = (torch.randn(n, D, generator=g).half() for _ in range(3))
-x = torch.randn(1, D, generator=g).half()
-active = torch.rand(n, generator=g) < 0.3
-packed = np.packbits(active.numpy()[None, :], axis=1, bitorder="little")
-out = torch.empty(1, D)
-cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, packed, n, "reglu", None, out, 2)
-xd, ud, gd, dd = (t.double() for t in (x, up, gate, down_t))
-h = torch.relu(xd @ gd.T) * (xd @ ud.T) * active.double()
-ref = h @ dd
-err = float((out.double() - ref).abs().max() / ref.abs().max())
-assert err < 1e-5, err
+for T, p in ((1, 0.3), (8, 0.3), (8, 0.9)):  # T = 8: rows for few tokens and for most of them
+    x = torch.randn(T, D, generator=g).half()
+    active = torch.rand(T, n, generator=g) < p
+    packed = np.packbits(active.numpy(), axis=1, bitorder="little")
+    out = torch.empty(T, D)
+    cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, packed, n, "reglu", None, out, 2)
+    xd, ud, gd, dd = (t.double() for t in (x, up, gate, down_t))
+    h = torch.relu(xd @ gd.T) * (xd @ ud.T) * active.double()
+    ref = h @ dd
+    err = float((out.double() - ref).abs().max() / ref.abs().max())
+    assert err < 1e-5, (T, p, err)
 print("ok", sorted(p.name for p in cpu_ffn.cache_dir().glob("sparse_ffn-*.so")))
 """
 
 
 @needs_compiler
-def test_kernel_variant_build_from_extra_flags(tmp_path):
-    """POWERINFER_RAY_CPU_CFLAGS builds a kernel variant (here 3 row chunks per thread, PI_CHUNKS, and
-    the one-row phase 1, PI_ONE_ROW) into its own cache entry; the variant agrees with the float64
+@pytest.mark.parametrize("flags", ["-DPI_CHUNKS=3 -DPI_ONE_ROW", "-DPI_T1_NEXT_PF -DPI_NO_NEXT_PF"])
+def test_kernel_variant_build_from_extra_flags(tmp_path, flags):
+    """POWERINFER_RAY_CPU_CFLAGS builds a kernel variant (3 row chunks per thread, PI_CHUNKS, and the
+    one-row phase 1, PI_ONE_ROW; the prefetch A/B knobs) into its own cache entry; the variant agrees with the float64
     reference."""
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ, POWERINFER_RAY_CPU_CFLAGS="-DPI_CHUNKS=3 -DPI_ONE_ROW",
+    env = dict(os.environ, POWERINFER_RAY_CPU_CFLAGS=flags,
                POWERINFER_RAY_CACHE=str(tmp_path))
     proc = subprocess.run([sys.executable, "-c", VARIANT_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
