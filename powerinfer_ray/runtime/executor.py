@@ -62,6 +62,7 @@ class ExecStats:
     gpu_compute_s: float = 0.0  # GPU time of the decode graphs (CUDA events), on sampled steps
     gpu_sampled_steps: int = 0
     kernel_s: float = 0.0  # CPU executor: inside the FFN kernel call (the rest of an answer is Python)
+    attn_s: float = 0.0  # CPU executor: in the attention of its KV-head groups
     # host seconds: attn / ffn of eager steps, wait for the CPU's answers, gpu_wait of graph
     # steps (for the GPU's segment to finish before a post), launch (inside graph replay calls)
     layer_s: dict[str, float] = field(default_factory=lambda: {"attn": 0.0, "ffn": 0.0, "wait": 0.0, "gpu_wait": 0.0,
@@ -546,7 +547,9 @@ class CPUExecutor:
         if op in (OP_ATTN, OP_ATTN_FFN) and self.attn[l].n_groups:
             x = ch.x_attn[:n_tok].float().view(n_seq, n_tok // n_seq, cfg.n_embd)
             slots, start = ch.slots[:n_seq].tolist(), ch.start_pos[:n_seq].tolist()
+            t_a = time.monotonic_ns()
             a = attn_partial(x, self.attn[l], cfg, slots, start, self._linear).view(n_tok, cfg.n_embd)
+            self.stats.attn_s += (time.monotonic_ns() - t_a) * 1e-9
             out.add_(a) if wrote else out.copy_(a)
             self.stats.active_bytes += self.attn[l].weight_bytes  # read in full by every step
             wrote = True
