@@ -62,6 +62,10 @@ cpu)  # the CPU kernel bench (16 threads): default, without the next-row prefetc
     timeout 300 python bench/kernels_bench.py --cpu-exchange -t "$THREADS" --tokens 1 --exchange-k 254,1024 \
         --exchange-layers 40 --exchange-gap-ms 0.3 --exchange-reps 150 \
         --exchange-cflags ";-DPI_T1_NEXT_PF" --out "$OUT/x" >> "$log" 2>&1
+    mkdir -p "$OUT/r"  # ReLU at the Falcon-40B row length: four rows per pass vs pairs
+    timeout 200 python bench/kernels_bench.py --cpu-exchange -t "$THREADS" --tokens 1 --exchange-k 400,1638 \
+        --exchange-act relu --exchange-dim 8192 --exchange-layers 20 --exchange-gap-ms 0.3 --exchange-reps 100 \
+        --exchange-cflags ";-DPI_RELU_PAIRS" --out "$OUT/r" >> "$log" 2>&1
     grep "exchange cold" "$log" | cut -c1-300
     ;;
 falcon)  # Falcon-40B at 32 GiB: decode and a long prompt (dense prefill from the shared pages)

@@ -82,6 +82,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="--cpu-exchange: ';'-separated kernel builds to compare (POWERINFER_RAY_CPU_CFLAGS each, "
                         "'' = the default), e.g. ';-DPI_ONE_ROW' (a value starting with '-' needs '=': "
                         "--exchange-cflags=-DPI_ONE_ROW;); one worker process per build and policy")
+    p.add_argument("--exchange-act", choices=["reglu", "relu"], default="reglu",
+                   help="--cpu-exchange with --exchange-layers > 1: the FFN (relu: no gate, as OPT / Falcon)")
+    p.add_argument("--exchange-dim", type=int, default=5120,
+                   help="--cpu-exchange with --exchange-layers > 1: row length D (Falcon-40B: 8192)")
     p.add_argument("--exchange-worker", default=None, help=argparse.SUPPRESS)  # internal: JSON path of one worker
     return p.parse_args(argv)
 
@@ -348,13 +352,17 @@ def _exchange_cold(args) -> dict:
     2x slower in the runtime; bench/results/kernels-exchange-cold-h200.json.)"""
     threads = args.threads or os.cpu_count()
     torch.set_num_threads(threads)
-    L = args.exchange_layers
+    L, act, dim = args.exchange_layers, args.exchange_act, args.exchange_dim
     gen = torch.Generator().manual_seed(2)
-    base = [w[:EX_N].contiguous() for w in make_weights(torch.float16, "cpu", gen)]
-    layers = [[b.clone() for b in base] for _ in range(L)]
+    base = [(torch.randn(EX_N, dim, generator=gen) * dim ** -0.5).half() for _ in range(3)]
+    base[1].abs_()  # gate positive: every active row's down row is read
+    if act == "relu":
+        base[0].abs_()  # ReLU of up positive likewise
+        base[1] = None
+    layers = [[None if b is None else b.clone() for b in base] for _ in range(L)]
     B = (EX_N + 7) // 8
-    x = torch.randn(8, D, generator=gen).abs().half()[:1]
-    out = torch.empty(1, D, dtype=torch.float16)  # the channel's out: x's dtype
+    x = torch.randn(8, dim, generator=gen).abs().half()[:1]
+    out = torch.empty(1, dim, dtype=torch.float16)  # the channel's out: x's dtype
     gap = args.exchange_gap_ms / 1e3
     reps = 20 if args.quick else args.exchange_reps
     splits = ("auto", "rows", "cols")
@@ -372,15 +380,17 @@ def _exchange_cold(args) -> dict:
                 m = masks[(i + layer) % len(masks)]
                 time.sleep(gap)
                 t0 = time.perf_counter()
-                cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, m[:1, :B], EX_N, "reglu", None, out, threads,
+                cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, m[:1, :B], EX_N, act, None, out, threads,
                                            split=sp)
                 if i >= 5:
                     times[sp].append(time.perf_counter() - t0)
-        nbytes = 3 * K * D * 2
+        nbytes = (2 if act == "relu" else 3) * K * dim * 2
         for sp, ts in times.items():
-            rows_out.append(dict(variant=f"bitmask_{sp}", T=1, K=K, layers=L, **_call_times(ts, nbytes)))
+            rows_out.append(dict(variant=f"bitmask_{sp}", T=1, K=K, layers=L, act=act, D=dim,
+                                 **_call_times(ts, nbytes)))
         print(f"[exchange cold {os.environ.get('OMP_WAIT_POLICY', 'unset')} "
-              f"{os.environ.get('POWERINFER_RAY_CPU_CFLAGS') or 'default build'}] t={threads} L={L} K={K}: " + ", ".join(
+              f"{os.environ.get('POWERINFER_RAY_CPU_CFLAGS') or 'default build'}] {act} D={dim} t={threads} L={L} "
+              f"K={K}: " + ", ".join(
             f"{r['variant']} {r['median_us']:.0f} us ({r['GBps']} GB/s)" for r in rows_out[-len(times):]), flush=True)
     return dict(threads=threads, layers=L, rows=rows_out)
 
@@ -419,7 +429,8 @@ def bench_cpu_exchange(args) -> dict:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--exchange-worker", str(path),
                    "--tokens", args.tokens, "--exchange-k", args.exchange_k, "--exchange-reps",
                    str(args.exchange_reps), "--exchange-gap-ms", str(args.exchange_gap_ms),
-                   "--exchange-layers", str(args.exchange_layers)]
+                   "--exchange-layers", str(args.exchange_layers), "--exchange-act", args.exchange_act,
+                   "--exchange-dim", str(args.exchange_dim)]
             cmd += ["--quick"] if args.quick else []
             cmd += ["--threads", str(args.threads)] if args.threads else []
             subprocess.run(cmd, env=env, check=True)

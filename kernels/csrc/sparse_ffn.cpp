@@ -299,6 +299,31 @@ void dot2_t1(const typename W::T* up0, const typename W::T* gate0, const typenam
     }
     u[0] = s[0], u[1] = s[1], g[0] = s[2], g[1] = s[3];
 }
+
+// T == 1 without a gate (ReLU models: OPT, Falcon): four rows per pass over x, so a thread still
+// streams four weight rows at once (pairs would stream two). -DPI_RELU_PAIRS: pairs, for an A/B.
+template <class W>
+void dot4_t1(const typename W::T* const* up, const float* x, int64_t D, float* u) {
+    vf a[4], b[4];
+    for (int r = 0; r < 4; ++r) a[r] = b[r] = vzero();
+    int64_t d = 0;
+    for (; d + 2 * VW <= D; d += 2 * VW) {
+        const vf xa = vload(x + d), xb = vload(x + d + VW);
+        for (int r = 0; r < 4; ++r) {
+            a[r] = vfma(W::load(up[r] + d), xa, a[r]);
+            b[r] = vfma(W::load(up[r] + d + VW), xb, b[r]);
+        }
+    }
+    for (; d + VW <= D; d += VW) {
+        const vf xa = vload(x + d);
+        for (int r = 0; r < 4; ++r) a[r] = vfma(W::load(up[r] + d), xa, a[r]);
+    }
+    for (int r = 0; r < 4; ++r) {
+        float s = vsum(vadd(a[r], b[r]));
+        for (int64_t e = d; e < D; ++e) s += W::at(up[r] + e) * x[e];  // tail
+        u[r] = s;
+    }
+}
 #endif
 
 inline float activate(int act, float u, float g) {
@@ -459,6 +484,15 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g,
     auto entry = [&](int j) { return j < m ? row_id(a, k0 + j) : (j == m ? nx : -1); };
     int j = 0;
 #ifndef PI_ONE_ROW
+#ifndef PI_RELU_PAIRS
+    if (T == 1 && !GATE)
+        for (; j + 4 <= m; j += 4) {
+            const WT* rows4[4] = {row_up(row_id(a, k0 + j)), row_up(row_id(a, k0 + j + 1)),
+                                  row_up(row_id(a, k0 + j + 2)), row_up(row_id(a, k0 + j + 3))};
+            dot4_t1<W>(rows4, a.x, D, u + j);
+            for (int q = 0; q < 4; ++q) g[j + q] = 0.f;
+        }
+#endif
     if (T == 1)
         for (; j + 2 <= m; j += 2) {
             const int64_t r0 = row_id(a, k0 + j), r1 = row_id(a, k0 + j + 1);

@@ -241,14 +241,15 @@ assert cpu_ffn.EXTRA_FLAGS == os.environ["POWERINFER_RAY_CPU_CFLAGS"].split(), c
 g = torch.Generator().manual_seed(7)
 n, D = 300, 520  # a tail past the vector blocks
 up, gate, down_t = (torch.randn(n, D, generator=g).half() for _ in range(3))
-for T, p in ((1, 0.3), (8, 0.3), (8, 0.9)):  # T = 8: rows for few tokens and for most of them
-    x = torch.randn(T, D, generator=g).half()
+for act, T, p in (("reglu", 1, 0.3), ("reglu", 8, 0.3), ("reglu", 8, 0.9), ("relu", 1, 0.3), ("relu", 8, 0.5)):
+    x = torch.randn(T, D, generator=g).half()  # T = 8: rows for few tokens and for most of them
     active = torch.rand(T, n, generator=g) < p
     packed = np.packbits(active.numpy(), axis=1, bitorder="little")
     out = torch.empty(T, D)
-    cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, packed, n, "reglu", None, out, 2)
+    cpu_ffn.sparse_ffn_bitmask(x, up, gate if act == "reglu" else None, down_t, packed, n, act, None, out, 2)
     xd, ud, gd, dd = (t.double() for t in (x, up, gate, down_t))
-    h = torch.relu(xd @ gd.T) * (xd @ ud.T) * active.double()
+    h = (torch.relu(xd @ gd.T) if act == "reglu" else 1.0) * (xd @ ud.T) * active.double()
+    h = h if act == "reglu" else torch.relu(h)
     ref = h @ dd
     err = float((out.double() - ref).abs().max() / ref.abs().max())
     assert err < 1e-5, (T, p, err)
@@ -257,7 +258,7 @@ print("ok", sorted(p.name for p in cpu_ffn.cache_dir().glob("sparse_ffn-*.so")))
 
 
 @needs_compiler
-@pytest.mark.parametrize("flags", ["-DPI_CHUNKS=3 -DPI_ONE_ROW", "-DPI_T1_NEXT_PF -DPI_NO_NEXT_PF"])
+@pytest.mark.parametrize("flags", ["-DPI_CHUNKS=3 -DPI_ONE_ROW", "-DPI_T1_NEXT_PF -DPI_NO_NEXT_PF -DPI_RELU_PAIRS"])
 def test_kernel_variant_build_from_extra_flags(tmp_path, flags):
     """POWERINFER_RAY_CPU_CFLAGS builds a kernel variant (3 row chunks per thread, PI_CHUNKS, and the
     one-row phase 1, PI_ONE_ROW; the prefetch A/B knobs) into its own cache entry; the variant agrees with the float64
