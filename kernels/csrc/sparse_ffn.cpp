@@ -894,7 +894,7 @@ inline uint64_t valid_bits(int64_t w, int64_t n) {
 
 // ---- dense rows: y[t, r] = W[r] . x[t] (the CPU executor's attention projections) -------------
 // Rows r0 .. r1-1 of W [R, D] (row stride ld_w) against every token of x [T, D]; y is [T, R]. At
-// T = 1 rows go in pairs (dot2_t1), as the FFN's phase 1 does.
+// T = 1 rows go four at a time (dot4_t1), as the gate-less FFN's phase 1 does.
 template <class W>
 void linear_rows(const float* x, int64_t T, int64_t D, const typename W::T* w, int64_t ld_w, int64_t R,
                  int64_t r0, int64_t r1, float* y) {
@@ -902,10 +902,9 @@ void linear_rows(const float* x, int64_t T, int64_t D, const typename W::T* w, i
     int64_t r = r0;
 #ifndef PI_ONE_ROW
     if (T == 1)
-        for (; r + 2 <= r1; r += 2) {
-            dot2_t1<W, false>(w + r * ld_w, nullptr, w + (r + 1) * ld_w, nullptr, x, D, u, g);
-            y[r] = u[0];
-            y[r + 1] = u[1];
+        for (; r + 4 <= r1; r += 4) {
+            const typename W::T* rows4[4] = {w + r * ld_w, w + (r + 1) * ld_w, w + (r + 2) * ld_w, w + (r + 3) * ld_w};
+            dot4_t1<W>(rows4, x, D, y + r);
         }
 #endif
     for (; r < r1; ++r) {
@@ -917,10 +916,10 @@ void linear_rows(const float* x, int64_t T, int64_t D, const typename W::T* w, i
 template <class W>
 void linear_par(const float* x, int64_t T, int64_t D, const void* w, int64_t ld_w, int64_t R, float* y,
                 int nthreads) {
-    int64_t nt = (R + 1) / 2;
+    int64_t nt = (R + 3) / 4;
     nt = nt > nthreads ? nthreads : nt;
-    int64_t ch = R / (8 * nt);  // ~8 dynamic chunks per thread, an even number of rows each
-    ch = ch < 2 ? 2 : ch + (ch & 1);
+    int64_t ch = R / (8 * nt);  // ~8 dynamic chunks per thread, a multiple of 4 rows each
+    ch = ch < 4 ? 4 : (ch + 3) / 4 * 4;
     const int64_t nch = (R + ch - 1) / ch;
 #pragma omp parallel for schedule(dynamic, 1) num_threads((int)nt)
     for (int64_t c = 0; c < nch; ++c) {
