@@ -48,9 +48,10 @@ batch)  # the batch sweep, one engine per (mode, batch size): prompt 16, 32 gene
         --shapes 16x32 --batch 1,2,4,8,16,32 -t "$THREADS"
     ;;
 cpu)  # the CPU kernel bench (16 threads): default, without the next-row prefetch at T > 1, with
-    # one at T = 1, default again; the exchange over the runtime's cold working set, builds compared
+    # one at T = 1, gated rows four at a time at T = 1; the exchange over the runtime's cold working
+    # set and at Falcon's ReLU rows, builds compared
     i=0
-    for v in "" "-DPI_NO_NEXT_PF" "-DPI_T1_NEXT_PF" ""; do
+    for v in "" "-DPI_NO_NEXT_PF" "-DPI_T1_NEXT_PF" "-DPI_GATED_QUADS"; do
         i=$((i + 1))
         mkdir -p "$OUT/c$i"
         echo "== cpu kernels, POWERINFER_RAY_CPU_CFLAGS='$v'" >> "$log"
@@ -61,7 +62,7 @@ cpu)  # the CPU kernel bench (16 threads): default, without the next-row prefetc
     mkdir -p "$OUT/x"
     timeout 300 python bench/kernels_bench.py --cpu-exchange -t "$THREADS" --tokens 1 --exchange-k 254,1024 \
         --exchange-layers 40 --exchange-gap-ms 0.3 --exchange-reps 150 \
-        --exchange-cflags ";-DPI_T1_NEXT_PF" --out "$OUT/x" >> "$log" 2>&1
+        --exchange-cflags ";-DPI_T1_NEXT_PF;-DPI_GATED_QUADS" --out "$OUT/x" >> "$log" 2>&1
     mkdir -p "$OUT/r"  # ReLU at the Falcon-40B row length: four rows per pass vs pairs
     timeout 200 python bench/kernels_bench.py --cpu-exchange -t "$THREADS" --tokens 1 --exchange-k 400,1638 \
         --exchange-act relu --exchange-dim 8192 --exchange-layers 20 --exchange-gap-ms 0.3 --exchange-reps 100 \
