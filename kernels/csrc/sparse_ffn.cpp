@@ -18,7 +18,10 @@
 //    once per R rows); after a barrier the accumulators are summed in parallel over D.
 // Rows whose activation is zero for every token (ReLU zeros, masked tokens) skip their down row.
 // At T = 1 phase 1 takes active rows in pairs, one pass over x for both (dot2_t1): four weight
-// streams per thread keep more reads in flight than two.
+// streams per thread keep more reads in flight than two; rows without a gate (ReLU) go four at a
+// time (dot4_t1) for the same four streams. At T > 1 the next row's up / gate and this row's down
+// are prefetched while the dot products run (next_rows).
+// pi_linear: dense rows times x (the CPU executor's attention projections), on the same loops.
 // pi_sparse_ffn_bitmask decodes the CPU executor's packed mask (active rows and token bits) and
 // converts x itself, so the executor's exchange is one call.
 //
@@ -466,15 +469,15 @@ inline bool few_tokens(const Args&, int64_t, uint64_t*) { return false; }
 // Pre-activations of idx entries k0 .. k0+m-1 (m <= R): u, g [m, T] (row j at j * T). Each row's
 // up / gate are streamed once; the next entry's (nx, -1 if none) heads are prefetched first.
 #ifdef PI_T1_NEXT_PF
-// Variant (T = 1): the up / gate rows of idx entries k, k + 1 (those < k1), prefetched while the
-// pair before them streams; for a host A/B against the default (hardware prefetchers alone).
+// Variant (T = 1): the up rows of idx entries k, k + 1 (those < k1), prefetched while the pair
+// before them streams; for a host A/B against the default (hardware prefetchers alone).
 template <class W, bool GATE>
 Pf next_pair(const Args& a, int64_t k, int64_t k1) {
     typedef typename W::T WT;
     Pf pf{{nullptr, nullptr, nullptr}, 0};
     for (int64_t q = k; q < k + 2 && q < k1 && pf.n < 2; ++q)
         pf.p[pf.n++] = (const char*)((const WT*)a.up + row_id(a, q) * a.ld_up);
-    return pf;  // gate rows left to the hardware: Pf holds three rows
+    return pf;
 }
 #endif
 
