@@ -91,6 +91,7 @@ class Coordinator:
                                  f"executor one more, but the Ray cluster has {n_cpus} CPUs; use threads <= "
                                  f"{n_cpus - 1} (or start Ray with more CPUs)")
         self.gpu = self.cpu = self.spec = self.link = self.shard_spec = self.dense_prefill = None
+        self.load_s: dict[str, float] = {}
         try:  # all or nothing: a half-built pair would hold the names a retry needs
             self.gpu = GPUExecutor.options(
                 name=f"{self.name}.gpu-executor.{dev_name}", num_gpus=1 if device == "cuda" else 0, num_cpus=1,
@@ -102,12 +103,17 @@ class Coordinator:
                     f"{self.name}.cpu-executor.0", ec.model, self.plan, threads=threads, **common)
             info = ray.get([self.gpu.ready.remote()] + ([self.cpu.ready.remote()] if self.cpu else []))
             log.info("executors ready: %s", info)
+            # seconds each executor took to build its shard (they load in parallel), then the
+            # primary's mapping of the CPU shard (below)
+            self.load_s = dict(zip(("gpu", "cpu"), (round(i["load_s"], 1) for i in info)))
             self.spec = ray.get(self.gpu.create_channel.remote())
             if self.cpu is not None:
                 ray.get(self.cpu.attach.remote(self.spec))
                 self.shard_spec = ray.get(self.cpu.shard_spec.remote())
                 # dense prefill of long prompts reads the CPU executor's rows: its shared pages, or a copy
+                t_a = time.perf_counter()
                 self.dense_prefill = ray.get(self.gpu.attach_cold.remote(self.shard_spec))
+                self.load_s["attach_cold"] = round(time.perf_counter() - t_a, 1)
             if STEP_LINK:  # steps over a Unix socket: Ray's ~1.5 ms per call off every token
                 self.link = StepClient(ray.get(self.gpu.open_step_link.remote()))
         except BaseException:
@@ -167,7 +173,7 @@ class Coordinator:
     def ready(self) -> dict[str, Any]:
         return {"model": self.model_name, "n_ctx": self.n_ctx, "policy": self.policy,
                 "executors": ["gpu"] + (["cpu"] if self.cpu else []), "plan_s": self.plan_s,
-                "dense_prefill": self.dense_prefill}
+                "load_s": self.load_s, "dense_prefill": self.dense_prefill}
 
     def model_info(self) -> dict[str, Any]:
         return {"name": self.model_name, "n_ctx": self.n_ctx, "n_vocab": self.cfg.n_vocab,

@@ -59,6 +59,7 @@ class GPUExecutor:
     """The primary executor: the only process that drives its GPU (or the CPU primary)."""
 
     def __init__(self, name: str, model: Any, plan: Plan, budget_bytes: int | None = None, **kw: Any) -> None:
+        t0 = time.perf_counter()
         logging.basicConfig(level=logging.INFO)
         self.name = name
         self.impl = PrimaryExecutor(model, plan, **kw)
@@ -70,10 +71,11 @@ class GPUExecutor:
             self.metrics.budget.set(budget_bytes, tags=self.metrics.tags)
         self.peer_neurons = 0
         self.link = None
+        self.load_s = time.perf_counter() - t0  # reading (or generating) its shard
 
     def ready(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "device": self.device, "weight_bytes": self.impl.weight_bytes(),
-                "vram_used_bytes": _vram_used(self.impl.device)}
+                "vram_used_bytes": _vram_used(self.impl.device), "load_s": self.load_s}
 
     def open_step_link(self) -> str:
         """Serve `step` over a Unix socket (runtime.steplink); its path. The coordinator's decode
@@ -128,15 +130,17 @@ class CPUExecutor:
     """Cold neurons and CPU-placed heads; serves the channel in a background thread."""
 
     def __init__(self, name: str, model: Any, plan: Plan, **kw: Any) -> None:
+        t0 = time.perf_counter()
         logging.basicConfig(level=logging.INFO)
         self.name = name
         self.impl = CPUExecutorCore(model, plan, **kw)
         self.metrics = ExecutorMetrics(name, "cpu")
         self.metrics.mem.set(self.impl.weight_bytes(), tags=self.metrics.tags)
+        self.load_s = time.perf_counter() - t0  # reading (or generating) its shard
 
     def ready(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "device": "cpu", "weight_bytes": self.impl.weight_bytes(),
-                "threads": self.impl.threads}
+                "threads": self.impl.threads, "load_s": self.load_s}
 
     def set_threads(self, n: int) -> int:
         return self.impl.set_threads(n)
