@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator
 import ray
 from ray.util import metrics
 
-from ..model.source import open_model
+from ..model.source import PLANTED_PREFIX, open_model
 from ..runtime import coordinator as core
 from ..runtime.engine import (GIB, EngineConfig, engine_n_ctx, make_tokenizer, resolve_plan, resolve_policy,
                               resolve_prefill_chunk)
@@ -33,6 +33,14 @@ from .executors import CPUExecutor, GPUExecutor
 log = logging.getLogger(__name__)
 DEFAULT_NAME = "powerinfer-engine"
 STEP_LINK = os.environ.get("POWERINFER_RAY_STEP_LINK", "1") != "0"  # 0: steps as Ray calls (A/B runs)
+
+
+def _primary_fills(model: Any, device: str) -> bool:  # noqa: ANN401
+    """Whether the primary generates the CPU executor's rows (runtime.sharedshard): planted models
+    on a GPU primary. POWERINFER_RAY_PRIMARY_FILL=0 never, =1 also on a CPU primary (tests)."""
+    env = os.environ.get("POWERINFER_RAY_PRIMARY_FILL", "")
+    planted = isinstance(model, str) and model.startswith(PLANTED_PREFIX)
+    return planted and env != "0" and (device == "cuda" or env == "1")
 
 
 @ray.remote
@@ -100,12 +108,18 @@ class Coordinator:
                      prefill_dense_min=ec.prefill_dense_min, graphs=ec.graphs, **common)
             if self.plan.needs_cpu_executor:
                 self.cpu = CPUExecutor.options(name=f"{self.name}.cpu-executor.0", num_cpus=threads).remote(
-                    f"{self.name}.cpu-executor.0", ec.model, self.plan, threads=threads, **common)
+                    f"{self.name}.cpu-executor.0", ec.model, self.plan, threads=threads,
+                    defer_fill=_primary_fills(ec.model, device), **common)
             info = ray.get([self.gpu.ready.remote()] + ([self.cpu.ready.remote()] if self.cpu else []))
             log.info("executors ready: %s", info)
             # seconds each executor took to build its shard (they load in parallel), then the
             # primary's mapping of the CPU shard (below)
             self.load_s = dict(zip(("gpu", "cpu"), (round(i["load_s"], 1) for i in info)))
+            if self.cpu is not None and info[1]["needs_fill"]:  # a planted model's rows, made by the primary
+                t_f = time.perf_counter()
+                ray.get(self.gpu.fill_cold.remote(ray.get(self.cpu.shard_spec.remote())))
+                ray.get(self.cpu.filled.remote())
+                self.load_s["fill_cold"] = round(time.perf_counter() - t_f, 1)
             self.spec = ray.get(self.gpu.create_channel.remote())
             if self.cpu is not None:
                 ray.get(self.cpu.attach.remote(self.spec))

@@ -93,6 +93,10 @@ class GPUExecutor:
         """The CPU shard's rows for dense prefill (the CPU executor's shared pages, or a copy)."""
         return self.impl.attach_cold(spec)
 
+    def fill_cold(self, spec: Any) -> None:  # noqa: ANN401
+        """Generate the CPU executor's rows here and write them into its shared file."""
+        self.impl.fill_cold(spec)
+
     def step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]):  # noqa: ANN201
         t0 = time.perf_counter()
         out = self.impl.step(slots, tokens, start_pos)
@@ -140,7 +144,11 @@ class CPUExecutor:
 
     def ready(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "device": "cpu", "weight_bytes": self.impl.weight_bytes(),
-                "threads": self.impl.threads, "load_s": self.load_s}
+                "threads": self.impl.threads, "load_s": self.load_s, "needs_fill": self.impl.needs_fill}
+
+    def filled(self) -> None:
+        """The primary wrote the shared rows (ready()'s needs_fill): touch them before serving."""
+        self.impl.filled()
 
     def set_threads(self, n: int) -> int:
         return self.impl.set_threads(n)

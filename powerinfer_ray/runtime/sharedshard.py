@@ -13,6 +13,12 @@ to the primary through Ray; the file's name is removed at once and the primary o
 behind in /dev/shm whichever dies first. Where /dev/shm lacks the room, `share` returns None: the
 CPU executor keeps private memory and the primary makes its own copy if RAM allows (as before).
 $POWERINFER_RAY_SHARE_SHARD=0 turns sharing off.
+
+Planted (generated) models on a GPU host: generating the CPU shard's rows on the CPU was most of
+an engine's load time (Falcon-40B: 170-220 s, ~3.4 s per GB of CPU shard across the host's runs),
+while the GPU generates the same bits many times faster. `share(..., defer=...)` then only lays
+the file out; the primary generates the rows on its device and writes them in (`fill`), and the
+CPU executor touches its pages once (`prefault`) before serving.
 """
 from __future__ import annotations
 
@@ -58,11 +64,14 @@ def _views(buf: torch.Tensor, spec: SharedShardSpec) -> list[FFNShard]:
     return out
 
 
-def share(n_rows: list[int], gated: bool, d: int, dtype: torch.dtype,
-          load: Callable[[int], FFNShard]) -> tuple[list[FFNShard], SharedShardSpec] | None:
+def share(n_rows: list[int], gated: bool, d: int, dtype: torch.dtype, load: Callable[[int], FFNShard],
+          defer: Callable[[int], tuple[np.ndarray, np.ndarray | None]] | None = None,
+          ) -> tuple[list[FFNShard], SharedShardSpec] | None:
     """Load layer l's shard with ``load(l)`` (n_rows[l] rows) straight into a new shared file,
     one layer at a time (peak memory: the file plus one layer); the shards over it and its spec,
-    or None without loading anything (nothing to share, sharing off, no room in /dev/shm)."""
+    or None without loading anything (nothing to share, sharing off, no room in /dev/shm).
+    defer: ``defer(l)`` -> (ids, up_bias or None) of layer l, and the rows are left for `fill`
+    (by another process); ``load`` is then not called."""
     per_row = d * (3 if gated else 2)
     numel = sum(n_rows) * per_row
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
@@ -95,6 +104,14 @@ def share(n_rows: list[int], gated: bool, d: int, dtype: torch.dtype,
         buf = torch.from_file(proc_path, shared=True, size=numel, dtype=dtype)
         layers, off = [], 0
         for l, n in enumerate(n_rows):
+            if defer is not None:  # layout only: [up | gate | down] of n rows each
+                ids, bias = defer(l)
+                if len(ids) != n:
+                    raise ValueError(f"layer {l}: {len(ids)} ids, expected {n}")
+                offs = [off, off + n * d if gated else -1, off + (2 if gated else 1) * n * d]
+                off += n * per_row
+                layers.append((np.asarray(ids), offs[0], offs[1], offs[2], bias))
+                continue
             sh = load(l)
             offs = []
             for t in (sh.up, sh.gate, sh.down_t):
@@ -126,6 +143,34 @@ def attach(spec: SharedShardSpec) -> tuple[list[FFNShard], torch.Tensor] | None:
         log.warning("the CPU executor's shared shard (%s) could not be mapped: %s", spec.path, e)
         return None
     return _views(buf, spec), buf
+
+
+def fill(spec: SharedShardSpec, load: Callable[[int, np.ndarray, torch.dtype], FFNShard]) -> None:
+    """Write every layer's rows into a file laid out by ``share(..., defer=...)``: ``load(l, ids,
+    dtype)`` gives layer l's shard (on any device: copied to the pages here). RuntimeError if the
+    file cannot be mapped."""
+    mapped = attach(spec)
+    if mapped is None:
+        raise RuntimeError(f"the CPU executor's shared shard ({spec.path}) could not be mapped to fill it")
+    views, _ = mapped
+    dtype = getattr(torch, spec.dtype)
+    for l, (v, (ids, *_)) in enumerate(zip(views, spec.layers)):
+        if not len(ids):
+            continue
+        sh = load(l, ids, dtype)
+        for dst, src in ((v.up, sh.up), (v.gate, sh.gate), (v.down_t, sh.down_t)):
+            if dst is not None:
+                dst.copy_(src)
+        del sh
+
+
+def prefault(shards: list[FFNShard]) -> None:
+    """Read every page of the shards once, so this process's first decode steps do not take the
+    page faults of a mapping another process wrote."""
+    for sh in shards:
+        for t in (sh.up, sh.gate, sh.down_t):
+            if t is not None and t.numel():
+                t.view(-1)[:: max(1, 4096 // t.element_size())].sum()  # one element per page
 
 
 def release(spec: SharedShardSpec | None) -> None:

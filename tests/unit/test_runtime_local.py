@@ -318,3 +318,32 @@ def test_primary_maps_the_cpu_executors_rows_instead_of_copying_them(tmp_path, m
         finally:
             eng.close()
     torch.testing.assert_close(torch.from_numpy(out["1"]), torch.from_numpy(out["0"]), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("spec", ["tiny", "tiny-opt"])  # gated rows; ReLU rows with an up bias
+def test_primary_fills_the_cpu_executors_rows_of_a_planted_model(spec):
+    """defer_fill: the CPU executor lays its shared file out and the primary generates the rows and
+    writes them in (runtime/sharedshard.py fill): the CPU executor's shard then equals the one it
+    loads itself, bias included, and its answers are the same."""
+    from powerinfer_ray.model.source import open_model
+    from powerinfer_ray.runtime.executor import CPUExecutor, PrimaryExecutor
+
+    src = open_model(f"planted:{spec}")
+    plan = _plans(src.config)["mixed"]
+    own = CPUExecutor(src, plan, threads=1)
+    deferred = CPUExecutor(src, plan, threads=1, defer_fill=True)
+    primary = PrimaryExecutor(src, plan, device="cpu")
+    try:
+        assert deferred.needs_fill and not own.needs_fill
+        assert not deferred.ffn[0].up.any()  # laid out, not written
+        primary.fill_cold(deferred.shard_spec)
+        deferred.filled()
+        assert not deferred.needs_fill
+        for a, b in zip(own.ffn, deferred.ffn):
+            assert np.array_equal(a.ids, b.ids)
+            for t in ("up", "gate", "down_t", "up_bias"):
+                x, y = getattr(a, t), getattr(b, t)
+                assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), t
+    finally:
+        for ex in (own, deferred, primary):
+            ex.close() if hasattr(ex, "close") else ex.stop()
