@@ -146,9 +146,10 @@ class CPUExecutor:
         return {"pid": os.getpid(), "device": "cpu", "weight_bytes": self.impl.weight_bytes(),
                 "threads": self.impl.threads, "load_s": self.load_s, "needs_fill": self.impl.needs_fill}
 
-    def filled(self) -> None:
-        """The primary wrote the shared rows (ready()'s needs_fill): touch them before serving."""
-        self.impl.filled()
+    def filled(self, by_primary: bool = True) -> None:
+        """The primary wrote the shared rows (ready()'s needs_fill): touch them before serving;
+        by_primary False: write them here."""
+        self.impl.filled(by_primary)
 
     def set_threads(self, n: int) -> int:
         return self.impl.set_threads(n)

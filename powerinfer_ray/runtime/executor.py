@@ -510,8 +510,11 @@ class CPUExecutor:
             return ids, None
         return ids, self.src.layer(K.FFN_UP, l, rows=ids, dtype=torch.float32, bias=True).numpy()
 
-    def filled(self) -> None:
-        """The primary has written the rows (`needs_fill`): touch every page once before serving."""
+    def filled(self, by_primary: bool = True) -> None:
+        """The primary has written the rows (`needs_fill`): touch every page once before serving.
+        by_primary False: it could not, so write them here (the path without defer_fill)."""
+        if not by_primary:
+            fill(self.shard_spec, lambda l, ids, dtype: load_ffn_shard(self.src, l, ids, dtype, torch.device("cpu")))
         prefault(self.ffn)
         self.needs_fill = False
 

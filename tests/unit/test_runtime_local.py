@@ -324,7 +324,7 @@ def test_primary_maps_the_cpu_executors_rows_instead_of_copying_them(tmp_path, m
 def test_primary_fills_the_cpu_executors_rows_of_a_planted_model(spec):
     """defer_fill: the CPU executor lays its shared file out and the primary generates the rows and
     writes them in (runtime/sharedshard.py fill): the CPU executor's shard then equals the one it
-    loads itself, bias included, and its answers are the same."""
+    loads itself, bias included; when the primary cannot, the CPU executor writes them itself."""
     from powerinfer_ray.model.source import open_model
     from powerinfer_ray.runtime.executor import CPUExecutor, PrimaryExecutor
 
@@ -332,18 +332,21 @@ def test_primary_fills_the_cpu_executors_rows_of_a_planted_model(spec):
     plan = _plans(src.config)["mixed"]
     own = CPUExecutor(src, plan, threads=1)
     deferred = CPUExecutor(src, plan, threads=1, defer_fill=True)
+    fallback = CPUExecutor(src, plan, threads=1, defer_fill=True)
     primary = PrimaryExecutor(src, plan, device="cpu")
     try:
         assert deferred.needs_fill and not own.needs_fill
         assert not deferred.ffn[0].up.any()  # laid out, not written
         primary.fill_cold(deferred.shard_spec)
         deferred.filled()
-        assert not deferred.needs_fill
-        for a, b in zip(own.ffn, deferred.ffn):
+        fallback.filled(by_primary=False)
+        assert not deferred.needs_fill and not fallback.needs_fill
+        for a, b, c in zip(own.ffn, deferred.ffn, fallback.ffn):
             assert np.array_equal(a.ids, b.ids)
             for t in ("up", "gate", "down_t", "up_bias"):
-                x, y = getattr(a, t), getattr(b, t)
-                assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), t
+                x, y, z = getattr(a, t), getattr(b, t), getattr(c, t)
+                assert (x is None) == (y is None) == (z is None), t
+                assert x is None or (torch.equal(x, y) and torch.equal(x, z)), t
     finally:
-        for ex in (own, deferred, primary):
+        for ex in (own, deferred, fallback, primary):
             ex.close() if hasattr(ex, "close") else ex.stop()
