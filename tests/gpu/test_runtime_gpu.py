@@ -112,3 +112,31 @@ def test_cuda_graph_decode_equals_eager_and_reference(tmp_path, variant, split):
     assert (top_eager == top_graph).mean() >= 0.9, (top_eager, top_graph)
     assert graph[1] > 0 and abs(graph[1] - eager[1]) <= 0.03 * eager[1]
     assert abs(graph[2] - eager[2]) <= 0.03 * max(eager[2], 1)
+
+
+@pytest.mark.parametrize("spec", ["tiny", "tiny-falcon"])
+def test_cuda_primary_fills_the_cpu_shard_of_a_planted_model(spec):
+    """The primary generates the CPU executor's rows on the GPU and writes them into its shared
+    file (defer_fill): bit for bit the rows the CPU executor generates itself on the CPU."""
+    from powerinfer_ray.model.source import open_model
+    from powerinfer_ray.runtime.executor import CPUExecutor, PrimaryExecutor
+
+    src = open_model(f"planted:{spec}")
+    cfg = src.config
+    rng = np.random.default_rng(1)
+    plan = Plan.from_masks([rng.random(cfg.n_ff) < 0.4 for _ in range(cfg.n_layer)], None, cfg)
+    own = CPUExecutor(src, plan, threads=2)
+    deferred = CPUExecutor(src, plan, threads=2, defer_fill=True)
+    primary = PrimaryExecutor(src, plan, device="cuda")
+    try:
+        assert deferred.needs_fill
+        primary.fill_cold(deferred.shard_spec)
+        deferred.filled()
+        for a, b in zip(own.ffn, deferred.ffn):
+            for t in ("up", "gate", "down_t"):
+                x, y = getattr(a, t), getattr(b, t)
+                assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), t
+    finally:
+        primary.close()
+        own.stop()
+        deferred.stop()
