@@ -557,25 +557,26 @@ Pf next_rows(const Args& a, int64_t k, int64_t k1, bool with_down) {
 
 // act(gate[row] . x[t], up[row] . x[t] + b) for one token t (the few-tokens paths).
 template <class W, bool GATE>
-inline float token_act(const Args& a, int64_t row, float b, int t) {
+inline float token_act(const Args& a, int64_t row, float b, int t, const Pf* pf = nullptr) {
     typedef typename W::T WT;
     float u, g;
     dot_rows<W, 1, GATE>((const WT*)a.up + row * a.ld_up, GATE ? (const WT*)a.gate + row * a.ld_gate : nullptr,
-                         a.x + t * a.D, a.D, &u, &g);
+                         a.x + t * a.D, a.D, &u, &g, pf);
     return activate(a.act, u + b, g);
 }
 
 // Row k for the tokens in ``bits`` only: per token u, g = up/gate . x[t], h = act, A[t] += h * down.
-// The row's bytes come from memory once (first token) and from cache after.
+// The row's bytes come from memory once (first token, which prefetches pf's rows: the next row's
+// up / gate and this row's down) and from cache after.
 template <class W, bool GATE>
-void row_few_tokens(const Args& a, int64_t k, uint64_t bits, float* A) {
+void row_few_tokens(const Args& a, int64_t k, uint64_t bits, float* A, const Pf* pf = nullptr) {
     typedef typename W::T WT;
     const int64_t row = row_id(a, k), D = a.D;
     const WT* down = (const WT*)a.down + row * a.ld_down;
     const float b = a.bias ? bias_at(a, row) : 0.f;
-    for (; bits; bits &= bits - 1) {
+    for (; bits; bits &= bits - 1, pf = nullptr) {
         const int t = __builtin_ctzll(bits);
-        const float h = token_act<W, GATE>(a, row, b, t);
+        const float h = token_act<W, GATE>(a, row, b, t, pf);
         if (h != 0.f) axpy_rows<W, 1>(&down, 1, &h, 1, 0, A + t * D, D, 0, D);
     }
 }
@@ -598,12 +599,9 @@ void run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
             for (int j = 0; j < m; ++j) {
                 uint64_t bits;
                 few[j] = few_tokens(a, kb + j, &bits);
-                if (few[j]) {
-                    row_few_tokens<W, GATE>(a, kb + j, bits, A);
-                } else {
-                    const Pf pf = next_rows<W, GATE>(a, kb + j, k1, true);
-                    dot_block<W, GATE>(a, kb + j, 1, -1, ub + j * T, gb + j * T, pf.n ? &pf : nullptr);
-                }
+                const Pf pf = next_rows<W, GATE>(a, kb + j, k1, true);
+                if (few[j]) row_few_tokens<W, GATE>(a, kb + j, bits, A, pf.n ? &pf : nullptr);
+                else dot_block<W, GATE>(a, kb + j, 1, -1, ub + j * T, gb + j * T, pf.n ? &pf : nullptr);
             }
         }
         int nr = 0;
