@@ -32,11 +32,10 @@ verify)  # the GPU tests, the sync microbenchmark, the Triton sweep (split varia
     timeout 200 powerinfer-ray bench kernels --device cuda --sweep --out "$OUT" >> "$log" 2>&1
     grep -E "^\[(sweep|gpu)\]" "$log" | tail -n 14 | cut -c1-300
     ;;
-13b)  # the headline (share fixed, step link, CPU pairs) and the step-link A/B
+13b)  # the headline, the three engines in one run (the step-link A/B ran at da49b8d:
+    # bench/results/runtime-13b-16gib-raycall-h200.json)
     suite runtime-13b-16gib-h200 330 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload,dense-gpu \
         --shapes 64x128 --batch 1 -t "$THREADS"
-    POWERINFER_RAY_STEP_LINK=0 suite runtime-13b-16gib-raycall-h200 120 -m "$M13" --vram-budget 16 \
-        --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS"
     ;;
 b32)  # batch 32 (the CPU's per-token path) and long prompts
     suite runtime-13b-16gib-b32-h200 300 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload \
