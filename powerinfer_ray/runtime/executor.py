@@ -190,7 +190,7 @@ class PrimaryExecutor:
     def fill_cold(self, spec: SharedShardSpec) -> None:
         """Generate the CPU executor's rows here (its file laid out with ``defer_fill``) and write
         them into its shared pages: a planted model's rows come many times faster from a GPU."""
-        fill(spec, lambda l, ids, dtype: load_ffn_shard(self.src, l, ids, dtype, self.device))
+        fill(spec, self.src, self.device)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the layers' rows passed through: give their blocks back
 
@@ -512,10 +512,11 @@ class CPUExecutor:
 
     def filled(self, by_primary: bool = True) -> None:
         """The primary has written the rows (`needs_fill`): touch every page once before serving.
-        by_primary False: it could not, so write them here (the path without defer_fill)."""
-        if not by_primary:
-            fill(self.shard_spec, lambda l, ids, dtype: load_ffn_shard(self.src, l, ids, dtype, torch.device("cpu")))
-        prefault(self.ffn)
+        by_primary False: it could not, so write them here, through our own mapping."""
+        if by_primary:
+            prefault(self.ffn)
+        else:
+            fill(self.shard_spec, self.src, torch.device("cpu"), self.ffn)
         self.needs_fill = False
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

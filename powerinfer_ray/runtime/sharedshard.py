@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from .channel import SHM_DIR
-from .shard import FFNShard
+from ..model.source import WeightSource
+from .shard import FFNShard, load_ffn_shard
 
 log = logging.getLogger(__name__)
 HEADROOM = 256 << 20  # bytes of /dev/shm left free for the channel and Ray
@@ -145,22 +146,24 @@ def attach(spec: SharedShardSpec) -> tuple[list[FFNShard], torch.Tensor] | None:
     return _views(buf, spec), buf
 
 
-def fill(spec: SharedShardSpec, load: Callable[[int, np.ndarray, torch.dtype], FFNShard]) -> None:
-    """Write every layer's rows into a file laid out by ``share(..., defer=...)``: ``load(l, ids,
-    dtype)`` gives layer l's shard (on any device: copied to the pages here). RuntimeError if the
-    file cannot be mapped."""
-    mapped = attach(spec)
-    if mapped is None:
-        raise RuntimeError(f"the CPU executor's shared shard ({spec.path}) could not be mapped to fill it")
-    views, _ = mapped
+def fill(spec: SharedShardSpec, src: WeightSource, device: torch.device,
+         views: list[FFNShard] | None = None) -> None:
+    """Write every layer's rows into a file laid out by ``share(..., defer=...)``, loading them from
+    ``src`` on ``device`` (copied to the pages here). views: this process's shards over the file
+    (the CPU executor's own), else the file is mapped here. RuntimeError if it cannot be."""
+    if views is None:
+        mapped = attach(spec)
+        if mapped is None:
+            raise RuntimeError(f"the CPU executor's shared shard ({spec.path}) could not be mapped to fill it")
+        views, _ = mapped
     dtype = getattr(torch, spec.dtype)
     for l, (v, (ids, *_)) in enumerate(zip(views, spec.layers)):
         if not len(ids):
             continue
-        sh = load(l, ids, dtype)
-        for dst, src in ((v.up, sh.up), (v.gate, sh.gate), (v.down_t, sh.down_t)):
+        sh = load_ffn_shard(src, l, ids, dtype, device)
+        for dst, rows in ((v.up, sh.up), (v.gate, sh.gate), (v.down_t, sh.down_t)):
             if dst is not None:
-                dst.copy_(src)
+                dst.copy_(rows)
         del sh
 
 
