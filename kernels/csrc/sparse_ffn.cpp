@@ -17,9 +17,9 @@
 //    private fp32 accumulator A_i [T, D] (phase 2, R rows interleaved so A_i is loaded and stored
 //    once per R rows); after a barrier the accumulators are summed in parallel over D.
 // Rows whose activation is zero for every token (ReLU zeros, masked tokens) skip their down row.
-// At T = 1 phase 1 takes active rows in pairs, one pass over x for both (dot2_t1): four weight
+// At T = 1 phase 1 takes active rows in pairs, one pass over x for both (dotn_t1): four weight
 // streams per thread keep more reads in flight than two; rows without a gate (ReLU) go four at a
-// time (dot4_t1) for the same four streams. At T > 1 the next row's up / gate and this row's down
+// time for the same four streams. At T > 1 the next row's up / gate and this row's down
 // are prefetched while the dot products run (next_rows).
 // pi_linear: dense rows times x (the CPU executor's attention projections), on the same loops.
 // pi_sparse_ffn_bitmask decodes the CPU executor's packed mask (active rows and token bits) and
@@ -185,6 +185,12 @@ struct Pf {
     int n;
 };
 
+// Prefetch (to L2) the cache lines that start within bytes [b0, b1) of each of pf's rows.
+inline void prefetch_span(const Pf* pf, int64_t b0, int64_t b1) {
+    for (int64_t o = (b0 + 63) & ~(int64_t)63; o < b1; o += 64)
+        for (int i = 0; i < pf->n; ++i) __builtin_prefetch(pf->p[i] + o, 0, 2);
+}
+
 // ---- phase 1: u[t] = up_row . x[t], g[t] = gate_row . x[t] for tokens t0 .. t0+TB-1 ----------
 template <class W, int TB, bool GATE>
 inline void dot_rows(const typename W::T* up, const typename W::T* gate, const float* x, int64_t D,
@@ -198,9 +204,7 @@ inline void dot_rows(const typename W::T* up, const typename W::T* gate, const f
         for (int j = 0; j < U; ++j) au[t][j] = ag[t][j] = vzero();
     int64_t d = 0;
     for (; d + U * VW <= D; d += U * VW) {
-        if (pf)  // the cache lines that start within this step's bytes, in each prefetched row
-            for (int64_t o = (d * SZ + 63) & ~(int64_t)63; o < (d + U * VW) * SZ; o += 64)
-                for (int i = 0; i < pf->n; ++i) __builtin_prefetch(pf->p[i] + o, 0, 2);  // to L2
+        if (pf) prefetch_span(pf, d * SZ, (d + U * VW) * SZ);  // pf's rows, at this step's offsets
         for (int j = 0; j < U; ++j) {
             vf wu = W::load(up + d + j * VW);
             vf wg = GATE ? W::load(gate + d + j * VW) : vzero();
@@ -254,66 +258,23 @@ void dot_all_tokens(const typename W::T* up, const typename W::T* gate, const fl
 }
 
 #ifndef PI_ONE_ROW
-// T == 1, two rows in one pass over x: four weight streams in flight per thread instead of two.
-// Dev machine (Zen 4, cold rows, bench kernels --cpu-exchange --exchange-layers 4): 1 thread
-// K = 254 594 -> 528 us, K = 1024 2210 -> 1920 us; 2 threads 1-6 % faster. Not yet measured on
-// the H200 host; -DPI_ONE_ROW (POWERINFER_RAY_CPU_CFLAGS) builds the one-row loop for an A/B.
-template <class W, bool GATE>
-void dot2_t1(const typename W::T* up0, const typename W::T* gate0, const typename W::T* up1,
-             const typename W::T* gate1, const float* x, int64_t D, float* u, float* g, const Pf* pf = nullptr) {
-    vf u0a = vzero(), u0b = vzero(), u1a = vzero(), u1b = vzero();
-    vf g0a = vzero(), g0b = vzero(), g1a = vzero(), g1b = vzero();
+// T == 1, NR rows in one pass over x, so a thread keeps several weight streams in flight: gated
+// rows in pairs (four streams; dev machine, Zen 4, cold rows, bench kernels --cpu-exchange
+// --exchange-layers 4: 1 thread K = 254 594 -> 528 us, K = 1024 2210 -> 1920 us against one row
+// at a time; -DPI_ONE_ROW builds that loop), rows without a gate (ReLU models: OPT, Falcon; dense
+// rows of pi_linear) four at a time (four streams; -DPI_RELU_PAIRS: pairs, for an A/B).
+// u, g get NR values (g 0 without a gate).
+template <class W, bool GATE, int NR>
+void dotn_t1(const typename W::T* const* up, const typename W::T* const* gate, const float* x, int64_t D,
+             float* u, float* g, const Pf* pf = nullptr) {
     constexpr int64_t SZ = sizeof(typename W::T);
+    vf a[NR], b[NR], ga[NR], gb[NR];
+    for (int r = 0; r < NR; ++r) a[r] = b[r] = ga[r] = gb[r] = vzero();
     int64_t d = 0;
     for (; d + 2 * VW <= D; d += 2 * VW) {
-        if (pf)
-            for (int64_t o = (d * SZ + 63) & ~(int64_t)63; o < (d + 2 * VW) * SZ; o += 64)
-                for (int i = 0; i < pf->n; ++i) __builtin_prefetch(pf->p[i] + o, 0, 2);
+        if (pf) prefetch_span(pf, d * SZ, (d + 2 * VW) * SZ);
         const vf xa = vload(x + d), xb = vload(x + d + VW);
-        u0a = vfma(W::load(up0 + d), xa, u0a);
-        u1a = vfma(W::load(up1 + d), xa, u1a);
-        u0b = vfma(W::load(up0 + d + VW), xb, u0b);
-        u1b = vfma(W::load(up1 + d + VW), xb, u1b);
-        if (GATE) {
-            g0a = vfma(W::load(gate0 + d), xa, g0a);
-            g1a = vfma(W::load(gate1 + d), xa, g1a);
-            g0b = vfma(W::load(gate0 + d + VW), xb, g0b);
-            g1b = vfma(W::load(gate1 + d + VW), xb, g1b);
-        }
-    }
-    for (; d + VW <= D; d += VW) {
-        const vf xa = vload(x + d);
-        u0a = vfma(W::load(up0 + d), xa, u0a);
-        u1a = vfma(W::load(up1 + d), xa, u1a);
-        if (GATE) {
-            g0a = vfma(W::load(gate0 + d), xa, g0a);
-            g1a = vfma(W::load(gate1 + d), xa, g1a);
-        }
-    }
-    float s[4] = {vsum(vadd(u0a, u0b)), vsum(vadd(u1a, u1b)), GATE ? vsum(vadd(g0a, g0b)) : 0.f,
-                  GATE ? vsum(vadd(g1a, g1b)) : 0.f};
-    for (; d < D; ++d) {  // tail
-        s[0] += W::at(up0 + d) * x[d];
-        s[1] += W::at(up1 + d) * x[d];
-        if (GATE) {
-            s[2] += W::at(gate0 + d) * x[d];
-            s[3] += W::at(gate1 + d) * x[d];
-        }
-    }
-    u[0] = s[0], u[1] = s[1], g[0] = s[2], g[1] = s[3];
-}
-
-// T == 1 without a gate (ReLU models: OPT, Falcon): four rows per pass over x, so a thread still
-// streams four weight rows at once (pairs would stream two). -DPI_RELU_PAIRS: pairs, for an A/B.
-template <class W, bool GATE = false>
-void dot4_t1(const typename W::T* const* up, const float* x, int64_t D, float* u,
-             const typename W::T* const* gate = nullptr, float* g = nullptr) {
-    vf a[4], b[4], ga[4], gb[4];
-    for (int r = 0; r < 4; ++r) a[r] = b[r] = ga[r] = gb[r] = vzero();
-    int64_t d = 0;
-    for (; d + 2 * VW <= D; d += 2 * VW) {
-        const vf xa = vload(x + d), xb = vload(x + d + VW);
-        for (int r = 0; r < 4; ++r) {
+        for (int r = 0; r < NR; ++r) {
             a[r] = vfma(W::load(up[r] + d), xa, a[r]);
             b[r] = vfma(W::load(up[r] + d + VW), xb, b[r]);
             if (GATE) {
@@ -324,19 +285,19 @@ void dot4_t1(const typename W::T* const* up, const float* x, int64_t D, float* u
     }
     for (; d + VW <= D; d += VW) {
         const vf xa = vload(x + d);
-        for (int r = 0; r < 4; ++r) {
+        for (int r = 0; r < NR; ++r) {
             a[r] = vfma(W::load(up[r] + d), xa, a[r]);
             if (GATE) ga[r] = vfma(W::load(gate[r] + d), xa, ga[r]);
         }
     }
-    for (int r = 0; r < 4; ++r) {
+    for (int r = 0; r < NR; ++r) {
         float s = vsum(vadd(a[r], b[r])), sg = GATE ? vsum(vadd(ga[r], gb[r])) : 0.f;
         for (int64_t e = d; e < D; ++e) {  // tail
             s += W::at(up[r] + e) * x[e];
             if (GATE) sg += W::at(gate[r] + e) * x[e];
         }
         u[r] = s;
-        if (GATE) g[r] = sg;
+        g[r] = sg;
     }
 }
 #endif
@@ -504,8 +465,7 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g,
         for (; j + 4 <= m; j += 4) {
             const WT* rows4[4] = {row_up(row_id(a, k0 + j)), row_up(row_id(a, k0 + j + 1)),
                                   row_up(row_id(a, k0 + j + 2)), row_up(row_id(a, k0 + j + 3))};
-            dot4_t1<W>(rows4, a.x, D, u + j);
-            for (int q = 0; q < 4; ++q) g[j + q] = 0.f;
+            dotn_t1<W, false, 4>(rows4, nullptr, a.x, D, u + j, g + j);
         }
 #endif
 #ifdef PI_GATED_QUADS  // variant: gated rows four at a time too (eight streams; dev machine 1-4 %)
@@ -515,18 +475,19 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g,
                                   row_id(a, k0 + j + 3)};
             const WT* ups[4] = {row_up(r[0]), row_up(r[1]), row_up(r[2]), row_up(r[3])};
             const WT* gates[4] = {row_gate(r[0]), row_gate(r[1]), row_gate(r[2]), row_gate(r[3])};
-            dot4_t1<W, true>(ups, a.x, D, u + j, gates, g + j);
+            dotn_t1<W, true, 4>(ups, gates, a.x, D, u + j, g + j);
         }
 #endif
     if (T == 1)
         for (; j + 2 <= m; j += 2) {
             const int64_t r0 = row_id(a, k0 + j), r1 = row_id(a, k0 + j + 1);
+            const WT* ups[2] = {row_up(r0), row_up(r1)};
+            const WT* gates[2] = {row_gate(r0), row_gate(r1)};
 #ifdef PI_T1_NEXT_PF
             const Pf pf = next_pair<W, GATE>(a, k0 + j + 2, k0 + m);
-            dot2_t1<W, GATE>(row_up(r0), row_gate(r0), row_up(r1), row_gate(r1), a.x, D, u + j, g + j,
-                             pf.n ? &pf : nullptr);
+            dotn_t1<W, GATE, 2>(ups, gates, a.x, D, u + j, g + j, pf.n ? &pf : nullptr);
 #else
-            dot2_t1<W, GATE>(row_up(r0), row_gate(r0), row_up(r1), row_gate(r1), a.x, D, u + j, g + j);
+            dotn_t1<W, GATE, 2>(ups, gates, a.x, D, u + j, g + j);
 #endif
         }
 #endif
@@ -917,7 +878,7 @@ inline uint64_t valid_bits(int64_t w, int64_t n) {
 
 // ---- dense rows: y[t, r] = W[r] . x[t] (the CPU executor's attention projections) -------------
 // Rows r0 .. r1-1 of W [R, D] (row stride ld_w) against every token of x [T, D]; y is [T, R]. At
-// T = 1 rows go four at a time (dot4_t1), as the gate-less FFN's phase 1 does.
+// T = 1 rows go four at a time (dotn_t1), as the gate-less FFN's phase 1 does.
 template <class W>
 void linear_rows(const float* x, int64_t T, int64_t D, const typename W::T* w, int64_t ld_w, int64_t R,
                  int64_t r0, int64_t r1, float* y) {
@@ -927,7 +888,7 @@ void linear_rows(const float* x, int64_t T, int64_t D, const typename W::T* w, i
     if (T == 1)
         for (; r + 4 <= r1; r += 4) {
             const typename W::T* rows4[4] = {w + r * ld_w, w + (r + 1) * ld_w, w + (r + 2) * ld_w, w + (r + 3) * ld_w};
-            dot4_t1<W>(rows4, x, D, y + r);
+            dotn_t1<W, false, 4>(rows4, nullptr, x, D, y + r, g);
         }
 #endif
     for (; r < r1; ++r) {
