@@ -422,8 +422,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
         xs = x.reshape(-1, D).to(torch.float32).contiguous()
         y = torch.empty(xs.shape[0], R, dtype=torch.float32)
         nthreads = int(threads or torch.get_num_threads())
-        for t0 in range(0, xs.shape[0], 64):  # the kernel takes up to 64 tokens per call
-            t1 = min(xs.shape[0], t0 + 64)
+        for t0 in range(0, xs.shape[0], _MAX_T):
+            t1 = min(xs.shape[0], t0 + _MAX_T)
             rc = lib.pi_linear(xs[t0:t1].data_ptr(), t1 - t0, D, w.data_ptr(), _W_DT[w.dtype],
                                w.stride(0) if R else D, R, y[t0:t1].data_ptr(), nthreads)
             if rc != 0:
