@@ -15,7 +15,8 @@ CPU executor keeps private memory and the primary makes its own copy if RAM allo
 $POWERINFER_RAY_SHARE_SHARD=0 turns sharing off.
 
 Planted (generated) models on a GPU host: generating the CPU shard's rows on the CPU was most of
-an engine's load time (Falcon-40B: 170-220 s, ~3.4 s per GB of CPU shard across the host's runs),
+an engine's load time (Falcon-40B: 170-220 s; ~3.4 s per GB of CPU shard, fitted to the load times
+of the host's 13B and Falcon runs against their CPU shards' estimated sizes),
 while the GPU generates the same bits many times faster. `share(..., defer=...)` then only lays
 the file out; the primary generates the rows on its device and writes them in (`fill`), and the
 CPU executor touches its pages once (`prefault`) before serving.
