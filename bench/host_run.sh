@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|13b|b32|batch|batch2|cpu|falcon|falcon24
+#       bash bench/host_run.sh verify|13b|b32|batch|cpu|falcon|falcon24
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stage=${1:?usage: host_run.sh verify|13b|b32|batch|batch2|cpu|falcon|falcon24}
+stage=${1:?usage: host_run.sh verify|13b|b32|batch|cpu|falcon|falcon24}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
 export RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1 POWERINFER_COMMIT
@@ -42,11 +42,10 @@ b32)  # batch 32 (the CPU's per-token path) and long prompts
         --shapes 16x32 --batch 32 -t "$THREADS"
     suite runtime-13b-long-h200 200 -m "$M13" --vram-budget 16 --modes hybrid --shapes 1500x128,64x512 -t "$THREADS"
     ;;
-batch|batch2)  # the batch sweep in two calls (~35 s per engine load, one engine per (mode, batch
-    # size)): prompt 16, 32 generated; batch: 1, 4, 16; batch2: 2, 8, 32
-    sizes=$([ "$stage" = batch ] && echo 1,4,16 || echo 2,8,32)
-    suite runtime-13b-16gib-$stage-h200 560 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload \
-        --shapes 16x32 --batch "$sizes" -t "$THREADS"
+batch)  # the batch sweep, hybrid and layer-offload, one engine per (mode, batch size) (~20-40 s
+    # load each for the 13B): prompt 16, 32 generated (422 s on the host, 6c5071a)
+    suite runtime-13b-16gib-batch-h200 575 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload \
+        --shapes 16x32 --batch 1,4,16,32 -t "$THREADS"
     ;;
 cpu)  # the CPU kernel bench (16 threads): default, without the next-row prefetch at T > 1, with
     # one at T = 1, gated rows four at a time at T = 1; the exchange over the runtime's cold working
@@ -79,7 +78,7 @@ falcon24)  # Falcon-40B at the issue's 24 GiB: the ILP keeps attention on the GP
         --modes hybrid,layer-offload --shapes 64x32 -t "$THREADS"
     ;;
 *)
-    echo "unknown stage $stage: expected verify|13b|b32|batch|batch2|cpu|falcon|falcon24" >&2
+    echo "unknown stage $stage: expected verify|13b|b32|batch|cpu|falcon|falcon24" >&2
     exit 2
     ;;
 esac

@@ -45,7 +45,7 @@ except ImportError:  # a plain checkout without the editable install
     from kernels import cpu_ffn  # type: ignore[no-redef]
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the drivers share model_bench's helpers
-from model_bench import commit  # noqa: E402
+from model_bench import commit, settings  # noqa: E402
 
 D, N = 5120, 13824
 GPU = "cuda"  # the device of the GPU part (a CPU harness may point it elsewhere)
@@ -660,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench kernels: --device cuda but CUDA is not available", file=sys.stderr)
         return 2
     report = dict(
-        machine=args.machine or machine_name(), commit=args.commit or commit(),
+        machine=args.machine or machine_name(), commit=args.commit or commit(), env=settings(),
         command=" ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
         date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), torch=torch.__version__, python=platform.python_version(),
         cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),

@@ -59,9 +59,15 @@ def commit() -> str:
         return "unknown"
 
 
+def settings() -> dict[str, str]:
+    """The $POWERINFER_RAY_* variables set (kernel builds, fallbacks): part of what was measured."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("POWERINFER_RAY_")}
+
+
 def write_results(out_dir: str | Path, name: str, command: str, **payload: Any) -> Path:
-    """bench/results/<name>.json: machine, commit, command, date, then the payload."""
-    doc = {"machine": machine(), "commit": commit(), "command": command,
+    """bench/results/<name>.json: machine, commit, command, date, the
+    $POWERINFER_RAY_* settings the command ran under, then the payload."""
+    doc = {"machine": machine(), "commit": commit(), "command": command, "env": settings(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), **payload}
     out = Path(out_dir) / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
