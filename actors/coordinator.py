@@ -17,7 +17,6 @@ import asyncio
 import logging
 import os
 import time
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 import ray
@@ -151,8 +150,7 @@ class Coordinator:
             self.spec.path.unlink(missing_ok=True)  # the dead primary cannot remove its channel
         link = getattr(self, "link", None)
         if link is not None:
-            link.close()
-            Path(link.path).unlink(missing_ok=True)  # nor its step link's socket
+            link.close()  # (its socket has no file: runtime/steplink.py)
             self.link = None
 
     async def _recover(self, exc: BaseException) -> None:

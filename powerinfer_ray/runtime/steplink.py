@@ -8,9 +8,13 @@ Ray still sets it up (the executor opens it and returns its path) and carries ev
 
 Frames: 8-byte little-endian length, then a pickle. Request: (slots, tokens, start_pos).
 Response: ("ok", logits) or ("error", exception). When the executor's process dies the kernel
-closes its end, and the coordinator's pending read raises `LinkClosed` at once. The socket's
-name is removed once the coordinator is connected (nothing left in /dev/shm; a coordinator
+closes its end, and the coordinator's pending read raises `LinkClosed` at once (a coordinator
 never reconnects to the same executor: a closed link means a dead one).
+
+The socket has an abstract name (Linux: no file, gone with the process). A file in /dev/shm was
+left behind whenever the executor was killed before the coordinator's first step connected
+(e.g. `ray.shutdown()` right after an engine started). Requests are pickles, so the server
+accepts only peers of its own user (SO_PEERCRED), which the file's 0600 mode used to ensure.
 """
 from __future__ import annotations
 
@@ -25,9 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .channel import SHM_DIR
 
 _LEN = struct.Struct("<Q")
+_CREDS = struct.Struct("3i")
 
 
 class LinkClosed(ConnectionError):
@@ -50,16 +54,21 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
+def peer_uid(conn: socket.socket) -> int:
+    """The user id of the process at the other end of a connected Unix socket."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
+    return _CREDS.unpack(creds)[1]  # struct ucred: pid, uid, gid
+
+
 class StepServer:
     """The executor's end: serves one connection at a time in a daemon thread, calling
     ``handler(slots, tokens, start_pos)`` per request (all steps run in this thread)."""
 
     def __init__(self, handler: Callable[..., Any], name: str = "step") -> None:
         self.handler = handler
-        self.path = SHM_DIR / f"powerinfer-{name}-{uuid.uuid4().hex[:12]}.sock"
+        self.path = f"\0powerinfer-{name}-{uuid.uuid4().hex[:12]}"  # abstract: no file to leave behind
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(str(self.path))
-        os.chmod(self.path, 0o600)  # requests are pickles: only this user may connect
+        self.sock.bind(self.path)
         self.sock.listen(1)
         self.closed = False
         self.conn: socket.socket | None = None
@@ -72,8 +81,10 @@ class StepServer:
                 conn, _ = self.sock.accept()
             except OSError:  # closed
                 return
+            if peer_uid(conn) != os.getuid():  # requests are pickles: only this user's processes
+                conn.close()
+                continue
             self.conn = conn
-            Path(self.path).unlink(missing_ok=True)  # connected: the name is no longer needed
             with conn:
                 while not self.closed:
                     try:
@@ -106,9 +117,8 @@ class StepServer:
                     self.conn.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-            self.sock.close()
         finally:
-            Path(self.path).unlink(missing_ok=True)
+            self.sock.close()
 
 
 class StepClient:

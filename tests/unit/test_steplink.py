@@ -3,11 +3,15 @@ directly; errors re-raised on the caller's side; a closed executor end raises Li
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from powerinfer_ray.runtime.steplink import LinkClosed, StepClient, StepServer
+from powerinfer_ray.runtime.steplink import LinkClosed, StepClient, StepServer, peer_uid
 
 
 def fake_step(slots, tokens, start_pos):  # noqa: ANN001, ANN201
@@ -21,7 +25,7 @@ def fake_step(slots, tokens, start_pos):  # noqa: ANN001, ANN201
 
 def test_steps_over_the_link_equal_direct_calls_and_errors_come_back():
     srv = StepServer(fake_step, name="test")
-    assert srv.path.stat().st_mode & 0o777 == 0o600  # requests are pickles: owner only
+    assert srv.path.startswith("\0")  # abstract: no file in /dev/shm to leave behind if killed
     try:
         async def main():  # noqa: ANN202
             cli = StepClient(srv.path)
@@ -33,13 +37,11 @@ def test_steps_over_the_link_equal_direct_calls_and_errors_come_back():
                 await cli.call([0], [[1]], [-1])
             got = await cli.call(*reqs[1])  # the link survives a failed step
             assert np.array_equal(got, fake_step(*reqs[1]))
-            assert not srv.path.exists()  # connected: the socket's name is gone from /dev/shm
             cli.close()
 
         asyncio.run(main())
     finally:
         srv.close()
-    assert not srv.path.exists()
 
 
 def test_a_closed_executor_end_raises_link_closed():
@@ -54,3 +56,43 @@ def test_a_closed_executor_end_raises_link_closed():
             await cli.call([0], [[1]], [0])
 
     asyncio.run(main())
+
+
+def test_peer_uid_is_the_connecting_process_user():
+    a, b = socket.socketpair(socket.AF_UNIX)
+    with a, b:
+        assert peer_uid(a) == os.getuid()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another user")
+def test_a_peer_of_another_user_gets_no_answer():
+    """Requests are pickles: a process of another user is disconnected before anything is read."""
+    calls = []
+    srv = StepServer(lambda *r: calls.append(r) or np.zeros(1), name="test")
+    child = f"""
+import os, socket, struct, pickle
+os.setgid(65534); os.setuid(65534)
+s = socket.socket(socket.AF_UNIX)
+s.connect("\\0" + {srv.path[1:]!r})
+body = pickle.dumps(([0], [[1]], [0]))
+try:
+    s.sendall(struct.pack("<Q", len(body)) + body)
+    print(repr(s.recv(8)))
+except OSError as e:
+    print("closed", type(e).__name__)
+"""
+    try:
+        out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() in ("b''", "closed ConnectionResetError", "closed BrokenPipeError"), out.stdout
+        assert calls == []
+
+        async def main():  # noqa: ANN202  (the owner still gets served afterwards)
+            cli = StepClient(srv.path)
+            got = await cli.call([0], [[1]], [0])
+            cli.close()
+            return got
+
+        assert np.array_equal(asyncio.run(main()), np.zeros(1)) and len(calls) == 1
+    finally:
+        srv.close()
