@@ -34,6 +34,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 try:
@@ -86,6 +87,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="--cpu-exchange with --exchange-layers > 1: the FFN (relu: no gate, as OPT / Falcon)")
     p.add_argument("--exchange-dim", type=int, default=5120,
                    help="--cpu-exchange with --exchange-layers > 1: row length D (Falcon-40B: 8192)")
+    p.add_argument("--exchange-n", type=int, default=None,
+                   help="--cpu-exchange with --exchange-layers > 1: rows per layer's shard (default 8600, the "
+                        "13B CPU shard; Falcon-40B at 24 GiB: ~31000)")
+    p.add_argument("--exchange-shm", action="store_true",
+                   help="--cpu-exchange with --exchange-layers > 1: the shards in one /dev/shm file, as the "
+                        "runtime holds them (runtime/sharedshard.py), instead of private memory")
+    p.add_argument("--exchange-policies", default=",".join(EX_POLICIES),
+                   help="--cpu-exchange: OMP_WAIT_POLICY values, one worker process each ('unset': not set)")
     p.add_argument("--exchange-worker", default=None, help=argparse.SUPPRESS)  # internal: JSON path of one worker
     return p.parse_args(argv)
 
@@ -167,8 +176,11 @@ def bench_cpu(args) -> dict:
     torch.set_num_threads(threads)
     if not cpu_ffn.available():
         return {"error": "compiled CPU kernel unavailable (no compiler); nothing measured"}
-    ceiling = max(cpu_ffn.read_bandwidth(1 << 30, threads, reps=5) for _ in range(3))  # best of 3 medians
-    print(f"[cpu] {threads} threads, SIMD {cpu_ffn.simd_width()} lanes, read ceiling {ceiling:.1f} GB/s", flush=True)
+    reads = {m: max(cpu_ffn.read_bandwidth(1 << 30, threads, reps=5, method=m) for _ in range(3))
+             for m in ("sum", "linear")}  # best of 3 medians each
+    ceiling = max(reads.values())
+    print(f"[cpu] {threads} threads, SIMD {cpu_ffn.simd_width()} lanes, read ceiling {ceiling:.1f} GB/s "
+          f"(sum {reads['sum']:.1f}, dense linear {reads['linear']:.1f})", flush=True)
     gen = torch.Generator().manual_seed(0)
     rows = []
     reps, budget = (5, 0.3) if args.quick else (30, args.budget)
@@ -195,8 +207,10 @@ def bench_cpu(args) -> dict:
                   f"-> x{row['speedup_vs_baseline']:.1f}", flush=True)
         del up, gate, down_t
     return dict(threads=threads, simd_lanes=cpu_ffn.simd_width(), ceiling_read_GBps=round(ceiling, 2),
-                ceiling_method=("multi-threaded sum of a 1 GiB fp32 buffer with the kernel's threads, "
-                                "4 interleaved streams per thread"),
+                ceiling_reads_GBps={m: round(v, 2) for m, v in reads.items()},
+                ceiling_method=("the larger of: a multi-threaded sum of a 1 GiB fp32 buffer with the kernel's "
+                                "threads, 4 interleaved streams per thread; the dense rows of a 1 GiB fp16 "
+                                "matrix through pi_linear (one token)"),
                 timing=("median (and min) wall time per call; kernel and torch baseline timed in alternation; "
                         "a 1 GiB read flushes the caches before each timed call"),
                 results=rows)
@@ -348,49 +362,65 @@ def _exchange_cold(args) -> dict:
     """The CPU executor's answer (sparse_ffn_bitmask) when each call reads the next of L layers'
     shards, as the runtime does (40 layers: ~10 GB, cold in any cache), with the kernel's work
     split chosen (auto) and forced (rows / cols), variants interleaved call by call after a gap
-    of sleep. (Huge pages for the shards were measured here too, commit 171befb: no gain cold,
-    2x slower in the runtime; bench/results/kernels-exchange-cold-h200.json.)"""
+    of sleep. Variant 'contiguous': the same bytes as K rows next to each other (the shard's first
+    K, every one active: the dense path's access pattern), i.e. what the random placement of the
+    active rows costs. --exchange-shm: the shards live in one /dev/shm file as in the runtime.
+    (Huge pages for the shards were measured here too, commit 171befb: no gain cold, 2x slower in
+    the runtime; bench/results/kernels-exchange-cold-h200.json.)"""
     threads = args.threads or os.cpu_count()
     torch.set_num_threads(threads)
-    L, act, dim = args.exchange_layers, args.exchange_act, args.exchange_dim
+    L, act, dim, n = args.exchange_layers, args.exchange_act, args.exchange_dim, args.exchange_n or EX_N
     gen = torch.Generator().manual_seed(2)
-    base = [(torch.randn(EX_N, dim, generator=gen) * dim ** -0.5).half() for _ in range(3)]
+    base = [(torch.randn(n, dim, generator=gen) * dim ** -0.5).half() for _ in range(3)]
     base[1].abs_()  # gate positive: every active row's down row is read
     if act == "relu":
         base[0].abs_()  # ReLU of up positive likewise
         base[1] = None
-    layers = [[None if b is None else b.clone() for b in base] for _ in range(L)]
-    B = (EX_N + 7) // 8
+    if args.exchange_shm:
+        from powerinfer_ray.runtime.shard import FFNShard
+        from powerinfer_ray.runtime.sharedshard import share
+
+        ids = np.arange(n)
+        shared = share([n] * L, act != "relu", dim, torch.float16,
+                       lambda l: FFNShard(ids, base[0], base[1], base[2], None))
+        if shared is None:
+            raise RuntimeError("--exchange-shm: /dev/shm has no room for the shards (see the warning above)")
+        layers = [[sh.up, sh.gate, sh.down_t] for sh in shared[0]]
+    else:
+        layers = [[None if b is None else b.clone() for b in base] for _ in range(L)]
+    B = (n + 7) // 8
     x = torch.randn(8, dim, generator=gen).abs().half()[:1]
     out = torch.empty(1, dim, dtype=torch.float16)  # the channel's out: x's dtype
     gap = args.exchange_gap_ms / 1e3
     reps = 20 if args.quick else args.exchange_reps
-    splits = ("auto", "rows", "cols")
+    variants = ("auto", "rows", "cols", "contiguous")
     rows_out = []
     for K in map(int, args.exchange_k.split(",")):
-        masks = exchange_masks(K, 1, EX_N, 16, gen)
-        times: dict[str, list[float]] = {sp: [] for sp in splits}
+        masks = exchange_masks(K, 1, n, 16, gen)
+        times: dict[str, list[float]] = {v: [] for v in variants}
         rng = random.Random(K)
-        order, layer = list(splits), 0
+        order, layer = list(variants), 0
         for i in range(reps + 5):
             rng.shuffle(order)
-            for sp in order:
+            for v in order:
                 layer = (layer + 1) % L
                 up, gate, down_t = layers[layer]
                 m = masks[(i + layer) % len(masks)]
                 time.sleep(gap)
                 t0 = time.perf_counter()
-                cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, m[:1, :B], EX_N, act, None, out, threads,
-                                           split=sp)
+                if v == "contiguous":  # no mask: rows 0 .. K-1, every one
+                    cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, None, K, act, None, out, threads)
+                else:
+                    cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, m[:1, :B], n, act, None, out, threads, split=v)
                 if i >= 5:
-                    times[sp].append(time.perf_counter() - t0)
+                    times[v].append(time.perf_counter() - t0)
         nbytes = (2 if act == "relu" else 3) * K * dim * 2
-        for sp, ts in times.items():
-            rows_out.append(dict(variant=f"bitmask_{sp}", T=1, K=K, layers=L, act=act, D=dim,
-                                 **_call_times(ts, nbytes)))
+        for v, ts in times.items():
+            rows_out.append(dict(variant=f"bitmask_{v}", T=1, K=K, layers=L, act=act, D=dim, n=n,
+                                 shm=bool(args.exchange_shm), **_call_times(ts, nbytes)))
         print(f"[exchange cold {os.environ.get('OMP_WAIT_POLICY', 'unset')} "
-              f"{os.environ.get('POWERINFER_RAY_CPU_CFLAGS') or 'default build'}] {act} D={dim} t={threads} L={L} "
-              f"K={K}: " + ", ".join(
+              f"{os.environ.get('POWERINFER_RAY_CPU_CFLAGS') or 'default build'}] {act} D={dim} n={n} t={threads} "
+              f"L={L}{' shm' if args.exchange_shm else ''} K={K}: " + ", ".join(
             f"{r['variant']} {r['median_us']:.0f} us ({r['GBps']} GB/s)" for r in rows_out[-len(times):]), flush=True)
     return dict(threads=threads, layers=L, rows=rows_out)
 
@@ -417,7 +447,11 @@ def bench_cpu_exchange(args) -> dict:
                        f"rotating masks whose active rows cover >= {EX_SET_BYTES >> 20} MiB (cold caches)"),
                policies={})
     builds = args.exchange_cflags.split(";") if args.exchange_cflags is not None else [None]
-    for cflags, pol in itertools.product(builds, EX_POLICIES):
+    policies = args.exchange_policies.split(",")
+    if not policies or any(p not in EX_POLICIES for p in policies):
+        raise ValueError(f"--exchange-policies {args.exchange_policies!r}: expected a comma-separated subset of "
+                         f"{','.join(EX_POLICIES)}")
+    for cflags, pol in itertools.product(builds, policies):
         env = dict(os.environ)
         env.pop("OMP_WAIT_POLICY", None)
         if pol != "unset":
@@ -432,6 +466,8 @@ def bench_cpu_exchange(args) -> dict:
                    "--exchange-layers", str(args.exchange_layers), "--exchange-act", args.exchange_act,
                    "--exchange-dim", str(args.exchange_dim)]
             cmd += ["--quick"] if args.quick else []
+            cmd += ["--exchange-n", str(args.exchange_n)] if args.exchange_n else []
+            cmd += ["--exchange-shm"] if args.exchange_shm else []
             cmd += ["--threads", str(args.threads)] if args.threads else []
             subprocess.run(cmd, env=env, check=True)
             if cflags is None:
