@@ -47,27 +47,25 @@ batch)  # the batch sweep, hybrid and layer-offload, one engine per (mode, batch
     suite runtime-13b-16gib-batch-h200 575 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload \
         --shapes 16x32 --batch 1,4,16,32 -t "$THREADS"
     ;;
-cpu)  # the CPU kernel bench (16 threads): default, without the next-row prefetch at T > 1, with
-    # one at T = 1, gated rows four at a time at T = 1; the exchange over the runtime's cold working
-    # set and at Falcon's ReLU rows, builds compared
-    i=0
-    for v in "" "-DPI_NO_NEXT_PF" "-DPI_T1_NEXT_PF" "-DPI_GATED_QUADS"; do
-        i=$((i + 1))
-        mkdir -p "$OUT/c$i"
-        echo "== cpu kernels, POWERINFER_RAY_CPU_CFLAGS='$v'" >> "$log"
-        POWERINFER_RAY_CPU_CFLAGS="$v" timeout 120 python bench/kernels_bench.py --device cpu -t 16 --tokens 1,8 \
-            --densities 10,50 --out "$OUT/c$i" >> "$log" 2>&1
-    done
-    grep -E "^== cpu|\[cpu\] fp" "$log" | cut -c1-160
-    mkdir -p "$OUT/x"
-    timeout 300 python bench/kernels_bench.py --cpu-exchange -t "$THREADS" --tokens 1 --exchange-k 254,1024 \
-        --exchange-layers 40 --exchange-gap-ms 0.3 --exchange-reps 150 \
-        --exchange-cflags ";-DPI_T1_NEXT_PF;-DPI_GATED_QUADS" --out "$OUT/x" >> "$log" 2>&1
-    mkdir -p "$OUT/r"  # ReLU at the Falcon-40B row length: four rows per pass vs pairs
-    timeout 200 python bench/kernels_bench.py --cpu-exchange -t "$THREADS" --tokens 1 --exchange-k 400,1638 \
-        --exchange-act relu --exchange-dim 8192 --exchange-layers 20 --exchange-gap-ms 0.3 --exchange-reps 100 \
-        --exchange-cflags ";-DPI_RELU_PAIRS" --out "$OUT/r" >> "$log" 2>&1
-    grep "exchange cold" "$log" | cut -c1-300
+cpu)  # the CPU kernel bench (16 threads; the read ceiling now the larger of a sum and dense rows),
+    # the T > 1 prefetch A/B (-DPI_NO_NEXT_PF = without), then the exchange at Falcon-40B's ReLU
+    # rows in the runtime's /dev/shm layout (random rows vs the same bytes contiguous; page-head
+    # prefetch variant) and over the 13B cold working set (builds compared)
+    mkdir -p "$OUT/c1" "$OUT/c2" "$OUT/f" "$OUT/x"
+    echo "== cpu kernels, default build" >> "$log"
+    timeout 110 python bench/kernels_bench.py --device cpu -t 16 --tokens 1,8 --densities 10,50 --out "$OUT/c1" >> "$log" 2>&1
+    echo "== cpu kernels, -DPI_NO_NEXT_PF" >> "$log"
+    POWERINFER_RAY_CPU_CFLAGS=-DPI_NO_NEXT_PF timeout 80 python bench/kernels_bench.py --device cpu -t 16 --tokens 8 \
+        --densities 10,50 --out "$OUT/c2" >> "$log" 2>&1
+    grep -E "^== cpu|\[cpu\]" "$log" | cut -c1-200
+    timeout 200 python bench/kernels_bench.py --cpu-exchange -t "$THREADS" --tokens 1 --exchange-k 400,1600 \
+        --exchange-act relu --exchange-dim 8192 --exchange-n 31000 --exchange-layers 16 --exchange-shm \
+        --exchange-gap-ms 0.3 --exchange-reps 100 --exchange-policies unset --exchange-cflags ";-DPI_PAGE_PF" \
+        --out "$OUT/f" >> "$log" 2>&1
+    timeout 190 python bench/kernels_bench.py --cpu-exchange -t "$THREADS" --tokens 1 --exchange-k 254,1024 \
+        --exchange-layers 40 --exchange-gap-ms 0.3 --exchange-reps 150 --exchange-policies unset \
+        --exchange-cflags ";-DPI_T1_NEXT_PF;-DPI_GATED_QUADS;-DPI_PAGE_PF" --out "$OUT/x" >> "$log" 2>&1
+    grep "exchange cold" "$log" | cut -c1-330
     ;;
 falcon)  # Falcon-40B at 32 GiB: decode and a long prompt (dense prefill from the shared pages)
     suite runtime-falcon40b-32gib-h200 560 -m "planted:falcon-40b?dtype=f16" --vram-budget 32 \

@@ -542,6 +542,23 @@ void row_few_tokens(const Args& a, int64_t k, uint64_t bits, float* A, const Pf*
     }
 }
 
+#ifdef PI_PAGE_PF
+// Variant (T = 1; for a host A/B): the first two cache lines of every 4 KB page of a row at once.
+// The hardware's L2 streamer stops at page boundaries, so a randomly placed row (Falcon-40B: 16 KB,
+// four pages) restarts it four times, where the dense path's consecutive rows keep one stream
+// (H200 host: ~64 GB/s for the hybrid's sparse rows vs ~130 for layer-offload's dense layers).
+// Touching each page's head early lets the streamer run ahead in every page of the rows to come:
+// this block's down rows before its axpy, the next block's up / gate rows while it runs.
+inline void prefetch_pages(const void* row, int64_t nbytes) {
+    const char *q = (const char*)row, *end = q + nbytes;
+    while (q < end) {
+        __builtin_prefetch(q, 0, 2);
+        if (q + 64 < end) __builtin_prefetch(q + 64, 0, 2);
+        q = (const char*)(((uintptr_t)q & ~(uintptr_t)4095) + 4096);
+    }
+}
+#endif
+
 // One thread's slice [k0, k1) of idx into its accumulator A [T, D].
 template <class W, bool GATE>
 void run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
@@ -551,6 +568,15 @@ void run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
     float ub[R * 64], gb[R * 64];  // T <= 64 per block of tokens, see pi_sparse_ffn
     float h[R * 64];
     const WT* rows[R];
+#ifdef PI_PAGE_PF
+    auto page_pf_up = [&](int64_t kf, int64_t kt) {  // up / gate rows of idx entries kf .. kt-1
+        for (int64_t k = kf; k < kt && k < k1; ++k) {
+            prefetch_pages((const WT*)a.up + row_id(a, k) * a.ld_up, D * (int64_t)sizeof(WT));
+            if (GATE) prefetch_pages((const WT*)a.gate + row_id(a, k) * a.ld_gate, D * (int64_t)sizeof(WT));
+        }
+    };
+    if (T == 1) page_pf_up(k0, k0 + R);
+#endif
     for (int64_t kb = k0; kb < k1; kb += R) {
         const int m = (int)(kb + R < k1 ? R : k1 - kb);
         bool few[R] = {};
@@ -580,10 +606,17 @@ void run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
             }
             if (any) {  // all-zero activation: skip the down row
                 rows[nr] = down + row * a.ld_down;
+#ifdef PI_PAGE_PF
+                if (T == 1) prefetch_pages(rows[nr], D * (int64_t)sizeof(WT));
+                else
+#endif
                 for (int l = 0; l < PF_LINES; ++l) __builtin_prefetch((const char*)rows[nr] + 64 * l);
                 ++nr;
             }
         }
+#ifdef PI_PAGE_PF
+        if (T == 1) page_pf_up(kb + m, kb + m + R);
+#endif
         if (nr) axpy_all_tokens<W>(rows, nr, h, T, A, D, 0, D);
     }
 }
