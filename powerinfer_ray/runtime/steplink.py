@@ -133,8 +133,14 @@ class StepClient:
     async def call(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> Any:  # noqa: ANN401
         async with self.lock:
             try:
-                if self.writer is None:
-                    self.reader, self.writer = await asyncio.open_unix_connection(self.path)
+                if self.writer is None:  # connected here: uvloop (Ray's async actors) rejects
+                    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # abstract names (EINVAL)
+                    try:
+                        sock.connect(self.path)  # a local listener: at once
+                    except OSError:
+                        sock.close()
+                        raise
+                    self.reader, self.writer = await asyncio.open_unix_connection(sock=sock)
                 self.writer.write(_frame((slots, tokens, start_pos)))
                 await self.writer.drain()
                 n = _LEN.unpack(await self.reader.readexactly(_LEN.size))[0]

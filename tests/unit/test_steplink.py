@@ -23,7 +23,17 @@ def fake_step(slots, tokens, start_pos):  # noqa: ANN001, ANN201
     return np.stack(rows)
 
 
-def test_steps_over_the_link_equal_direct_calls_and_errors_come_back():
+def _run(main, loop: str):  # noqa: ANN001, ANN202
+    """asyncio.run on the default loop or on uvloop (what Ray's async actors, the coordinator
+    among them, run on)."""
+    if loop == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        return uvloop.run(main)
+    return asyncio.run(main)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_steps_over_the_link_equal_direct_calls_and_errors_come_back(loop):
     srv = StepServer(fake_step, name="test")
     assert srv.path.startswith("\0")  # abstract: no file in /dev/shm to leave behind if killed
     try:
@@ -39,7 +49,7 @@ def test_steps_over_the_link_equal_direct_calls_and_errors_come_back():
             assert np.array_equal(got, fake_step(*reqs[1]))
             cli.close()
 
-        asyncio.run(main())
+        _run(main(), loop)
     finally:
         srv.close()
 
