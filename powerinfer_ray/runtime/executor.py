@@ -512,11 +512,10 @@ class CPUExecutor:
 
     def filled(self, by_primary: bool = True) -> None:
         """The primary has written the rows (`needs_fill`): touch every page once before serving.
-        by_primary False: it could not, so write them here, through our own mapping."""
-        if by_primary:
-            prefault(self.ffn)
-        else:
-            fill(self.shard_spec, self.src, torch.device("cpu"), self.ffn)
+        by_primary False: it could not, so write them here."""
+        if not by_primary:
+            fill(self.shard_spec, self.src, torch.device("cpu"))
+        prefault(self.ffn)
         self.needs_fill = False
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
