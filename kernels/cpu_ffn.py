@@ -437,7 +437,7 @@ def read_bandwidth(nbytes: int = 1 << 30, threads: int | None = None, reps: int 
     """Multi-threaded DRAM read rate in GB/s (median of reps) with the kernel's threads: the CPU
     ceiling the benchmark reports fractions of. method 'sum': a sum over an fp32 buffer, each
     thread a fixed quarter of it in four streams; 'linear': the dense rows of an fp16 matrix
-    through `pi_linear` (x of one token), rows handed out as the FFN kernel hands them out. The
+    through `pi_linear` (x of one token, rows split over the same threads). The
     sum alone read less on the GPU host (97.9 GB/s) than layer-offload's dense CPU layers in the
     runtime (~130 GB/s), so the benchmark takes the larger of the two."""
     import time
