@@ -66,6 +66,9 @@ cpu)  # the CPU kernel bench (16 threads; the read ceiling now the larger of a s
         --exchange-layers 40 --exchange-gap-ms 0.3 --exchange-reps 150 --exchange-policies unset \
         --exchange-cflags ";-DPI_T1_NEXT_PF;-DPI_GATED_QUADS;-DPI_PAGE_PF" --out "$OUT/x" >> "$log" 2>&1
     grep "exchange cold" "$log" | cut -c1-330
+    timeout 120 python bench/cpu_row_order.py -m "planted:falcon-40b?dtype=f16&layers=6" -t "$THREADS" \
+        --out-dir "$OUT" --name cpu-row-order-falcon6l-h200 >> "$log" 2>&1  # the CPU shard's rows by id vs hot first
+    grep "row order" "$log" | cut -c1-300
     ;;
 falcon)  # Falcon-40B at 32 GiB: decode and a long prompt (dense prefill from the shared pages)
     suite runtime-falcon40b-32gib-h200 560 -m "planted:falcon-40b?dtype=f16" --vram-budget 32 \

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,7 +98,9 @@ def activation_counts(src: WeightSource, model_path: str) -> tuple[list[np.ndarr
 
 
 def resolve_plan(ec: EngineConfig, src: WeightSource | None = None) -> Plan:
-    """The plan an engine runs with (see the module docstring)."""
+    """The plan an engine runs with (see the module docstring). An explicit plan is used as
+    given; otherwise the CPU shard's rows go hottest first when the model has activation
+    statistics (``Plan.hot_first``; $POWERINFER_RAY_CPU_ORDER=id: ascending ids, as before)."""
     src = src or open_model(ec.model)
     cfg = src.config
     if ec.plan is not None:
@@ -105,10 +108,17 @@ def resolve_plan(ec: EngineConfig, src: WeightSource | None = None) -> Plan:
         return ec.plan
     if ec.gpu_fraction is not None:
         stats = activation_counts(src, ec.model)
-        return Plan.hottest(cfg, ec.gpu_fraction, stats[0] if stats else None, ec.cpu_groups)
-    if ec.vram_budget_gib is None:
+        plan = Plan.hottest(cfg, ec.gpu_fraction, stats[0] if stats else None, ec.cpu_groups)
+    elif ec.vram_budget_gib is None:
         return Plan.all_gpu(cfg)
-    return _budget_plan(ec, src)
+    else:
+        plan = _budget_plan(ec, src)
+    order = os.environ.get("POWERINFER_RAY_CPU_ORDER", "hot")
+    if order not in ("id", "hot"):
+        raise ValueError(f"POWERINFER_RAY_CPU_ORDER={order!r}: expected 'hot' (the default) or 'id' "
+                         "(ascending neuron ids)")
+    stats = activation_counts(src, ec.model) if order == "hot" else None
+    return plan.hot_first(stats[0]) if stats is not None else plan
 
 
 def _budget_plan(ec: EngineConfig, src: WeightSource) -> Plan:

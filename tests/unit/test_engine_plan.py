@@ -109,3 +109,36 @@ def test_prefill_chunk_defaults_by_device_and_checks_values():
     assert resolve_prefill_chunk(EngineConfig("m.gguf", prefill_chunk=16), "cuda") == 16
     with pytest.raises(ValueError, match="prefill_chunk=0"):
         resolve_prefill_chunk(EngineConfig("m.gguf", prefill_chunk=0), "cpu")
+
+
+def test_hot_first_cpu_rows_give_the_same_logits(monkeypatch):
+    """$POWERINFER_RAY_CPU_ORDER=hot: the same split, each layer's CPU rows ordered by activation
+    count; the CPU shard, its mask and the predictor's rows follow that order, so every step's
+    logits equal those of the id-ordered engine (up to fp32 summation order)."""
+    from powerinfer_ray.runtime.engine import activation_counts
+
+    spec = "planted:tiny"
+    src = open_model(spec)
+    counts = activation_counts(src, spec)[0]
+    ec = dict(gpu_fraction=0.3, policy="predictor", max_batch=1, prefill_chunk=8)
+    prompt, logits, plans = list(range(3, 19)), {}, {}
+    for order in ("id", "hot"):
+        monkeypatch.setenv("POWERINFER_RAY_CPU_ORDER", order)
+        eng = LocalEngine(EngineConfig(spec, **ec))
+        try:
+            plans[order] = eng.primary.plan
+            steps = [eng.primary.step([0], [prompt[i:i + 8]], [i])[0] for i in (0, 8)]
+            steps += [eng.primary.step([0], [[t]], [len(prompt) + i])[0] for i, t in enumerate(range(40, 48))]
+            logits[order] = np.stack(steps)
+            assert eng.cpu.stats.neurons > 0  # the CPU rows took part
+        finally:
+            eng.close()
+    for l, (a, b) in enumerate(zip(plans["id"].layers, plans["hot"].layers)):
+        assert np.array_equal(a.gpu_neurons, b.gpu_neurons)
+        assert np.array_equal(np.sort(b.cpu_neurons), a.cpu_neurons)  # the same neurons
+        assert np.all(np.diff(counts[l][b.cpu_neurons]) <= 0)  # hottest first
+        assert not np.array_equal(a.cpu_neurons, b.cpu_neurons)  # reordered: the test is not vacuous
+    np.testing.assert_allclose(logits["hot"], logits["id"], rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv("POWERINFER_RAY_CPU_ORDER", "random")
+    with pytest.raises(ValueError, match="POWERINFER_RAY_CPU_ORDER='random'"):
+        resolve_plan(EngineConfig(spec, **ec))
