@@ -518,12 +518,15 @@ def graph_time(op, sets, quick: bool) -> float | None:
 
 
 # (dot?, BK, BD, warps, stages) per stage; T == 1 also tries the elementwise (non-dot) kernels.
+# T == 1 whole rows per program (BD >= D = 5120, one masked step: every load of the program issued
+# at once, ~1400 programs at 10 %): the up stage's ~87 programs of 16 rows left SMs idle.
 SWEEP_UP = {1: [(False, 4, 1024, 4, 3), (False, 4, 2048, 8, 3), (False, 8, 512, 4, 3), (False, 8, 1024, 8, 3),
-                (True, 16, 128, 4, 3), (True, 16, 256, 4, 3), (True, 16, 256, 4, 4), (True, 16, 512, 8, 3),
+                (False, 1, 8192, 4, 1), (False, 1, 8192, 8, 1), (False, 2, 8192, 8, 1), (True, 16, 128, 4, 3), (True, 16, 256, 4, 3), (True, 16, 256, 4, 4), (True, 16, 512, 8, 3),
                 (True, 16, 512, 8, 4), (True, 32, 256, 8, 3)],
             8: [(True, 16, 128, 4, 3), (True, 16, 256, 4, 3), (True, 16, 256, 4, 4), (True, 16, 512, 8, 3),
                 (True, 16, 512, 8, 4), (True, 32, 256, 8, 3)]}
-SWEEP_DOWN = {1: [(False, 64, 64, 4, 3), (False, 64, 32, 4, 3), (False, 128, 32, 8, 3), (True, 64, 32, 4, 3),
+SWEEP_DOWN = {1: [(False, 64, 64, 4, 3), (False, 64, 32, 4, 3), (False, 128, 32, 8, 3), (False, 128, 16, 4, 3),
+                  (False, 64, 16, 2, 3), (True, 64, 32, 4, 3),
                   (True, 128, 32, 4, 3), (True, 128, 32, 4, 4), (True, 256, 32, 4, 4), (True, 128, 16, 4, 4),
                   (True, 128, 64, 4, 3), (True, 128, 32, 8, 3), (True, 256, 32, 8, 3)],
               8: [(True, 64, 32, 4, 3), (True, 128, 32, 4, 3), (True, 128, 32, 4, 4), (True, 256, 32, 4, 4),

@@ -49,7 +49,9 @@ _fix_interpreter_for_numpy2()
 def test_triton_sparse_ffn_matches_reference(dtype, T, act):
     # small tiles: several programs and loop steps; T == 1 also through the elementwise kernels
     dot = triton_ffn.Config(up_bk=4, up_bd=32, up_warps=4, down_bk=16, down_bd=32, down_warps=4)
-    cfgs = [dot] if T > 1 else [dot, triton_ffn.Config(4, 32, 4, 16, 32, 4, up_dot=False, down_dot=False)]
+    cfgs = [dot] if T > 1 else [dot, triton_ffn.Config(4, 32, 4, 16, 32, 4, up_dot=False, down_dot=False),
+                                # whole rows: one masked step wider than D, one row per program
+                                triton_ffn.Config(1, 128, 4, 16, 16, 2, up_dot=False, down_dot=False)]
     if dtype == torch.bfloat16:
         if T > 1:
             pytest.skip("interpreter computes bf16 tl.dot on raw bits")
