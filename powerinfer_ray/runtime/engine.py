@@ -101,6 +101,10 @@ def resolve_plan(ec: EngineConfig, src: WeightSource | None = None) -> Plan:
     """The plan an engine runs with (see the module docstring). An explicit plan is used as
     given; otherwise the CPU shard's rows go hottest first when the model has activation
     statistics (``Plan.hot_first``; $POWERINFER_RAY_CPU_ORDER=id: ascending ids, as before)."""
+    order = os.environ.get("POWERINFER_RAY_CPU_ORDER", "hot")
+    if order not in ("id", "hot"):
+        raise ValueError(f"POWERINFER_RAY_CPU_ORDER={order!r}: expected 'hot' (the default) or 'id' "
+                         "(ascending neuron ids)")
     src = src or open_model(ec.model)
     cfg = src.config
     if ec.plan is not None:
@@ -113,10 +117,6 @@ def resolve_plan(ec: EngineConfig, src: WeightSource | None = None) -> Plan:
         return Plan.all_gpu(cfg)
     else:
         plan = _budget_plan(ec, src)
-    order = os.environ.get("POWERINFER_RAY_CPU_ORDER", "hot")
-    if order not in ("id", "hot"):
-        raise ValueError(f"POWERINFER_RAY_CPU_ORDER={order!r}: expected 'hot' (the default) or 'id' "
-                         "(ascending neuron ids)")
     stats = activation_counts(src, ec.model) if order == "hot" else None
     return plan.hot_first(stats[0]) if stats is not None else plan
 
