@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|13b|b32|batch|cpu|falcon|falcon24
+#       bash bench/host_run.sh verify|13b|b32|batch|cpu|falcon|falcon24|falcon24id
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stage=${1:?usage: host_run.sh verify|13b|b32|batch|cpu|falcon|falcon24}
+stage=${1:?usage: host_run.sh verify|13b|b32|batch|cpu|falcon|falcon24|falcon24id}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
 export RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1 POWERINFER_COMMIT
@@ -78,8 +78,12 @@ falcon24)  # Falcon-40B at the issue's 24 GiB: the ILP keeps attention on the GP
     suite runtime-falcon40b-24gib-h200 560 -m "planted:falcon-40b?dtype=f16" --vram-budget 24 \
         --modes hybrid,layer-offload --shapes 64x32 -t "$THREADS"
     ;;
+falcon24id)  # the A/B of the CPU shard's row order: hybrid alone with rows by neuron id (before hot-first)
+    POWERINFER_RAY_CPU_ORDER=id suite runtime-falcon40b-24gib-rowid-h200 300 -m "planted:falcon-40b?dtype=f16" \
+        --vram-budget 24 --modes hybrid --shapes 64x32 -t "$THREADS"
+    ;;
 *)
-    echo "unknown stage $stage: expected verify|13b|b32|batch|cpu|falcon|falcon24" >&2
+    echo "unknown stage $stage: expected verify|13b|b32|batch|cpu|falcon|falcon24|falcon24id" >&2
     exit 2
     ;;
 esac
