@@ -80,8 +80,11 @@ def test_a_peer_of_another_user_gets_no_answer():
     calls = []
     srv = StepServer(lambda *r: calls.append(r) or np.zeros(1), name="test")
     child = f"""
-import os, socket, struct, pickle
-os.setgid(65534); os.setuid(65534)
+import os, socket, struct, pickle, sys
+try:
+    os.setgid(65534); os.setuid(65534)
+except PermissionError:  # a root without CAP_SETUID (some containers)
+    print("no setuid"); sys.exit(0)
 s = socket.socket(socket.AF_UNIX)
 s.connect("\\0" + {srv.path[1:]!r})
 body = pickle.dumps(([0], [[1]], [0]))
@@ -94,6 +97,8 @@ except OSError as e:
     try:
         out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=30)
         assert out.returncode == 0, out.stderr
+        if out.stdout.strip() == "no setuid":
+            pytest.skip("this root cannot switch users")
         assert out.stdout.strip() in ("b''", "closed ConnectionResetError", "closed BrokenPipeError"), out.stdout
         assert calls == []
 
