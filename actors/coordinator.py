@@ -114,20 +114,21 @@ class Coordinator:
             # seconds each executor took to build its shard (they load in parallel), then the
             # primary's mapping of the CPU shard (below)
             self.load_s = dict(zip(("gpu", "cpu"), (round(i["load_s"], 1) for i in info)))
-            if self.cpu is not None and info[1]["needs_fill"]:  # a planted model's rows, made by the primary
-                t_f = time.perf_counter()
-                try:
-                    ray.get(self.gpu.fill_cold.remote(ray.get(self.cpu.shard_spec.remote())))
-                    by_primary = True
-                except ray.exceptions.RayTaskError as e:  # e.g. cannot map the file: the old path
-                    log.warning("the primary could not write the CPU executor's rows (%s); it loads them", e)
-                    by_primary = False
-                ray.get(self.cpu.filled.remote(by_primary))
-                self.load_s["fill_cold" if by_primary else "cpu_fill"] = round(time.perf_counter() - t_f, 1)
+            if self.cpu is not None:
+                self.shard_spec = ray.get(self.cpu.shard_spec.remote())
+                if info[1]["needs_fill"]:  # a planted model's rows, made by the primary
+                    t_f = time.perf_counter()
+                    try:
+                        ray.get(self.gpu.fill_cold.remote(self.shard_spec))
+                        by_primary = True
+                    except ray.exceptions.RayTaskError as e:  # e.g. cannot open the file: the old path
+                        log.warning("the primary could not write the CPU executor's rows (%s); it loads them", e)
+                        by_primary = False
+                    ray.get(self.cpu.filled.remote(by_primary))
+                    self.load_s["fill_cold" if by_primary else "cpu_fill"] = round(time.perf_counter() - t_f, 1)
             self.spec = ray.get(self.gpu.create_channel.remote())
             if self.cpu is not None:
                 ray.get(self.cpu.attach.remote(self.spec))
-                self.shard_spec = ray.get(self.cpu.shard_spec.remote())
                 # dense prefill of long prompts reads the CPU executor's rows: its shared pages, or a copy
                 t_a = time.perf_counter()
                 self.dense_prefill = ray.get(self.gpu.attach_cold.remote(self.shard_spec))
