@@ -521,7 +521,8 @@ def graph_time(op, sets, quick: bool) -> float | None:
 # T == 1 whole rows per program (BD >= D = 5120, one masked step: every load of the program issued
 # at once, ~1400 programs at 10 %): the up stage's ~87 programs of 16 rows left SMs idle.
 SWEEP_UP = {1: [(False, 4, 1024, 4, 3), (False, 4, 2048, 8, 3), (False, 8, 512, 4, 3), (False, 8, 1024, 8, 3),
-                (False, 1, 8192, 4, 1), (False, 1, 8192, 8, 1), (False, 2, 8192, 8, 1), (True, 16, 128, 4, 3), (True, 16, 256, 4, 3), (True, 16, 256, 4, 4), (True, 16, 512, 8, 3),
+                (False, 1, 8192, 4, 1), (False, 1, 8192, 8, 1), (False, 2, 8192, 8, 1),
+                (True, 16, 128, 4, 3), (True, 16, 256, 4, 3), (True, 16, 256, 4, 4), (True, 16, 512, 8, 3),
                 (True, 16, 512, 8, 4), (True, 32, 256, 8, 3)],
             8: [(True, 16, 128, 4, 3), (True, 16, 256, 4, 3), (True, 16, 256, 4, 4), (True, 16, 512, 8, 3),
                 (True, 16, 512, 8, 4), (True, 32, 256, 8, 3)]}
@@ -573,20 +574,17 @@ def sweep_triton(up, gate, down_t, gen, quick: bool) -> dict:
                 cyc = itertools.cycle(sets)
                 return t if t is not None else gpu_time(lambda: op(next(cyc)), True)
 
-            res_op = {"two-stage": whole(best[mode])}
+            res_op, cfgs = {"two-stage": whole(best[mode])}, {"two-stage": best[mode]}
             for cu, cd in itertools.product(SWEEP_SPLIT_UP, SWEEP_SPLIT_DOWN):
-                cfg = tf.Config(cu[0], cu[1], cu[3], cd[0], cd[1], cd[3], up_dot=False, down_dot=False,
-                                up_sd=cu[2], down_sk=cd[2])
-                res_op[(cu, cd)] = whole(cfg)
+                cfgs[(cu, cd)] = tf.Config(cu[0], cu[1], cu[3], cd[0], cd[1], cd[3], up_dot=False, down_dot=False,
+                                           up_sd=cu[2], down_sk=cd[2])
+                res_op[(cu, cd)] = whole(cfgs[(cu, cd)])
                 table.append(dict(T=1, stage="whole op, split", up=cu, down=cd, us=round(res_op[(cu, cd)] * 1e6, 2),
                                   GBps=round(3 * k * D * 2 / res_op[(cu, cd)] / 1e9, 1)))
             table.append(dict(T=1, stage="whole op, two-stage", us=round(res_op["two-stage"] * 1e6, 2),
                               GBps=round(3 * k * D * 2 / res_op["two-stage"] / 1e9, 1)))
             win = min(res_op, key=res_op.get)
-            if win != "two-stage":
-                cu, cd = win
-                best[mode] = tf.Config(cu[0], cu[1], cu[3], cd[0], cd[1], cd[3], up_dot=False, down_dot=False,
-                                       up_sd=cu[2], down_sk=cd[2])
+            best[mode] = cfgs[win]
             print(f"[sweep] T=1 whole op as graph replays: two-stage {res_op['two-stage']*1e6:.1f} us, best split {win} "
                   f"{res_op[win]*1e6:.1f} us ({3*k*D*2/res_op[win]/1e9:.0f} GB/s)", flush=True)
         for stage, res, nb in (("up", res_up, 2 * k * D * 2), ("down", res_down, k * D * 2)):
