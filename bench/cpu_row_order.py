@@ -25,6 +25,7 @@ from powerinfer_ray.kernels import cpu_ffn  # noqa: E402
 from powerinfer_ray.model.source import open_model  # noqa: E402
 from powerinfer_ray.runtime.channel import pack_mask  # noqa: E402
 from powerinfer_ray.runtime.engine import activation_counts  # noqa: E402
+from powerinfer_ray.runtime.plan import Plan  # noqa: E402
 from powerinfer_ray.runtime.shard import load_ffn_shard  # noqa: E402
 
 
@@ -46,16 +47,17 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{a.model}: no activation statistics (a planted model or a profiled file is needed)")
     counts, n_tok = stats
     ids = np.arange(cfg.n_ff)
+    plan = Plan.all_cpu(cfg).hot_first(counts)
     dtype = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[cfg.dtype]
     rng = np.random.default_rng(0)
     shards, masks = {"id": [], "hot": []}, {"id": [], "hot": []}
     for l in range(cfg.n_layer):
         sh = load_ffn_shard(src, l, ids, dtype, torch.device("cpu"))
-        hot = np.argsort(-counts[l], kind="stable")  # Plan.hot_first's order for an all-CPU layer
+        hot = plan[l].cpu_neurons  # the runtime's order for an all-CPU layer
         t_hot = torch.from_numpy(hot)
         shards["id"].append(sh)
-        shards["hot"].append(type(sh)(hot, sh.up[t_hot].contiguous(), None if sh.gate is None else sh.gate[t_hot].contiguous(),
-                                      sh.down_t[t_hot].contiguous(), None if sh.up_bias is None else sh.up_bias[t_hot]))
+        shards["hot"].append(type(sh)(hot, sh.up[t_hot], None if sh.gate is None else sh.gate[t_hot],
+                                      sh.down_t[t_hot], None if sh.up_bias is None else sh.up_bias[t_hot]))
         drawn = [rng.random(cfg.n_ff) < counts[l] / n_tok for _ in range(a.masks)]
         for order, perm in (("id", ids), ("hot", hot)):
             masks[order].append([pack_mask(torch.from_numpy(m[perm][None])).numpy() for m in drawn])
