@@ -105,29 +105,25 @@ def share(n_rows: list[int], gated: bool, d: int, dtype: torch.dtype, load: Call
     try:
         buf = torch.from_file(proc_path, shared=True, size=numel, dtype=dtype)
         layers, off = [], 0
-        for l, n in enumerate(n_rows):
-            if defer is not None:  # layout only: [up | gate | down] of n rows each
+        for l, n in enumerate(n_rows):  # layer l: [up | gate | down] of n rows each
+            offs = (off, off + n * d if gated else -1, off + (2 if gated else 1) * n * d)
+            off += n * per_row
+            if defer is not None:  # the layout only
                 ids, bias = defer(l)
                 if len(ids) != n:
                     raise ValueError(f"layer {l}: {len(ids)} ids, expected {n}")
-                offs = [off, off + n * d if gated else -1, off + (2 if gated else 1) * n * d]
-                off += n * per_row
-                layers.append((np.asarray(ids), offs[0], offs[1], offs[2], bias))
-                continue
-            sh = load(l)
-            offs = []
-            for t in (sh.up, sh.gate, sh.down_t):
-                if t is None:
-                    offs.append(-1)
-                    continue
-                if tuple(t.shape) != (n, d) or t.dtype != dtype:
-                    raise ValueError(f"layer {l}: shard rows {tuple(t.shape)} {t.dtype}, expected ({n}, {d}) {dtype}")
-                buf[off: off + t.numel()].view_as(t).copy_(t)
-                offs.append(off)
-                off += t.numel()
-            bias = None if sh.up_bias is None else sh.up_bias.float().numpy()
-            layers.append((np.asarray(sh.ids), offs[0], offs[1], offs[2], bias))
-            del sh
+            else:
+                sh = load(l)
+                for o, t in zip(offs, (sh.up, sh.gate, sh.down_t)):
+                    if (t is None) != (o < 0) or (t is not None and (tuple(t.shape) != (n, d) or t.dtype != dtype)):
+                        got = "no rows" if t is None else f"rows {tuple(t.shape)} {t.dtype}"
+                        raise ValueError(f"layer {l}: shard {got}, expected ({n}, {d}) {dtype} "
+                                         f"({'gated' if gated else 'no gate'})")
+                    if t is not None:
+                        buf[o: o + t.numel()].view_as(t).copy_(t)
+                ids, bias = sh.ids, None if sh.up_bias is None else sh.up_bias.float().numpy()
+                del sh
+            layers.append((np.asarray(ids), *offs, bias))
     except BaseException:
         _open_fds.remove(fd)
         os.close(fd)

@@ -350,3 +350,30 @@ def test_primary_fills_the_cpu_executors_rows_of_a_planted_model(spec):
     finally:
         for ex in (own, deferred, fallback, primary):
             ex.close() if hasattr(ex, "close") else ex.stop()
+
+
+def test_share_lays_rows_out_and_rejects_rows_that_do_not_fit():
+    """sharedshard.share: each layer's [up | gate | down] at the offsets its spec names, read back
+    through the shards over the file; a layer whose rows do not match the layout fails, naming it."""
+    from powerinfer_ray.runtime.shard import FFNShard
+    from powerinfer_ray.runtime.sharedshard import release, share
+
+    gen = torch.Generator().manual_seed(5)
+    d, rows = 16, [3, 0, 5]
+    src = [FFNShard(np.arange(n) * 2, *(torch.randn(n, d, generator=gen).half() for _ in range(3)), None)
+           for n in rows]
+    shards, spec = share(rows, True, d, torch.float16, lambda l: src[l])
+    try:
+        for l, (a, b) in enumerate(zip(src, shards)):
+            assert np.array_equal(a.ids, b.ids)
+            for t in ("up", "gate", "down_t"):
+                assert torch.equal(getattr(a, t), getattr(b, t)), (l, t)
+        assert [o for _, *o, _ in spec.layers][2] == [3 * 3 * d, 3 * 3 * d + 5 * d, 3 * 3 * d + 10 * d]
+    finally:
+        release(spec)
+    no_gate = [FFNShard(s.ids, s.up, None, s.down_t, None) for s in src]
+    with pytest.raises(ValueError, match="layer 0: shard no rows, expected"):
+        share(rows, True, d, torch.float16, lambda l: no_gate[l])
+    with pytest.raises(ValueError, match=r"layer 2: shard rows \(5, 16\) torch.float32"):
+        share(rows, True, d, torch.float16, lambda l: src[l] if l < 2 else
+              FFNShard(src[2].ids, src[2].up.float(), src[2].gate, src[2].down_t, None))
