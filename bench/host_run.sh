@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|13b|b32|batch|cpu|falcon|falcon24|falcon24id
+#       bash bench/host_run.sh verify|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stage=${1:?usage: host_run.sh verify|13b|b32|batch|cpu|falcon|falcon24|falcon24id}
+stage=${1:?usage: host_run.sh verify|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
 export RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1 POWERINFER_COMMIT
@@ -70,6 +70,19 @@ cpu)  # the CPU kernel bench (16 threads; the read ceiling now the larger of a s
         --out-dir "$OUT" --name cpu-row-order-falcon6l-h200 >> "$log" 2>&1  # the CPU shard's rows by id vs hot first
     grep "row order" "$log" | cut -c1-300
     ;;
+cpucost)  # where the Falcon exchange's time goes: K from 112 to 3200 rows (the intercept is the call's
+    # fixed cost; omp_region = the threads' wake-up alone), 8 / 14 / 16 threads, OMP_WAIT_POLICY, finer chunks
+    for t in 14 16 8; do
+        pol=unset; cf=""
+        [ "$t" = 14 ] && pol=unset,ACTIVE && cf=";-DPI_CHUNKS=24"
+        mkdir -p "$OUT/t$t"
+        timeout 150 python bench/kernels_bench.py --cpu-exchange -t "$t" --tokens 1 --exchange-k 112,224,400,800,1600,3200 \
+            --exchange-act relu --exchange-dim 8192 --exchange-n 31000 --exchange-layers 4 --exchange-shm \
+            --exchange-gap-ms 0.3 --exchange-reps 60 --exchange-policies "$pol" --exchange-cflags "$cf" \
+            --out "$OUT/t$t" >> "$log" 2>&1
+    done
+    grep "exchange cold" "$log" | cut -c1-400
+    ;;
 falcon)  # Falcon-40B at 32 GiB: decode and a long prompt (dense prefill from the shared pages)
     suite runtime-falcon40b-32gib-h200 560 -m "planted:falcon-40b?dtype=f16" --vram-budget 32 \
         --modes hybrid --shapes 64x32,1500x32 -t "$THREADS"
@@ -83,7 +96,7 @@ falcon24id)  # the A/B of the CPU shard's row order: hybrid alone with rows by n
         --vram-budget 24 --modes hybrid --shapes 64x32 -t "$THREADS"
     ;;
 *)
-    echo "unknown stage $stage: expected verify|13b|b32|batch|cpu|falcon|falcon24|falcon24id" >&2
+    echo "unknown stage $stage: expected verify|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id" >&2
     exit 2
     ;;
 esac

@@ -364,7 +364,9 @@ def _exchange_cold(args) -> dict:
     split chosen (auto) and forced (rows / cols), variants interleaved call by call after a gap
     of sleep. Variant 'contiguous': the same bytes as K rows next to each other (the shard's first
     K, every one active: the dense path's access pattern), i.e. what the random placement of the
-    active rows costs. --exchange-shm: the shards live in one /dev/shm file as in the runtime.
+    active rows costs; 'omp_region': an empty parallel region of the kernel's threads after the same
+    gap (their wake-up and fork / join, the call's fixed cost). --exchange-shm: the shards live in
+    one /dev/shm file as in the runtime.
     (Huge pages for the shards were measured here too, commit 171befb: no gain cold, 2x slower in
     the runtime; bench/results/kernels-exchange-cold-h200.json.)"""
     threads = args.threads or os.cpu_count()
@@ -393,7 +395,8 @@ def _exchange_cold(args) -> dict:
     out = torch.empty(1, dim, dtype=torch.float16)  # the channel's out: x's dtype
     gap = args.exchange_gap_ms / 1e3
     reps = 20 if args.quick else args.exchange_reps
-    variants = ("auto", "rows", "cols", "contiguous")
+    variants = ("auto", "rows", "cols", "contiguous", "omp_region")
+    lib, tiny = cpu_ffn.library(), torch.ones(16 * threads)
     rows_out = []
     for K in map(int, args.exchange_k.split(",")):
         masks = exchange_masks(K, 1, n, 16, gen)
@@ -408,7 +411,9 @@ def _exchange_cold(args) -> dict:
                 m = masks[(i + layer) % len(masks)]
                 time.sleep(gap)
                 t0 = time.perf_counter()
-                if v == "contiguous":  # no mask: rows 0 .. K-1, every one
+                if v == "omp_region":  # the kernel's threads doing nothing: wake-up + fork/join
+                    lib.pi_read_sum(tiny.data_ptr(), tiny.numel(), threads)
+                elif v == "contiguous":  # no mask: rows 0 .. K-1, every one
                     cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, None, K, act, None, out, threads)
                 else:
                     cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, m[:1, :B], n, act, None, out, threads, split=v)
@@ -416,12 +421,14 @@ def _exchange_cold(args) -> dict:
                     times[v].append(time.perf_counter() - t0)
         nbytes = (2 if act == "relu" else 3) * K * dim * 2
         for v, ts in times.items():
-            rows_out.append(dict(variant=f"bitmask_{v}", T=1, K=K, layers=L, act=act, D=dim, n=n,
-                                 shm=bool(args.exchange_shm), **_call_times(ts, nbytes)))
+            rows_out.append(dict(variant=v if v == "omp_region" else f"bitmask_{v}", T=1, K=K, layers=L, act=act,
+                                 D=dim, n=n, shm=bool(args.exchange_shm),
+                                 **_call_times(ts, None if v == "omp_region" else nbytes)))
         print(f"[exchange cold {os.environ.get('OMP_WAIT_POLICY', 'unset')} "
               f"{os.environ.get('POWERINFER_RAY_CPU_CFLAGS') or 'default build'}] {act} D={dim} n={n} t={threads} "
               f"L={L}{' shm' if args.exchange_shm else ''} K={K}: " + ", ".join(
-            f"{r['variant']} {r['median_us']:.0f} us ({r['GBps']} GB/s)" for r in rows_out[-len(times):]), flush=True)
+            f"{r['variant']} {r['median_us']:.0f} us" + (f" ({r['GBps']} GB/s)" if r["GBps"] else "")
+            for r in rows_out[-len(times):]), flush=True)
     return dict(threads=threads, layers=L, rows=rows_out)
 
 
@@ -440,7 +447,8 @@ def bench_cpu_exchange(args) -> dict:
 
     if not cpu_ffn.available():
         return {"error": "compiled CPU kernel unavailable (no compiler); nothing measured"}
-    res = dict(shape=dict(D=D, n=EX_N, act="reglu", weights="fp16", x="fp16 (channel)", out="fp32 (channel)"),
+    res = dict(shape=dict(D=args.exchange_dim, n=args.exchange_n or EX_N, act=args.exchange_act, weights="fp16",
+                          x="fp16 (channel)", out="fp32 (channel)"),
                gap_ms=args.exchange_gap_ms,
                timing=("median wall time per call over interleaved calls (variants in a new random order "
                        "each round), each after a sleep of gap_ms; "
