@@ -36,6 +36,8 @@ verify)  # the GPU tests, the sync microbenchmark, the Triton sweep (split varia
     # bench/results/runtime-13b-16gib-raycall-h200.json)
     suite runtime-13b-16gib-h200 330 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload,dense-gpu \
         --shapes 64x128 --batch 1 -t "$THREADS"
+    POWERINFER_RAY_DENSE_SKIP=1 suite runtime-13b-16gib-skip-h200 150 -m "$M13" --vram-budget 16 \
+        --modes layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
     ;;
 b32)  # batch 32 (the CPU's per-token path) and long prompts
     suite runtime-13b-16gib-b32-h200 300 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload \
@@ -87,9 +89,12 @@ falcon)  # Falcon-40B at 32 GiB: decode and a long prompt (dense prefill from th
     suite runtime-falcon40b-32gib-h200 560 -m "planted:falcon-40b?dtype=f16" --vram-budget 32 \
         --modes hybrid --shapes 64x32,1500x32 -t "$THREADS"
     ;;
-falcon24)  # Falcon-40B at the 24 GiB: the ILP keeps attention on the GPU, FFN on the CPU
-    suite runtime-falcon40b-24gib-h200 560 -m "planted:falcon-40b?dtype=f16" --vram-budget 24 \
+falcon24)  # Falcon-40B at the 24 GiB: the ILP keeps attention on the GPU, FFN on the CPU;
+    # then layer-offload skipping the down rows of zero activations (stronger than llama.cpp's dense layers)
+    suite runtime-falcon40b-24gib-h200 380 -m "planted:falcon-40b?dtype=f16" --vram-budget 24 \
         --modes hybrid,layer-offload --shapes 64x32 -t "$THREADS"
+    POWERINFER_RAY_DENSE_SKIP=1 suite runtime-falcon40b-24gib-skip-h200 190 -m "planted:falcon-40b?dtype=f16" \
+        --vram-budget 24 --modes layer-offload --shapes 64x32 -t "$THREADS"
     ;;
 falcon24id)  # the A/B of the CPU shard's row order: hybrid alone with rows by neuron id (before hot-first)
     POWERINFER_RAY_CPU_ORDER=id suite runtime-falcon40b-24gib-rowid-h200 300 -m "planted:falcon-40b?dtype=f16" \

@@ -52,7 +52,7 @@ _lock = threading.Lock()  # one build, and one call at a time per process (share
 _lib: ctypes.CDLL | None = None
 _lib_failed = False
 _scratch: torch.Tensor | None = None
-_stats = (ctypes.c_int64 * 2)()  # pi_sparse_ffn_bitmask's (pairs, rows); used under _lock
+_stats = (ctypes.c_int64 * 3)()  # pi_sparse_ffn_bitmask's (pairs, rows, down rows); used under _lock
 _scratch_bytes: dict[tuple, int] = {}  # pi_scratch_bytes by its arguments
 
 
@@ -111,7 +111,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                   p, i32, i64, p, i32, i64, i32, p, i32, p, i32, i32]
     lib.pi_sparse_ffn_bitmask.restype = i64
     lib.pi_sparse_ffn_bitmask.argtypes = [p, i32, i64, i64, i64, p, p, p, i32, i64, i64, i64, i64, p, i32,
-                                          p, i64, i64, i32, p, i32, p, i32, i32, p]
+                                          p, i64, i64, i32, p, i32, p, i32, i32, i32, p]
     lib.pi_scratch_bytes.restype = i64
     lib.pi_scratch_bytes.argtypes = [i64, i64, i64, i32, i32, i32, i32]
     lib.pi_read_sum.restype = ctypes.c_double
@@ -322,7 +322,8 @@ def _check_weights(up, gate, down_t, up_bias, act) -> None:
 
 def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
                        packed_mask, n: int, act: str, up_bias: torch.Tensor | None, out: torch.Tensor,
-                       threads: int | None = None, *, split: str | None = None) -> tuple[int, int]:
+                       threads: int | None = None, *, split: str | None = None,
+                       skip_zero: bool = True) -> tuple[int, int, int]:
     """The CPU executor's FFN answer in one call, from the mask as the channel holds it.
 
     x [T, D] fp32 / fp16 / bf16 (rows with unit column stride, e.g. the channel's x view);
@@ -332,14 +333,17 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
     one of the n rows (policy 'dense'); n: the mask's neurons, rows 0 .. n-1 of the shard; out
     [T, D] contiguous, float32 or x's dtype: every element is written; threads: default
     torch.get_num_threads(); split: the kernel's work split, 'auto' | 'rows' | 'cols' (benchmarks;
-    None: SPLIT, i.e. $POWERINFER_RAY_CPU_SPLIT or 'auto').
+    None: SPLIT, i.e. $POWERINFER_RAY_CPU_SPLIT or 'auto'); skip_zero: a row whose activation is
+    zero for every token skips its down row (same result, fewer bytes); False reads it anyway, as a
+    dense FFN does (llama.cpp; the engine's policy 'dense', i.e. the layer-offload baseline).
 
     out[t] = sum over j < n with bit (t, j) set of act(gate[j] . x[t], up[j] . x[t] + up_bias[j]) *
     down_t[j], accumulated in fp32. The decoding (active rows = bits set for any token, per-token
     bits), the conversion of x and the output dtype happen in the compiled kernel; each active row
-    is read once. Returns (pairs, rows): the (token, neuron) pairs set and the rows active for any
-    token, what `runtime.layers.ffn_partial` returns beside y. Bad arguments raise ValueError
-    naming the field. Without a compiler: numpy decoding and the torch path, same results.
+    is read once. Returns (pairs, rows, down_rows): the (token, neuron) pairs set, the rows active
+    for any token (their up / gate rows read) and the down rows read (rows - the skipped ones; the
+    torch path reads every one). Bad arguments raise ValueError naming the field. Without a
+    compiler: numpy decoding and the torch path, same results.
     """
     sh = _shard(up, gate, down_t, up_bias, act)
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != sh.D:
@@ -365,7 +369,7 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
     if sp is None:
         raise _bad("split", repr(split), f"one of {tuple(_SPLIT)}")
     if T == 0:
-        return 0, 0
+        return 0, 0, 0
     lib = library()
     if lib is None:
         return _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out)
@@ -376,14 +380,15 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
         if nb is None:
             nb = _scratch_bytes[key] = lib.pi_scratch_bytes(T, D, n, nthreads, y_dt, sp, 1)
         rc = lib.pi_sparse_ffn_bitmask(x.data_ptr(), x_dt, ld_x, T, D, *sh.args, addr, ld, n, _ACT[act],
-                                       out.data_ptr(), y_dt, _scratch_for(nb), nthreads, sp, _stats)
+                                       out.data_ptr(), y_dt, _scratch_for(nb), nthreads, sp, int(not skip_zero),
+                                       _stats)
         if rc != 0:
             raise ValueError(f"sparse_ffn_bitmask: the kernel rejected its arguments (rc {rc}): T={T}, D={D}, "
                              f"n={n}, threads={nthreads}")
-        return _stats[0], _stats[1]
+        return _stats[0], _stats[1], _stats[2]
 
 
-def _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out) -> tuple[int, int]:
+def _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out) -> tuple[int, int, int]:
     """sparse_ffn_bitmask without the compiled kernel: numpy decoding, the torch path."""
     from .sparse_ffn import sparse_ffn_torch
 
@@ -399,7 +404,7 @@ def _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out) -> tu
         out.zero_()
     else:
         out.copy_(sparse_ffn_torch(x.float(), up, gate, down_t, idx, tok, act, up_bias))
-    return pairs, idx.numel()
+    return pairs, idx.numel(), idx.numel()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

@@ -389,7 +389,17 @@ struct Args {
     float* h; uint8_t* nz;  // split columns: activations [K, T], row-has-a-nonzero flags [K]
     float* acc;  // split columns: fp32 accumulator [T, D] (y itself when y is fp32)
     const void* x_src; int x_dt; int64_t ld_x;  // non-null: x_src [T] rows (stride ld_x) in x_dt, converted into x
+    // keep_zero: read (and add) a row's down row even where its activation is zero for every
+    // token, as a dense FFN does (the layer-offload baseline); n_down (non-null): += down rows read
+    int keep_zero = 0; int64_t* n_down = nullptr;
 };
+
+inline void count_down(const Args& a, int64_t n) {  // once per thread and call
+    if (a.n_down && n) {
+#pragma omp atomic
+        *a.n_down += n;
+    }
+}
 
 inline int64_t row_id(const Args& a, int64_t k) {
     return a.idx64 ? ((const int64_t*)a.idx)[k] : (int64_t)((const int32_t*)a.idx)[k];
@@ -530,16 +540,21 @@ inline float token_act(const Args& a, int64_t row, float b, int t, const Pf* pf 
 // The row's bytes come from memory once (first token, which prefetches pf's rows: the next row's
 // up / gate and this row's down) and from cache after.
 template <class W, bool GATE>
-void row_few_tokens(const Args& a, int64_t k, uint64_t bits, float* A, const Pf* pf = nullptr) {
+bool row_few_tokens(const Args& a, int64_t k, uint64_t bits, float* A, const Pf* pf = nullptr) {
     typedef typename W::T WT;
     const int64_t row = row_id(a, k), D = a.D;
     const WT* down = (const WT*)a.down + row * a.ld_down;
     const float b = a.bias ? bias_at(a, row) : 0.f;
+    bool read = false;
     for (; bits; bits &= bits - 1, pf = nullptr) {
         const int t = __builtin_ctzll(bits);
         const float h = token_act<W, GATE>(a, row, b, t, pf);
-        if (h != 0.f) axpy_rows<W, 1>(&down, 1, &h, 1, 0, A + t * D, D, 0, D);
+        if (h != 0.f || a.keep_zero) {
+            axpy_rows<W, 1>(&down, 1, &h, 1, 0, A + t * D, D, 0, D);
+            read = true;
+        }
     }
+    return read;
 }
 
 #ifdef PI_PAGE_PF
@@ -559,9 +574,9 @@ inline void prefetch_pages(const void* row, int64_t nbytes) {
 }
 #endif
 
-// One thread's slice [k0, k1) of idx into its accumulator A [T, D].
+// One thread's slice [k0, k1) of idx into its accumulator A [T, D]; returns the down rows read.
 template <class W, bool GATE>
-void run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
+int64_t run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
     typedef typename W::T WT;
     const WT* down = (const WT*)a.down;
     const int64_t T = a.T, D = a.D;
@@ -577,6 +592,7 @@ void run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
     };
     if (T == 1) page_pf_up(k0, k0 + R);
 #endif
+    int64_t n_down = 0;
     for (int64_t kb = k0; kb < k1; kb += R) {
         const int m = (int)(kb + R < k1 ? R : k1 - kb);
         bool few[R] = {};
@@ -587,7 +603,7 @@ void run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
                 uint64_t bits;
                 few[j] = few_tokens(a, kb + j, &bits);
                 const Pf pf = next_rows<W, GATE>(a, kb + j, k1, true);
-                if (few[j]) row_few_tokens<W, GATE>(a, kb + j, bits, A, pf.n ? &pf : nullptr);
+                if (few[j]) n_down += row_few_tokens<W, GATE>(a, kb + j, bits, A, pf.n ? &pf : nullptr);
                 else dot_block<W, GATE>(a, kb + j, 1, -1, ub + j * T, gb + j * T, pf.n ? &pf : nullptr);
             }
         }
@@ -604,7 +620,7 @@ void run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
                 h[nr * T + t] = v;
                 any |= v != 0.f;
             }
-            if (any) {  // all-zero activation: skip the down row
+            if (any || a.keep_zero) {  // all-zero activation: skip the down row
                 rows[nr] = down + row * a.ld_down;
 #ifdef PI_PAGE_PF
                 if (T == 1) prefetch_pages(rows[nr], D * (int64_t)sizeof(WT));
@@ -618,13 +634,14 @@ void run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
         if (T == 1) page_pf_up(kb + m, kb + m + R);
 #endif
         if (nr) axpy_all_tokens<W>(rows, nr, h, T, A, D, 0, D);
+        n_down += nr;
     }
+    return n_down;
 }
 
 template <class W>
-void run_slice_w(const Args& a, int64_t k0, int64_t k1, float* A) {
-    if (a.gate) run_slice<W, true>(a, k0, k1, A);
-    else run_slice<W, false>(a, k0, k1, A);
+int64_t run_slice_w(const Args& a, int64_t k0, int64_t k1, float* A) {
+    return a.gate ? run_slice<W, true>(a, k0, k1, A) : run_slice<W, false>(a, k0, k1, A);
 }
 
 void store_out(const Args& a, int64_t t, int64_t d0, int64_t d1, const float* src) {
@@ -673,10 +690,11 @@ inline void convert_x_par(const Args& a) {
 
 // ---- split over columns: phase 1 (rows over threads), barrier, phase 2 (columns over threads) ----
 // Phase 1: rows k0 .. k1-1 of idx -> h[k, :] (activations of all tokens, 0 where masked) and
-// nz[k] (any of them nonzero).
+// nz[k] (any of them nonzero, or keep_zero: the down row is read); returns how many nz are set.
 template <class W, bool GATE>
-void act_rows(const Args& a, int64_t k0, int64_t k1) {
+int64_t act_rows(const Args& a, int64_t k0, int64_t k1) {
     const int64_t T = a.T;
+    int64_t n_down = 0;
     float ub[R * 64], gb[R * 64];
     for (int64_t k = k0; k < k1; ++k) {
         const int64_t row = row_id(a, k);
@@ -691,7 +709,8 @@ void act_rows(const Args& a, int64_t k0, int64_t k1) {
                 h[t] = token_act<W, GATE>(a, row, b, t);
                 any |= h[t] != 0.f;
             }
-            a.nz[k] = any;
+            a.nz[k] = any || a.keep_zero;
+            n_down += a.nz[k];
             continue;
         }
         if (T > 1) {  // this row's pre-activations (rows of a block may take the path above)
@@ -709,8 +728,10 @@ void act_rows(const Args& a, int64_t k0, int64_t k1) {
             h[t] = v;
             any |= v != 0.f;
         }
-        a.nz[k] = any;
+        a.nz[k] = any || a.keep_zero;
+        n_down += a.nz[k];
     }
+    return n_down;
 }
 
 // Phase 2: columns d0 .. d1-1 of every token's output from all rows with nz set, R rows at a
@@ -773,12 +794,13 @@ void run_cols(const Args& a) {
         int64_t ch = K / (8 * n);
         ch = ch < 1 ? 1 : (ch > 8 ? 8 : ch);
         const int64_t nch = (K + ch - 1) / ch;
+        int64_t n_down = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < nch; ++c) {
             const int64_t k0 = c * ch, k1 = k0 + ch < K ? k0 + ch : K;
-            if (a.gate) act_rows<W, true>(a, k0, k1);
-            else act_rows<W, false>(a, k0, k1);
+            n_down += a.gate ? act_rows<W, true>(a, k0, k1) : act_rows<W, false>(a, k0, k1);
         }  // implicit barrier: h and nz complete
+        count_down(a, n_down);
         const int64_t u0 = nunits * i / n, u1 = nunits * (i + 1) / n;
         const int64_t d0 = u0 * CU, d1 = u1 * CU < D ? u1 * CU : D;
         if (d0 < d1) down_cols<W>(a, d0, d1);
@@ -812,11 +834,13 @@ void run_rows(const Args& a) {
         int64_t CH = K / (PI_CHUNKS * n);
         CH = CH < 2 ? 2 : (CH > 4 * R ? 4 * R : CH);
         const int64_t nch = (K + CH - 1) / CH;
+        int64_t n_down = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t c = 0; c < nch; ++c) {
             const int64_t k0 = c * CH, k1 = k0 + CH < K ? k0 + CH : K;
-            run_slice_w<W>(a, k0, k1, A);
+            n_down += run_slice_w<W>(a, k0, k1, A);
         }  // implicit barrier
+        count_down(a, n_down);
         // Reduction over threads, split over D in chunks of 256 columns.
         constexpr int64_t C = 256;
         float buf[C];
@@ -987,7 +1011,9 @@ int64_t pi_sparse_ffn(const float* x, int64_t T, int64_t D,
 // the active rows (those set for any token) and per-token bits; x [T, D] (row stride ld_x) in
 // fp32 / fp16 / bf16 is converted here. packed == nullptr: every one of the n rows, every token.
 // Any T: tokens are run in blocks of 64. stats[0] = (token, neuron) pairs set, stats[1] = rows
-// active for any of the T tokens. scratch: pi_scratch_bytes(T, D, n, nthreads, y_dt, split, 1).
+// active for any of the T tokens (each read from up / gate once), stats[2] = down rows read
+// (summed over the blocks of 64 tokens; rows whose activation is zero for every token of a block
+// are skipped unless keep_zero). scratch: pi_scratch_bytes(T, D, n, nthreads, y_dt, split, 1).
 // Returns 0 or BAD_ARGS.
 int64_t pi_sparse_ffn_bitmask(const void* x, int x_dt, int64_t ld_x, int64_t T, int64_t D,
                               const void* up, const void* gate, const void* down, int w_dt,
@@ -995,14 +1021,14 @@ int64_t pi_sparse_ffn_bitmask(const void* x, int x_dt, int64_t ld_x, int64_t T, 
                               const void* bias, int bias_dt,
                               const uint8_t* packed, int64_t ld_packed, int64_t n,
                               int act, void* y, int y_dt, void* scratch, int nthreads, int split,
-                              int64_t* stats) {
+                              int keep_zero, int64_t* stats) {
     if (T < 0 || D < 1 || n < 0 || n > n_rows || nthreads < 1 || w_dt < 0 || w_dt > 2 || y_dt < 0 ||
         y_dt > 2 || x_dt < 0 || x_dt > 2 || ld_x < D)
         return BAD_ARGS;
     const int64_t B = (n + 7) / 8, nw = (B + 7) / 8;
     if (packed && ld_packed < B) return BAD_ARGS;
     const int64_t ysz = y_dt == DT_F32 ? 4 : 2;
-    int64_t pairs = 0, rows = 0;
+    int64_t pairs = 0, rows = 0, n_down = 0;
     if (!packed) {
         pairs = T * n;
         rows = T ? n : 0;
@@ -1049,12 +1075,14 @@ int64_t pi_sparse_ffn_bitmask(const void* x, int x_dt, int64_t ld_x, int64_t T, 
         Args a{s.x, Tc, D, up, gate, down, ld_up, ld_gate, ld_down, bias, bias_dt, s.idx, 0, K,
                s.tok, packed && Tc > 1 ? MASK_BITS64 : MASK_NONE, 0, act, yc, y_dt, s.acc_rows, nthreads,
                s.h, s.nz, y_dt == DT_F32 ? (float*)yc : s.acc,
-               (const char*)x + t0 * ld_x * (x_dt == DT_F32 ? 4 : 2), x_dt, ld_x};  // x converted in run
+               (const char*)x + t0 * ld_x * (x_dt == DT_F32 ? 4 : 2), x_dt, ld_x,  // x converted in run
+               keep_zero, &n_down};
         run(a, w_dt, split);
     }
     if (stats) {
         stats[0] = pairs;
         stats[1] = rows;
+        stats[2] = n_down;
     }
     return 0;
 }

@@ -50,7 +50,9 @@ class ExecStats:
     steps: int = 0
     tokens: int = 0
     neurons: int = 0  # (token, neuron) pairs computed
-    active_bytes: int = 0  # weight bytes read: active rows once per step, attention in full
+    # weight bytes read: active rows once per step (the CPU executor's kernel: without the down rows it
+    # skipped, zero activations; the GPU's counts them), attention in full
+    active_bytes: int = 0
     busy_s: float = 0.0
     exchanges: int = 0
     sync_s: float = 0.0  # notify + return latency + host copies, summed over exchanges
@@ -469,6 +471,10 @@ class CPUExecutor:
         self.src = open_model(model)
         self.cfg = cfg = self.src.config
         self.plan, self.policy = plan, policy
+        # policy 'dense' reads every row in full, as a dense FFN (llama.cpp) does, down rows of zero
+        # activations too: the layer-offload baseline. $POWERINFER_RAY_DENSE_SKIP=1 skips them (a
+        # baseline stronger than llama.cpp, for comparison with the runs before this default).
+        self.skip_zero = policy != "dense" or os.environ.get("POWERINFER_RAY_DENSE_SKIP", "0") == "1"
         self.threads = threads or torch.get_num_threads()
         torch.set_num_threads(self.threads)
         wdt = _DTYPES[dtype or cfg.dtype]
@@ -561,15 +567,18 @@ class CPUExecutor:
                 y, pairs, rows = ffn_partial(ch.x_ffn[:n_tok].float(), sh, cfg.ffn_act, self.policy, None,
                                              threads=self.threads)
                 out.copy_(y)
+                nbytes = rows * cfg.neuron_bytes
             else:  # one compiled call from the channel's packed mask and x to out
                 packed = ch.mask_rows(n_tok, n_mask) if self.policy == "predictor" else None
                 t_k = time.monotonic_ns()
-                pairs, rows = sparse_ffn_bitmask(ch.x_ffn[:n_tok], sh.up, sh.gate, sh.down_t, packed,
-                                                 n_mask if packed is not None else sh.n, cfg.ffn_act,
-                                                 sh.up_bias, out, self.threads)
+                pairs, rows, down_rows = sparse_ffn_bitmask(
+                    ch.x_ffn[:n_tok], sh.up, sh.gate, sh.down_t, packed, n_mask if packed is not None else sh.n,
+                    cfg.ffn_act, sh.up_bias, out, self.threads, skip_zero=self.skip_zero)
                 self.stats.kernel_s += (time.monotonic_ns() - t_k) * 1e-9
+                row_bytes = cfg.n_embd * cfg.dtype_bytes  # bytes read: the up (+ gate) rows, the down rows read
+                nbytes = rows * (cfg.neuron_bytes - row_bytes) + down_rows * row_bytes
             self.stats.neurons += pairs
-            self.stats.active_bytes += rows * cfg.neuron_bytes
+            self.stats.active_bytes += nbytes
             wrote = True
         if op in (OP_ATTN, OP_ATTN_FFN) and self.attn[l].n_groups:
             x = ch.x_attn[:n_tok].float().view(n_seq, n_tok // n_seq, cfg.n_embd)

@@ -41,10 +41,11 @@ def check(x, up, gate, down_t, mask, act, up_bias, out_dtype, what, packed=None,
     T, D = x.shape
     n = mask.shape[1] if n is None else n
     out = poisoned((T, D), out_dtype)
-    pairs, rows = cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, pack(mask) if packed is None else packed, n,
-                                             act, up_bias, out, **kw)
+    pairs, rows, down_rows = cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, pack(mask) if packed is None else packed,
+                                                        n, act, up_bias, out, **kw)
     ref, ref_pairs, ref_rows = reference(x, up, gate, down_t, mask, act, up_bias)
     assert (pairs, rows) == (ref_pairs, ref_rows), f"{what}: (pairs, rows) {(pairs, rows)} != {(ref_pairs, ref_rows)}"
+    assert 0 <= down_rows <= rows, f"{what}: {down_rows} down rows read of {rows}"
     if ref_rows == 0:
         assert torch.equal(out, torch.zeros_like(out)), f"{what}: no active neuron must give zeros"
         return
@@ -120,7 +121,8 @@ def test_no_mask_is_every_row_of_n():
     x = torch.randn(T, D, generator=gen)
     mask = torch.ones(T, n, dtype=torch.bool)
     out = poisoned((T, D), torch.float32)
-    assert cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, None, n, "swiglu", b, out) == (T * n, n)
+    # SwiGLU is never exactly zero: every down row read
+    assert cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, None, n, "swiglu", b, out) == (T * n, n, n)
     assert rel_err(out, reference(x, up, gate, down_t, mask, "swiglu", b)[0]) < 1e-5
 
 
@@ -142,7 +144,7 @@ def test_same_as_the_executors_previous_path():
         _, pairs_old, rows_old = ffn_partial(x.float(), shard, "reglu", "predictor", unpack_mask(packed, N), out=y_old)
         y_new = poisoned((T, D), torch.float32)
         stats = cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, packed, N, "reglu", None, y_new)
-        assert stats == (pairs_old, rows_old)
+        assert stats[:2] == (pairs_old, rows_old)
         assert rel_err(y_new, y_old) < 1e-5
 
 
@@ -155,7 +157,7 @@ def test_fallback_without_compiler(monkeypatch):
     check(x, up, gate, down_t, token_mask(T, N, 0.3, gen), "drelu", b, torch.float32, "torch fallback")
     check(x, up, gate, down_t, torch.zeros(T, N, dtype=torch.bool), "drelu", b, torch.float32, "fallback, empty")
     out = poisoned((T, D), torch.float32)
-    assert cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, None, N, "drelu", b, out) == (T * N, N)
+    assert cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, None, N, "drelu", b, out) == (T * N, N, N)  # reads all
     assert rel_err(out, reference(x, up, gate, down_t, torch.ones(T, N, dtype=torch.bool), "drelu", b)[0]) < 1e-5
 
 
@@ -180,6 +182,47 @@ def test_index_entry_both_splits(split, mask_kind):
             cpu_ffn.sparse_ffn_cpu(x, up, gate, down_t, idx, mask, "reglu", b, out, threads=2, split=split)
             err = rel_err(out, sparse_ffn_ref(x, up, gate, down_t, idx, mask, "reglu", b))
             assert err < TOL[torch.bfloat16], f"{split} {mask_kind} K={K} T={T}: {err:.2e}"
+
+
+@needs_compiler
+@pytest.mark.parametrize("split", ["rows", "cols"])
+@pytest.mark.parametrize("act", ["relu", "reglu"])
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_down_rows_read_and_skip_zero(split, act, T):
+    """Rows whose activation is zero for every token skip their down row (counted in the third
+    value); skip_zero=False reads them as a dense FFN does. Same output either way. The rows are
+    built so that each pre-activation's sign is known exactly: every token is a positive multiple
+    of v, every up (ReLU) / gate (ReGLU) row +-v/|v|^2 plus a part orthogonal to v."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"down{split}{act}{T}".encode()))
+    N, D, n = 300, 96, 280
+    v = torch.randn(D, generator=gen, dtype=torch.float64)
+    x = (torch.rand(T, 1, generator=gen, dtype=torch.float64) + 0.5) * v  # [T, D]: c_t v, c_t in [0.5, 1.5)
+    sign = torch.where(torch.rand(N, generator=gen) < 0.4, 1.0, -1.0).double()  # ~40 % of rows fire
+    noise = torch.randn(N, D, generator=gen, dtype=torch.float64)
+    noise -= (noise @ v)[:, None] * v / (v @ v)  # orthogonal to v: no effect on the sign
+    signed = sign[:, None] * v / (v @ v) + 0.1 * noise
+    up, gate = (signed, torch.randn(N, D, generator=gen).double()) if act == "relu" else \
+        (torch.randn(N, D, generator=gen).double(), signed)
+    down_t = torch.randn(N, D, generator=gen, dtype=torch.float64)
+    mask = torch.rand(T, n, generator=gen) < 0.5
+    mask[0, :20] = True  # some rows active for any token
+    active = mask.any(0)
+    fires = active & (sign[:n] > 0)  # the rows whose down row must be read: hand count
+    x32, w32 = x.float(), [w.float() for w in (up, gate, down_t)]
+    g32 = w32[1] if act == "reglu" else None
+    ref = reference(x32, w32[0], g32, w32[2], mask, act, None)[0]
+    for skip in (True, False):
+        out = poisoned((T, D), torch.float32)
+        pairs, rows, down_rows = cpu_ffn.sparse_ffn_bitmask(x32, w32[0], g32, w32[2], pack(mask), n, act, None, out,
+                                                            2, split=split, skip_zero=skip)
+        assert (pairs, rows) == (int(mask.sum()), int(active.sum()))
+        assert down_rows == (int(fires.sum()) if skip else rows), (skip, down_rows, int(fires.sum()), rows)
+        assert rel_err(out, ref) < 1e-5
+    out = poisoned((T, D), torch.float32)  # every row (policy 'dense'): all down rows unless skipped
+    assert cpu_ffn.sparse_ffn_bitmask(x32, w32[0], g32, w32[2], None, n, act, None, out, 2, split=split,
+                                      skip_zero=False) == (T * n, n, n)
+    assert cpu_ffn.sparse_ffn_bitmask(x32, w32[0], g32, w32[2], None, n, act, None, out, 2, split=split) \
+        == (T * n, n, int((sign[:n] > 0).sum()))
 
 
 def _args(**kw):

@@ -161,6 +161,34 @@ def test_graph_decode_segments_equal_dense_reference(models, variant, split):
         eng.close()
 
 
+@pytest.mark.parametrize("variant", ["opt", "llama-reglu"])
+def test_dense_policy_reads_every_cpu_row_in_full(models, variant, monkeypatch):
+    """Policy 'dense' (the layer-offload baseline) reads every byte of the CPU executor's rows, as a
+    dense FFN does: the down rows of zero activations too (ReLU / ReGLU zero most of them here;
+    the counter is the kernel's, checked against hand counts in tests/kernels/test_cpu_bitmask.py).
+    $POWERINFER_RAY_DENSE_SKIP=1 skips those rows: fewer bytes, the same logits."""
+    path = models[variant]
+    cfg = ReferenceModel.from_file(path).cfg
+    plan = _plans(cfg)["mixed"]
+    full = sum(len(lp.cpu_neurons) for lp in plan.layers) * cfg.neuron_bytes  # per step
+    got = {}
+    for skip in ("0", "1"):
+        monkeypatch.setenv("POWERINFER_RAY_DENSE_SKIP", skip)
+        eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="dense", prefill_chunk=16, max_batch=4))
+        try:
+            got[skip] = _run_steps(eng, [3, 4, 5, 6, 7], [9, 10, 11], 16)
+            st = eng.cpu.stats
+            assert st.exchanges == 4 * cfg.n_layer  # one exchange per layer and step
+            if skip == "0":
+                assert st.active_bytes == 4 * full
+            else:
+                assert 0 < st.active_bytes < 4 * full
+        finally:
+            eng.close()
+    for a, b in zip(got["0"], got["1"]):
+        torch.testing.assert_close(torch.from_numpy(b), torch.from_numpy(a), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("variant", ["llama-reglu", "opt", "falcon-gqa"])
 def test_graph_decode_with_predictors_equals_the_eager_step(tmp_path, variant):
     """With predictors the segment path computes the same neurons as the eager step: equal
