@@ -31,6 +31,9 @@ verify)  # the GPU tests, the sync microbenchmark, the Triton sweep (split varia
     grep -E '"(sync|round_trip|step_link|step_ray_call)_us_median"' "$log"
     timeout 200 powerinfer-ray bench kernels --device cuda --sweep --out "$OUT" >> "$log" 2>&1
     grep -E "^\[(sweep|gpu)\]" "$log" | tail -n 14 | cut -c1-300
+    timeout 60 python bench/cpu_attention.py --shape falcon-40b -t "$THREADS" --out-dir "$OUT" \
+        --name cpu-attention-falcon-h200 >> "$log" 2>&1  # the CPU attention's parts vs a dense FFN layer
+    grep "cpu attention" "$log"
     ;;
 13b)  # the headline, the three engines in one run (the step-link A/B ran at da49b8d:
     # bench/results/runtime-13b-16gib-raycall-h200.json)
