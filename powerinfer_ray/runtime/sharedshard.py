@@ -119,8 +119,8 @@ def share(n_rows: list[int], gated: bool, d: int, dtype: torch.dtype, load: Call
                         got = "no rows" if t is None else f"rows {tuple(t.shape)} {t.dtype}"
                         raise ValueError(f"layer {l}: shard {got}, expected ({n}, {d}) {dtype} "
                                          f"({'gated' if gated else 'no gate'})")
-                    if t is not None:
-                        buf[o: o + t.numel()].view_as(t).copy_(t)
+                    if t is not None:  # pwrite, as `fill`: not through the fresh mapping
+                        _pwrite_all(fd, t.contiguous(), o * buf.element_size())
                 ids, bias = sh.ids, None if sh.up_bias is None else sh.up_bias.float().numpy()
                 del sh
             layers.append((np.asarray(ids), *offs, bias))
