@@ -164,9 +164,12 @@ class Channel:
 
     def wait_response(self, seq: int, timeout_s: float = 60.0, spin_s: float = 0.002) -> tuple[int, int]:
         """Spin until the peer answered request ``seq``; returns the peer's (start, end) times in
-        ``time.monotonic_ns`` units, so the caller can split the wait into sync and compute."""
+        ``time.monotonic_ns`` units, so the caller can split the wait into sync and compute.
+        Past spin_s it sleeps in steps of at most 100 us: answers that take longer than the spin
+        (layer-offload's dense CPU layers, 4-16 ms) were noticed ~600 us late with 500 us steps
+        (Falcon-40B, `per_layer_sync_us` in runtime-falcon40b-24gib-h200-v4.json)."""
         _wait(lambda: int(self.header[_H_RESP]) >= seq, timeout_s, spin_s, self._peer_alive,
-              what=f"the CPU executor to answer layer {int(self.header[_H_LAYER])}")
+              what=f"the CPU executor to answer layer {int(self.header[_H_LAYER])}", max_sleep_s=1e-4)
         if int(self.header[_H_STATUS]) != STATUS_OK:
             raise RuntimeError(f"CPU executor failed on layer {int(self.header[_H_LAYER])}; see its log")
         return int(self.header[_H_TSTART]), int(self.header[_H_TEND])

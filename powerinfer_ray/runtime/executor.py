@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
+from concurrent.futures import Future, wait as futures_wait
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -460,14 +463,66 @@ def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
 
 
 # ------------------------------------------------------------------------------------------------
+class OneThread:
+    """Runs callables one after another in a single daemon thread (``call`` waits for the result,
+    ``submit`` returns a Future; exceptions travel with them).
+
+    Why the CPU executor needs it: libgomp (the OpenMP runtime of torch and of the compiled
+    kernel) keeps a pool of worker threads per thread that starts parallel regions. Loading in the
+    actor's thread and serving in another gave the process two pools; once its OpenMP threads
+    outnumber the cores libgomp stops spinning between regions, so every region and every barrier
+    of the kernel wakes its workers from sleep. Dev machine, 2 threads: an empty region 0.3 ms
+    after the last one took 3 us with one pool and 14 us with two (a script, not kept). GPU host:
+    the 13B hybrid's CPU kernel took 280 us per exchange where the CPU executor had generated its
+    rows itself (torch, in the actor's thread) and 128 us where the primary had written them
+    (`runtime-13b-16gib-fill-h200.json`); layer-offload's CPU attention took twice its time alone
+    (`cpu-attention-falcon-h200.json`). All of the CPU executor's torch and kernel work runs here."""
+
+    def __init__(self, name: str) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001  (the caller gets it)
+                    fut.set_exception(e)
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        fut: Future = Future()
+        self._q.put((fn, fut))
+        return fut
+
+    def call(self, fn: Callable[[], Any]) -> Any:  # noqa: ANN401
+        return self.submit(fn).result()
+
+    def close(self) -> None:
+        """The thread ends after what was submitted before."""
+        self._q.put(None)
+
+
 class CPUExecutor:
-    """Cold neurons and CPU-placed heads; answers the primary's per-layer requests."""
+    """Cold neurons and CPU-placed heads; answers the primary's per-layer requests. Everything it
+    computes (loading included) runs in its one worker thread (`OneThread`)."""
 
     def __init__(self, model: str | WeightSource, plan: Plan, *, policy: str = "predictor",
                  slots: int = 8, n_ctx: int | None = None, threads: int | None = None,
                  dtype: str | None = None, defer_fill: bool = False) -> None:
         """defer_fill: when the FFN rows go to a shared file, leave them for the primary to write
         (`PrimaryExecutor.fill_cold`, then `filled`): planted models, generated faster on a GPU."""
+        self._omp = OneThread("cpu-executor")
+        self._serving: Future | None = None
+        try:
+            self._omp.call(lambda: self._load(model, plan, policy, slots, n_ctx, threads, dtype, defer_fill))
+        except BaseException:
+            self._omp.close()
+            raise
+
+    def _load(self, model, plan, policy, slots, n_ctx, threads, dtype, defer_fill) -> None:  # noqa: ANN001
         self.src = open_model(model)
         self.cfg = cfg = self.src.config
         self.plan, self.policy = plan, policy
@@ -493,19 +548,19 @@ class CPUExecutor:
                                      cache_dtype=torch.float32, out_rows=True) for l in range(cfg.n_layer)]
         self.stats = ExecStats()
         self.channel: Channel | None = None
-        self._thread: threading.Thread | None = None
         self.error: str | None = None
 
     def weight_bytes(self) -> int:
         return sum(s.nbytes for s in self.ffn) + sum(a.weight_bytes + a.cache_bytes for a in self.attn)
 
     def set_threads(self, n: int) -> int:
-        """Threads of the next requests' kernels (live: the serving loop reads it per request);
-        for tuning against the other processes spinning on the host's cores."""
+        """Threads of the next requests' kernels and torch ops (live: the serving loop applies it
+        per request); for tuning against the other processes spinning on the host's cores."""
         if not isinstance(n, int) or not 1 <= n <= (os.cpu_count() or 1):
             raise ValueError(f"threads={n!r}: expected an int in [1, {os.cpu_count()}] (this host's cores)")
         self.threads = n
-        torch.set_num_threads(n)
+        if self._serving is None:
+            self._omp.call(lambda: torch.set_num_threads(n))
         return n
 
     def _ids_and_bias(self, l: int) -> tuple[np.ndarray, np.ndarray | None]:
@@ -519,9 +574,11 @@ class CPUExecutor:
     def filled(self, by_primary: bool = True) -> None:
         """The primary has written the rows (`needs_fill`): touch every page once before serving.
         by_primary False: it could not, so write them here."""
-        if not by_primary:
-            fill(self.shard_spec, self.src, torch.device("cpu"))
-        prefault(self.ffn)
+        def run() -> None:
+            if not by_primary:
+                fill(self.shard_spec, self.src, torch.device("cpu"))
+            prefault(self.ffn)
+        self._omp.call(run)
         self.needs_fill = False
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -533,15 +590,21 @@ class CPUExecutor:
         return os.getpid()
 
     def start(self) -> None:
-        """Serve requests in a background thread until OP_STOP (the actor stays responsive)."""
-        self._thread = threading.Thread(target=self.serve, name="cpu-executor", daemon=True)
-        self._thread.start()
+        """Serve requests in the worker thread until OP_STOP (the actor stays responsive); every
+        request posted after this call is served (the sequence number is read here, not when the
+        worker gets to it)."""
+        last = int(self.channel.header[0])
+        self._serving = self._omp.submit(lambda: self.serve(last))
 
-    def serve(self) -> None:
-        ch, last = self.channel, int(self.channel.header[0])
+    def serve(self, last: int) -> None:
+        ch = self.channel
+        applied = torch.get_num_threads()
         while True:
             last = ch.wait_request(last, spin_s=0.02)  # hot while generating, asleep when idle
             t_start = time.monotonic_ns()
+            if self.threads != applied:  # set_threads while serving
+                torch.set_num_threads(self.threads)
+                applied = self.threads
             op, l, n_seq, n_tok, n_mask = ch.request()
             if op == OP_STOP:
                 ch.respond(last, t_start)
@@ -595,6 +658,7 @@ class CPUExecutor:
         self.stats.tokens += n_tok if l == 0 else 0
 
     def stop(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            self._thread.join(timeout=5)
+        if self._serving is not None:
+            futures_wait([self._serving], timeout=5)
+        self._omp.close()
         release(self.shard_spec)  # our handle on the shared rows (their pages stay while mapped)

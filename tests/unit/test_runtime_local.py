@@ -405,3 +405,50 @@ def test_share_lays_rows_out_and_rejects_rows_that_do_not_fit():
     with pytest.raises(ValueError, match=r"layer 2: shard rows \(5, 16\) torch.float32"):
         share(rows, True, d, torch.float16, lambda l: src[l] if l < 2 else
               FFNShard(src[2].ids, src[2].up.float(), src[2].gate, src[2].down_t, None))
+
+
+def test_one_thread_runs_in_order_and_passes_results_and_errors():
+    from powerinfer_ray.runtime.executor import OneThread
+
+    r = OneThread("t")
+    try:
+        seen = []
+        futs = [r.submit(lambda i=i: seen.append((i, threading.get_ident())) or i * i) for i in range(5)]
+        assert [f.result(timeout=5) for f in futs] == [0, 1, 4, 9, 16]
+        assert [i for i, _ in seen] == list(range(5)) and {t for _, t in seen} == {r.thread.ident}
+        with pytest.raises(ZeroDivisionError):
+            r.call(lambda: 1 / 0)
+        assert r.call(lambda: "still serving") == "still serving"
+    finally:
+        r.close()
+    r.thread.join(timeout=5)
+    assert not r.thread.is_alive()
+
+
+def test_cpu_executor_loads_and_computes_in_its_one_thread(models, monkeypatch):
+    """Loading (torch) and the per-layer kernels run in the CPU executor's worker thread: one
+    thread starting OpenMP regions, so libgomp keeps one pool and keeps its workers spinning
+    (two pools outnumbering the cores put them to sleep between regions: OneThread)."""
+    from powerinfer_ray.runtime import executor
+
+    threads: dict[str, set[int]] = {"load": set(), "kernel": set(), "attention": set()}
+
+    def spy(kind, fn):  # noqa: ANN001, ANN202
+        def wrapped(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            threads[kind].add(threading.get_ident())
+            return fn(*a, **kw)
+        return wrapped
+
+    monkeypatch.setattr(executor, "share", spy("load", executor.share))  # the CPU shard's rows (loaded inside)
+    monkeypatch.setattr(executor, "sparse_ffn_bitmask", spy("kernel", executor.sparse_ffn_bitmask))
+    monkeypatch.setattr(executor, "cpu_linear", spy("attention", executor.cpu_linear))
+    path = models["llama-reglu"]
+    plan = _plans(ReferenceModel.from_file(path).cfg)["split-heads"]  # CPU neurons and heads
+    eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="dense", prefill_chunk=16, max_batch=2))
+    try:
+        _run_steps(eng, [3, 4, 5], [6, 7], 16)
+        worker = eng.cpu._omp.thread.ident
+        assert threads["load"] and threads["kernel"] and threads["attention"]
+        assert threads["load"] | threads["kernel"] | threads["attention"] == {worker} != {threading.get_ident()}
+    finally:
+        eng.close()
