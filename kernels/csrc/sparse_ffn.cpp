@@ -561,7 +561,7 @@ bool row_few_tokens(const Args& a, int64_t k, uint64_t bits, float* A, const Pf*
 // Variant (T = 1; for a host A/B): the first two cache lines of every 4 KB page of a row at once.
 // The hardware's L2 streamer stops at page boundaries, so a randomly placed row (Falcon-40B: 16 KB,
 // four pages) restarts it four times, where the dense path's consecutive rows keep one stream
-// (H200 host: ~64 GB/s for the hybrid's sparse rows vs ~130 for layer-offload's dense layers).
+// (H200 host, measured since: no change, kernels-exchange-falcon-shm-h200.json).
 // Touching each page's head early lets the streamer run ahead in every page of the rows to come:
 // this block's down rows before its axpy, the next block's up / gate rows while it runs.
 inline void prefetch_pages(const void* row, int64_t nbytes) {
