@@ -52,28 +52,17 @@ batch)  # the batch sweep, hybrid and layer-offload, one engine per (mode, batch
     suite runtime-13b-16gib-batch-h200 575 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload \
         --shapes 16x32 --batch 1,4,16,32 -t "$THREADS"
     ;;
-cpu)  # the CPU kernel bench (16 threads; the read ceiling now the larger of a sum and dense rows),
-    # the T > 1 prefetch A/B (-DPI_NO_NEXT_PF = without), then the exchange at Falcon-40B's ReLU
-    # rows in the runtime's /dev/shm layout (random rows vs the same bytes contiguous; page-head
-    # prefetch variant) and over the 13B cold working set (builds compared)
-    mkdir -p "$OUT/c1" "$OUT/c2" "$OUT/f" "$OUT/x"
+cpu)  # the CPU kernel bench (16 threads; the read ceiling the larger of a sum and dense rows), then
+    # the 13B exchange's kernel builds in ABBA rounds over 12 layers' shards (the sixth session's
+    # sequential A/B favoured whichever build ran later: kernels/NOTES.md)
+    mkdir -p "$OUT/c1" "$OUT/x"
     echo "== cpu kernels, default build" >> "$log"
     timeout 110 python bench/kernels_bench.py --device cpu -t 16 --tokens 1,8 --densities 10,50 --out "$OUT/c1" >> "$log" 2>&1
-    echo "== cpu kernels, -DPI_NO_NEXT_PF" >> "$log"
-    POWERINFER_RAY_CPU_CFLAGS=-DPI_NO_NEXT_PF timeout 80 python bench/kernels_bench.py --device cpu -t 16 --tokens 8 \
-        --densities 10,50 --out "$OUT/c2" >> "$log" 2>&1
     grep -E "^== cpu|\[cpu\]" "$log" | cut -c1-200
-    timeout 200 python bench/kernels_bench.py --cpu-exchange -t "$THREADS" --tokens 1 --exchange-k 400,1600 \
-        --exchange-act relu --exchange-dim 8192 --exchange-n 31000 --exchange-layers 16 --exchange-shm \
-        --exchange-gap-ms 0.3 --exchange-reps 100 --exchange-policies unset --exchange-cflags ";-DPI_PAGE_PF" \
-        --out "$OUT/f" >> "$log" 2>&1
-    timeout 190 python bench/kernels_bench.py --cpu-exchange -t "$THREADS" --tokens 1 --exchange-k 254,1024 \
-        --exchange-layers 40 --exchange-gap-ms 0.3 --exchange-reps 150 --exchange-policies unset \
+    timeout 400 python bench/kernels_bench.py --cpu-exchange -t "$THREADS" --tokens 1 --exchange-k 254,1024 \
+        --exchange-layers 12 --exchange-gap-ms 0.3 --exchange-reps 160 --exchange-rounds 4 --exchange-policies unset \
         --exchange-cflags ";-DPI_T1_NEXT_PF;-DPI_GATED_QUADS;-DPI_PAGE_PF" --out "$OUT/x" >> "$log" 2>&1
     grep "exchange cold" "$log" | cut -c1-330
-    timeout 120 python bench/cpu_row_order.py -m "planted:falcon-40b?dtype=f16&layers=6" -t "$THREADS" \
-        --out-dir "$OUT" --name cpu-row-order-falcon6l-h200 >> "$log" 2>&1  # the CPU shard's rows by id vs hot first
-    grep "row order" "$log" | cut -c1-300
     ;;
 cpucost)  # where the Falcon exchange's time goes: K from 112 to 3200 rows (the intercept is the call's
     # fixed cost; omp_region = the threads' wake-up alone), 8 / 14 / 16 threads, OMP_WAIT_POLICY, finer chunks

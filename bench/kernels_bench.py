@@ -74,6 +74,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="only the CPU executor's exchange (packed mask -> y), OMP_WAIT_POLICY unset vs ACTIVE")
     p.add_argument("--exchange-k", default="64,160,320", help="--cpu-exchange: active rows K, comma-separated")
     p.add_argument("--exchange-reps", type=int, default=300, help="--cpu-exchange: timed calls per variant")
+    p.add_argument("--exchange-rounds", type=int, default=1,
+                   help="--cpu-exchange: run every (build, policy) worker this many times, in ABBA order (every "
+                        "other round reversed), each with reps / rounds calls; rows report the median of the rounds' "
+                        "medians, so drift over the run does not favour the build that ran first")
     p.add_argument("--exchange-gap-ms", type=float, default=1.0,
                    help="--cpu-exchange: sleep between calls (the layer cadence: OpenMP workers may fall asleep)")
     p.add_argument("--exchange-layers", type=int, default=1,
@@ -443,8 +447,6 @@ def bench_cpu_exchange(args) -> dict:
     parallel region of the kernel's threads (fork/join and wake-up after the gap); exchange_bitmask = kernels.cpu_ffn.sparse_ffn_bitmask
     (when present). Each variant runs in
     two processes, OMP_WAIT_POLICY unset and ACTIVE (libgomp reads it at load)."""
-    import tempfile
-
     if not cpu_ffn.available():
         return {"error": "compiled CPU kernel unavailable (no compiler); nothing measured"}
     res = dict(shape=dict(D=args.exchange_dim, n=args.exchange_n or EX_N, act=args.exchange_act, weights="fp16",
@@ -459,30 +461,62 @@ def bench_cpu_exchange(args) -> dict:
     if not policies or any(p not in EX_POLICIES for p in policies):
         raise ValueError(f"--exchange-policies {args.exchange_policies!r}: expected a comma-separated subset of "
                          f"{','.join(EX_POLICIES)}")
-    for cflags, pol in itertools.product(builds, policies):
-        env = dict(os.environ)
-        env.pop("OMP_WAIT_POLICY", None)
-        if pol != "unset":
-            env["OMP_WAIT_POLICY"] = pol
-        if cflags is not None:
-            env["POWERINFER_RAY_CPU_CFLAGS"] = cflags.strip()
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "worker.json"
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--exchange-worker", str(path),
-                   "--tokens", args.tokens, "--exchange-k", args.exchange_k, "--exchange-reps",
-                   str(args.exchange_reps), "--exchange-gap-ms", str(args.exchange_gap_ms),
-                   "--exchange-layers", str(args.exchange_layers), "--exchange-act", args.exchange_act,
-                   "--exchange-dim", str(args.exchange_dim)]
-            cmd += ["--quick"] if args.quick else []
-            cmd += ["--exchange-n", str(args.exchange_n)] if args.exchange_n else []
-            cmd += ["--exchange-shm"] if args.exchange_shm else []
-            cmd += ["--threads", str(args.threads)] if args.threads else []
-            subprocess.run(cmd, env=env, check=True)
-            if cflags is None:
-                res["policies"][pol] = json.loads(path.read_text())
-            else:
-                res.setdefault("builds", {}).setdefault(cflags.strip() or "default", {})[pol] = json.loads(path.read_text())
+    rounds = max(1, args.exchange_rounds)
+    combos = list(itertools.product(builds, policies))
+    runs: dict[tuple, list[dict]] = {c: [] for c in combos}
+    for rnd in range(rounds):
+        for cflags, pol in combos if rnd % 2 == 0 else combos[::-1]:
+            runs[cflags, pol].append(_exchange_run(args, cflags, pol, max(1, args.exchange_reps // rounds)))
+    for (cflags, pol), docs in runs.items():
+        doc = docs[0] if rounds == 1 else _median_of_rounds(docs)
+        if cflags is None:
+            res["policies"][pol] = doc
+        else:
+            res.setdefault("builds", {}).setdefault(cflags.strip() or "default", {})[pol] = doc
+    if rounds > 1:
+        res["rounds"] = rounds
     return res
+
+
+def _median_of_rounds(docs: list[dict]) -> dict:
+    """One worker result from several rounds of the same worker: each row's median / p10 / p90 the
+    median over the rounds (GB/s recomputed from the row's bytes), the rounds' medians kept."""
+    out = dict(docs[0], rows=[])
+    for i, row in enumerate(docs[0]["rows"]):
+        meds = [d["rows"][i]["median_us"] for d in docs]
+        r = dict(row, round_medians_us=meds)
+        for k in ("median_us", "p10_us", "p90_us"):
+            r[k] = round(statistics.median(d["rows"][i][k] for d in docs), 1)
+        if row.get("GBps"):  # bytes = GB/s x us x 1e3
+            r["GBps"] = round(row["GBps"] * row["median_us"] / r["median_us"], 2)
+        out["rows"].append(r)
+    return out
+
+
+def _exchange_run(args, cflags: str | None, pol: str, reps: int) -> dict:
+    """One worker process of bench_cpu_exchange: OMP_WAIT_POLICY pol ('unset': none) and the kernel
+    built with cflags (None: the default build); its JSON result."""
+    import tempfile
+
+    env = dict(os.environ)
+    env.pop("OMP_WAIT_POLICY", None)
+    if pol != "unset":
+        env["OMP_WAIT_POLICY"] = pol
+    if cflags is not None:
+        env["POWERINFER_RAY_CPU_CFLAGS"] = cflags.strip()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "worker.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--exchange-worker", str(path),
+               "--tokens", args.tokens, "--exchange-k", args.exchange_k, "--exchange-reps",
+               str(reps), "--exchange-gap-ms", str(args.exchange_gap_ms),
+               "--exchange-layers", str(args.exchange_layers), "--exchange-act", args.exchange_act,
+               "--exchange-dim", str(args.exchange_dim)]
+        cmd += ["--quick"] if args.quick else []
+        cmd += ["--exchange-n", str(args.exchange_n)] if args.exchange_n else []
+        cmd += ["--exchange-shm"] if args.exchange_shm else []
+        cmd += ["--threads", str(args.threads)] if args.threads else []
+        subprocess.run(cmd, env=env, check=True)
+        return json.loads(path.read_text())
 
 
 # ---------------------------------------------------------------------------------------------
