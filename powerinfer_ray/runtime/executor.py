@@ -475,8 +475,9 @@ class OneThread:
     after the last one took 3 us with one pool and 14 us with two (a script, not kept). GPU host:
     the 13B hybrid's CPU kernel took 280 us per exchange where the CPU executor had generated its
     rows itself (torch, in the actor's thread) and 128 us where the primary had written them
-    (`runtime-13b-16gib-fill-h200.json`); layer-offload's CPU attention took twice its time alone
-    (`cpu-attention-falcon-h200.json`). All of the CPU executor's torch and kernel work runs here."""
+    (`runtime-13b-16gib-fill-h200.json`), and layer-offload's CPU attention twice its time alone
+    (`cpu-attention-falcon-h200.json`; likely the same cause, not re-measured since). All of the
+    CPU executor's torch and kernel work runs here."""
 
     def __init__(self, name: str) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -503,6 +504,12 @@ class OneThread:
     def close(self) -> None:
         """The thread ends after what was submitted before."""
         self._q.put(None)
+
+
+def _log_failure(fut: Future) -> None:
+    """The serving loop ended with an exception (the primary then times out waiting): say why."""
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("cpu executor: the serving loop failed", exc_info=fut.exception())
 
 
 class CPUExecutor:
@@ -595,6 +602,7 @@ class CPUExecutor:
         worker gets to it)."""
         last = int(self.channel.header[0])
         self._serving = self._omp.submit(lambda: self.serve(last))
+        self._serving.add_done_callback(_log_failure)
 
     def serve(self, last: int) -> None:
         ch = self.channel
