@@ -560,10 +560,10 @@ bool row_few_tokens(const Args& a, int64_t k, uint64_t bits, float* A, const Pf*
 #ifdef PI_PAGE_PF
 // Variant (T = 1; for a host A/B): the first two cache lines of every 4 KB page of a row at once.
 // The hardware's L2 streamer stops at page boundaries, so a randomly placed row (Falcon-40B: 16 KB,
-// four pages) restarts it four times, where the dense path's consecutive rows keep one stream
-// (H200 host, measured since: no change, kernels-exchange-falcon-shm-h200.json).
+// four pages) restarts it four times, where the dense path's consecutive rows keep one stream.
 // Touching each page's head early lets the streamer run ahead in every page of the rows to come:
-// this block's down rows before its axpy, the next block's up / gate rows while it runs.
+// this block's down rows before its axpy, the next block's up / gate rows while it runs. (H200
+// host, Falcon's rows in /dev/shm: no change, kernels-exchange-falcon-shm-h200.json.)
 inline void prefetch_pages(const void* row, int64_t nbytes) {
     const char *q = (const char*)row, *end = q + nbytes;
     while (q < end) {
@@ -620,7 +620,7 @@ int64_t run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
                 h[nr * T + t] = v;
                 any |= v != 0.f;
             }
-            if (any || a.keep_zero) {  // all-zero activation: skip the down row
+            if (any || a.keep_zero) {  // all-zero activation: skip the down row (unless keep_zero)
                 rows[nr] = down + row * a.ld_down;
 #ifdef PI_PAGE_PF
                 if (T == 1) prefetch_pages(rows[nr], D * (int64_t)sizeof(WT));
