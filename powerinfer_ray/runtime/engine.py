@@ -110,18 +110,18 @@ def resolve_plan(ec: EngineConfig, src: WeightSource | None = None) -> Plan:
     if ec.plan is not None:
         ec.plan.verify(cfg)
         return ec.plan
-    if ec.gpu_fraction is not None:
-        stats = activation_counts(src, ec.model)
-        plan = Plan.hottest(cfg, ec.gpu_fraction, stats[0] if stats else None, ec.cpu_groups)
-    elif ec.vram_budget_gib is None:
+    if ec.gpu_fraction is None and ec.vram_budget_gib is None:
         return Plan.all_gpu(cfg)
+    stats = activation_counts(src, ec.model)  # read once: the split and the CPU rows' order
+    if ec.gpu_fraction is not None:
+        plan = Plan.hottest(cfg, ec.gpu_fraction, stats[0] if stats else None, ec.cpu_groups)
     else:
-        plan = _budget_plan(ec, src)
-    stats = activation_counts(src, ec.model) if order == "hot" else None
-    return plan.hot_first(stats[0]) if stats is not None else plan
+        plan = _budget_plan(ec, src, stats)
+    return plan.hot_first(stats[0]) if stats is not None and order == "hot" else plan
 
 
-def _budget_plan(ec: EngineConfig, src: WeightSource) -> Plan:
+def _budget_plan(ec: EngineConfig, src: WeightSource, stats: tuple[list[np.ndarray], int] | None) -> Plan:
+    """The ILP's split for the VRAM budget (or the cached one); stats: `activation_counts`."""
     from ..placement import gpuidx
     from ..placement.host import HostProfile
     from ..placement.solve import solve_placement
@@ -137,7 +137,6 @@ def _budget_plan(ec: EngineConfig, src: WeightSource) -> Plan:
             return Plan.from_masks([np.asarray(m, bool) for m in split.gpu_neurons], None, cfg)
         log.warning("cached split %s was solved for another model or budget: re-solving", cache)
     costs = model_costs(cfg, engine_n_ctx(ec, cfg), ec.max_batch)
-    stats = activation_counts(src, ec.model)
     if stats is None:
         log.warning("no activation statistics for %s: placing with uniform frequencies "
                     "(run powerinfer-ray profile for a better split)", ec.model)
