@@ -465,7 +465,8 @@ def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
 # ------------------------------------------------------------------------------------------------
 class OneThread:
     """Runs callables one after another in a single daemon thread (``call`` waits for the result,
-    ``submit`` returns a Future; exceptions travel with them).
+    ``submit`` returns a Future; exceptions travel with them). Not ThreadPoolExecutor(1): its
+    worker is joined at interpreter exit, and the serving loop it would run ends only on OP_STOP.
 
     Why the CPU executor needs it: libgomp (the OpenMP runtime of torch and of the compiled
     kernel) keeps a pool of worker threads per thread that starts parallel regions. Loading in the
