@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id
+#       bash bench/host_run.sh verify|gpukern|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stage=${1:?usage: host_run.sh verify|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id}
+stage=${1:?usage: host_run.sh verify|gpukern|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
 export RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1 POWERINFER_COMMIT
@@ -34,6 +34,13 @@ verify)  # the GPU tests, the sync microbenchmark, the Triton sweep (split varia
     timeout 60 python bench/cpu_attention.py --shape falcon-40b -t "$THREADS" --out-dir "$OUT" \
         --name cpu-attention-falcon-h200 >> "$log" 2>&1  # the CPU attention's parts vs a dense FFN layer
     grep "cpu attention" "$log"
+    ;;
+gpukern)  # the Triton kernels alone: their GPU tests, then the sweep (fused and split variants as graph
+    # replays against the two-stage winner) and the densities with the winner
+    timeout -s INT 200 python -m pytest tests/gpu/test_kernels_gpu.py -q -rf -x > "$OUT/gpu-tests.log" 2>&1
+    tail -n 5 "$OUT/gpu-tests.log" | cut -c1-300
+    timeout 300 powerinfer-ray bench kernels --device cuda --sweep --out "$OUT" >> "$log" 2>&1
+    grep -E "^\[(sweep|gpu)\]" "$log" | tail -n 16 | cut -c1-300
     ;;
 13b)  # the headline, the three engines in one run (the step-link A/B ran at da49b8d:
     # bench/results/runtime-13b-16gib-raycall-h200.json)
@@ -93,7 +100,7 @@ falcon24id)  # the A/B of the CPU shard's row order: hybrid alone with rows by n
         --vram-budget 24 --modes hybrid --shapes 64x32 -t "$THREADS"
     ;;
 *)
-    echo "unknown stage $stage: expected verify|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id" >&2
+    echo "unknown stage $stage: expected verify|gpukern|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id" >&2
     exit 2
     ;;
 esac

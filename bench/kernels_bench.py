@@ -21,6 +21,7 @@ writes DIR/kernels-exchange-<machine>.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import itertools
 import json
@@ -577,10 +578,13 @@ SWEEP_DOWN = {1: [(False, 64, 64, 4, 3), (False, 64, 32, 4, 3), (False, 128, 32,
 
 
 # T == 1 split variant (Config.up_sd / down_sk), timed as the whole op (graph replays) against the
-# best two-stage config: (up_bk, up_bd, up_sd, up_warps) x (down_bk, down_bd, down_sk, down_warps). At 10 % of
-# the 13B shape (K = 1382): e.g. 4 x 1024 tiles over 5 D splits = 1730 one-step programs.
-SWEEP_SPLIT_UP = [(4, 1024, 5, 4), (8, 512, 10, 4), (4, 512, 10, 4), (16, 256, 20, 4)]
-SWEEP_SPLIT_DOWN = [(64, 32, 8, 4), (32, 64, 16, 4), (128, 32, 4, 8), (64, 64, 8, 4)]
+# best two-stage config: (up_bk, up_bd, up_sd, up_warps) x (down_bk, down_bd, down_sk, down_warps); the
+# fourth session's winner and the one tried before it (kernels-nvidia-h200-v2.json, -v3.json).
+SWEEP_SPLIT = [((8, 512, 10, 4), (128, 32, 4, 8)), ((4, 1024, 5, 4), (64, 32, 8, 4))]
+# Fused variant (Config.fused_r): (rows per program, warps, eager down rows), whole op as graph replays.
+SWEEP_FUSED = {1: [(1, 4, True), (1, 8, True), (2, 4, True), (2, 8, True), (2, 16, True), (4, 8, True),
+                   (4, 16, True), (8, 16, True), (1, 4, False), (2, 8, False), (4, 16, False)],
+               8: [(1, 4, True), (1, 8, True), (2, 8, True), (2, 16, True), (4, 16, True)]}
 
 
 def sweep_triton(up, gate, down_t, gen, quick: bool) -> dict:
@@ -605,30 +609,33 @@ def sweep_triton(up, gate, down_t, gen, quick: bool) -> dict:
         bu, bdn = min(res_up, key=res_up.get), min(res_down, key=res_down.get)
         best[mode] = tf.Config(bu[1], bu[2], bu[3], bdn[1], bdn[2], bdn[3], up_stages=bu[4], down_stages=bdn[4],
                                up_dot=bu[0], down_dot=bdn[0])
-        if T == 1:  # the split variant, whole op against the two-stage winner's whole op
-            yo = torch.empty(1, D, dtype=torch.float16, device=GPU)
+        # whole op as graph replays, as the runtime runs it (timed as Python calls, the two or three
+        # launches, ~40 us each on the host, outlast the L2 flush and the GPU idles between): the
+        # two-stage winner against the fused variant (and at T == 1 the split one)
+        yo = torch.empty(T, D, dtype=torch.float16, device=GPU)
 
-            def whole(cfg):  # noqa: ANN001, ANN202
-                # as a graph replay, as the runtime runs it: timed as Python calls, the two or three
-                # launches (~40 us each on the host) outlast the L2 flush and the GPU idles between
-                op = lambda s_: tf.sparse_ffn_triton(x, up, gate, down_t, s_, None, "reglu", None, yo, None, cfg)  # noqa: E731
-                t = graph_time(op, sets, True)
-                cyc = itertools.cycle(sets)
-                return t if t is not None else gpu_time(lambda: op(next(cyc)), True)
+        def whole(cfg):  # noqa: ANN001, ANN202
+            op = lambda s_: tf.sparse_ffn_triton(x, up, gate, down_t, s_, None, "reglu", None, yo, None, cfg)  # noqa: E731
+            t = graph_time(op, sets, True)
+            cyc = itertools.cycle(sets)
+            return t if t is not None else gpu_time(lambda: op(next(cyc)), True)
 
-            res_op, cfgs = {"two-stage": whole(best[mode])}, {"two-stage": best[mode]}
-            for cu, cd in itertools.product(SWEEP_SPLIT_UP, SWEEP_SPLIT_DOWN):
-                cfgs[(cu, cd)] = tf.Config(cu[0], cu[1], cu[3], cd[0], cd[1], cd[3], up_dot=False, down_dot=False,
-                                           up_sd=cu[2], down_sk=cd[2])
-                res_op[(cu, cd)] = whole(cfgs[(cu, cd)])
-                table.append(dict(T=1, stage="whole op, split", up=cu, down=cd, us=round(res_op[(cu, cd)] * 1e6, 2),
-                                  GBps=round(3 * k * D * 2 / res_op[(cu, cd)] / 1e9, 1)))
-            table.append(dict(T=1, stage="whole op, two-stage", us=round(res_op["two-stage"] * 1e6, 2),
-                              GBps=round(3 * k * D * 2 / res_op["two-stage"] / 1e9, 1)))
-            win = min(res_op, key=res_op.get)
-            best[mode] = cfgs[win]
-            print(f"[sweep] T=1 whole op as graph replays: two-stage {res_op['two-stage']*1e6:.1f} us, best split {win} "
-                  f"{res_op[win]*1e6:.1f} us ({3*k*D*2/res_op[win]/1e9:.0f} GB/s)", flush=True)
+        cfgs = {"two-stage": best[mode]}
+        for r, w, eager in SWEEP_FUSED[T]:
+            # the two-stage winner's tiles kept: T > FUSED_MAX_T falls back to them
+            cfgs[f"fused r={r} warps={w}" + ("" if eager else " lazy")] = dataclasses.replace(
+                best[mode], fused_r=r, fused_warps=w, eager_down=eager)
+        if T == 1:
+            for cu, cd in SWEEP_SPLIT:
+                cfgs[f"split {cu} x {cd}"] = tf.Config(cu[0], cu[1], cu[3], cd[0], cd[1], cd[3], up_dot=False,
+                                                       down_dot=False, up_sd=cu[2], down_sk=cd[2])
+        res_op = {name: whole(c) for name, c in cfgs.items()}
+        for name, t in sorted(res_op.items(), key=lambda kv: kv[1]):
+            table.append(dict(T=T, stage="whole op", variant=name, us=round(t * 1e6, 2), GBps=round(3 * k * D * 2 / t / 1e9, 1)))
+        win = min(res_op, key=res_op.get)
+        best[mode] = cfgs[win]
+        print(f"[sweep] T={T} whole op as graph replays: two-stage {res_op['two-stage']*1e6:.1f} us, best {win} "
+              f"{res_op[win]*1e6:.1f} us ({3*k*D*2/res_op[win]/1e9:.0f} GB/s)", flush=True)
         for stage, res, nb in (("up", res_up, 2 * k * D * 2), ("down", res_down, k * D * 2)):
             for c, t in sorted(res.items(), key=lambda kv: kv[1]):
                 table.append(dict(T=T, stage=stage, dot=c[0], bk=c[1], bd=c[2], warps=c[3], stages=c[4], us=round(t * 1e6, 2),
@@ -694,7 +701,7 @@ def bench_gpu(args) -> dict:
         wall = gpu_wall(run)
         t_b = gpu_time(lambda: torch_baseline(x, up, gate, down_t, next(cyc)), args.quick)
         t_up = t_dn = float("nan")  # the stages alone: two-stage configs only (the split's share one buffer)
-        if not cfg.split:
+        if not (cfg.split or cfg.fused):
             h = torch.empty(T, k, device=GPU)
             t_up = gpu_time(lambda: tf.launch_up(x, up, gate, None, next(cyc), None, None, "reglu", h, cfg), args.quick)
             h.uniform_(0.5, 1.5)  # nonzero activations: every down row is read
@@ -704,8 +711,8 @@ def bench_gpu(args) -> dict:
                          sets, args.quick)
         row = record("cuda", "triton", "fp16", T, pct, k, t_k, t_b, ceiling,
                      dict(wall_us_per_call=round(wall * 1e6, 2),
-                          up_stage_us=None if cfg.split else round(t_up * 1e6, 2),
-                          down_stage_us=None if cfg.split else round(t_dn * 1e6, 2),
+                          up_stage_us=None if cfg.split or cfg.fused else round(t_up * 1e6, 2),
+                          down_stage_us=None if cfg.split or cfg.fused else round(t_dn * 1e6, 2),
                           rel_err_vs_fp64=float(f"{err:.3g}"), config=vars(cfg)))
         if t_g is not None:  # as the runtime runs it: one graph replay, no Python launch per kernel
             row.update(graph_median_us=round(t_g * 1e6, 2), graph_GBps=round(row["GBps"] * t_k / t_g, 1),
