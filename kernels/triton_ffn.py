@@ -74,13 +74,14 @@ class Config:
     # fewer sequential steps each (the two-stage kernels are latency-chain bound: NOTES.md).
     up_sd: int = 0
     down_sk: int = 0
-    # Fused variant (T <= FUSED_MAX_T; fused_r > 0 selects it): one launch, a program per fused_r
-    # active rows loads their whole up, gate and down rows at once (eager_down: before the
-    # activation is known, so all three rows are in flight together; else a zero activation skips
-    # its down row), adds h * down into an fp32 scratch with atomics, and the last program to finish
-    # casts it into y and zeroes it again (fused_warps warps per program).
+    # Fused variant (T == 1; fused_r > 0 selects it): one launch of fused_progs programs per SM,
+    # each walking blocks of fused_r active rows with the next block's whole up, gate and down rows
+    # in flight (eager_down: before the activation is known; else a zero activation skips its down
+    # row), h * down summed in registers, then added into an fp32 scratch with atomics; the last
+    # program to finish casts it into y and zeroes it again (fused_warps warps per program).
     fused_r: int = 0
     fused_warps: int = 8
+    fused_progs: int = 2
     eager_down: bool = True
 
     @property
@@ -342,103 +343,148 @@ def _rows_tile(ptr, rows, stride, rmask, c0, D, W: tl.constexpr, CMASK: tl.const
 
 
 @triton.jit
-def _fused_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, down_ptr, idx_ptr, nact_ptr, mask_ptr, y32_ptr, y_ptr,
-                  cnt_ptr, D, K, s_x, s_up, s_gate, s_down, s_mask, s_y,
-                  T: tl.constexpr, ACT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  MASK_MODE: tl.constexpr, HAS_NACT: tl.constexpr, EAGER: tl.constexpr,
-                  R: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr):
-    """The whole FFN of R active rows per program, T <= FUSED_MAX_T tokens (unrolled).
+def _block_rows(idx_ptr, b, kc, R: tl.constexpr):
+    """Entries, their mask (< kc) and row ids of block b of R active rows (none past the end)."""
+    offs = b * R + tl.arange(0, R)
+    m = offs < kc
+    return offs, m, tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
 
-    A row's columns are two power-of-two pieces, [0, DA) and [DA, DA + DB) masked to D (DB = 0:
-    none), each loaded whole: every load of the program is issued before its first use. y32
-    [T, D] fp32 and cnt [1] are zero on entry and left zero: the last program to take a ticket
-    writes y from y32 and zeroes both (one launch, no memset, no cast kernel; calls on one stream).
-    """
+
+@triton.jit
+def _fence_gpu(v):
+    """fence.acq_rel.gpu in every thread: its atomics are performed GPU-wide before what follows
+    (a barrier alone orders them only within the block)."""
+    return tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [v], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _fused_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, down_ptr, idx_ptr, nact_ptr, mask_ptr, y32_ptr, y_ptr,
+                  cnt_ptr, D, K, s_up, s_gate, s_down,
+                  ACT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_MODE: tl.constexpr,
+                  HAS_NACT: tl.constexpr, EAGER: tl.constexpr, FENCE: tl.constexpr,
+                  R: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr):
+    """T == 1, the whole FFN in one launch: each program walks blocks pid, pid + P, ... of R active
+    rows; a block's up, gate (and, EAGER, down) rows are loaded whole -- as two power-of-two column
+    pieces, [0, DA) and [DA, DA + DB) masked to D (DB = 0: none) -- while the previous block's
+    arithmetic runs (register double buffering), and h * down accumulates in registers. At the end
+    each program adds its sums into y32 [D] fp32 with atomics; the last program to take a ticket
+    from cnt writes y from y32 and zeroes both again (y32 and cnt are zero on entry and exit: one
+    launch, no memset, no cast kernel; calls on one stream)."""
     pid = tl.program_id(0)
+    P = tl.num_programs(0)
     kc = K
     if HAS_NACT:
         kc = tl.minimum(tl.load(nact_ptr), K)
+    nblk = tl.cdiv(kc, R)
     ca = tl.arange(0, DA)
-    if pid * R < kc:
-        offs_r = pid * R + tl.arange(0, R)  # [R]
-        rmask = offs_r < kc
-        rows = tl.load(idx_ptr + offs_r, mask=rmask, other=0).to(tl.int64)
-        ua = _rows_tile(up_ptr, rows, s_up, rmask, 0, D, DA, False)  # [R, DA]
+    xa = tl.load(x_ptr + ca).to(tl.float32)
+    ya = tl.zeros((DA,), tl.float32)
+    offs_r, rmask, rows = _block_rows(idx_ptr, pid, kc, R)
+    ua = _rows_tile(up_ptr, rows, s_up, rmask, 0, D, DA, False)  # [R, DA]
+    ga = ua
+    if HAS_GATE:
+        ga = _rows_tile(gate_ptr, rows, s_gate, rmask, 0, D, DA, False)
+    if EAGER:
+        da = _rows_tile(down_ptr, rows, s_down, rmask, 0, D, DA, False)
+    if DB > 0:
+        cb = DA + tl.arange(0, DB)
+        xb = tl.load(x_ptr + cb, mask=cb < D, other=0.0).to(tl.float32)
+        yb = tl.zeros((DB,), tl.float32)
+        ub = _rows_tile(up_ptr, rows, s_up, rmask, DA, D, DB, True)
+        gb = ub
         if HAS_GATE:
-            ga = _rows_tile(gate_ptr, rows, s_gate, rmask, 0, D, DA, False)
-        if EAGER:  # in flight with up / gate: the activation is not waited for
-            da = _rows_tile(down_ptr, rows, s_down, rmask, 0, D, DA, False)
+            gb = _rows_tile(gate_ptr, rows, s_gate, rmask, DA, D, DB, True)
+        if EAGER:
+            db = _rows_tile(down_ptr, rows, s_down, rmask, DA, D, DB, True)
+    for b in range(pid, nblk, P):
+        # the next block's rows go in flight before this block's arithmetic
+        n_offs, n_rmask, n_rows = _block_rows(idx_ptr, b + P, kc, R)
+        n_ua = _rows_tile(up_ptr, n_rows, s_up, n_rmask, 0, D, DA, False)
+        n_ga = n_ua
+        if HAS_GATE:
+            n_ga = _rows_tile(gate_ptr, n_rows, s_gate, n_rmask, 0, D, DA, False)
+        if EAGER:
+            n_da = _rows_tile(down_ptr, n_rows, s_down, n_rmask, 0, D, DA, False)
         if DB > 0:
-            cb = DA + tl.arange(0, DB)
-            ub = _rows_tile(up_ptr, rows, s_up, rmask, DA, D, DB, True)
+            n_ub = _rows_tile(up_ptr, n_rows, s_up, n_rmask, DA, D, DB, True)
+            n_gb = n_ub
             if HAS_GATE:
-                gb = _rows_tile(gate_ptr, rows, s_gate, rmask, DA, D, DB, True)
+                n_gb = _rows_tile(gate_ptr, n_rows, s_gate, n_rmask, DA, D, DB, True)
             if EAGER:
-                db = _rows_tile(down_ptr, rows, s_down, rmask, DA, D, DB, True)
+                n_db = _rows_tile(down_ptr, n_rows, s_down, n_rmask, DA, D, DB, True)
+        u = tl.sum(ua.to(tl.float32) * xa[None, :], axis=1)  # [R]
+        g = tl.sum(ga.to(tl.float32) * xa[None, :], axis=1)
+        if DB > 0:
+            u += tl.sum(ub.to(tl.float32) * xb[None, :], axis=1)
+            g += tl.sum(gb.to(tl.float32) * xb[None, :], axis=1)
         if HAS_BIAS:
-            bias = tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-        if MASK_MODE == 2:
-            bits = tl.load(mask_ptr + offs_r, mask=rmask, other=0)
-        for t in tl.static_range(T):
-            xa = tl.load(x_ptr + t * s_x + ca).to(tl.float32)
-            u = tl.sum(ua.to(tl.float32) * xa[None, :], axis=1)  # [R]
-            g = u
-            if HAS_GATE:
-                g = tl.sum(ga.to(tl.float32) * xa[None, :], axis=1)
+            u += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        live = rmask
+        if MASK_MODE == 1:
+            live = live & (tl.load(mask_ptr + offs_r, mask=rmask, other=0) != 0)
+        elif MASK_MODE == 2:
+            live = live & ((tl.load(mask_ptr + offs_r, mask=rmask, other=0) & 1) != 0)
+        h = tl.where(live, _act(u, g, ACT), 0.0)  # [R]
+        if EAGER:
+            ya += tl.sum(h[:, None] * da.to(tl.float32), axis=0)
             if DB > 0:
-                xb = tl.load(x_ptr + t * s_x + cb, mask=cb < D, other=0.0).to(tl.float32)
-                u += tl.sum(ub.to(tl.float32) * xb[None, :], axis=1)
-                if HAS_GATE:
-                    g += tl.sum(gb.to(tl.float32) * xb[None, :], axis=1)
-            if HAS_BIAS:
-                u += bias
-            live = rmask
-            if MASK_MODE == 1:
-                live = live & (tl.load(mask_ptr + t * s_mask + offs_r, mask=rmask, other=0) != 0)
-            elif MASK_MODE == 2:
-                live = live & (((bits >> t) & 1) != 0)
-            h = tl.where(live, _act(u, g, ACT), 0.0)  # [R]
-            if not EAGER:  # T == 1 only: a zero activation's down row is not read
-                da = _rows_tile(down_ptr, rows, s_down, h != 0, 0, D, DA, False)
-                if DB > 0:
-                    db = _rows_tile(down_ptr, rows, s_down, h != 0, DA, D, DB, True)
-            tl.atomic_add(y32_ptr + t * D + ca, tl.sum(h[:, None] * da.to(tl.float32), axis=0), sem="relaxed")
+                yb += tl.sum(h[:, None] * db.to(tl.float32), axis=0)
+        else:  # a zero activation's down row is not read
+            dl = _rows_tile(down_ptr, rows, s_down, h != 0, 0, D, DA, False)
+            ya += tl.sum(h[:, None] * dl.to(tl.float32), axis=0)
             if DB > 0:
-                tl.atomic_add(y32_ptr + t * D + cb, tl.sum(h[:, None] * db.to(tl.float32), axis=0), mask=cb < D,
-                              sem="relaxed")
-    tl.debug_barrier()  # every thread's adds issued before the ticket (whose atomic is release)
+                dlb = _rows_tile(down_ptr, rows, s_down, h != 0, DA, D, DB, True)
+                yb += tl.sum(h[:, None] * dlb.to(tl.float32), axis=0)
+        offs_r, rmask, rows, ua, ga = n_offs, n_rmask, n_rows, n_ua, n_ga
+        if EAGER:
+            da = n_da
+        if DB > 0:
+            ub, gb = n_ub, n_gb
+            if EAGER:
+                db = n_db
+    if pid < nblk:
+        tl.atomic_add(y32_ptr + ca, ya, sem="relaxed")
+        if DB > 0:
+            tl.atomic_add(y32_ptr + cb, yb, mask=cb < D, sem="relaxed")
+    if FENCE:
+        _fence_gpu(tl.full((1,), 0, tl.int32))
+    tl.debug_barrier()
     ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-    if ticket == tl.num_programs(0) - 1:  # the last program: y from the sums, scratch back to zero
-        for t in tl.static_range(T):
-            v = tl.load(y32_ptr + t * D + ca, cache_modifier=".cg")  # L2: where the atomics landed
-            tl.store(y_ptr + t * s_y + ca, v.to(y_ptr.dtype.element_ty))
-            tl.store(y32_ptr + t * D + ca, tl.zeros((DA,), tl.float32))
-            if DB > 0:
-                cb2 = DA + tl.arange(0, DB)
-                vb = tl.load(y32_ptr + t * D + cb2, mask=cb2 < D, other=0.0, cache_modifier=".cg")
-                tl.store(y_ptr + t * s_y + cb2, vb.to(y_ptr.dtype.element_ty), mask=cb2 < D)
-                tl.store(y32_ptr + t * D + cb2, tl.zeros((DB,), tl.float32), mask=cb2 < D)
+    if ticket == P - 1:  # the last program: y from the sums, scratch back to zero
+        v = tl.load(y32_ptr + ca, cache_modifier=".cg")  # L2: where the atomics landed
+        tl.store(y_ptr + ca, v.to(y_ptr.dtype.element_ty))
+        tl.store(y32_ptr + ca, tl.zeros((DA,), tl.float32))
+        if DB > 0:
+            cb2 = DA + tl.arange(0, DB)
+            vb = tl.load(y32_ptr + cb2, mask=cb2 < D, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + cb2, vb.to(y_ptr.dtype.element_ty), mask=cb2 < D)
+            tl.store(y32_ptr + cb2, tl.zeros((DB,), tl.float32), mask=cb2 < D)
         tl.store(cnt_ptr, 0)
 
 
-FUSED_MAX_T = 8  # tokens unrolled in the fused kernel; more take the two-stage kernels
 _FUSED_SCRATCH: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def _fused_scratch(device: torch.device, D: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed fp32 [FUSED_MAX_T, D] sums and the int32 ticket counter of a device; every fused
-    call leaves them zero again. Shared by the calls on a device: they must be stream-ordered
-    (one stream per GPU, as the runtime runs them)."""
+    """Zeroed fp32 [D] sums and the int32 ticket counter of a device; every fused call leaves
+    them zero again. Shared by the calls on a device: they must be stream-ordered (one stream per
+    GPU, as the runtime runs them)."""
     key = (str(device) if device.type != "cuda" or device.index is not None else f"cuda:{torch.cuda.current_device()}", D)
     if key not in _FUSED_SCRATCH:
-        _FUSED_SCRATCH[key] = (torch.zeros(FUSED_MAX_T, D, dtype=torch.float32, device=device),
+        _FUSED_SCRATCH[key] = (torch.zeros(D, dtype=torch.float32, device=device),
                                torch.zeros(1, dtype=torch.int32, device=device))
     return _FUSED_SCRATCH[key]
 
 
+def _n_sm(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def sparse_ffn_fused(x, up, gate, up_bias, down_t, idx, mask, n_active, act, y, cfg: Config) -> None:
-    """T <= FUSED_MAX_T through the fused kernel: y [T, D] (y's dtype, unit column stride)."""
-    T, D = x.shape
+    """T == 1 through the fused kernel: y [1, D] (y's dtype). Grid: fused_progs programs per SM, at
+    most one per block of fused_r rows."""
+    D = x.shape[1]
     K = idx.shape[0]
     if K == 0:
         y.zero_()
@@ -451,13 +497,13 @@ def sparse_ffn_fused(x, up, gate, up_bias, down_t, idx, mask, n_active, act, y, 
         mask = mask.view(torch.uint8)
     dummy = idx
     g = gate if gate is not None else up
-    _fused_kernel[(triton.cdiv(K, cfg.fused_r),)](
+    grid = (min(triton.cdiv(K, cfg.fused_r), cfg.fused_progs * _n_sm(x.device)),)
+    _fused_kernel[grid](
         x, up, g, up_bias if up_bias is not None else dummy, down_t, idx,
         n_active if n_active is not None else dummy, mask if mask is not None else dummy, y32, y, cnt,
-        D, K, x.stride(0), up.stride(0), g.stride(0), down_t.stride(0), mask.stride(0) if mode == 1 else 0,
-        y.stride(0), T=T, ACT=ACT_CODE[act], HAS_GATE=gate is not None, HAS_BIAS=up_bias is not None,
-        MASK_MODE=mode, HAS_NACT=n_active is not None, EAGER=cfg.eager_down or T > 1, R=cfg.fused_r,
-        DA=da, DB=db, num_warps=cfg.fused_warps, num_stages=1)
+        D, K, up.stride(0), g.stride(0), down_t.stride(0), ACT=ACT_CODE[act], HAS_GATE=gate is not None,
+        HAS_BIAS=up_bias is not None, MASK_MODE=mode, HAS_NACT=n_active is not None, EAGER=cfg.eager_down,
+        FENCE=x.is_cuda, R=cfg.fused_r, DA=da, DB=db, num_warps=cfg.fused_warps, num_stages=1)
 
 
 def _mask_mode(mask: torch.Tensor | None) -> int:
@@ -537,7 +583,7 @@ def sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_activ
     if T == 1 and mask is None and cfg.split:
         sparse_ffn_split(x, up, gate, up_bias, down_t, idx, n_active, act, y, cfg)
         return y
-    if T <= FUSED_MAX_T and cfg.fused:
+    if T == 1 and cfg.fused:
         sparse_ffn_fused(x, up, gate, up_bias, down_t, idx, mask, n_active, act, y, cfg)
         return y
     h = torch.empty((T, max(1, idx.shape[0])), dtype=torch.float32, device=x.device)  # [T, K]

@@ -169,26 +169,28 @@ def test_triton_split_variant_matches_reference(dtype, act):
     assert torch.equal(y, torch.zeros_like(y))
 
 
-@pytest.mark.parametrize("dtype, T, act", [(torch.float32, 1, "relu"), (torch.float16, 3, "reglu"),
-                                           (torch.bfloat16, 1, "drelu"), (torch.float32, 8, "swiglu")], ids=str)
-def test_triton_fused_matches_reference(dtype, T, act):
-    """Config.fused_r (one launch, atomics into an fp32 scratch, the last program writes y): against
-    float64 with D a power of two (one piece) and not (a masked second piece), rows per program that
-    leave a partial last program, eager and lazy down rows, both mask forms, a device count below
-    len(idx) and of zero, and calls back to back (each must leave the scratch zero for the next)."""
-    gen = torch.Generator().manual_seed(T * 10 + len(act) + (dtype == torch.float16))
+@pytest.mark.parametrize("dtype, act", [(torch.float32, "relu"), (torch.float16, "reglu"),
+                                       (torch.bfloat16, "drelu"), (torch.float32, "swiglu")], ids=str)
+def test_triton_fused_matches_reference(dtype, act):
+    """Config.fused_r (T == 1, one launch: programs walk blocks of rows, sums added into an fp32
+    scratch with atomics, the last program writes y): against float64 with D a power of two (one
+    piece) and not (a masked second piece), programs that walk several blocks and one each, rows
+    per block that leave a partial last block, eager and lazy down rows, both mask forms, a device
+    count below len(idx) and of zero, and calls back to back (each must leave the scratch zero)."""
+    gen = torch.Generator().manual_seed(len(act) + (dtype == torch.float16))
     N, K = 90, 37
     for D in (64, 70):
         up, gate, down_t, b = make_shard(N, D, dtype, act, act == "relu", gen)
         idx = make_idx(K, N, gen, torch.int32)
-        cases = [(None, None), (torch.rand(T, K, generator=gen) < 0.6, None),
-                 (token_bits(torch.rand(T, K, generator=gen) < 0.6), torch.tensor([20], dtype=torch.int32)),
+        cases = [(None, None), (torch.rand(1, K, generator=gen) < 0.6, None),
+                 (token_bits(torch.rand(1, K, generator=gen) < 0.6), torch.tensor([20], dtype=torch.int32)),
                  (None, torch.tensor([0], dtype=torch.int32))]
-        for r, eager in ((1, True), (2, False), (4, True)):
-            cfg = triton_ffn.Config(4, 32, 4, 16, 32, 4, fused_r=r, fused_warps=2, eager_down=eager)
+        # (rows per block, programs per SM: the interpreter counts 4 SMs, eager down rows)
+        for r, progs, eager in ((1, 1, True), (2, 2, False), (4, 16, True)):
+            cfg = triton_ffn.Config(4, 32, 4, 16, 32, 4, fused_r=r, fused_warps=2, fused_progs=progs, eager_down=eager)
             for mask, n_act in cases:
-                x = torch.randn(T, D, generator=gen).to(dtype)
-                out = poisoned((T, D), dtype)
+                x = torch.randn(1, D, generator=gen).to(dtype)
+                out = poisoned((1, D), dtype)
                 y = triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, b, out, n_act, cfg)
                 assert y is out
                 ref = sparse_ffn_ref(x, up, gate, down_t, idx, mask, act, b, n_active=n_act)
@@ -196,6 +198,6 @@ def test_triton_fused_matches_reference(dtype, T, act):
                     assert torch.equal(y, torch.zeros_like(y)), (D, r)
                     continue
                 err = rel_err(y, ref)
-                assert err < TOL[dtype], f"D={D} r={r} eager={eager} mask={mask is not None} n={n_act}: {err:.2e}"
+                assert err < TOL[dtype], f"D={D} r={r} progs={progs} eager={eager} mask={mask is not None} n={n_act}: {err:.2e}"
     y32, cnt = triton_ffn._fused_scratch(x.device, 70)
     assert not y32.any() and int(cnt) == 0  # left zero for the next call
