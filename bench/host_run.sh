@@ -66,8 +66,13 @@ cpu)  # the CPU kernel bench (16 threads; the read ceiling the larger of a sum a
     echo "== cpu kernels, default build" >> "$log"
     timeout 110 python bench/kernels_bench.py --device cpu -t 16 --tokens 1,8 --densities 10,50 --out "$OUT/c1" >> "$log" 2>&1
     grep -E "^== cpu|\[cpu\]" "$log" | cut -c1-200
-    timeout 400 python bench/kernels_bench.py --cpu-exchange -t "$THREADS" --tokens 1 --exchange-k 254,1024 \
-        --exchange-layers 12 --exchange-gap-ms 0.3 --exchange-reps 160 --exchange-rounds 4 --exchange-policies unset \
+    mkdir -p "$OUT/c2"
+    echo "== cpu kernels, rows ascending (as the runtime's masks decode)" >> "$log"
+    timeout 70 python bench/kernels_bench.py --device cpu -t 16 --tokens 1,8 --densities 10,50 --cpu-dtypes fp16 \
+        --order sorted --out "$OUT/c2" >> "$log" 2>&1
+    grep -E "^== cpu|\[cpu\]" "$log" | tail -n 5 | cut -c1-200
+    timeout 330 python bench/kernels_bench.py --cpu-exchange -t "$THREADS" --tokens 1 --exchange-k 254,1024 \
+        --exchange-layers 12 --exchange-gap-ms 0.3 --exchange-reps 120 --exchange-rounds 3 --exchange-policies unset \
         --exchange-cflags ";-DPI_T1_NEXT_PF;-DPI_GATED_QUADS;-DPI_PAGE_PF" --out "$OUT/x" >> "$log" 2>&1
     grep "exchange cold" "$log" | cut -c1-330
     ;;

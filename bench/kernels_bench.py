@@ -66,6 +66,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cpu-dtypes", default="fp16,fp32")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default torch.get_num_threads())")
     p.add_argument("--sweep", action="store_true", help="GPU: sweep Triton tile configs first, use the best")
+    p.add_argument("--order", choices=["random", "sorted"], default="random",
+                   help="order of the active rows: random (the default, as before), or ascending as the runtime's masks decode")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke test)")
     p.add_argument("--budget", type=float, default=1.0, help="CPU: seconds of repetitions per measurement")
     p.add_argument("--out", default=str(RESULTS), help="directory of the JSON result")
@@ -122,9 +124,14 @@ def make_weights(dtype: torch.dtype, device: str, gen: torch.Generator):
     return r(False), r(True), r(False)
 
 
-def idx_sets(density: float, device: str, gen: torch.Generator) -> tuple[int, list[torch.Tensor]]:
+def idx_sets(density: float, device: str, gen: torch.Generator, order: str = "random") -> tuple[int, list[torch.Tensor]]:
+    """N_SETS sets of k active rows: in random order, or ascending (order='sorted': as the runtime's
+    masks decode, on the CPU executor and from the GPU's split kernel)."""
     k = max(1, round(density * N))
-    return k, [torch.randperm(N, generator=gen)[:k].to(torch.int32).to(device) for _ in range(N_SETS)]
+    sets = [torch.randperm(N, generator=gen)[:k] for _ in range(N_SETS)]
+    if order == "sorted":
+        sets = [s.sort().values for s in sets]
+    return k, [s.to(torch.int32).to(device) for s in sets]
 
 
 def torch_baseline(x, up, gate, down_t, idx):
@@ -194,7 +201,7 @@ def bench_cpu(args) -> dict:
         dtype = DTYPES[dname]
         up, gate, down_t = make_weights(dtype, "cpu", gen)
         for T, pct in itertools.product(map(int, args.tokens.split(",")), map(float, args.densities.split(","))):
-            k, sets = idx_sets(pct / 100, "cpu", gen)
+            k, sets = idx_sets(pct / 100, "cpu", gen, args.order)
             x = torch.randn(T, D, generator=gen).abs().to(dtype)
             out = torch.empty(T, D, dtype=dtype)
             cyc = itertools.cycle(sets)
@@ -699,7 +706,7 @@ def bench_gpu(args) -> dict:
     configs = sweep.pop("_configs") if sweep else dict(tf.CONFIGS)
     rows = []
     for T, pct in itertools.product(map(int, args.tokens.split(",")), map(float, args.densities.split(","))):
-        k, sets = idx_sets(pct / 100, GPU, gen)
+        k, sets = idx_sets(pct / 100, GPU, gen, args.order)
         x = torch.randn(T, D, generator=gen).abs().half().to(GPU)
         out = torch.empty(T, D, dtype=torch.float16, device=GPU)
         cfg = configs["gemv" if T == 1 else "dot"]
@@ -759,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
         date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), torch=torch.__version__, python=platform.python_version(),
         cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
         load_average_at_start=os.getloadavg(),
-        shape=dict(D=D, N=N, act="reglu"), active_bytes="3 x K x D x element size",
+        shape=dict(D=D, N=N, act="reglu"), active_bytes="3 x K x D x element size", row_order=args.order,
         data="x and gate rows positive: every active neuron has a nonzero activation, every active byte is read",
     )
     if args.cpu_exchange:

@@ -93,12 +93,15 @@ class Config:
         return self.fused_r > 0
 
 
-# T == 1 and T > 1 defaults: the winners of `bench/kernels_bench.py --sweep` on the H200 (stage
-# alone, 10 % density of the Llama-2-13B FFN, fp16; bench/results/kernels-nvidia-h200.json).
-# T == 1: the elementwise kernels beat the tl.dot ones (up 17.6 vs 28.8 us, down 17.2 vs 21.1 us).
+# T == 1 and T > 1 defaults: the winners of `bench/kernels_bench.py --sweep` on the H200 (10 %
+# density of the Llama-2-13B FFN, fp16). T == 1: the fused kernel, 2 rows per block, 4 warps, 2
+# programs per SM, lazy down rows: 26.0 us as a graph replay against 34.6 for the two-stage
+# kernels (bench/results/kernels-nvidia-h200-v5.json); its two-stage tiles (the elementwise
+# kernels, which beat the tl.dot ones: up 17.6 vs 28.8 us, down 17.2 vs 21.1 us) are what a
+# Config with fused_r = 0 runs.
 CONFIGS = {
     "gemv": Config(up_bk=4, up_bd=1024, up_warps=4, down_bk=128, down_bd=32, down_warps=8,
-                   up_dot=False, down_dot=False),
+                   up_dot=False, down_dot=False, fused_r=2, fused_warps=4, fused_progs=2, eager_down=False),
     "dot": Config(up_bk=32, up_bd=256, up_warps=8, down_bk=256, down_bd=32, down_warps=4, down_stages=4),
 }
 
