@@ -59,9 +59,9 @@ batch)  # the batch sweep, hybrid and layer-offload, one engine per (mode, batch
     suite runtime-13b-16gib-batch-h200 575 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload \
         --shapes 16x32 --batch 1,4,16,32 -t "$THREADS"
     ;;
-cpu)  # the CPU kernel bench (16 threads; the read ceiling the larger of a sum and dense rows), then
-    # the 13B exchange's kernel builds in ABBA rounds over 12 layers' shards (the sixth session's
-    # sequential A/B favoured whichever build ran later: kernels/NOTES.md)
+cpu)  # the CPU kernel bench (16 threads; the read ceiling the larger of a sum and dense rows), rows in
+    # random and ascending order, then the 13B exchange's kernel builds in ABBA rounds over 12 layers'
+    # shards (now the default, gated rows four per pass, against pairs, the default before c005086)
     mkdir -p "$OUT/c1" "$OUT/x"
     echo "== cpu kernels, default build" >> "$log"
     timeout 110 python bench/kernels_bench.py --device cpu -t 16 --tokens 1,8 --densities 10,50 --out "$OUT/c1" >> "$log" 2>&1
@@ -73,7 +73,7 @@ cpu)  # the CPU kernel bench (16 threads; the read ceiling the larger of a sum a
     grep -E "^== cpu|\[cpu\]" "$log" | tail -n 5 | cut -c1-200
     timeout 330 python bench/kernels_bench.py --cpu-exchange -t "$THREADS" --tokens 1 --exchange-k 254,1024 \
         --exchange-layers 12 --exchange-gap-ms 0.3 --exchange-reps 120 --exchange-rounds 3 --exchange-policies unset \
-        --exchange-cflags ";-DPI_T1_NEXT_PF;-DPI_GATED_QUADS;-DPI_PAGE_PF" --out "$OUT/x" >> "$log" 2>&1
+        --exchange-cflags ";-DPI_T1_PAIRS" --out "$OUT/x" >> "$log" 2>&1
     grep "exchange cold" "$log" | cut -c1-330
     ;;
 cpucost)  # where the Falcon exchange's time goes: K from 112 to 3200 rows (the intercept is the call's

@@ -17,9 +17,8 @@
 //    private fp32 accumulator A_i [T, D] (phase 2, R rows interleaved so A_i is loaded and stored
 //    once per R rows); after a barrier the accumulators are summed in parallel over D.
 // Rows whose activation is zero for every token (ReLU zeros, masked tokens) skip their down row.
-// At T = 1 phase 1 takes active rows in pairs, one pass over x for both (dotn_t1): four weight
-// streams per thread keep more reads in flight than two; rows without a gate (ReLU) go four at a
-// time for the same four streams. At T > 1 the next row's up / gate and this row's down
+// At T = 1 phase 1 takes active rows four at a time, one pass over x for all (dotn_t1): eight weight
+// streams per thread (four without a gate) keep more reads in flight than two. At T > 1 the next row's up / gate and this row's down
 // are prefetched while the dot products run (next_rows).
 // pi_linear: dense rows times x (the CPU executor's attention projections), on the same loops.
 // pi_sparse_ffn_bitmask decodes the CPU executor's packed mask (active rows and token bits) and
@@ -258,11 +257,13 @@ void dot_all_tokens(const typename W::T* up, const typename W::T* gate, const fl
 }
 
 #ifndef PI_ONE_ROW
-// T == 1, NR rows in one pass over x, so a thread keeps several weight streams in flight: gated
-// rows in pairs (four streams; dev machine, Zen 4, cold rows, bench kernels --cpu-exchange
-// --exchange-layers 4: 1 thread K = 254 594 -> 528 us, K = 1024 2210 -> 1920 us against one row
-// at a time; -DPI_ONE_ROW builds that loop), rows without a gate (ReLU models: OPT, Falcon; dense
-// rows of pi_linear) four at a time (four streams; -DPI_RELU_PAIRS: pairs, for an A/B).
+// T == 1, NR rows in one pass over x, so a thread keeps several weight streams in flight. Pairs
+// against one row at a time (dev machine, Zen 4, cold rows, bench kernels --cpu-exchange
+// --exchange-layers 4: 1 thread K = 254 594 -> 528 us, K = 1024 2210 -> 1920 us; -DPI_ONE_ROW
+// builds the one-row loop). Now four rows per pass, gated or not (ReLU models: OPT, Falcon; dense
+// rows of pi_linear): gated quads against pairs in ABBA rounds on the H200 host, 14 threads, 12
+// layers' shards, medians of 3 rounds, K = 254 / 1024: 140 / 400 us vs 152 / 419
+// (bench/results/kernels-exchange-cold-builds-h200-v3.json); -DPI_T1_PAIRS builds pairs.
 // u, g get NR values (g 0 without a gate).
 template <class W, bool GATE, int NR>
 void dotn_t1(const typename W::T* const* up, const typename W::T* const* gate, const float* x, int64_t D,
@@ -439,19 +440,6 @@ inline bool few_tokens(const Args&, int64_t, uint64_t*) { return false; }
 
 // Pre-activations of idx entries k0 .. k0+m-1 (m <= R): u, g [m, T] (row j at j * T). Each row's
 // up / gate are streamed once; the next entry's (nx, -1 if none) heads are prefetched first.
-#ifdef PI_T1_NEXT_PF
-// Variant (T = 1): the up rows of idx entries k, k + 1 (those < k1), prefetched while the pair
-// before them streams; for a host A/B against the default (hardware prefetchers alone).
-template <class W, bool GATE>
-Pf next_pair(const Args& a, int64_t k, int64_t k1) {
-    typedef typename W::T WT;
-    Pf pf{{nullptr, nullptr, nullptr}, 0};
-    for (int64_t q = k; q < k + 2 && q < k1 && pf.n < 2; ++q)
-        pf.p[pf.n++] = (const char*)((const WT*)a.up + row_id(a, q) * a.ld_up);
-    return pf;
-}
-#endif
-
 template <class W, bool GATE>
 void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g, const Pf* pf = nullptr) {
     typedef typename W::T WT;
@@ -470,22 +458,14 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g,
     auto entry = [&](int j) { return j < m ? row_id(a, k0 + j) : (j == m ? nx : -1); };
     int j = 0;
 #ifndef PI_ONE_ROW
-#ifndef PI_RELU_PAIRS
-    if (T == 1 && !GATE)
-        for (; j + 4 <= m; j += 4) {
-            const WT* rows4[4] = {row_up(row_id(a, k0 + j)), row_up(row_id(a, k0 + j + 1)),
-                                  row_up(row_id(a, k0 + j + 2)), row_up(row_id(a, k0 + j + 3))};
-            dotn_t1<W, false, 4>(rows4, nullptr, a.x, D, u + j, g + j);
-        }
-#endif
-#ifdef PI_GATED_QUADS  // variant: gated rows four at a time too (eight streams; dev machine 1-4 %)
-    if (T == 1 && GATE)
+#ifndef PI_T1_PAIRS
+    if (T == 1)  // four rows per pass: eight weight streams with a gate, four without
         for (; j + 4 <= m; j += 4) {
             const int64_t r[4] = {row_id(a, k0 + j), row_id(a, k0 + j + 1), row_id(a, k0 + j + 2),
                                   row_id(a, k0 + j + 3)};
             const WT* ups[4] = {row_up(r[0]), row_up(r[1]), row_up(r[2]), row_up(r[3])};
             const WT* gates[4] = {row_gate(r[0]), row_gate(r[1]), row_gate(r[2]), row_gate(r[3])};
-            dotn_t1<W, true, 4>(ups, gates, a.x, D, u + j, g + j);
+            dotn_t1<W, GATE, 4>(ups, gates, a.x, D, u + j, g + j);
         }
 #endif
     if (T == 1)
@@ -493,12 +473,7 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g,
             const int64_t r0 = row_id(a, k0 + j), r1 = row_id(a, k0 + j + 1);
             const WT* ups[2] = {row_up(r0), row_up(r1)};
             const WT* gates[2] = {row_gate(r0), row_gate(r1)};
-#ifdef PI_T1_NEXT_PF
-            const Pf pf = next_pair<W, GATE>(a, k0 + j + 2, k0 + m);
-            dotn_t1<W, GATE, 2>(ups, gates, a.x, D, u + j, g + j, pf.n ? &pf : nullptr);
-#else
             dotn_t1<W, GATE, 2>(ups, gates, a.x, D, u + j, g + j);
-#endif
         }
 #endif
     for (; j < m; ++j) {
@@ -557,22 +532,6 @@ bool row_few_tokens(const Args& a, int64_t k, uint64_t bits, float* A, const Pf*
     return read;
 }
 
-#ifdef PI_PAGE_PF
-// Variant (T = 1; for a host A/B): the first two cache lines of every 4 KB page of a row at once.
-// The hardware's L2 streamer stops at page boundaries, so a randomly placed row (Falcon-40B: 16 KB,
-// four pages) restarts it four times, where the dense path's consecutive rows keep one stream.
-// Touching each page's head early lets the streamer run ahead in every page of the rows to come:
-// this block's down rows before its axpy, the next block's up / gate rows while it runs. (H200
-// host, Falcon's rows in /dev/shm: no change, kernels-exchange-falcon-shm-h200.json.)
-inline void prefetch_pages(const void* row, int64_t nbytes) {
-    const char *q = (const char*)row, *end = q + nbytes;
-    while (q < end) {
-        __builtin_prefetch(q, 0, 2);
-        if (q + 64 < end) __builtin_prefetch(q + 64, 0, 2);
-        q = (const char*)(((uintptr_t)q & ~(uintptr_t)4095) + 4096);
-    }
-}
-#endif
 
 // One thread's slice [k0, k1) of idx into its accumulator A [T, D]; returns the down rows read.
 template <class W, bool GATE>
@@ -583,15 +542,6 @@ int64_t run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
     float ub[R * 64], gb[R * 64];  // T <= 64 per block of tokens, see pi_sparse_ffn
     float h[R * 64];
     const WT* rows[R];
-#ifdef PI_PAGE_PF
-    auto page_pf_up = [&](int64_t kf, int64_t kt) {  // up / gate rows of idx entries kf .. kt-1
-        for (int64_t k = kf; k < kt && k < k1; ++k) {
-            prefetch_pages((const WT*)a.up + row_id(a, k) * a.ld_up, D * (int64_t)sizeof(WT));
-            if (GATE) prefetch_pages((const WT*)a.gate + row_id(a, k) * a.ld_gate, D * (int64_t)sizeof(WT));
-        }
-    };
-    if (T == 1) page_pf_up(k0, k0 + R);
-#endif
     int64_t n_down = 0;
     for (int64_t kb = k0; kb < k1; kb += R) {
         const int m = (int)(kb + R < k1 ? R : k1 - kb);
@@ -622,17 +572,10 @@ int64_t run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
             }
             if (any || a.keep_zero) {  // all-zero activation: skip the down row (unless keep_zero)
                 rows[nr] = down + row * a.ld_down;
-#ifdef PI_PAGE_PF
-                if (T == 1) prefetch_pages(rows[nr], D * (int64_t)sizeof(WT));
-                else
-#endif
                 for (int l = 0; l < PF_LINES; ++l) __builtin_prefetch((const char*)rows[nr] + 64 * l);
                 ++nr;
             }
         }
-#ifdef PI_PAGE_PF
-        if (T == 1) page_pf_up(kb + m, kb + m + R);
-#endif
         if (nr) axpy_all_tokens<W>(rows, nr, h, T, A, D, 0, D);
         n_down += nr;
     }

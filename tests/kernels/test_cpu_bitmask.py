@@ -301,8 +301,7 @@ print("ok", sorted(p.name for p in cpu_ffn.cache_dir().glob("sparse_ffn-*.so")))
 
 
 @needs_compiler
-@pytest.mark.parametrize("flags", ["-DPI_CHUNKS=3 -DPI_ONE_ROW", "-DPI_T1_NEXT_PF -DPI_NO_NEXT_PF -DPI_RELU_PAIRS",
-                                   "-DPI_GATED_QUADS"])
+@pytest.mark.parametrize("flags", ["-DPI_CHUNKS=3 -DPI_ONE_ROW", "-DPI_NO_NEXT_PF -DPI_T1_PAIRS"])
 def test_kernel_variant_build_from_extra_flags(tmp_path, flags):
     """POWERINFER_RAY_CPU_CFLAGS builds a kernel variant (3 row chunks per thread, PI_CHUNKS, and the
     one-row phase 1, PI_ONE_ROW; the prefetch A/B knobs) into its own cache entry; the variant agrees with the float64
