@@ -3,7 +3,18 @@
 Dimension legend: T tokens, TP = T padded for tl.dot (>= 16), D n_embd, K active rows (idx),
 BK rows per tile, BD columns per tile.
 
-Two launches, no atomics, no memset, fp32 accumulation:
+T == 1 (decode of one sequence): the fused kernel (`_fused_kernel`, Config.fused_r > 0, the
+default). One launch of fused_progs programs per SM; each walks blocks pid, pid + P, ... of
+fused_r active rows, loading a block's whole up, gate (and, eager_down, down) rows while the
+previous block's arithmetic runs, sums h * down in registers, then adds its [D] partial into an
+fp32 scratch with atomics; the last program to take a ticket writes y and zeroes the scratch (the
+scratch is per device: calls must be stream-ordered, as on the runtime's one stream per GPU).
+H200, 13B shape, fp16 (bench/results/kernels-nvidia-h200-v5.json, graph replays): 10 % density
+26.0 us (39 % of the copy ceiling) against 34.6 us for the two-stage kernels below, 50 % 72 %;
+the fixed cost, ~11 us at 1 %, is what keeps 10 % from the 70 % bar (launch, the idx -> row
+round trips, the atomics, fence and ticket, the last program's cast).
+
+T > 1 (and T == 1 with fused_r = 0), two launches, no atomics, no memset, fp32 accumulation:
   1. up stage, grid cdiv(K, BK): a program owns BK active neurons, streams their up (and gate)
      rows over D once, and writes h [T, K] fp32 = mask * act(gate . x, up . x + b).
   2. down stage, grid cdiv(D, BD): a program owns BD output columns, streams the BD-wide
@@ -12,26 +23,18 @@ Two launches, no atomics, no memset, fp32 accumulation:
 T == 1 uses elementwise multiply-add kept as [BK, BD] partial sums (reduced once at the end);
 T > 1 uses tl.dot with tokens padded to 16 (tensor cores; fp16/bf16 operands when x has the
 weights' dtype, else fp32 operands with tf32x3). Either kernel serves any T == 1 (Config.up_dot /
-down_dot); the defaults are what measured fastest on the H200.
-
-Measured on the H200 (bench/results/kernels-nvidia-h200.json, fp16, Llama-2-13B FFN, 10 %):
-each stage alone reaches 1.6 TB/s (up) and 0.8 TB/s (down), about 38 % and 19 % of the 4.2 TB/s
-copy: both are latency-chain bound, not bandwidth bound -- a program walks D (up) or K (down)
-in sequential steps of ~1 us (the down stage's idx -> row loads are two dependent round trips).
-The next step is more programs with fewer steps each (split D for up, split K for down, partial
-sums through fp32 atomics) and CUDA-graph capture: a Python call costs ~40 us of host launch
-time per kernel, more than the GPU work below ~50 % density. The down stage multiplies fp32 h with the
-weights widened to fp32 under tf32 (fp16/bf16 weights are exact in tf32; h is rounded to tf32,
-relative 2^-11) or tf32x3 for fp32 weights.
+down_dot). Each stage alone is latency-chain bound (H200, 10 %: up 1.6 TB/s, down 0.8 TB/s): a
+program walks D (up) or K (down) in sequential steps of ~1 us. The down stage multiplies fp32 h
+with the weights widened to fp32 under tf32 (fp16/bf16 weights are exact in tf32; h is rounded
+to tf32, relative 2^-11) or tf32x3 for fp32 weights.
 
 `n_active` (device int32 [1]) bounds K inside the kernels: no host sync, CUDA-graph safe.
 
-Split variant (T == 1, `Config.up_sd` / `down_sk`, third session; written for that next step,
-checked against float64 under the interpreter, GPU test written, not yet run or timed on the
-H200): the up stage splits D over up_sd programs per row block and adds partial pre-activations
-into fp32 [K] with atomics; the down stage applies the activation as it loads them and splits
-the active rows over down_sk programs per column block, adding into an fp32 y (then cast).
-`bench kernels --sweep` times it as a whole op against the two-stage winner and keeps the faster.
+Split variant (T == 1, `Config.up_sd` / `down_sk`, third session): the up stage splits D over
+up_sd programs per row block and adds partial pre-activations into fp32 [K] with atomics; the
+down stage applies the activation as it loads them and splits the active rows over down_sk
+programs per column block, adding into an fp32 y (then cast). It never won a sweep (36.7 us at
+10 % in the last one); kept for the sweep's comparison.
 """
 from __future__ import annotations
 
