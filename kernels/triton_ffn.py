@@ -357,6 +357,33 @@ def _block_rows(idx_ptr, b, kc, R: tl.constexpr):
 
 
 @triton.jit
+def _block_tiles(up_ptr, gate_ptr, down_ptr, rows, rmask, s_up, s_gate, s_down, D, HAS_GATE: tl.constexpr,
+                 EAGER: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr):
+    """A block's up, gate, down tiles of both column pieces, [R, DA] and [R, DB] (loads issued, not
+    waited for). Tiles a configuration does not read (no gate, lazy down, DB = 0) are the up tile of
+    that piece, unused."""
+    ua = _rows_tile(up_ptr, rows, s_up, rmask, 0, D, DA, False)
+    ga = ua
+    da = ua
+    if HAS_GATE:
+        ga = _rows_tile(gate_ptr, rows, s_gate, rmask, 0, D, DA, False)
+    if EAGER:
+        da = _rows_tile(down_ptr, rows, s_down, rmask, 0, D, DA, False)
+    ub = ua
+    gb = ua
+    db = ua
+    if DB > 0:
+        ub = _rows_tile(up_ptr, rows, s_up, rmask, DA, D, DB, True)
+        gb = ub
+        db = ub
+        if HAS_GATE:
+            gb = _rows_tile(gate_ptr, rows, s_gate, rmask, DA, D, DB, True)
+        if EAGER:
+            db = _rows_tile(down_ptr, rows, s_down, rmask, DA, D, DB, True)
+    return ua, ga, da, ub, gb, db
+
+
+@triton.jit
 def _fence_gpu(v):
     """fence.acq_rel.gpu in every thread: its atomics are performed GPU-wide before what follows
     (a barrier alone orders them only within the block)."""
@@ -387,38 +414,17 @@ def _fused_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, down_ptr, idx_ptr, nact_ptr
     xa = tl.load(x_ptr + ca).to(tl.float32)
     ya = tl.zeros((DA,), tl.float32)
     offs_r, rmask, rows = _block_rows(idx_ptr, pid, kc, R)
-    ua = _rows_tile(up_ptr, rows, s_up, rmask, 0, D, DA, False)  # [R, DA]
-    ga = ua
-    if HAS_GATE:
-        ga = _rows_tile(gate_ptr, rows, s_gate, rmask, 0, D, DA, False)
-    if EAGER:
-        da = _rows_tile(down_ptr, rows, s_down, rmask, 0, D, DA, False)
+    ua, ga, da, ub, gb, db = _block_tiles(up_ptr, gate_ptr, down_ptr, rows, rmask, s_up, s_gate, s_down, D,
+                                          HAS_GATE, EAGER, DA, DB)
     if DB > 0:
         cb = DA + tl.arange(0, DB)
         xb = tl.load(x_ptr + cb, mask=cb < D, other=0.0).to(tl.float32)
         yb = tl.zeros((DB,), tl.float32)
-        ub = _rows_tile(up_ptr, rows, s_up, rmask, DA, D, DB, True)
-        gb = ub
-        if HAS_GATE:
-            gb = _rows_tile(gate_ptr, rows, s_gate, rmask, DA, D, DB, True)
-        if EAGER:
-            db = _rows_tile(down_ptr, rows, s_down, rmask, DA, D, DB, True)
     for b in range(pid, nblk, P):
         # the next block's rows go in flight before this block's arithmetic
         n_offs, n_rmask, n_rows = _block_rows(idx_ptr, b + P, kc, R)
-        n_ua = _rows_tile(up_ptr, n_rows, s_up, n_rmask, 0, D, DA, False)
-        n_ga = n_ua
-        if HAS_GATE:
-            n_ga = _rows_tile(gate_ptr, n_rows, s_gate, n_rmask, 0, D, DA, False)
-        if EAGER:
-            n_da = _rows_tile(down_ptr, n_rows, s_down, n_rmask, 0, D, DA, False)
-        if DB > 0:
-            n_ub = _rows_tile(up_ptr, n_rows, s_up, n_rmask, DA, D, DB, True)
-            n_gb = n_ub
-            if HAS_GATE:
-                n_gb = _rows_tile(gate_ptr, n_rows, s_gate, n_rmask, DA, D, DB, True)
-            if EAGER:
-                n_db = _rows_tile(down_ptr, n_rows, s_down, n_rmask, DA, D, DB, True)
+        n_ua, n_ga, n_da, n_ub, n_gb, n_db = _block_tiles(up_ptr, gate_ptr, down_ptr, n_rows, n_rmask, s_up, s_gate,
+                                                          s_down, D, HAS_GATE, EAGER, DA, DB)
         u = tl.sum(ua.to(tl.float32) * xa[None, :], axis=1)  # [R]
         g = tl.sum(ga.to(tl.float32) * xa[None, :], axis=1)
         if DB > 0:
@@ -442,13 +448,7 @@ def _fused_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, down_ptr, idx_ptr, nact_ptr
             if DB > 0:
                 dlb = _rows_tile(down_ptr, rows, s_down, h != 0, DA, D, DB, True)
                 yb += tl.sum(h[:, None] * dlb.to(tl.float32), axis=0)
-        offs_r, rmask, rows, ua, ga = n_offs, n_rmask, n_rows, n_ua, n_ga
-        if EAGER:
-            da = n_da
-        if DB > 0:
-            ub, gb = n_ub, n_gb
-            if EAGER:
-                db = n_db
+        offs_r, rmask, rows, ua, ga, da, ub, gb, db = n_offs, n_rmask, n_rows, n_ua, n_ga, n_da, n_ub, n_gb, n_db
     if pid < nblk:
         tl.atomic_add(y32_ptr + ca, ya, sem="relaxed")
         if DB > 0:
