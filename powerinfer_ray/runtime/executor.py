@@ -477,8 +477,10 @@ class OneThread:
     the 13B hybrid's CPU kernel took 280 us per exchange where the CPU executor had generated its
     rows itself (torch, in the actor's thread) and 128 us where the primary had written them
     (`runtime-13b-16gib-fill-h200.json`), and layer-offload's CPU attention twice its time alone
-    (`cpu-attention-falcon-h200.json`; likely the same cause, not re-measured since). All of the
-    CPU executor's torch and kernel work runs here."""
+    (`cpu-attention-falcon-h200.json`). Measured on the host with this class since
+    (`runtime-13b-16gib-h200-v8.json`, `runtime-falcon40b-24gib-h200-v5.json`): neither changed, so
+    those two gaps have another cause; the one pool stays (it is what the dev machine shows is
+    right). All of the CPU executor's torch and kernel work runs here."""
 
     def __init__(self, name: str) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
