@@ -37,10 +37,10 @@ verify)  # the GPU tests, the sync microbenchmark, the Triton sweep (split varia
     ;;
 gpukern)  # the Triton kernels alone: their GPU tests, then the sweep (fused and split variants as graph
     # replays against the two-stage winner) and the densities with the winner
-    timeout -s INT 200 python -m pytest tests/gpu/test_kernels_gpu.py -q -rf -x > "$OUT/gpu-tests.log" 2>&1
+    timeout -s INT 150 python -m pytest tests/gpu/test_kernels_gpu.py -q -rf -x > "$OUT/gpu-tests.log" 2>&1
     tail -n 5 "$OUT/gpu-tests.log" | cut -c1-300
-    timeout 300 powerinfer-ray bench kernels --device cuda --sweep --out "$OUT" >> "$log" 2>&1
-    grep -E "^\[(sweep|gpu)\]" "$log" | tail -n 16 | cut -c1-300
+    timeout 400 powerinfer-ray bench kernels --device cuda --sweep --out "$OUT" >> "$log" 2>&1
+    grep -E "^\[(sweep|gpu)\]" "$log" | tail -n 20 | cut -c1-400
     ;;
 13b)  # the headline, the three engines in one run (the step-link A/B ran at da49b8d:
     # bench/results/runtime-13b-16gib-raycall-h200.json)

@@ -68,6 +68,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="GPU: sweep Triton tile configs first, use the best")
     p.add_argument("--order", choices=["random", "sorted"], default="random",
                    help="order of the active rows: random (the default, as before), or ascending as the runtime's masks decode")
+    p.add_argument("--seq-layers", type=int, default=16,
+                   help="GPU: also time each case inside one CUDA graph of this many layers, each with its "
+                        "own weight copy (per-layer time, as the runtime's decode graph runs it); 0: off")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (smoke test)")
     p.add_argument("--budget", type=float, default=1.0, help="CPU: seconds of repetitions per measurement")
     p.add_argument("--out", default=str(RESULTS), help="directory of the JSON result")
@@ -567,6 +570,42 @@ def graph_time(op, sets, quick: bool) -> float | None:
     return gpu_time(lambda: next(cyc).replay(), quick)
 
 
+def seq_time(op, layers, sets, quick: bool) -> float | None:
+    """Median seconds per layer of one CUDA graph of len(layers) calls ``op(weights, idx)``, layer l
+    on its own weight copy and index set l % len(sets) (L2 flushed before each replay, and the
+    layers' rows outgrow it): what a layer's FFN costs inside the runtime's decode graph, where
+    kernels follow each other with no host launch between them. None if capture fails."""
+    pairs = list(zip(layers, itertools.cycle(sets)))
+    try:
+        for w, s_ in pairs:
+            op(w, s_)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for w, s_ in pairs:
+                op(w, s_)
+    except Exception as e:  # noqa: BLE001
+        print(f"[gpu] sequence capture failed ({type(e).__name__}: {e}); sequence timings skipped", flush=True)
+        return None
+    return gpu_time(g.replay, quick) / len(pairs)
+
+
+def graph_floor(n: int, quick: bool) -> dict:
+    """The timing floor of a kernel: a graph of one 1-element add replayed (launch and timing
+    overhead of a single kernel), and per kernel in a graph of n of them (the gap between kernels
+    inside a graph)."""
+    t = torch.zeros(1, device=GPU)
+    graphs = []
+    for reps in (1, n):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                t.add_(1)
+        graphs.append(g)
+    return dict(one_kernel_graph_us=round(gpu_time(graphs[0].replay, quick) * 1e6, 2),
+                per_kernel_in_graph_of_n_us=round(gpu_time(graphs[1].replay, quick) / n * 1e6, 2), n=n)
+
+
 # (dot?, BK, BD, warps, stages) per stage; T == 1 also tries the elementwise (non-dot) kernels.
 # T == 1 whole rows per program (BD >= D = 5120, one masked step: every load of the program issued
 # at once, ~1400 programs at 10 %): the up stage's ~87 programs of 16 rows left SMs idle.
@@ -584,10 +623,15 @@ SWEEP_DOWN = {1: [(False, 64, 64, 4, 3), (False, 64, 32, 4, 3), (False, 128, 32,
                   (True, 128, 16, 4, 4), (True, 128, 64, 4, 3), (True, 128, 32, 8, 3), (True, 256, 32, 8, 3)]}
 
 
-# T == 1 split variant (Config.up_sd / down_sk), timed as the whole op (graph replays) against the
-# best two-stage config: (up_bk, up_bd, up_sd, up_warps) x (down_bk, down_bd, down_sk, down_warps); the
-# fourth session's winner and the one tried before it (kernels-nvidia-h200-v2.json, -v3.json).
-SWEEP_SPLIT = [((8, 512, 10, 4), (128, 32, 4, 8)), ((4, 1024, 5, 4), (64, 32, 8, 4))]
+# Split variant (Config.up_sd / down_sk), timed as the whole op (graph replays) against the best
+# two-stage config: (up_bk, up_bd, up_sd, up_warps) x (down_bk, down_bd, down_sk, down_warps). T == 1
+# (elementwise kernels): the fourth session's winner and the one tried before it
+# (kernels-nvidia-h200-v2.json, -v3.json). T == 8 (tl.dot kernels): the two-stage up stage took
+# ~25 us at every density from 1 to 10 % (v5: K / 16 programs, each walking D in 20 steps), so D
+# goes over up_sd programs and each column block's rows over down_sk programs.
+SWEEP_SPLIT = {1: [((8, 512, 10, 4), (128, 32, 4, 8)), ((4, 1024, 5, 4), (64, 32, 8, 4))],
+               8: [(u, d) for u in ((16, 256, 5, 4), (16, 256, 10, 4), (32, 256, 5, 8), (16, 512, 5, 4))
+                   for d in ((128, 32, 4, 4), (64, 64, 4, 4), (128, 64, 8, 4), (256, 32, 2, 4))]}
 # Fused variant (Config.fused_r, T == 1): (rows per block, warps, programs per SM, eager down rows),
 # whole op as graph replays. The first H200 sweep (one program per block, no fence, 39ce94c): best
 # r = 2, 4 warps, 28.0 us against 34.4 for the two-stage kernels (kernels-nvidia-h200-v4.json).
@@ -621,7 +665,7 @@ def sweep_triton(up, gate, down_t, gen, quick: bool) -> dict:
                                up_dot=bu[0], down_dot=bdn[0])
         # whole op as graph replays, as the runtime runs it (timed as Python calls, the two or three
         # launches, ~40 us each on the host, outlast the L2 flush and the GPU idles between): the
-        # two-stage winner against the fused variant (and at T == 1 the split one)
+        # two-stage winner against the fused (T == 1) and split variants
         yo = torch.empty(T, D, dtype=torch.float16, device=GPU)
 
         def whole(cfg):  # noqa: ANN001, ANN202
@@ -635,10 +679,9 @@ def sweep_triton(up, gate, down_t, gen, quick: bool) -> dict:
             # the two-stage winner's tiles kept: T > 1 falls back to them
             cfgs[f"fused r={r} warps={w} progs/SM={progs}" + ("" if eager else " lazy")] = dataclasses.replace(
                 best[mode], fused_r=r, fused_warps=w, fused_progs=progs, eager_down=eager)
-        if T == 1:
-            for cu, cd in SWEEP_SPLIT:
-                cfgs[f"split {cu} x {cd}"] = tf.Config(cu[0], cu[1], cu[3], cd[0], cd[1], cd[3], up_dot=False,
-                                                       down_dot=False, up_sd=cu[2], down_sk=cd[2])
+        for cu, cd in SWEEP_SPLIT[T]:
+            cfgs[f"split {cu} x {cd}"] = tf.Config(cu[0], cu[1], cu[3], cd[0], cd[1], cd[3], up_dot=T > 1,
+                                                   down_dot=T > 1, up_sd=cu[2], down_sk=cd[2])
         res_op = {}
         for name, c in cfgs.items():
             try:
@@ -702,6 +745,10 @@ def bench_gpu(args) -> dict:
     del big, dst
     print(f"[gpu] {torch.cuda.get_device_name()}: D2D copy {ceiling:.0f} GB/s (read + write)", flush=True)
     up, gate, down_t = make_weights(torch.float16, GPU, gen)
+    floor = graph_floor(max(1, args.seq_layers), args.quick)
+    print(f"[gpu] floor: one-kernel graph {floor['one_kernel_graph_us']} us, "
+          f"{floor['per_kernel_in_graph_of_n_us']} us per kernel in a graph of {floor['n']}", flush=True)
+    layers = [(up, gate, down_t)] + [(up.clone(), gate.clone(), down_t.clone()) for _ in range(args.seq_layers - 1)]
     sweep = sweep_triton(up, gate, down_t, gen, args.quick) if args.sweep else None
     configs = sweep.pop("_configs") if sweep else dict(tf.CONFIGS)
     rows = []
@@ -732,19 +779,27 @@ def bench_gpu(args) -> dict:
         if t_g is not None:  # as the runtime runs it: one graph replay, no Python launch per kernel
             row.update(graph_median_us=round(t_g * 1e6, 2), graph_GBps=round(row["GBps"] * t_k / t_g, 1),
                        graph_frac_ceiling=round(row["frac_ceiling"] * t_k / t_g, 3))
+        t_s = seq_time(lambda w, s_: tf.sparse_ffn_triton(x, *w, s_, None, "reglu", None, out, None, cfg),
+                       layers, sets, args.quick) if args.seq_layers > 1 else None
+        if t_s is not None:  # per layer inside a graph of seq_layers layers
+            row.update(seq_layer_us=round(t_s * 1e6, 2), seq_GBps=round(row["GBps"] * t_k / t_s, 1),
+                       seq_frac_ceiling=round(row["frac_ceiling"] * t_k / t_s, 3))
         rows.append(row)
         print(f"[gpu] fp16 T={T} {pct:g}%: {row['median_us']:.1f} us {row['GBps']:.0f} GB/s "
               f"({row['frac_ceiling']:.0%} of copy; up {t_up*1e6:.1f} + down {t_dn*1e6:.1f} us alone); "
               f"torch {row['baseline_median_us']:.1f} us -> x{row['speedup_vs_baseline']:.1f}; "
               f"wall {wall*1e6:.1f} us/call; graph replay {row.get('graph_median_us', float('nan')):.1f} us "
-              f"({row.get('graph_frac_ceiling', float('nan')):.0%} of copy); err {err:.1e}", flush=True)
+              f"({row.get('graph_frac_ceiling', float('nan')):.0%} of copy); per layer in a graph of "
+              f"{args.seq_layers} {row.get('seq_layer_us', float('nan')):.1f} us "
+              f"({row.get('seq_frac_ceiling', float('nan')):.0%}); err {err:.1e}", flush=True)
     split = bench_split(gen, args.quick)
     res = dict(device_name=torch.cuda.get_device_name(), ceiling_copy_GBps=round(ceiling, 1),
                ceiling_method="torch copy_ of 1 GiB device to device, bytes read + written, L2 flushed",
                timing="triton.testing.do_bench median, L2 flushed before each call; wall_us_per_call = "
                       "back-to-back calls incl. host launch overhead; graph_median_us = one CUDA-graph replay "
-                      "of the op (as the runtime's decode step runs it)",
-               results=rows, split=split)
+                      "of the op (as the runtime's decode step runs it); seq_layer_us = per layer in one CUDA graph "
+                      "of seq_layers calls, each on its own weight copy",
+               seq_layers=args.seq_layers, floor=floor, results=rows, split=split)
     if sweep:
         res["sweep"] = sweep
     return res

@@ -166,13 +166,33 @@ def _up_gemv_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_p
 
 
 @triton.jit
-def _up_dot_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_ptr, h_ptr,
-                   T, D, K, s_x, s_up, s_gate, s_mask, s_h,
+def _h_tile(u, g, rows, offs_k, offs_t, kmask, tmask, bias_ptr, mask_ptr, s_mask,
+            ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_MODE: tl.constexpr):
+    """h [BK, TP] = act(g, u + bias) of BK active rows and TP (padded) tokens, zero where the mask,
+    the row count or the token count say inactive."""
+    if HAS_BIAS:
+        u += tl.load(bias_ptr + rows, mask=kmask, other=0.0).to(tl.float32)[:, None]
+    h = _act(u, g, ACT)
+    live = kmask[:, None] & tmask[None, :]
+    if MASK_MODE == 1:
+        live = live & (tl.load(mask_ptr + offs_t[None, :] * s_mask + offs_k[:, None], mask=live, other=0) != 0)
+    elif MASK_MODE == 2:
+        bits = tl.load(mask_ptr + offs_k, mask=kmask, other=0)  # [BK]
+        live = live & (((bits[:, None] >> offs_t[None, :]) & 1) != 0)
+    return tl.where(live, h, 0.0)
+
+
+@triton.jit
+def _up_dot_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_ptr, h_ptr, g_ptr,
+                   T, D, K, s_x, s_up, s_gate, s_mask, s_h, D_PER,
                    ACT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   MASK_MODE: tl.constexpr, HAS_NACT: tl.constexpr, DOT_F32: tl.constexpr,
+                   MASK_MODE: tl.constexpr, HAS_NACT: tl.constexpr, DOT_F32: tl.constexpr, PARTIAL: tl.constexpr,
                    TP: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
-    """T > 1: h[t, k] for BK active rows and all tokens; x [T, D], h [T, K]."""
-    pid = tl.program_id(0)
+    """T > 1: h[t, k] for BK active rows and all tokens; x [T, D], h [T, K]. PARTIAL (the split
+    path): program (k block, d block) adds the pre-activations over columns [pid_d * D_PER, +D_PER)
+    into u = h_ptr and g_ptr [T, K] fp32 (zeroed beforehand) with atomics; the down stage applies
+    the activation."""
+    pid, pid_d = tl.program_id(0), tl.program_id(1)
     if HAS_NACT:
         K = tl.minimum(tl.load(nact_ptr), K)
     offs_k = pid * BK + tl.arange(0, BK)  # [BK]
@@ -182,9 +202,11 @@ def _up_dot_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_pt
     tmask = offs_t < T
     acc_u = tl.zeros((BK, TP), dtype=tl.float32)
     acc_g = tl.zeros((BK, TP), dtype=tl.float32)
-    for d0 in range(0, D, BD):
+    d_lo = pid_d * D_PER
+    d_hi = tl.minimum(d_lo + D_PER, D)
+    for d0 in range(d_lo, d_hi, BD):
         offs_d = d0 + tl.arange(0, BD)
-        dmask = offs_d < D
+        dmask = offs_d < d_hi
         xt = tl.load(x_ptr + offs_t[:, None] * s_x + offs_d[None, :],
                      mask=tmask[:, None] & dmask[None, :], other=0.0)  # [TP, BD]
         wmask = kmask[:, None] & dmask[None, :]
@@ -200,18 +222,16 @@ def _up_dot_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_pt
                 acc_g = tl.dot(wg.to(tl.float32), tl.trans(xt.to(tl.float32)), acc_g, input_precision="tf32x3")
             else:
                 acc_g = tl.dot(wg, tl.trans(xt), acc_g)
-    u = acc_u  # [BK, TP]
-    if HAS_BIAS:
-        u += tl.load(bias_ptr + rows, mask=kmask, other=0.0).to(tl.float32)[:, None]
-    h = _act(u, acc_g, ACT)
-    if MASK_MODE == 1:
-        m = tl.load(mask_ptr + offs_t[None, :] * s_mask + offs_k[:, None],
-                    mask=kmask[:, None] & tmask[None, :], other=0)
-        h = tl.where(m != 0, h, 0.0)
-    elif MASK_MODE == 2:
-        bits = tl.load(mask_ptr + offs_k, mask=kmask, other=0)  # [BK]
-        h = tl.where(((bits[:, None] >> offs_t[None, :]) & 1) != 0, h, 0.0)
-    tl.store(h_ptr + offs_t[None, :] * s_h + offs_k[:, None], h, mask=kmask[:, None] & tmask[None, :])
+    out = offs_t[None, :] * s_h + offs_k[:, None]
+    omask = kmask[:, None] & tmask[None, :]
+    if PARTIAL:
+        tl.atomic_add(h_ptr + out, acc_u, mask=omask, sem="relaxed")
+        if HAS_GATE:
+            tl.atomic_add(g_ptr + out, acc_g, mask=omask, sem="relaxed")
+    else:
+        h = _h_tile(acc_u, acc_g, rows, offs_k, offs_t, kmask, tmask, bias_ptr, mask_ptr, s_mask,
+                    ACT, HAS_BIAS, MASK_MODE)
+        tl.store(h_ptr + out, h, mask=omask)
 
 
 @triton.jit
@@ -237,30 +257,48 @@ def _down_gemv_kernel(h_ptr, down_ptr, idx_ptr, nact_ptr, y_ptr, D, K, s_down,
 
 
 @triton.jit
-def _down_dot_kernel(h_ptr, down_ptr, idx_ptr, nact_ptr, y_ptr, T, D, K, s_down, s_h, s_y,
-                     HAS_NACT: tl.constexpr, PREC: tl.constexpr,
+def _down_dot_kernel(h_ptr, g_ptr, bias_ptr, mask_ptr, down_ptr, idx_ptr, nact_ptr, y_ptr, T, D, K, s_down, s_h,
+                     s_mask, s_y, SK,
+                     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_MODE: tl.constexpr,
+                     HAS_NACT: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr,
                      TP: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
-    """T > 1: y[t, d] = sum_k h[t, k] down_t[idx[k], d] for all tokens and BD columns."""
-    pid = tl.program_id(0)
+    """T > 1: y[t, d] = sum_k h[t, k] down_t[idx[k], d] for all tokens and BD columns. SPLIT:
+    program (d block, k split) takes its SK-th share of the active rows, computes h from the
+    summed pre-activations u = h_ptr, g_ptr [T, K] as it loads them (bias, activation, mask) and
+    adds its partial y into y_ptr [T, D] fp32 (zeroed beforehand) with atomics."""
+    pid, pid_s = tl.program_id(0), tl.program_id(1)
     if HAS_NACT:
         K = tl.minimum(tl.load(nact_ptr), K)
+    per = tl.cdiv(tl.cdiv(K, SK), BK) * BK  # rows per split, whole BK tiles (SK = 1: all)
+    k_lo = pid_s * per
+    k_hi = tl.minimum(k_lo + per, K)
     offs_d = pid * BD + tl.arange(0, BD)
     dmask = offs_d < D
     offs_t = tl.arange(0, TP)
     tmask = offs_t < T
     acc = tl.zeros((TP, BD), dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    for k0 in range(k_lo, k_hi, BK):
         offs_k = k0 + tl.arange(0, BK)
-        kmask = offs_k < K
+        kmask = offs_k < k_hi
         rows = tl.load(idx_ptr + offs_k, mask=kmask, other=0).to(tl.int64)
-        h = tl.load(h_ptr + offs_t[:, None] * s_h + offs_k[None, :],
-                    mask=tmask[:, None] & kmask[None, :], other=0.0)  # [TP, BK]
+        if SPLIT:
+            tk = offs_t[None, :] * s_h + offs_k[:, None]  # [BK, TP]
+            tkm = kmask[:, None] & tmask[None, :]
+            h = tl.trans(_h_tile(tl.load(h_ptr + tk, mask=tkm, other=0.0), tl.load(g_ptr + tk, mask=tkm, other=0.0),
+                                 rows, offs_k, offs_t, kmask, tmask, bias_ptr, mask_ptr, s_mask,
+                                 ACT, HAS_BIAS, MASK_MODE))  # [TP, BK]
+        else:
+            h = tl.load(h_ptr + offs_t[:, None] * s_h + offs_k[None, :],
+                        mask=tmask[:, None] & kmask[None, :], other=0.0)  # [TP, BK]
         live = kmask & (tl.max(tl.abs(h), axis=0) > 0)  # [BK]
         w = tl.load(down_ptr + rows[:, None] * s_down + offs_d[None, :],
                     mask=live[:, None] & dmask[None, :], other=0.0)  # [BK, BD]
         acc = tl.dot(h, w.to(tl.float32), acc, input_precision=PREC)
-    tl.store(y_ptr + offs_t[:, None] * s_y + offs_d[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=tmask[:, None] & dmask[None, :])
+    out = offs_t[:, None] * s_y + offs_d[None, :]
+    if SPLIT:
+        tl.atomic_add(y_ptr + out, acc, mask=tmask[:, None] & dmask[None, :], sem="relaxed")
+    else:
+        tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=tmask[:, None] & dmask[None, :])
 
 
 @triton.jit
@@ -313,29 +351,35 @@ def _down_split_kernel(u_ptr, g_ptr, bias_ptr, down_ptr, idx_ptr, nact_ptr, y_pt
     tl.atomic_add(y_ptr + offs_d, tl.sum(acc, axis=0), mask=dmask)
 
 
-def sparse_ffn_split(x, up, gate, up_bias, down_t, idx, n_active, act, y, cfg: Config) -> None:
-    """T == 1 through the split kernels: y [1, D] (y's dtype) = sum over active rows."""
-    D, K = x.shape[1], idx.shape[0]
+def sparse_ffn_split(x, up, gate, up_bias, down_t, idx, mask, n_active, act, y, cfg: Config) -> None:
+    """Through the split kernels (cfg.up_sd programs over D per row block, cfg.down_sk over the
+    active rows per column block): y [T, D] (y's dtype) = sum over active rows. One memset zeroes
+    the fp32 pre-activations u, g [T, K] and (y not fp32) the fp32 sums of y; masks need T > 1."""
+    T, D = x.shape
+    K = idx.shape[0]
     if K == 0:
         y.zero_()
         return
-    u = torch.zeros(2 if gate is not None else 1, K, dtype=torch.float32, device=x.device)  # pre-activations
-    y32 = y if y.dtype == torch.float32 else torch.zeros(D, dtype=torch.float32, device=x.device)
-    if y32 is y:
-        y.zero_()
-    nact = n_active if n_active is not None else idx
-    g = u[1] if gate is not None else u[0]
-    d_per = triton.cdiv(triton.cdiv(D, cfg.up_sd), cfg.up_bd) * cfg.up_bd
-    _up_partial_kernel[(triton.cdiv(K, cfg.up_bk), triton.cdiv(D, d_per))](
-        x, up, gate if gate is not None else up, idx, nact, u[0], g, D, K, up.stride(0),
-        (gate if gate is not None else up).stride(0), d_per, HAS_GATE=gate is not None,
-        HAS_NACT=n_active is not None, BK=cfg.up_bk, BD=cfg.up_bd, num_warps=cfg.up_warps)
-    _down_split_kernel[(triton.cdiv(D, cfg.down_bd), cfg.down_sk)](
-        u[0], g, up_bias if up_bias is not None else u[0], down_t, idx, nact, y32, D, K, down_t.stride(0),
-        cfg.down_sk, ACT=ACT_CODE[act], HAS_BIAS=up_bias is not None, HAS_NACT=n_active is not None,
-        BK=cfg.down_bk, BD=cfg.down_bd, num_warps=cfg.down_warps)
+    n_y = 0 if y.dtype == torch.float32 else T * D
+    buf = torch.zeros(2 * T * K + n_y, dtype=torch.float32, device=x.device)
+    u, g = buf[:T * K].view(T, K), buf[T * K:2 * T * K].view(T, K)
+    y32 = buf[2 * T * K:].view(T, D) if n_y else y.zero_()
+    if T > 1:
+        launch_up(x, up, gate, up_bias, idx, mask, n_active, act, u, cfg, g=g)
+        launch_down(u, down_t, idx, n_active, y32, cfg, g=g, up_bias=up_bias, mask=mask, act=act)
+    else:
+        nact = n_active if n_active is not None else idx
+        d_per = triton.cdiv(triton.cdiv(D, cfg.up_sd), cfg.up_bd) * cfg.up_bd
+        _up_partial_kernel[(triton.cdiv(K, cfg.up_bk), triton.cdiv(D, d_per))](
+            x, up, gate if gate is not None else up, idx, nact, u, g, D, K, up.stride(0),
+            (gate if gate is not None else up).stride(0), d_per, HAS_GATE=gate is not None,
+            HAS_NACT=n_active is not None, BK=cfg.up_bk, BD=cfg.up_bd, num_warps=cfg.up_warps)
+        _down_split_kernel[(triton.cdiv(D, cfg.down_bd), cfg.down_sk)](
+            u, g, up_bias if up_bias is not None else u, down_t, idx, nact, y32, D, K, down_t.stride(0),
+            cfg.down_sk, ACT=ACT_CODE[act], HAS_BIAS=up_bias is not None, HAS_NACT=n_active is not None,
+            BK=cfg.down_bk, BD=cfg.down_bd, num_warps=cfg.down_warps)
     if y32 is not y:
-        y.copy_(y32.view(1, D))
+        y.copy_(y32)
 
 
 @triton.jit
@@ -498,71 +542,83 @@ def sparse_ffn_fused(x, up, gate, up_bias, down_t, idx, mask, n_active, act, y, 
     y32, cnt = _fused_scratch(x.device, D)
     da = 1 << (D.bit_length() - 1)  # largest power of two <= D
     db = triton.next_power_of_2(D - da) if D > da else 0
-    mode = _mask_mode(mask)
-    if mode == 1:
-        mask = mask.view(torch.uint8)
     dummy = idx
+    mode, mask, _ = _mask_args(mask, dummy)
     g = gate if gate is not None else up
     grid = (min(triton.cdiv(K, cfg.fused_r), cfg.fused_progs * _n_sm(x.device)),)
     _fused_kernel[grid](
         x, up, g, up_bias if up_bias is not None else dummy, down_t, idx,
-        n_active if n_active is not None else dummy, mask if mask is not None else dummy, y32, y, cnt,
+        n_active if n_active is not None else dummy, mask, y32, y, cnt,
         D, K, up.stride(0), g.stride(0), down_t.stride(0), ACT=ACT_CODE[act], HAS_GATE=gate is not None,
         HAS_BIAS=up_bias is not None, MASK_MODE=mode, HAS_NACT=n_active is not None, EAGER=cfg.eager_down,
         FENCE=x.is_cuda, R=cfg.fused_r, DA=da, DB=db, num_warps=cfg.fused_warps, num_stages=1)
 
 
-def _mask_mode(mask: torch.Tensor | None) -> int:
-    return 0 if mask is None else (1 if mask.dtype == torch.bool else 2)
+def _mask_args(mask: torch.Tensor | None, dummy: torch.Tensor) -> tuple[int, torch.Tensor, int]:
+    """(MASK_MODE, pointer, row stride): 0 none, 1 bool [T, K] (as uint8: triton has no bool
+    pointers), 2 int32 token bits [K]."""
+    if mask is None:
+        return 0, dummy, 0
+    if mask.dtype == torch.bool:
+        return 1, mask.view(torch.uint8), mask.stride(0)
+    return 2, mask, 0
 
 
-def launch_up(x, up, gate, up_bias, idx, mask, n_active, act, h, cfg: Config) -> None:
-    """Stage 1: h [T, K] fp32 from x [T, D] and the active rows of up / gate."""
+def launch_up(x, up, gate, up_bias, idx, mask, n_active, act, h, cfg: Config, g=None) -> None:
+    """Stage 1: h [T, K] fp32 from x [T, D] and the active rows of up / gate. With g (T > 1, the
+    split path): cfg.up_sd programs over D per row block add the pre-activations into h (= u) and
+    g [T, K], zeroed beforehand, and the activation is left to the down stage."""
     T, D = x.shape
     K = idx.shape[0]
     if K == 0:
         return
-    mode = _mask_mode(mask)
-    if mode == 1:
-        mask = mask.view(torch.uint8)  # triton has no bool pointers
     dummy = idx  # any tensor: pointer arguments the kernel never reads
+    mode, mask, s_mask = _mask_args(mask, dummy)
     common = dict(ACT=ACT_CODE[act], HAS_GATE=gate is not None, HAS_BIAS=up_bias is not None,
                   MASK_MODE=mode, HAS_NACT=n_active is not None)
     ptrs = (x, up, gate if gate is not None else up, up_bias if up_bias is not None else dummy, idx,
-            n_active if n_active is not None else dummy, mask if mask is not None else dummy, h)
-    if T == 1 and not cfg.up_dot:
+            n_active if n_active is not None else dummy, mask, h)
+    if T == 1 and not cfg.up_dot and g is None:
         grid = (triton.cdiv(K, cfg.up_bk),)
         _up_gemv_kernel[grid](*ptrs, D, K, up.stride(0), (gate if gate is not None else up).stride(0),
                               BK=cfg.up_bk, BD=cfg.up_bd, num_warps=cfg.up_warps, num_stages=cfg.up_stages, **common)
     else:
         bk = max(16, cfg.up_bk)
-        grid = (triton.cdiv(K, bk),)
         tp = max(16, triton.next_power_of_2(T))
         dot_f32 = x.dtype != up.dtype or up.dtype == torch.float32
         bd = min(cfg.up_bd, 64) if dot_f32 else cfg.up_bd  # tf32x3 tiles spill registers beyond 64
-        _up_dot_kernel[grid](*ptrs, T, D, K, x.stride(0), up.stride(0),
-                             (gate if gate is not None else up).stride(0),
-                             mask.stride(0) if mode == 1 else 0, h.stride(0),
-                             DOT_F32=dot_f32, TP=tp, BK=bk, BD=bd, num_warps=cfg.up_warps,
-                             num_stages=cfg.up_stages, **common)
+        d_per = triton.cdiv(triton.cdiv(D, max(1, cfg.up_sd)), bd) * bd if g is not None else D
+        _up_dot_kernel[(triton.cdiv(K, bk), triton.cdiv(D, d_per))](
+            *ptrs, g if g is not None else h, T, D, K, x.stride(0), up.stride(0),
+            (gate if gate is not None else up).stride(0), s_mask, h.stride(0), d_per,
+            DOT_F32=dot_f32, PARTIAL=g is not None, TP=tp, BK=bk, BD=bd, num_warps=cfg.up_warps,
+            num_stages=cfg.up_stages, **common)
 
 
-def launch_down(h, down_t, idx, n_active, y, cfg: Config) -> None:
-    """Stage 2: y [T, D] (y's dtype) from h [T, K] and the active rows of down_t."""
+def launch_down(h, down_t, idx, n_active, y, cfg: Config, g=None, up_bias=None, mask=None, act="relu") -> None:
+    """Stage 2: y [T, D] (y's dtype) from h [T, K] and the active rows of down_t. With g (T > 1,
+    the split path): h and g are the summed pre-activations, the activation (with up_bias and mask)
+    is applied as they load, cfg.down_sk programs share each column block's rows and add into y
+    [T, D] fp32, zeroed beforehand."""
     T, D = y.shape
     K = idx.shape[0]
     nact = n_active if n_active is not None else idx
-    grid = (triton.cdiv(D, cfg.down_bd),)
-    if T == 1 and not cfg.down_dot:
-        _down_gemv_kernel[grid](h, down_t, idx, nact, y, D, K, down_t.stride(0),
-                                HAS_NACT=n_active is not None, BK=cfg.down_bk, BD=cfg.down_bd,
-                                num_warps=cfg.down_warps, num_stages=cfg.down_stages)
+    if T == 1 and not cfg.down_dot and g is None:
+        _down_gemv_kernel[(triton.cdiv(D, cfg.down_bd),)](
+            h, down_t, idx, nact, y, D, K, down_t.stride(0), HAS_NACT=n_active is not None, BK=cfg.down_bk,
+            BD=cfg.down_bd, num_warps=cfg.down_warps, num_stages=cfg.down_stages)
     else:
+        mode, mask, s_mask = _mask_args(mask, idx)
         tp = max(16, triton.next_power_of_2(T))
         prec = "tf32x3" if down_t.dtype == torch.float32 else "tf32"
-        _down_dot_kernel[grid](h, down_t, idx, nact, y, T, D, K, down_t.stride(0), h.stride(0), y.stride(0),
-                               HAS_NACT=n_active is not None, PREC=prec, TP=tp, BK=max(16, cfg.down_bk),
-                               BD=max(16, cfg.down_bd), num_warps=cfg.down_warps, num_stages=cfg.down_stages)
+        bd = max(16, cfg.down_bd)
+        sk = max(1, cfg.down_sk) if g is not None else 1
+        _down_dot_kernel[(triton.cdiv(D, bd), sk)](
+            h, g if g is not None else h, up_bias if up_bias is not None else h, mask, down_t, idx, nact, y,
+            T, D, K, down_t.stride(0), h.stride(0), s_mask, y.stride(0), sk, ACT=ACT_CODE[act],
+            HAS_BIAS=up_bias is not None, MASK_MODE=mode, HAS_NACT=n_active is not None, PREC=prec,
+            SPLIT=g is not None, TP=tp, BK=max(16, cfg.down_bk), BD=bd, num_warps=cfg.down_warps,
+            num_stages=cfg.down_stages)
 
 
 def sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active,
@@ -586,8 +642,8 @@ def sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_activ
     if n_active is not None:
         n_active = n_active.reshape(1).to(torch.int32)
     y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
-    if T == 1 and mask is None and cfg.split:
-        sparse_ffn_split(x, up, gate, up_bias, down_t, idx, n_active, act, y, cfg)
+    if cfg.split and (T > 1 or mask is None):
+        sparse_ffn_split(x, up, gate, up_bias, down_t, idx, mask, n_active, act, y, cfg)
         return y
     if T == 1 and cfg.fused:
         sparse_ffn_fused(x, up, gate, up_bias, down_t, idx, mask, n_active, act, y, cfg)

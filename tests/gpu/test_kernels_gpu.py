@@ -189,29 +189,36 @@ def test_pack_active_bits_on_gpu_equals_torch(T):
     assert torch.equal(got, pack_active_bits(logits, 0.5, 5000, 8824, backend="torch"))
 
 
-def test_triton_split_variant_at_llama13b_shape_and_in_a_graph():
-    """The T == 1 split variant (Config.up_sd / down_sk: atomics into fp32 partial sums) at the 13B
-    shape against float64, with the device count, and replayed from a CUDA graph for new inputs."""
+@pytest.mark.parametrize("T", [1, 8])
+def test_triton_split_variant_at_llama13b_shape_and_in_a_graph(T):
+    """The split variant (Config.up_sd / down_sk: atomics into fp32 partial sums; T == 1 the
+    elementwise kernels, T == 8 the tl.dot ones with a packed mask) at the 13B shape against float64,
+    with the device count, and replayed from a CUDA graph for new inputs."""
     from powerinfer_ray.kernels import triton_ffn
 
-    gen = torch.Generator().manual_seed(11)
+    gen = torch.Generator().manual_seed(11 + T)
     N, D = 13824, 5120
     up, gate, down_t, _ = make_shard(N, D, torch.float16, "reglu", False, gen, DEV)
-    cfg = triton_ffn.Config(4, 1024, 4, 64, 32, 4, up_dot=False, down_dot=False, up_sd=5, down_sk=8)
+    if T == 1:
+        cfg = triton_ffn.Config(4, 1024, 4, 64, 32, 4, up_dot=False, down_dot=False, up_sd=5, down_sk=8)
+    else:
+        cfg = triton_ffn.Config(16, 256, 4, 128, 32, 4, up_sd=5, down_sk=4)
     idx = make_idx(N // 10, N, gen, torch.int32, DEV)
-    x = torch.randn(1, D, generator=gen).half().to(DEV)
+    mask = None if T == 1 else token_bits((torch.rand(T, idx.numel(), generator=gen) < 0.5).to(DEV))
+    x = torch.randn(T, D, generator=gen).half().to(DEV)
     nact = torch.tensor([N // 10 - 100], dtype=torch.int32, device=DEV)
-    out = poisoned((1, D), torch.float16, DEV)
-    y = triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, None, "reglu", None, out, nact, cfg)
-    assert rel_err(y, sparse_ffn_ref(x, up, gate, down_t, idx, n_active=nact)) < GPU_TOL[torch.float16]
+    out = poisoned((T, D), torch.float16, DEV)
+    y = triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, mask, "reglu", None, out, nact, cfg)
+    assert rel_err(y, sparse_ffn_ref(x, up, gate, down_t, idx, mask, n_active=nact)) < GPU_TOL[torch.float16]
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, None, "reglu", None, out, nact, cfg)
+        triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, mask, "reglu", None, out, nact, cfg)
     for _ in range(2):  # new inputs in place, replay: the zeroing of the partial sums is in the graph
-        x.copy_(torch.randn(1, D, generator=gen).half().to(DEV))
+        x.copy_(torch.randn(T, D, generator=gen).half().to(DEV))
         g.replay()
         torch.cuda.synchronize()
-        assert rel_err(out, sparse_ffn_ref(x, up, gate, down_t, idx, n_active=nact)) < GPU_TOL[torch.float16]
+        err = rel_err(out, sparse_ffn_ref(x, up, gate, down_t, idx, mask, n_active=nact))
+        assert err < GPU_TOL[torch.float16], err
 
 
 def test_triton_fused_at_llama13b_shape_and_in_a_graph():

@@ -7,6 +7,7 @@ here (elementwise path); tests/gpu covers bf16 tl.dot on the device.
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -172,6 +173,37 @@ def test_triton_split_variant_matches_reference(dtype, act):
     out = poisoned((1, D), dtype)  # no active row at all
     y = triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx[:0], None, act, b, out, None, cfg)
     assert torch.equal(y, torch.zeros_like(y))
+
+
+@pytest.mark.parametrize("dtype, act", [(torch.float32, "relu"), (torch.float16, "reglu"), (torch.float16, "drelu")],
+                         ids=str)
+def test_triton_split_variant_over_tokens_matches_reference(dtype, act):
+    """The split path at T > 1 (tl.dot kernels: up_sd programs over D add pre-activations with
+    atomics, the down stage applies bias, activation and mask as it loads them, down_sk programs
+    per column block add into an fp32 y): against float64 for uneven splits and more splits than
+    tiles, both mask forms with a device count below len(idx) and of zero, T = 2 and a ragged
+    block of MAX_T + 3 tokens, fp32 and fp16 outputs, and OPT's up bias (relu)."""
+    gen = torch.Generator().manual_seed(7 + len(act))
+    N, D, K = 90, 70, 41
+    up, gate, down_t, b = make_shard(N, D, dtype, act, act == "relu", gen)
+    idx = make_idx(K, N, gen, torch.int32)
+    for T in (2, triton_ffn.MAX_T + 3):
+        x = torch.randn(T, D, generator=gen).to(dtype)
+        bits = torch.rand(T, K, generator=gen) < 0.6
+        cases = [(None, None), (bits, torch.tensor([29], dtype=torch.int32)),
+                 (token_bits(bits) if T <= 32 else bits, None), (None, torch.tensor([0], dtype=torch.int32))]
+        for sd, sk in ((2, 1), (3, 2), (7, 5)):
+            cfg = triton_ffn.Config(up_bk=16, up_bd=16, up_warps=4, down_bk=16, down_bd=32, down_warps=4,
+                                    up_sd=sd, down_sk=sk)
+            for (mask, n_act), out_dt in itertools.product(cases, (torch.float32, dtype)):
+                out, xo = poisoned((T, D), out_dt), x.to(out_dt)  # fp32 x with fp16 weights: the tf32x3 dots
+                y = triton_ffn.sparse_ffn_triton(xo, up, gate, down_t, idx, mask, act, b, out, n_act, cfg)
+                ref = sparse_ffn_ref(xo, up, gate, down_t, idx, mask, act, b, n_active=n_act)
+                what = f"T={T} sd={sd} sk={sk} mask={None if mask is None else mask.dtype} n_act={n_act} out {out_dt}"
+                if n_act is not None and int(n_act) == 0:
+                    assert torch.equal(y, torch.zeros_like(y)), what
+                else:
+                    assert rel_err(y, ref) < TOL[dtype], f"{what}: {rel_err(y, ref):.2e}"
 
 
 @pytest.mark.parametrize("dtype, act", [(torch.float32, "relu"), (torch.float16, "reglu"),
