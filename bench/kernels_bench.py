@@ -660,6 +660,23 @@ def sweep_triton(up, gate, down_t, gen, quick: bool) -> dict:
             cfg = tf.Config(16, 256, 4, c[1], c[2], c[3], down_stages=c[4], down_dot=c[0])
             cyc = itertools.cycle(sets)
             res_down[c] = gpu_time(lambda: tf.launch_down(h, down_t, next(cyc), None, y, cfg), True)
+        if T > 1:  # the split path's stages alone (the whole op adds a memset and, y not fp32, a cast)
+            u32, g32, y32 = torch.zeros(T, k, device=GPU), torch.zeros(T, k, device=GPU), torch.zeros(T, D, device=GPU)
+            for cu in sorted({cu for cu, _ in SWEEP_SPLIT[T]}):
+                cfg = tf.Config(cu[0], cu[1], cu[3], 64, 64, 4, up_sd=cu[2], down_sk=1)
+                cyc = itertools.cycle(sets)
+                t = gpu_time(lambda: tf.launch_up(x, up, gate, None, next(cyc), None, None, "reglu", u32, cfg, g=g32), True)
+                table.append(dict(T=T, stage="up split", bk=cu[0], bd=cu[1], sd=cu[2], warps=cu[3], us=round(t * 1e6, 2),
+                                  GBps=round(2 * k * D * 2 / t / 1e9, 1)))
+            for cd in sorted({cd for _, cd in SWEEP_SPLIT[T]}):
+                cfg = tf.Config(16, 256, 4, cd[0], cd[1], cd[3], up_sd=1, down_sk=cd[2])
+                cyc = itertools.cycle(sets)  # u = g = h > 0: every row live under reglu
+                t = gpu_time(lambda: tf.launch_down(h, down_t, next(cyc), None, y32, cfg, g=h, act="reglu"), True)
+                table.append(dict(T=T, stage="down split", bk=cd[0], bd=cd[1], sk=cd[2], warps=cd[3], us=round(t * 1e6, 2),
+                                  GBps=round(k * D * 2 / t / 1e9, 1)))
+            print("[sweep] T=%d split stages alone: " % T + ", ".join(
+                f"{r['stage']} {r['bk']}/{r['bd']}/{r.get('sd', r.get('sk'))}/{r['warps']} {r['us']} us"
+                for r in table if r["T"] == T and r["stage"].endswith("split")), flush=True)
         bu, bdn = min(res_up, key=res_up.get), min(res_down, key=res_down.get)
         best[mode] = tf.Config(bu[1], bu[2], bu[3], bdn[1], bdn[2], bdn[3], up_stages=bu[4], down_stages=bdn[4],
                                up_dot=bu[0], down_dot=bdn[0])
