@@ -627,11 +627,11 @@ SWEEP_DOWN = {1: [(False, 64, 64, 4, 3), (False, 64, 32, 4, 3), (False, 128, 32,
 # two-stage config: (up_bk, up_bd, up_sd, up_warps) x (down_bk, down_bd, down_sk, down_warps). T == 1
 # (elementwise kernels): the fourth session's winner and the one tried before it
 # (kernels-nvidia-h200-v2.json, -v3.json). T == 8 (tl.dot kernels): the two-stage up stage took
-# ~25 us at every density from 1 to 10 % (v5: K / 16 programs, each walking D in 20 steps), so D
-# goes over up_sd programs and each column block's rows over down_sk programs.
+# ~25 us at every density from 1 to 10 % (v5: K / 16 programs, each walking D in 20 steps); D over
+# 5 programs: 14.3 vs 28.2 us under ncu (kernels-ncu-h200.txt). down_sk = 1: the two-stage down.
 SWEEP_SPLIT = {1: [((8, 512, 10, 4), (128, 32, 4, 8)), ((4, 1024, 5, 4), (64, 32, 8, 4))],
-               8: [(u, d) for u in ((16, 256, 5, 4), (16, 256, 10, 4), (32, 256, 5, 8), (16, 512, 5, 4))
-                   for d in ((128, 32, 4, 4), (64, 64, 4, 4), (128, 64, 8, 4), (256, 32, 2, 4))]}
+               8: [(u, d) for u in ((16, 256, 5, 4), (32, 256, 5, 8), (16, 512, 5, 4), (32, 256, 10, 8))
+                   for d in ((256, 32, 1, 4), (128, 32, 1, 4), (256, 32, 2, 4), (128, 64, 4, 4))]}
 # Fused variant (Config.fused_r, T == 1): (rows per block, warps, programs per SM, eager down rows),
 # whole op as graph replays. The first H200 sweep (one program per block, no fence, 39ce94c): best
 # r = 2, 4 warps, 28.0 us against 34.4 for the two-stage kernels (kernels-nvidia-h200-v4.json).
@@ -670,8 +670,8 @@ def sweep_triton(up, gate, down_t, gen, quick: bool) -> dict:
                                   GBps=round(2 * k * D * 2 / t / 1e9, 1)))
             for cd in sorted({cd for _, cd in SWEEP_SPLIT[T]}):
                 cfg = tf.Config(16, 256, 4, cd[0], cd[1], cd[3], up_sd=1, down_sk=cd[2])
-                cyc = itertools.cycle(sets)  # u = g = h > 0: every row live under reglu
-                t = gpu_time(lambda: tf.launch_down(h, down_t, next(cyc), None, y32, cfg, g=h, act="reglu"), True)
+                cyc = itertools.cycle(sets)
+                t = gpu_time(lambda: tf.launch_down(h, down_t, next(cyc), None, y32, cfg, split=cd[2] > 1), True)
                 table.append(dict(T=T, stage="down split", bk=cd[0], bd=cd[1], sk=cd[2], warps=cd[3], us=round(t * 1e6, 2),
                                   GBps=round(k * D * 2 / t / 1e9, 1)))
             print("[sweep] T=%d split stages alone: " % T + ", ".join(

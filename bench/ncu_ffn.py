@@ -33,7 +33,7 @@ def main() -> int:
     _, sets = idx_sets(args.density / 100, GPU, gen)
     gemv, dot = tf.CONFIGS["gemv"], tf.CONFIGS["dot"]
     cases = {"T1 fused": (1, gemv), "T1 two-stage": (1, dataclasses.replace(gemv, fused_r=0)),
-             "T8 two-stage": (8, dot), "T8 split": (8, tf.Config(32, 256, 8, 256, 32, 4, up_sd=5, down_sk=2))}
+             "T8 two-stage": (8, dot), "T8 split": (8, tf.Config(32, 256, 8, 256, 32, 4, up_sd=5, down_sk=1))}
     for name, (T, cfg) in cases.items():
         x = torch.randn(T, up.shape[1], generator=gen).abs().half().to(GPU)
         out = torch.empty_like(x)
