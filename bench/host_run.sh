@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gpukern|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id
+#       bash bench/host_run.sh verify|gpukern|t8ab|t8ab2|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stage=${1:?usage: host_run.sh verify|gpukern|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id}
+stage=${1:?usage: host_run.sh verify|gpukern|t8ab|t8ab2|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
 export RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1 POWERINFER_COMMIT
@@ -53,6 +53,19 @@ b32)  # batch 32 (the CPU's per-token path) and long prompts
     suite runtime-13b-16gib-b32-h200 300 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload \
         --shapes 16x32 --batch 32 -t "$THREADS"
     suite runtime-13b-long-h200 200 -m "$M13" --vram-budget 16 --modes hybrid --shapes 1500x128,64x512 -t "$THREADS"
+    ;;
+t8ab)  # the GPU tests, the kernels with the defaults, then batch 8 (T = 8 on the GPU) with the split
+    # path (the T > 1 default since the eighth session) and the two-stage kernels (POWERINFER_RAY_GPU_SPLIT=0)
+    timeout -s INT 240 python -m pytest tests/gpu -q -rf > "$OUT/gpu-tests.log" 2>&1
+    tail -n 3 "$OUT/gpu-tests.log" | cut -c1-300
+    timeout 100 powerinfer-ray bench kernels --device cuda --out "$OUT" >> "$log" 2>&1
+    grep -E "^\[gpu\] fp16" "$log" | cut -c1-80,200-330
+    ;;
+t8ab2)  # the batch-8 A/B of t8ab (its own call: each engine loads the 13B)
+    suite runtime-13b-16gib-b8-split-h200 250 -m "$M13" --vram-budget 16 --modes dense-gpu,hybrid \
+        --shapes 16x32 --batch 8 -t "$THREADS"
+    (export POWERINFER_RAY_GPU_SPLIT=0; suite runtime-13b-16gib-b8-twostage-h200 250 -m "$M13" --vram-budget 16 \
+        --modes dense-gpu,hybrid --shapes 16x32 --batch 8 -t "$THREADS")
     ;;
 batch)  # the batch sweep, hybrid and layer-offload, one engine per (mode, batch size) (~20-40 s
     # load each for the 13B): prompt 16, 32 generated (422 s on the host, 6c5071a)
@@ -105,7 +118,7 @@ falcon24id)  # the A/B of the CPU shard's row order: hybrid alone with rows by n
         --vram-budget 24 --modes hybrid --shapes 64x32 -t "$THREADS"
     ;;
 *)
-    echo "unknown stage $stage: expected verify|gpukern|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id" >&2
+    echo "unknown stage $stage: expected verify|gpukern|t8ab|t8ab2|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id" >&2
     exit 2
     ;;
 esac
