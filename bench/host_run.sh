@@ -64,7 +64,7 @@ t8ab)  # the GPU tests, the kernels with the defaults, then batch 8 (T = 8 on th
 t8ab2)  # the batch-8 A/B of t8ab in ABBA order (its own call: each engine loads the 13B; one pair of
     # engines in sequence differed by 27 % in the hybrid, whose GPU is off its critical path)
     n=0
-    for r in split twostage twostage split; do
+    for r in ${AB_ORDER:-split twostage twostage split}; do
         n=$((n + 1))
         (if [ $r = twostage ]; then export POWERINFER_RAY_GPU_SPLIT=0; fi
          suite runtime-13b-16gib-b8-$r-h200-r$n 140 -m "$M13" --vram-budget 16 --modes dense-gpu,hybrid \
