@@ -54,8 +54,8 @@ b32)  # batch 32 (the CPU's per-token path) and long prompts
         --shapes 16x32 --batch 32 -t "$THREADS"
     suite runtime-13b-long-h200 200 -m "$M13" --vram-budget 16 --modes hybrid --shapes 1500x128,64x512 -t "$THREADS"
     ;;
-t8ab)  # the GPU tests, the kernels with the defaults, then batch 8 (T = 8 on the GPU) with the split
-    # path (the T > 1 default since the eighth session) and the two-stage kernels (POWERINFER_RAY_GPU_SPLIT=0)
+t8ab)  # the GPU tests and the kernels with the defaults (t8ab2: batch 8, T = 8 on the GPU, through the
+    # split path, POWERINFER_RAY_GPU_SPLIT=1, and the two-stage kernels, the default)
     timeout -s INT 240 python -m pytest tests/gpu -q -rf > "$OUT/gpu-tests.log" 2>&1
     tail -n 3 "$OUT/gpu-tests.log" | cut -c1-300
     timeout 100 powerinfer-ray bench kernels --device cuda --out "$OUT" >> "$log" 2>&1
@@ -66,7 +66,7 @@ t8ab2)  # the batch-8 A/B of t8ab in ABBA order (its own call: each engine loads
     n=0
     for r in ${AB_ORDER:-split twostage twostage split}; do
         n=$((n + 1))
-        (if [ $r = twostage ]; then export POWERINFER_RAY_GPU_SPLIT=0; fi
+        (if [ $r = split ]; then export POWERINFER_RAY_GPU_SPLIT=1; fi
          suite runtime-13b-16gib-b8-$r-h200-r$n 140 -m "$M13" --vram-budget 16 --modes dense-gpu,hybrid \
              --shapes 16x32 --batch 8 -t "$THREADS")
     done

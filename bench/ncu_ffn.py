@@ -7,7 +7,8 @@ cudaProfilerStart/Stop, so `ncu --profile-from-start off` sees exactly one call 
         --section WarpStateStats --section MemoryWorkloadAnalysis python bench/ncu_ffn.py
 
 (--clock-control none: the GPU's clocks are left as they are.) Cases: T = 1 fused (the default),
-T = 1 two-stage, T = 8 two-stage (the default) and T = 8 split, at --density (default 10 %).
+T = 1 two-stage, T = 8 two-stage (the default) and T = 8 split (POWERINFER_RAY_GPU_SPLIT=1's
+configuration), at --density (default 10 %).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def main() -> int:
     _, sets = idx_sets(args.density / 100, GPU, gen)
     gemv, dot = tf.CONFIGS["gemv"], tf.CONFIGS["dot"]
     cases = {"T1 fused": (1, gemv), "T1 two-stage": (1, dataclasses.replace(gemv, fused_r=0)),
-             "T8 two-stage": (8, dot), "T8 split": (8, tf.Config(32, 256, 8, 256, 32, 4, up_sd=5, down_sk=1))}
+             "T8 two-stage": (8, dot), "T8 split": (8, tf.SPLIT_DOT)}
     for name, (T, cfg) in cases.items():
         x = torch.randn(T, up.shape[1], generator=gen).abs().half().to(GPU)
         out = torch.empty_like(x)

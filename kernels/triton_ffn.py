@@ -14,8 +14,8 @@ H200, 13B shape, fp16 (bench/results/kernels-nvidia-h200-v5.json, graph replays)
 the fixed cost, ~11 us at 1 %, is what keeps 10 % from the 70 % bar (launch, the idx -> row
 round trips, the atomics, fence and ticket, the last program's cast).
 
-Two-stage kernels (T == 1 with fused_r = 0; T > 1 with POWERINFER_RAY_GPU_SPLIT=0), two
-launches, no atomics, no memset, fp32 accumulation:
+Two-stage kernels (T > 1, the default; T == 1 with fused_r = 0), two launches, no atomics, no
+memset, fp32 accumulation:
   1. up stage, grid cdiv(K, BK): a program owns BK active neurons, streams their up (and gate)
      rows over D once, and writes h [T, K] fp32 = mask * act(gate . x, up . x + b).
   2. down stage, grid cdiv(D, BD): a program owns BD output columns, streams the BD-wide
@@ -31,14 +31,15 @@ to tf32, relative 2^-11) or tf32x3 for fp32 weights.
 
 `n_active` (device int32 [1]) bounds K inside the kernels: no host sync, CUDA-graph safe.
 
-Split path (`Config.up_sd` / `down_sk`; the T > 1 default since the eighth session): one memset,
+Split path (`Config.up_sd` / `down_sk`; T > 1 with POWERINFER_RAY_GPU_SPLIT=1): one memset,
 then the up stage with up_sd programs over D per row block, adding partial pre-activations into
 fp32 u, g [T, K] with atomics (T = 8 at 10 %: 14.3 us against 28.2 for the unsplit up stage,
 whose 44 programs each walked D in 20 steps; ncu, bench/results/kernels-ncu-h200*.txt). T > 1: a
 small kernel applies bias, activation and mask in place, and the tl.dot down stage runs with its
 column blocks' rows over down_sk programs adding into an fp32 y (then cast). H200, T = 8, graph
 replays (kernels-nvidia-h200-v8.json; the two-stage kernels from -v7): 10 % 38.4 us (26 % of copy)
-against 48.4, 50 % 110 against 164. T == 1 (elementwise kernels, the activation applied in the down stage): never won a sweep
+against 48.4, 50 % 110 against 164; not the default (the hybrid at batch 8 ran slower with it,
+see CONFIGS). T == 1 (elementwise kernels, the activation applied in the down stage): never won a sweep
 (35.5 us at 10 % in the last one, against 26.0 for the fused kernel); kept for the comparison.
 """
 from __future__ import annotations
@@ -107,15 +108,19 @@ class Config:
 # programs per SM, lazy down rows: 26.0 us as a graph replay against 34.6 for the two-stage
 # kernels (bench/results/kernels-nvidia-h200-v5.json); its two-stage tiles (the elementwise
 # kernels, which beat the tl.dot ones: up 17.6 vs 28.8 us, down 17.2 vs 21.1 us) are what a
-# Config with fused_r = 0 runs. T > 1: the split path, D over 5 programs per block of 16 rows,
-# each column block's rows over 2 programs: T = 8 38.5 us against 48.0 for the two-stage kernels
-# (kernels-nvidia-h200-v8.json); POWERINFER_RAY_GPU_SPLIT=0 selects the two-stage ones (an A/B).
+# Config with fused_r = 0 runs. T > 1: the two-stage tl.dot kernels. POWERINFER_RAY_GPU_SPLIT=1
+# selects the split path (D over 5 programs per block of 16 rows, each column block's rows over 2
+# programs): faster on the GPU (T = 8, 10 %: 38.5 vs 48.0 us as graph replays,
+# kernels-nvidia-h200-v8.json; dense-gpu at batch 8 311-314 vs 345-351 us of GPU compute per
+# layer), yet the 13B hybrid at batch 8 decoded slower with it in all five engine pairs on the
+# host (118-132 vs 132-144 tok/s, its CPU kernel 794-931 vs 731-786 us per exchange;
+# runtime-13b-16gib-b8-*-h200*.json). Not explained; so not the default.
 TWO_STAGE_DOT = Config(up_bk=32, up_bd=256, up_warps=8, down_bk=256, down_bd=32, down_warps=4, down_stages=4)
+SPLIT_DOT = Config(up_bk=16, up_bd=256, up_warps=4, down_bk=256, down_bd=32, down_warps=4, up_sd=5, down_sk=2)
 CONFIGS = {
     "gemv": Config(up_bk=4, up_bd=1024, up_warps=4, down_bk=128, down_bd=32, down_warps=8,
                    up_dot=False, down_dot=False, fused_r=2, fused_warps=4, fused_progs=2, eager_down=False),
-    "dot": (TWO_STAGE_DOT if os.environ.get("POWERINFER_RAY_GPU_SPLIT") == "0" else
-            Config(up_bk=16, up_bd=256, up_warps=4, down_bk=256, down_bd=32, down_warps=4, up_sd=5, down_sk=2)),
+    "dot": SPLIT_DOT if os.environ.get("POWERINFER_RAY_GPU_SPLIT") == "1" else TWO_STAGE_DOT,
 }
 
 

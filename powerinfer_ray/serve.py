@@ -26,6 +26,7 @@ import hmac
 import json
 import logging
 import os
+import signal
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ DEFAULT_ENGINE = "powerinfer-engine"
 ENGINE_NAMESPACE = "powerinfer"  # where app_builder and the CLI put the engine
 DEFAULT_MAX_IN_FLIGHT = 256  # generations admitted by one ingress replica (more: 429)
 DEFAULT_MAX_QUEUED = 64  # requests Serve's proxy may hold for the replica (more: 429)
+ENGINE_STOP_S = 30.0  # serve CLI on Ctrl-C: how long the engine may take to stop before Ray is stopped anyway
 STOP_LIMIT = 4  # OpenAI accepts at most four stop sequences
 
 app = FastAPI(title="powerinfer-ray", docs_url=None, redoc_url=None, openapi_url=None)
@@ -631,6 +633,7 @@ def serve_cli(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key:
     from .generate import init_ray, start_engine
 
     init_ray(dashboard=True, quiet=False, namespace=ENGINE_NAMESPACE)  # other drivers find the engine there
+    _stop_on_signals()  # after ray.init, whose own SIGTERM handler exits without this cleanup
     engine_kwargs = {k: v for k, v in engine_kwargs.items() if v is not None}
     engine, info = start_engine(model, name=name, **engine_kwargs)
     serve.start(http_options={"host": host, "port": port})
@@ -641,10 +644,33 @@ def serve_cli(model: str, *, host: str = "127.0.0.1", port: int = 8000, api_key:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
-    finally:
-        serve.shutdown()
-        ray.get(engine.shutdown.remote())
+    finally:  # each step says what it does, so a slow stop shows where it waits
+        t0 = time.monotonic()
+        print("stopping: the Serve app and proxies ...", flush=True)
+        try:
+            serve.shutdown()  # Serve bounds its controller's graceful shutdown at 30 s
+        except Exception as exc:  # noqa: BLE001 -- the engine and Ray must still stop
+            print(f"stopping: Serve did not stop cleanly ({type(exc).__name__}: {exc})", flush=True)
+        print(f"stopping: the engine ... ({time.monotonic() - t0:.1f} s)", flush=True)
+        try:
+            ray.get(engine.shutdown.remote(), timeout=ENGINE_STOP_S)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as exc:
+            print(f"stopping: the engine did not stop cleanly ({type(exc).__name__}); stopping Ray anyway", flush=True)
+        print(f"stopping: Ray ... ({time.monotonic() - t0:.1f} s)", flush=True)
+        ray.shutdown()
+        print(f"stopped ({time.monotonic() - t0:.1f} s)", flush=True)
     return 0
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C (SIGINT) and SIGTERM (kill, docker stop, systemd) both stop the server through the same
+    clean shutdown. SIGINT explicitly: a process started in the background by a non-interactive
+    shell inherits SIGINT ignored, and Python then leaves it ignored."""
+    def stop(signum, frame):  # noqa: ANN001, ARG001
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, stop)
 
 
 def _banner(host: str, port: int, model: str, engine: str, api_key: str | None) -> str:
@@ -656,4 +682,4 @@ def _banner(host: str, port: int, model: str, engine: str, api_key: str | None) 
             f"  curl {url}/v1/models{auth}\n"
             f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
             f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{chat}'\n"
-            f"Ctrl-C stops the server.")
+            f"Ctrl-C (or SIGTERM) stops the server.")

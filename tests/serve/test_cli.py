@@ -1,5 +1,5 @@
 """``powerinfer-ray serve`` as a user runs it: its own local Ray, the engine, the app on 127.0.0.1,
-a banner with the URL once the app answers, a clean exit on Ctrl-C."""
+a banner with the URL once the app answers, a clean exit on Ctrl-C or SIGTERM."""
 from __future__ import annotations
 
 import os
@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 
+import pytest
 import requests
 
 from powerinfer_ray.model.tiny import write_tiny_model
@@ -22,7 +23,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_cli_serves_until_interrupted(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_serve_cli_serves_until_interrupted(tmp_path, sig):
+    """Ctrl-C and SIGTERM (kill, docker stop) both end in the same clean stop: each step printed,
+    exit status 0."""
     model = write_tiny_model(tmp_path / "m.gguf", "llama-reglu", seed=2, n_layer=2, n_ctx=128)
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a fresh local Ray, not the tests'
@@ -40,7 +44,8 @@ def test_serve_cli_serves_until_interrupted(tmp_path):
                 break
         url = re.search(r"at (http://\S+)/v1", lines[-1]).group(1)
         # keep draining its output: a full pipe would block the server's logging (and its exit)
-        threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+        drain = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        drain.start()
         assert url == f"http://127.0.0.1:{port}"
         auth = {"Authorization": "Bearer sk-cli"}
         assert requests.get(f"{url}/v1/models", timeout=30).status_code == 401
@@ -48,8 +53,16 @@ def test_serve_cli_serves_until_interrupted(tmp_path):
         r = requests.post(f"{url}/v1/completions", headers=auth, timeout=60,
                           json={"model": model_id, "prompt": "Hi", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0, "".join(lines[-30:])
+        proc.send_signal(sig)
+        try:
+            rc = proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise AssertionError(f"no exit within 90 s of {sig.name}; its last lines:\n" + "".join(lines[-30:])) from None
+        drain.join(timeout=10)  # the last lines, up to EOF
+        assert rc == 0, "".join(lines[-30:])
+        assert any(line.startswith("stopped (") for line in lines), "".join(lines[-30:])
     finally:
         if proc.poll() is None:
             proc.kill()
