@@ -67,7 +67,7 @@ t8ab2)  # the batch-8 A/B of t8ab in ABBA order (its own call: each engine loads
     for r in ${AB_ORDER:-split twostage twostage split}; do
         n=$((n + 1))
         (if [ $r = split ]; then export POWERINFER_RAY_GPU_SPLIT=1; fi
-         suite runtime-13b-16gib-b8-$r-h200-r$n 140 -m "$M13" --vram-budget 16 --modes dense-gpu,hybrid \
+         suite runtime-13b-16gib-b8-$r-h200-r$n 140 -m "$M13" --vram-budget 16 --modes ${AB_MODES:-dense-gpu,hybrid} \
              --shapes 16x32 --batch 8 -t "$THREADS")
     done
     ;;
