@@ -401,7 +401,7 @@ def sparse_ffn_split(x, up, gate, up_bias, down_t, idx, mask, n_active, act, y, 
         _act_kernel[(triton.cdiv(K, 64),)](
             u, g, up_bias if up_bias is not None else u, idx, nact, mask, T, K, u.stride(0), s_mask,
             ACT=ACT_CODE[act], HAS_BIAS=up_bias is not None, MASK_MODE=mode, HAS_NACT=n_active is not None,
-            TP=triton.next_power_of_2(T), BK=64, num_warps=4)
+            TP=max(16, triton.next_power_of_2(T)), BK=64, num_warps=4)  # one compile for T <= 16, as the dot kernels
         launch_down(u, down_t, idx, n_active, y32, cfg, split=y_split)
     else:
         d_per = triton.cdiv(triton.cdiv(D, cfg.up_sd), cfg.up_bd) * cfg.up_bd
