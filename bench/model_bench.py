@@ -179,6 +179,9 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
         "gpu_compute_us_per_layer": 1e6 * _delta(g1, g0, "gpu_compute_s")
         / max(_delta(g1, g0, "gpu_sampled_steps") * n_layer, 1),
         "per_layer_us": per_layer,
+        # decode graphs captured inside this run (a batch bucket the warm-up missed): its decode time
+        # includes the capture and the Triton compiles
+        "graph_captures": int(_delta(g1, g0, "graph_captures")), "capture_s": _delta(g1, g0, "capture_s"),
         "gpu_gbps": gpu_bytes / decode_s / 1e9 if decode_s else 0.0,
         "cpu_gbps": cpu_bytes / decode_s / 1e9 if decode_s else 0.0,
         "gpu_bytes_per_token": gpu_bytes / max(steps, 1) / batch,
@@ -230,6 +233,9 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
               f"(kernel {r['cpu_kernel_us_per_exchange']:.0f}, attention {r['cpu_attn_us_per_exchange']:.0f}), "
               f"layer {r['per_layer_us']}, "
               f"VRAM {r['vram_used_gib']:.2f} GiB", flush=True)
+        if r["graph_captures"]:
+            print(f"{tag} note: {r['graph_captures']} decode graph set(s) captured inside the timed run "
+                  f"({r['capture_s']:.2f} s): the decode numbers include it", flush=True)
         records.append(r)
         if done is not None:
             done(r)

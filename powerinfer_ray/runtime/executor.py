@@ -66,6 +66,8 @@ class ExecStats:
     cold_neurons: int = 0
     gpu_compute_s: float = 0.0  # GPU time of the decode graphs (CUDA events), on sampled steps
     gpu_sampled_steps: int = 0
+    graph_captures: int = 0  # decode graph sets captured (a new batch bucket; Triton compiles included)
+    capture_s: float = 0.0  # and the host seconds they took
     kernel_s: float = 0.0  # CPU executor: inside the FFN kernel call (the rest of an answer is Python)
     attn_s: float = 0.0  # CPU executor: in the attention of its KV-head groups
     # host seconds: attn / ffn of eager steps, wait for the CPU's answers, gpu_wait of graph

@@ -264,10 +264,13 @@ class DecodeGraphs:
             ex.channel.slots[: self.B] = slots
             ex.channel.start_pos[: self.B] = start_pos
         if self.cuda and self.graphs is None:
+            t_c = time.perf_counter()
             try:
                 self._capture()
             except Exception as e:  # noqa: BLE001
                 raise GraphCaptureError(f"{type(e).__name__}: {e}") from e
+            st.graph_captures += 1
+            st.capture_s += time.perf_counter() - t_c
         k = 0
         pending = None  # a post waiting for the next launch
         seq = t_post = 0

@@ -89,6 +89,8 @@ def test_cuda_graph_decode_equals_eager_and_reference(tmp_path, variant, split):
                 pos = [q + 1 for q in pos]
             out.append(eng.primary.step([1], [[77]], [pos[1]]))
             assert bool(eng.primary._graphs) == graphs
+            # one capture per batch bucket used (B = 3 -> 4, B = 1), none on replays
+            assert eng.primary.stats.graph_captures == (2 if graphs else 0)
             cpu = eng.cpu.stats.neurons if eng.cpu else 0
             return out, eng.primary.stats.neurons, cpu
         finally:
