@@ -272,6 +272,14 @@ def _down_gemv_kernel(h_ptr, down_ptr, idx_ptr, nact_ptr, y_ptr, D, K, s_down,
 
 
 @triton.jit
+def _split_rows(K, SK, pid_s, BK: tl.constexpr):
+    """Active rows [k_lo, k_hi) of split pid_s of SK, whole BK tiles per split."""
+    per = tl.cdiv(tl.cdiv(K, SK), BK) * BK
+    k_lo = pid_s * per
+    return k_lo, tl.minimum(k_lo + per, K)
+
+
+@triton.jit
 def _act_kernel(u_ptr, g_ptr, bias_ptr, idx_ptr, nact_ptr, mask_ptr, T, K, s_h, s_mask,
                 ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_MODE: tl.constexpr, HAS_NACT: tl.constexpr,
                 TP: tl.constexpr, BK: tl.constexpr):
@@ -301,9 +309,7 @@ def _down_dot_kernel(h_ptr, down_ptr, idx_ptr, nact_ptr, y_ptr, T, D, K, s_down,
     pid, pid_s = tl.program_id(0), tl.program_id(1)
     if HAS_NACT:
         K = tl.minimum(tl.load(nact_ptr), K)
-    per = tl.cdiv(tl.cdiv(K, SK), BK) * BK  # rows per split, whole BK tiles (SK = 1: all)
-    k_lo = pid_s * per
-    k_hi = tl.minimum(k_lo + per, K)
+    k_lo, k_hi = _split_rows(K, SK, pid_s, BK)  # SK = 1: all rows
     offs_d = pid * BD + tl.arange(0, BD)
     dmask = offs_d < D
     offs_t = tl.arange(0, TP)
@@ -355,9 +361,7 @@ def _down_split_kernel(u_ptr, g_ptr, bias_ptr, down_ptr, idx_ptr, nact_ptr, y_pt
     pid_d, pid_s = tl.program_id(0), tl.program_id(1)
     if HAS_NACT:
         K = tl.minimum(tl.load(nact_ptr), K)
-    per = tl.cdiv(tl.cdiv(K, SK), BK) * BK  # rows per split, whole BK tiles
-    k_lo = pid_s * per
-    k_hi = tl.minimum(k_lo + per, K)
+    k_lo, k_hi = _split_rows(K, SK, pid_s, BK)
     offs_d = pid_d * BD + tl.arange(0, BD)
     dmask = offs_d < D
     acc = tl.zeros((BK, BD), dtype=tl.float32)
