@@ -112,9 +112,9 @@ class Config:
 # selects the split path (D over 5 programs per block of 16 rows, each column block's rows over 2
 # programs): faster on the GPU (T = 8, 10 %: 38.5 vs 48.0 us as graph replays,
 # kernels-nvidia-h200-v8.json; dense-gpu at batch 8 311-314 vs 345-351 us of GPU compute per
-# layer), yet the 13B hybrid at batch 8 decoded slower with it in all five engine pairs on the
-# host (118-132 vs 132-144 tok/s, its CPU kernel 794-931 vs 731-786 us per exchange;
-# runtime-13b-16gib-b8-*-h200*.json). Not explained; so not the default.
+# layer), yet the 13B hybrid at batch 8 decoded slower with it in all six engine pairs on the
+# host (82-132 vs 131-145 tok/s; runtime-13b-16gib-b8-*-h200*.json, kernels/NOTES.md). Not
+# explained; so not the default.
 TWO_STAGE_DOT = Config(up_bk=32, up_bd=256, up_warps=8, down_bk=256, down_bd=32, down_warps=4, down_stages=4)
 SPLIT_DOT = Config(up_bk=16, up_bd=256, up_warps=4, down_bk=256, down_bd=32, down_warps=4, up_sd=5, down_sk=2)
 CONFIGS = {
@@ -205,8 +205,8 @@ def _up_dot_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_pt
                    TP: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
     """T > 1: h[t, k] for BK active rows and all tokens; x [T, D], h [T, K]. PARTIAL (the split
     path): program (k block, d block) adds the pre-activations over columns [pid_d * D_PER, +D_PER)
-    into u = h_ptr and g_ptr [T, K] fp32 (zeroed beforehand) with atomics; the down stage applies
-    the activation."""
+    into u = h_ptr and g_ptr [T, K] fp32 (zeroed beforehand) with atomics; _act_kernel applies the
+    activation after."""
     pid, pid_d = tl.program_id(0), tl.program_id(1)
     if HAS_NACT:
         K = tl.minimum(tl.load(nact_ptr), K)
@@ -606,7 +606,7 @@ def _mask_args(mask: torch.Tensor | None, dummy: torch.Tensor) -> tuple[int, tor
 def launch_up(x, up, gate, up_bias, idx, mask, n_active, act, h, cfg: Config, g=None) -> None:
     """Stage 1: h [T, K] fp32 from x [T, D] and the active rows of up / gate. With g (T > 1, the
     split path): cfg.up_sd programs over D per row block add the pre-activations into h (= u) and
-    g [T, K], zeroed beforehand, and the activation is left to the down stage."""
+    g [T, K], zeroed beforehand, and the activation is left to _act_kernel."""
     T, D = x.shape
     K = idx.shape[0]
     if K == 0:
