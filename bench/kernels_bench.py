@@ -762,10 +762,16 @@ def bench_gpu(args) -> dict:
     del big, dst
     print(f"[gpu] {torch.cuda.get_device_name()}: D2D copy {ceiling:.0f} GB/s (read + write)", flush=True)
     up, gate, down_t = make_weights(torch.float16, GPU, gen)
+    layer_bytes = sum(w.numel() * w.element_size() for w in (up, gate, down_t))
+    fits = 1 + int(0.5 * torch.cuda.mem_get_info()[0] // layer_bytes)  # copies in half the free memory
+    if args.seq_layers > fits:
+        print(f"[gpu] --seq-layers {args.seq_layers}: {fits} layers fit in half the free GPU memory; using {fits}",
+              flush=True)
+        args.seq_layers = fits
+    layers = [(up, gate, down_t)] + [(up.clone(), gate.clone(), down_t.clone()) for _ in range(args.seq_layers - 1)]
     floor = graph_floor(max(1, args.seq_layers), args.quick)
     print(f"[gpu] floor: one-kernel graph {floor['one_kernel_graph_us']} us, "
           f"{floor['per_kernel_in_graph_of_n_us']} us per kernel in a graph of {floor['n']}", flush=True)
-    layers = [(up, gate, down_t)] + [(up.clone(), gate.clone(), down_t.clone()) for _ in range(args.seq_layers - 1)]
     sweep = sweep_triton(up, gate, down_t, gen, args.quick) if args.sweep else None
     configs = sweep.pop("_configs") if sweep else dict(tf.CONFIGS)
     rows = []
