@@ -145,8 +145,8 @@ def attach(spec: SharedShardSpec) -> tuple[list[FFNShard], torch.Tensor] | None:
 
 def fill(spec: SharedShardSpec, src: WeightSource, device: torch.device) -> None:
     """Write every layer's rows into a file laid out by ``share(..., defer=...)``, loading them from
-    ``src`` on ``device``. The rows go in with pwrite through a file descriptor of our own, from a
-    staging buffer (pinned on CUDA), not through a mapping: copying into freshly mapped tmpfs pages
+    ``src`` on ``device``. The rows go in with pwrite through a file descriptor of our own (from a
+    staging buffer, pinned on CUDA, when they were loaded off the host), not through a mapping: copying into freshly mapped tmpfs pages
     takes a page fault per 4 KB (dev machine, 2 GiB: 0.5-2.3 GB/s through a mapping, 5-7 GB/s
     with pwrite). RuntimeError if the file cannot be opened."""
     try:
@@ -154,9 +154,11 @@ def fill(spec: SharedShardSpec, src: WeightSource, device: torch.device) -> None
     except OSError as e:
         raise RuntimeError(f"the CPU executor's shared shard ({spec.path}) could not be opened to fill it: {e}") from e
     dtype = getattr(torch, spec.dtype)
-    most = max((len(ids) for ids, *_ in spec.layers), default=0) * spec.d
-    stage = torch.empty(most, dtype=dtype, pin_memory=device.type == "cuda")
-    esize = stage.element_size()
+    esize = torch.empty(0, dtype=dtype).element_size()
+    stage = None  # rows loaded on a GPU come to the host through one pinned buffer; CPU rows go as they are
+    if device.type != "cpu":
+        most = max((len(ids) for ids, *_ in spec.layers), default=0) * spec.d
+        stage = torch.empty(most, dtype=dtype, pin_memory=device.type == "cuda")
     try:
         for l, (ids, off_up, off_gate, off_down, _) in enumerate(spec.layers):
             if not len(ids):
@@ -164,8 +166,7 @@ def fill(spec: SharedShardSpec, src: WeightSource, device: torch.device) -> None
             sh = load_ffn_shard(src, l, ids, dtype, device)
             for off, rows in ((off_up, sh.up), (off_gate, sh.gate), (off_down, sh.down_t)):
                 if rows is not None:
-                    host = stage[: rows.numel()].view_as(rows)
-                    host.copy_(rows)
+                    host = rows.contiguous() if stage is None else stage[: rows.numel()].view_as(rows).copy_(rows)
                     _pwrite_all(fd, host, off * esize)
             del sh
     finally:
