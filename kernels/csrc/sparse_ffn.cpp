@@ -17,9 +17,9 @@
 //    private fp32 accumulator A_i [T, D] (phase 2, R rows interleaved so A_i is loaded and stored
 //    once per R rows); after a barrier the accumulators are summed in parallel over D.
 // Rows whose activation is zero for every token (ReLU zeros, masked tokens) skip their down row.
-// At T = 1 phase 1 takes active rows four at a time, one pass over x for all (dotn_t1): eight weight
-// streams per thread (four without a gate) keep more reads in flight than two. At T > 1 the next row's up / gate and this row's down
-// are prefetched while the dot products run (next_rows).
+// At T = 1 phase 1 takes active rows four at a time, one pass over x for all (dotn_t1): eight
+// weight streams per thread (four without a gate) keep more reads in flight than two. At T > 1 the
+// next row's up / gate and this row's down are prefetched while the dot products run (next_rows).
 // pi_linear: dense rows times x (the CPU executor's attention projections), on the same loops.
 // pi_sparse_ffn_bitmask decodes the CPU executor's packed mask (active rows and token bits) and
 // converts x itself, so the executor's exchange is one call.
@@ -531,7 +531,6 @@ bool row_few_tokens(const Args& a, int64_t k, uint64_t bits, float* A, const Pf*
     }
     return read;
 }
-
 
 // One thread's slice [k0, k1) of idx into its accumulator A [T, D]; returns the down rows read.
 template <class W, bool GATE>
