@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -314,6 +315,42 @@ def test_coordinator_stops_and_limits(models):
                 asyncio.run(eng.generate(prompt_token_ids=prompt, **bad))
     finally:
         eng.close()
+
+
+def test_local_engine_is_driven_from_any_event_loop(models):
+    """LocalEngine with a CPU executor, driven from two successive asyncio.run() calls (each a new
+    event loop) and then from two loops at once (two threads): every completion equals the dense
+    greedy tokens; a caller that gives up cancels its request and frees its slot."""
+    path = models["llama-gqa"]
+    ref = ReferenceModel.from_file(path)
+    eng = LocalEngine(EngineConfig(str(path), plan=_plans(ref.cfg)["split-heads"], policy="oracle", max_batch=2))
+    prompts = [list(range(7, 19)), [40, 41, 42, 43, 44]]
+    want = [ref.generate_greedy(p, 6) for p in prompts]
+    gen = lambda p: eng.generate(prompt_token_ids=p, max_tokens=6, ignore_eos=True)  # noqa: E731
+    try:
+        for _ in range(2):
+            assert asyncio.run(gen(prompts[0]))["token_ids"] == want[0]
+        other: list[dict] = []
+        th = threading.Thread(target=lambda: other.append(asyncio.run(gen(prompts[1]))))
+        th.start()
+        first = asyncio.run(gen(prompts[0]))
+        th.join(timeout=120)
+        assert first["token_ids"] == want[0] and other[0]["token_ids"] == want[1]
+
+        async def give_up():
+            await asyncio.wait_for(eng.generate(prompt_token_ids=prompts[0], max_tokens=50, ignore_eos=True), 0.05)
+
+        with pytest.raises(asyncio.TimeoutError):
+            asyncio.run(give_up())
+        deadline = time.monotonic() + 60
+        while ((st := eng.coordinator.stats())["aborted"] < 1 or st["running"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        st = eng.coordinator.stats()
+        assert st["aborted"] == 1 and st["running"] == 0 and st["finished"] == 4
+    finally:
+        eng.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        asyncio.run(gen(prompts[0]))
 
 
 def test_primary_maps_the_cpu_executors_rows_instead_of_copying_them(tmp_path, monkeypatch):
