@@ -98,12 +98,15 @@ def start_group(backend: Backend, spec: GroupSpec) -> ExecutorGroup:
     """Run the start script (see the module docstring); all or nothing: a failure closes what
     was started (a half-built group would hold the actor names a retry needs)."""
     g = ExecutorGroup(backend)
-    call = lambda member, method, *args: backend.call([(member, method, args)])[0]  # noqa: E731
+
+    def call(member: Any, method: str, *args: Any) -> Any:  # noqa: ANN401
+        return backend.call([(member, method, args)])[0]
+
     try:
         g.primary = backend.create("primary", spec)
         g.cpu = backend.create("cpu", spec) if spec.plan.needs_cpu_executor else None
         info = backend.call([(m, "ready", ()) for m in (g.primary, g.cpu) if m is not None])
-        log.info("executors ready: %s", info)
+        log.info("executors ready: %s", [{k: v for k, v in i.items() if k != "shard_spec"} for i in info])
         # seconds each executor took to build its shard (in parallel on Ray), then the steps below
         g.load_s = dict(zip(("gpu", "cpu"), (round(i["load_s"], 1) for i in info)))
         if g.cpu is not None:

@@ -18,6 +18,7 @@ import time
 import numpy as np
 import torch
 
+from ..model.config import ModelConfig
 from ..model.source import WeightSource, open_model
 from .channel import ChannelSpec
 from .cold import ColdRows
@@ -70,7 +71,7 @@ class PrimaryExecutor:
         self.load_s = time.perf_counter() - t0  # reading (or generating) its shard
 
     @property
-    def cfg(self):  # noqa: ANN201
+    def cfg(self) -> ModelConfig:
         return self.weights.cfg
 
     @property

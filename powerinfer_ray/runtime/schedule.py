@@ -65,18 +65,32 @@ def layer_schedule(cfg: ModelConfig, lp: LayerPlan, l: int, policy: str, cold: b
     heads, neurons = len(lp.cpu_groups) > 0, len(lp.cpu_neurons) > 0
     cold, cpu_ffn = cold and neurons, neurons and not cold
     n_mask = len(lp.cpu_neurons) if policy == "predictor" and cpu_ffn else 0
-    ffn_tail = [Step("ffn", l)] + ([Step("cold", l)] if cold else [])
+    S = lambda op, cpu=False: Step(op, l, cpu)  # noqa: E731
     if cfg.parallel_attn:  # one request: the CPU answers with the sum of its parts
-        post = [Step(op, l) for op, on in (("stage_attn", heads), ("stage_ffn", cpu_ffn)) if on]
+        items = [S("attn_in"), S("ffn_in")]
+        if heads:
+            items.append(S("stage_attn"))
+        if cpu_ffn:
+            items.append(S("stage_ffn"))
         if heads or cpu_ffn:
-            post.append(Post(OP_ATTN_FFN if cpu_ffn else OP_ATTN, l, n_mask))
-        wait = [Await(l)] if heads or cpu_ffn else []
-        return [Step("attn_in", l), Step("ffn_in", l), *post, Step("attention", l), *ffn_tail, *wait,
-                Step("ffn_out", l, heads or cpu_ffn)]
-    return [Step("attn_in", l), *([Step("stage_attn", l), Post(OP_ATTN, l, 0)] if heads else []),
-            Step("attention", l), *([Await(l)] if heads else []), Step("attn_out", l, heads),
-            Step("ffn_in", l), *([Step("stage_ffn", l), Post(OP_FFN, l, n_mask)] if cpu_ffn else []),
-            *ffn_tail, *([Await(l)] if cpu_ffn else []), Step("ffn_out", l, cpu_ffn)]
+            items.append(Post(OP_ATTN_FFN if cpu_ffn else OP_ATTN, l, n_mask))
+        items += [S("attention"), S("ffn")] + ([S("cold")] if cold else [])
+        if heads or cpu_ffn:
+            items.append(Await(l))
+        return items + [S("ffn_out", heads or cpu_ffn)]
+    items = [S("attn_in")]
+    if heads:
+        items += [S("stage_attn"), Post(OP_ATTN, l, 0)]
+    items.append(S("attention"))
+    if heads:
+        items.append(Await(l))
+    items += [S("attn_out", heads), S("ffn_in")]
+    if cpu_ffn:
+        items += [S("stage_ffn"), Post(OP_FFN, l, n_mask)]
+    items += [S("ffn")] + ([S("cold")] if cold else [])
+    if cpu_ffn:
+        items.append(Await(l))
+    return items + [S("ffn_out", cpu_ffn)]
 
 
 def step_schedule(cfg: ModelConfig, plan: Plan, policy: str, cold: bool = False) -> list[Item]:
