@@ -13,6 +13,7 @@ from powerinfer_ray.model.default import default_model_path
 from powerinfer_ray.model.source import open_model
 from powerinfer_ray.placement.gpuidx import gpuidx_path, read_gpuidx
 from powerinfer_ray.runtime.engine import GIB, EngineConfig, LocalEngine, resolve_plan
+from powerinfer_ray.runtime.plan import Plan
 
 
 @pytest.fixture()
@@ -111,20 +112,20 @@ def test_prefill_chunk_defaults_by_device_and_checks_values():
         resolve_prefill_chunk(EngineConfig("m.gguf", prefill_chunk=0), "cpu")
 
 
-def test_hot_first_cpu_rows_give_the_same_logits(monkeypatch):
-    """$POWERINFER_RAY_CPU_ORDER=hot: the same split, each layer's CPU rows ordered by activation
-    count; the CPU shard, its mask and the predictor's rows follow that order, so every step's
-    logits equal those of the id-ordered engine (up to fp32 summation order)."""
+def test_hot_first_cpu_rows_give_the_same_logits():
+    """The engine's plan orders each layer's CPU rows by activation count (``Plan.hot_first``);
+    the CPU shard, its mask and the predictor's rows follow that order, so every step's logits
+    equal those of an engine given the same split in ascending ids (up to fp32 summation order)."""
     from powerinfer_ray.runtime.engine import activation_counts
 
     spec = "planted:tiny"
     src = open_model(spec)
     counts = activation_counts(src, spec)[0]
-    ec = dict(gpu_fraction=0.3, policy="predictor", max_batch=1, prefill_chunk=8)
+    ec = dict(policy="predictor", max_batch=1, prefill_chunk=8)
+    by_id = Plan.hottest(src.config, 0.3, counts)  # the same split, CPU rows in ascending ids
     prompt, logits, plans = list(range(3, 19)), {}, {}
-    for order in ("id", "hot"):
-        monkeypatch.setenv("POWERINFER_RAY_CPU_ORDER", order)
-        eng = LocalEngine(EngineConfig(spec, **ec))
+    for order, kw in (("id", dict(plan=by_id)), ("hot", dict(gpu_fraction=0.3))):
+        eng = LocalEngine(EngineConfig(spec, **ec, **kw))
         try:
             plans[order] = eng.primary.plan
             steps = [eng.primary.step([0], [prompt[i:i + 8]], [i])[0] for i in (0, 8)]
@@ -135,10 +136,8 @@ def test_hot_first_cpu_rows_give_the_same_logits(monkeypatch):
             eng.close()
     for l, (a, b) in enumerate(zip(plans["id"].layers, plans["hot"].layers)):
         assert np.array_equal(a.gpu_neurons, b.gpu_neurons)
+        assert np.array_equal(a.cpu_neurons, np.sort(a.cpu_neurons))
         assert np.array_equal(np.sort(b.cpu_neurons), a.cpu_neurons)  # the same neurons
         assert np.all(np.diff(counts[l][b.cpu_neurons]) <= 0)  # hottest first
         assert not np.array_equal(a.cpu_neurons, b.cpu_neurons)  # reordered: the test is not vacuous
     np.testing.assert_allclose(logits["hot"], logits["id"], rtol=1e-4, atol=1e-4)
-    monkeypatch.setenv("POWERINFER_RAY_CPU_ORDER", "random")
-    with pytest.raises(ValueError, match="POWERINFER_RAY_CPU_ORDER='random'"):
-        resolve_plan(EngineConfig(spec, **ec))
