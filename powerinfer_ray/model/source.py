@@ -7,9 +7,11 @@ a path -> ``ModelFile``; ``planted:<shape>[?key=value&...]`` -> ``bench.planted`
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from .config import ModelConfig
@@ -54,3 +56,33 @@ def rows_faster_on(src: WeightSource, device: str | torch.device) -> bool:
     from .planted import PlantedModel
 
     return isinstance(src, PlantedModel)
+
+
+class Mapping(NamedTuple):
+    """A model file's memory map: where it is in this process and what it maps."""
+
+    address: int
+    nbytes: int
+    path: Path
+
+
+def file_mapping(src: WeightSource) -> Mapping | None:
+    """The memory map of a model file (None for a source without a file)."""
+    if not isinstance(src, ModelFile):
+        return None
+    data = src.reader.data  # np.memmap of the whole file, read-only pages
+    return Mapping(int(data.ctypes.data), int(data.nbytes), src.path)
+
+
+def mapped_tensor(src: WeightSource, name: str) -> torch.Tensor | None:
+    """Tensor ``name`` of a model file as a torch view of the file's memory map, without a copy
+    (numpy's shape: [rows, cols]; bf16 as torch.bfloat16). The pages are read-only: writing to the
+    view kills the process. None when ``src`` has no file or no such tensor."""
+    if not isinstance(src, ModelFile) or not src.has(name):
+        return None
+    arr = src.raw(name)
+    with warnings.catch_warnings():  # torch warns that the array is not writable: it is not written
+        warnings.simplefilter("ignore", UserWarning)
+        if src.dtype_of(name) == "bf16":
+            return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(arr)

@@ -18,13 +18,15 @@ import torch
 
 from ..kernels.cpu_ffn import linear as cpu_linear, sparse_ffn_bitmask
 from ..model import gguf_keys as K
-from ..model.source import WeightSource, open_model
+from ..model.source import WeightSource, file_mapping, open_model
 from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec
+from .hostmem import process_memory
 from .layers import attn_partial, ffn_partial
 from .plan import Plan
-from .shard import load_attn_shard, load_ffn_shard
+from .shard import FFNShard, in_place_ffn_shard, load_attn_shard, load_ffn_shard
 from .sharedshard import fill, prefault, release, share
 from .stats import ExecStats
+from .warm import Warmer
 from .weights import DTYPES
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,7 @@ class CPUExecutor:
         self.load_s = time.perf_counter() - t0  # reading (or generating) its shard
 
     def _load(self, model, plan, policy, slots, n_ctx, threads, dtype, defer_fill) -> None:  # noqa: ANN001
+        t0 = time.perf_counter()
         self.src = open_model(model)
         self.cfg = cfg = self.src.config
         self.plan, self.policy = plan, policy
@@ -103,27 +106,71 @@ class CPUExecutor:
         torch.set_num_threads(self.threads)
         wdt = DTYPES[dtype or cfg.dtype]
         n_ctx = min(n_ctx or cfg.n_ctx, cfg.n_ctx)
-        dev = torch.device("cpu")
-        # the FFN rows go into one shared-memory file when /dev/shm has room: the primary maps the
-        # same pages for dense prefill instead of holding a second copy (runtime/sharedshard.py)
-        load = lambda l: load_ffn_shard(self.src, l, plan[l].cpu_neurons, wdt, dev)  # noqa: E731
-        shared = share([len(plan[l].cpu_neurons) for l in range(cfg.n_layer)], cfg.gated, cfg.n_embd, wdt, load,
-                       defer=self._ids_and_bias if defer_fill else None)
-        self.ffn, self.shard_spec = shared if shared is not None else ([load(l) for l in range(cfg.n_layer)], None)
-        self.needs_fill = defer_fill and shared is not None
+        self.phases = {"open": time.perf_counter() - t0}
+        t1 = time.perf_counter()
+        self.shard_spec, self.needs_fill = None, False
+        self.ffn = self._ffn_in_place(wdt)
+        if self.ffn is None:
+            self.ffn = self._ffn_copy(wdt, defer_fill)
+        self.phases["ffn"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
         # attention weights in the model's dtype, read in place by the compiled kernel's linear
         # (fp32 weights read twice the bytes; torch would widen them per call); KV cache in fp32
-        self.attn = [load_attn_shard(self.src, l, plan[l].cpu_groups, wdt, dev, slots + 1, n_ctx,
+        self.attn = [load_attn_shard(self.src, l, plan[l].cpu_groups, wdt, torch.device("cpu"), slots + 1, n_ctx,
                                      cache_dtype=torch.float32, out_rows=True) for l in range(cfg.n_layer)]
+        self.phases["attention"] = time.perf_counter() - t1
         self.stats = ExecStats()
         self.channel: Channel | None = None
         self.error: str | None = None
+        self._row_masks: dict[int, np.ndarray] = {}
+        self.warmer = Warmer(self.ffn).start() if self.ffn_rows == "file" else None
+
+    def _ffn_in_place(self, wdt: torch.dtype) -> list[FFNShard] | None:
+        """Every layer's FFN rows as views of the model file's memory map (no copy), or None
+        when the source has no file or its layout or dtype cannot be read so."""
+        cfg, plan = self.cfg, self.plan
+        shards = [in_place_ffn_shard(self.src, l, plan[l].cpu_neurons, wdt) for l in range(cfg.n_layer)]
+        if any(sh is None for sh in shards):
+            return None
+        self.ffn_rows = "file"
+        log.info("cpu executor: FFN rows computed in place in %s (%.2f GiB of rows, no copy)",
+                 file_mapping(self.src).path, sum(sh.nbytes for sh in shards) / 2**30)
+        return shards
+
+    def _ffn_copy(self, wdt: torch.dtype, defer_fill: bool) -> list[FFNShard]:
+        """The FFN rows copied: into one shared-memory file when /dev/shm has room (the primary
+        maps the same pages for dense prefill instead of holding a second copy:
+        runtime/sharedshard.py), else into private memory."""
+        cfg, plan, dev = self.cfg, self.plan, torch.device("cpu")
+        why = ("the source has no file (a planted model: its rows are generated)" if file_mapping(self.src) is None
+               else f"the file does not hold every layer's ffn_up / ffn_gate / ffn_down_t as {wdt} [n_ff, D] rows")
+        load = lambda l: load_ffn_shard(self.src, l, plan[l].cpu_neurons, wdt, dev)  # noqa: E731
+        shared = share([len(plan[l].cpu_neurons) for l in range(cfg.n_layer)], cfg.gated, cfg.n_embd, wdt, load,
+                       defer=self._ids_and_bias if defer_fill else None)
+        self.ffn_rows = "shared" if shared is not None else "private"
+        shards = shared[0] if shared is not None else [load(l) for l in range(cfg.n_layer)]
+        log.info("cpu executor: FFN rows copied into %s memory (%.2f GiB): %s", self.ffn_rows,
+                 sum(sh.nbytes for sh in shards) / 2**30, why)
+        if shared is not None:
+            self.shard_spec, self.needs_fill = shared[1], defer_fill
+        return shards
 
     def ready(self) -> dict:
         """What the group's start script reads: the shared rows' layout, and whether they await
-        their rows (``defer_fill``)."""
+        their rows (``defer_fill``); where the FFN rows are (file | shared | private), the load's
+        phases in seconds, and this process's memory."""
         return {"device": "cpu", "weight_bytes": self.weight_bytes(), "threads": self.threads,
-                "load_s": self.load_s, "needs_fill": self.needs_fill, "shard_spec": self.shard_spec}
+                "load_s": self.load_s, "needs_fill": self.needs_fill, "shard_spec": self.shard_spec,
+                "ffn_rows": self.ffn_rows, "phases": {k: round(v, 3) for k, v in self.phases.items()},
+                "memory": self.memory()}
+
+    def memory(self) -> dict:
+        """This process's resident memory (``hostmem.process_memory``), the bytes of its FFN rows
+        by where they are, and how far the warming of in-place rows has come."""
+        rows = sum(sh.nbytes for sh in self.ffn)
+        return {**process_memory(), "ffn_rows": self.ffn_rows, "ffn_row_bytes": rows,
+                "shared_bytes": rows if self.ffn_rows == "shared" else 0,
+                "warm": self.warmer.state() if self.warmer is not None else None}
 
     def weight_bytes(self) -> int:
         return sum(s.nbytes for s in self.ffn) + sum(a.weight_bytes + a.cache_bytes for a in self.attn)
@@ -150,9 +197,11 @@ class CPUExecutor:
         """The primary has written the rows (`needs_fill`): touch every page once before serving.
         by_primary False: it could not, so write them here."""
         def run() -> None:
+            t0 = time.perf_counter()
             if not by_primary:
                 fill(self.shard_spec, self.src, torch.device("cpu"))
             prefault(self.ffn)
+            self.phases["fill" if not by_primary else "prefault"] = time.perf_counter() - t0
         self._omp.call(run)
         self.needs_fill = False
 
@@ -224,9 +273,12 @@ class CPUExecutor:
             nbytes = rows * cfg.neuron_bytes
         else:  # one compiled call from the channel's packed mask and x to out
             packed = ch.mask_rows(n_tok, n_mask) if self.policy == "predictor" else None
+            n = n_mask if packed is not None else sh.n
+            if sh.rows is not None:
+                packed, n = self._row_mask(l, packed, n_tok)
             t_k = time.monotonic_ns()
             pairs, rows, down_rows = sparse_ffn_bitmask(
-                ch.x_ffn[:n_tok], sh.up, sh.gate, sh.down_t, packed, n_mask if packed is not None else sh.n,
+                ch.x_ffn[:n_tok], sh.up, sh.gate, sh.down_t, packed, n,
                 cfg.ffn_act, sh.up_bias, out, self.threads, skip_zero=self.skip_zero)
             self.stats.kernel_s += (time.monotonic_ns() - t_k) * 1e-9
             row_bytes = cfg.n_embd * cfg.dtype_bytes  # bytes read: the up (+ gate) rows, the down rows read
@@ -234,10 +286,31 @@ class CPUExecutor:
         self.stats.neurons += pairs
         self.stats.active_bytes += nbytes
 
+    def _row_mask(self, l: int, packed: np.ndarray | None, n_tok: int) -> tuple[np.ndarray | None, int]:
+        """An in-place shard's mask in row order of the file's matrices: bit r for row r, over
+        all R rows (the kernel reads rows 0 .. n-1 of the matrices it is given; this goes when
+        it reads rows by id). packed None: every one of the shard's neurons."""
+        sh = self.ffn[l]
+        R = sh.up.shape[0]
+        if packed is None:
+            if sh.n == R:
+                return None, R
+            if l not in self._row_masks:
+                bits = np.zeros((1, R), np.uint8)
+                bits[0, sh.ids] = 1
+                self._row_masks[l] = np.packbits(bits, axis=1, bitorder="little")
+            return np.repeat(self._row_masks[l], n_tok, axis=0), R
+        bits = np.unpackbits(packed, axis=1, count=sh.n, bitorder="little")  # [N, n]
+        full = np.zeros((n_tok, R), np.uint8)
+        full[:, sh.ids] = bits
+        return np.packbits(full, axis=1, bitorder="little"), R
+
     def stop(self) -> None:
         """After the serving loop answered OP_STOP (or never started): end the worker thread and
         let go of the shared rows (their pages stay while the primary maps them)."""
         if self._serving is not None:
             futures_wait([self._serving], timeout=5)
         self._omp.close()
+        if self.warmer is not None:
+            self.warmer.stop()
         release(self.shard_spec)

@@ -57,6 +57,7 @@ class EngineConfig:
     dtype: str | None = None
     prefill_dense_min: int | None = None  # None: 32 tokens on CUDA, off on the CPU
     graphs: bool | None = None  # decode steps as CUDA graphs; None: on CUDA (CPU: True runs them eagerly)
+    host_memory_gib: float | None = None  # host memory the executors may take; None: what the host has available
 
 
 def engine_n_ctx(ec: EngineConfig, cfg: ModelConfig) -> int:
@@ -160,7 +161,8 @@ def executor_spec(ec: EngineConfig, src: WeightSource, plan: Plan, device: str, 
                      t_max=max(resolve_prefill_chunk(ec, device), ec.max_batch), threads=threads,
                      threshold=ec.threshold, dtype=ec.dtype, timeout_s=ec.timeout_s,
                      prefill_dense_min=ec.prefill_dense_min, graphs=ec.graphs,
-                     primary_fills=rows_faster_on(src, device))
+                     primary_fills=rows_faster_on(src, device),
+                     host_memory_bytes=None if ec.host_memory_gib is None else int(ec.host_memory_gib * GIB))
 
 
 class LocalEngine:

@@ -54,10 +54,12 @@ def active_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
 def oracle_mask(x: torch.Tensor, shard: FFNShard, act: str) -> torch.Tensor:
     """The true activity [T, n] of the shard's neurons for inputs x [T, D] (h != 0)."""
     xf = x.float()
-    up = xf @ shard.up.float().T  # [T, n]
+    sel = None if shard.rows is None else shard.rows.long()
+    rows = lambda t: t if sel is None else t[sel]  # noqa: E731  (the shard's neurons' rows, in order)
+    up = xf @ rows(shard.up).float().T  # [T, n]
     if shard.up_bias is not None:
-        up = up + shard.up_bias
-    gate = xf @ shard.gate.float().T if shard.gate is not None else None  # [T, n]
+        up = up + rows(shard.up_bias)
+    gate = xf @ rows(shard.gate).float().T if shard.gate is not None else None  # [T, n]
     return ffn_activation(act, up, gate) != 0
 
 
@@ -79,8 +81,8 @@ def ffn_partial(x: torch.Tensor, shard: FFNShard, act: str, policy: str,
     else:
         idx, tok_mask = active_rows(mask)
         computed = int(mask.sum()) if tok_mask is not None else idx.numel()
-    y = sparse_ffn(x, shard.up, shard.gate, shard.down_t, idx, tok_mask, act, shard.up_bias, out,
-                   threads=threads)
+    y = sparse_ffn(x, shard.up, shard.gate, shard.down_t, shard.row_index(idx), tok_mask, act, shard.up_bias,
+                   out, threads=threads)
     return y, computed, idx.numel()
 
 

@@ -24,6 +24,7 @@ from .channel import ChannelSpec
 from .cold import ColdRows
 from .eager import EagerStep
 from .exchange import Exchange
+from .hostmem import process_memory
 from .graphs import GRAPH_POLICIES, DecodeGraphs, GraphCaptureError
 from .layers import Policy
 from .plan import Plan
@@ -50,6 +51,7 @@ class PrimaryExecutor:
         t0 = time.perf_counter()
         self.src = open_model(model)
         cfg = self.src.config
+        self.phases = {"open": time.perf_counter() - t0}
         plan.verify(cfg)
         self.policy = Policy.for_model(policy, threshold, cfg)
         self.device = torch.device(device)
@@ -60,8 +62,12 @@ class PrimaryExecutor:
             # cuDNN's SDPA plans per shape: every decode step has a new key length, and each
             # re-plan costs milliseconds of host time
             torch.backends.cuda.enable_cudnn_sdp(False)
+        t1 = time.perf_counter()
         self.weights = PrimaryWeights(self.src, plan, self.policy, self.device, dt, slots,
                                       min(n_ctx or cfg.n_ctx, cfg.n_ctx))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.phases["weights"] = time.perf_counter() - t1
         self.cold = ColdRows(self.src, plan, dt, self.device, self.stats, prefill_dense_min)
         self.exchange: Exchange | None = None
         self.use_graphs = ((self.device.type == "cuda") if graphs is None else bool(graphs)) \
@@ -80,7 +86,10 @@ class PrimaryExecutor:
 
     # --- setup (the executor group calls these) --------------------------------------------------
     def ready(self) -> dict:
-        return {"device": str(self.device), "weight_bytes": self.weight_bytes(), "load_s": self.load_s}
+        """What the group's start script reads: bytes held, the load's phases in seconds, and
+        this process's host memory."""
+        return {"device": str(self.device), "weight_bytes": self.weight_bytes(), "load_s": self.load_s,
+                "phases": {k: round(v, 3) for k, v in self.phases.items()}, "memory": process_memory()}
 
     def create_channel(self) -> ChannelSpec | None:
         """Create the shared-memory channel to the CPU executor (None: the plan needs no CPU)."""

@@ -1,6 +1,8 @@
 """What an executor holds for one layer, loaded from a WeightSource: only its own rows and heads.
 
-``FFNShard``: rows of up / gate / down_t (and up's bias) of the executor's neurons.
+``FFNShard``: rows of up / gate / down_t (and up's bias) of the executor's neurons: a copy of
+them (``load_ffn_shard``), or, where the model file stores them as the compute reads them, the
+file's whole matrices in its memory map with the row of each neuron (``in_place_ffn_shard``).
 ``AttnShard``: q/k/v rows and the o-projection columns (transposed) of its KV-head groups, with
 their KV cache [slots, Gs, S, hd]. Partial outputs of disjoint shards add up to the dense layer
 (``layers.merge_partials``).
@@ -14,25 +16,39 @@ import torch
 
 from ..model import gguf_keys as K
 from ..model.config import ModelConfig
-from ..model.source import WeightSource
+from ..model.source import WeightSource, mapped_tensor
 
 
 @dataclass
 class FFNShard:
-    ids: np.ndarray  # [n] global neuron ids (sorted)
-    up: torch.Tensor  # [n, D]
-    gate: torch.Tensor | None  # [n, D]
-    down_t: torch.Tensor  # [n, D]
-    up_bias: torch.Tensor | None  # [n]
+    """Neuron j of the shard (global id ids[j]) is row ``rows[j]`` of up, gate, down_t and up_bias
+    (row j when ``rows`` is None: a copy holding the shard's rows only, R = n)."""
+
+    ids: np.ndarray  # [n] global neuron ids, in shard order (the CPU mask's bit j is neuron ids[j])
+    up: torch.Tensor  # [R, D]
+    gate: torch.Tensor | None  # [R, D]
+    down_t: torch.Tensor  # [R, D]
+    up_bias: torch.Tensor | None  # [R]
+    rows: torch.Tensor | None = None  # [n] int32 (in place: the global ids, R = n_ff)
 
     @property
     def n(self) -> int:
         return len(self.ids)
 
     @property
+    def in_place(self) -> bool:
+        return self.rows is not None
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.up, self.gate, self.down_t, self.up_bias)
-                   if t is not None)
+        """Bytes of the shard's neurons (n rows of each matrix and of the bias)."""
+        per_row = sum(t.element_size() * (t.shape[1] if t.dim() == 2 else 1)
+                      for t in (self.up, self.gate, self.down_t, self.up_bias) if t is not None)
+        return self.n * per_row
+
+    def row_index(self, idx: torch.Tensor) -> torch.Tensor:
+        """The rows of up / gate / down_t of the shard's neurons idx [K] (int64, idx's device)."""
+        return idx if self.rows is None else self.rows.to(idx.device).long()[idx]
 
 
 @dataclass
@@ -83,6 +99,27 @@ def load_ffn_shard(src: WeightSource, l: int, ids: np.ndarray, dtype: torch.dtyp
     return FFNShard(ids=np.asarray(ids, np.int64), up=rows(K.FFN_UP),
                     gate=rows(K.FFN_GATE) if cfg.gated else None, down_t=rows(K.FFN_DOWN_T),
                     up_bias=rows(K.FFN_UP, bias=True) if cfg.bias else None)
+
+
+def in_place_ffn_shard(src: WeightSource, l: int, ids: np.ndarray, dtype: torch.dtype | None) -> FFNShard | None:
+    """Layer l's neurons ``ids`` as views of the model file's ffn_up / ffn_gate / ffn_down_t
+    [n_ff, D] (and up's bias) in its memory map, without a copy; None when the file cannot serve
+    them so: no file, another layout (ffn_down untransposed, fused), or a dtype other than
+    ``dtype`` (None: any float dtype the file has)."""
+    cfg = src.config
+    mats = [K.FFN_UP] + ([K.FFN_GATE] if cfg.gated else []) + [K.FFN_DOWN_T]
+    views = [mapped_tensor(src, K.tensor(t, l)) for t in mats]
+    want = (cfg.n_ff, cfg.n_embd)
+    for v in views:
+        if v is None or tuple(v.shape) != want or v.stride(1) != 1 or v.dtype != views[0].dtype \
+                or v.dtype not in (torch.float32, torch.float16, torch.bfloat16) or (dtype is not None and v.dtype != dtype):
+            return None
+    bias = mapped_tensor(src, K.tensor(K.FFN_UP, l, True)) if cfg.bias else None
+    if cfg.bias and (bias is None or tuple(bias.shape) != (cfg.n_ff,)):
+        return None
+    ids = np.asarray(ids, np.int64)
+    return FFNShard(ids, views[0], views[1] if cfg.gated else None, views[-1], bias,
+                    rows=torch.from_numpy(ids.astype(np.int32)))
 
 
 def load_attn_shard(src: WeightSource, l: int, groups: np.ndarray, dtype: torch.dtype,
