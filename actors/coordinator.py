@@ -26,6 +26,7 @@ from ..runtime import coordinator as core
 from ..runtime.engine import (GIB, EngineConfig, engine_n_ctx, executor_spec, make_tokenizer, resolve_plan,
                               resolve_policy, resolve_prefill_chunk)
 from ..runtime.group import ExecutorGroup, start_group
+from ..runtime.hostmem import process_memory
 from .executors import RayBackend
 
 log = logging.getLogger(__name__)
@@ -129,7 +130,9 @@ class Coordinator:
         g = self.group
         return {"model": self.model_name, "n_ctx": self.n_ctx, "policy": self.policy,
                 "executors": ["gpu"] + (["cpu"] if g and g.cpu else []), "plan_s": self.plan_s,
-                "load_s": g.load_s if g else {}, "dense_prefill": g.dense_prefill if g else None}
+                "load_s": g.load_s if g else {}, "dense_prefill": g.dense_prefill if g else None,
+                # each executor's load phases and memory at its start (its ready() without the shard layout)
+                "executors_ready": [{k: v for k, v in i.items() if k != "shard_spec"} for i in g.ready] if g else []}
 
     def model_info(self) -> dict[str, Any]:
         return {"name": self.model_name, "n_ctx": self.n_ctx, "n_vocab": self.cfg.n_vocab,
@@ -151,7 +154,7 @@ class Coordinator:
 
     async def stats(self) -> dict[str, Any]:
         """Coordinator counters and each executor's load (neurons, bytes, busy s, sync, memory)."""
-        out: dict[str, Any] = {"coordinator": self.core.stats(), "restarts": self.restarts,
+        out: dict[str, Any] = {"coordinator": {**self.core.stats(), "memory": process_memory()}, "restarts": self.restarts,
                                "policy": self.policy, "n_ctx": self.n_ctx}
         peer, g = None, self._running()
         if g.cpu is not None:

@@ -37,6 +37,7 @@ FFN_ACT = "powerinfer_ray.ffn_act"  # relu | reglu | drelu | swiglu
 PARALLEL_ATTN = "powerinfer_ray.parallel_attn"  # falcon: attention and FFN read the same input
 FALCON_NEW_ARCH = "powerinfer_ray.falcon_new_decoder_architecture"  # separate ln_attn / ln_mlp
 POS_OFFSET = "powerinfer_ray.position_offset"  # OPT's learned positions start at index 2
+PLANTED_SPEC = "powerinfer_ray.planted_spec"  # a planted model written to a file: its spec (bench/planted_file.py)
 
 # --- PowerInfer ---------------------------------------------------------------------------------
 SPARSE_THRESHOLD = "powerinfer.sparse_threshold"

@@ -23,7 +23,7 @@ from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, Ch
 from .hostmem import process_memory
 from .layers import attn_partial, ffn_partial
 from .plan import Plan
-from .shard import FFNShard, in_place_ffn_shard, load_attn_shard, load_ffn_shard
+from .shard import FFNShard, in_place_attn_shard, in_place_ffn_shard, load_attn_shard, load_ffn_shard
 from .sharedshard import fill, prefault, release, share
 from .stats import ExecStats
 from .warm import Warmer
@@ -116,8 +116,10 @@ class CPUExecutor:
         t1 = time.perf_counter()
         # attention weights in the model's dtype, read in place by the compiled kernel's linear
         # (fp32 weights read twice the bytes; torch would widen them per call); KV cache in fp32
-        self.attn = [load_attn_shard(self.src, l, plan[l].cpu_groups, wdt, torch.device("cpu"), slots + 1, n_ctx,
-                                     cache_dtype=torch.float32, out_rows=True) for l in range(cfg.n_layer)]
+        # (in place in the file's mapping when its groups are one range)
+        self.attn = [in_place_attn_shard(self.src, l, plan[l].cpu_groups, wdt, slots + 1, n_ctx, torch.float32)
+                     or load_attn_shard(self.src, l, plan[l].cpu_groups, wdt, torch.device("cpu"), slots + 1, n_ctx,
+                                        cache_dtype=torch.float32, out_rows=True) for l in range(cfg.n_layer)]
         self.phases["attention"] = time.perf_counter() - t1
         self.stats = ExecStats()
         self.channel: Channel | None = None

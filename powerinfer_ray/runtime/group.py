@@ -113,9 +113,11 @@ def start_group(backend: Backend, spec: GroupSpec) -> ExecutorGroup:
                f"the model {src.config.name or spec.model}")
     g.load_s["check"] = round(time.perf_counter() - t0, 2)
     try:
+        t_m = time.perf_counter()
         g.primary = backend.create("primary", spec)
         g.cpu = backend.create("cpu", spec) if spec.plan.needs_cpu_executor else None
         info = backend.call([(m, "ready", ()) for m in (g.primary, g.cpu) if m is not None])
+        g.load_s["members"] = round(time.perf_counter() - t_m, 2)  # processes started, shards loaded
         log.info("executors ready: %s", [{k: v for k, v in i.items() if k != "shard_spec"} for i in info])
         # seconds each executor took to build its shard (in parallel on Ray), then the steps below
         g.load_s.update(zip(("gpu", "cpu"), (round(i["load_s"], 2) for i in info)))

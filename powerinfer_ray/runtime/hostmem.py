@@ -15,11 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..model.config import ModelConfig
 from ..model.source import WeightSource, file_mapping
 from .channel import SHM_DIR
 from .plan import Plan
-from .shard import in_place_ffn_shard
+from .shard import attn_views, in_place_ffn_shard
 from .weights import DTYPES
 
 GIB = 1 << 30
@@ -55,8 +54,8 @@ def host_memory() -> HostMemory:
 def process_memory() -> dict[str, int]:
     """This process's resident memory in bytes: peak (VmHWM) and now (VmRSS), split into private
     (anon), mapped files and shared memory (tmpfs pages, /dev/shm files included)."""
-    keys = {"VmHWM": "rss_peak", "VmRSS": "rss", "RssAnon": "rss_anon", "RssFile": "rss_file",
-            "RssShmem": "rss_shmem"}
+    keys = {"VmHWM": "rss_peak_bytes", "VmRSS": "rss_bytes", "RssAnon": "rss_anon_bytes",
+            "RssFile": "rss_file_bytes", "RssShmem": "rss_shmem_bytes"}
     out = {}
     with open("/proc/self/status") as fh:
         for line in fh:
@@ -86,7 +85,7 @@ class HostNeed:
     cpu_rows: int  # bytes of the CPU executor's FFN rows
     rows_copied: bool  # copied (a source without a file, or a layout that cannot be read in place)
     rows_cached: bool  # in place from a file on disk: its CPU rows must stay in the page cache
-    cpu_attention: int  # the CPU executor's attention weights (copies) and KV cache
+    cpu_attention: int  # the CPU executor's attention weights where copied, and its KV cache
     processes: int  # executor processes
 
     @property
@@ -102,13 +101,20 @@ class HostNeed:
                 f"{self.processes} executor process(es) x {PROCESS_BYTES / GIB:.1f} GiB")
 
 
-def cpu_attention_bytes(cfg: ModelConfig, plan: Plan, slots: int, n_ctx: int, dtype_bytes: int) -> int:
-    """The CPU executor's attention: q/k/v rows and o columns of its KV-head groups, and their
-    KV cache (fp32, ``slots`` + 1 sequences)."""
-    hd, g = cfg.head_dim, cfg.n_gqa
-    per_group = (2 * g + 2) * hd * cfg.n_embd * dtype_bytes  # q and o of its g heads, k and v
+def cpu_attention_bytes(src: WeightSource, plan: Plan, slots: int, n_ctx: int) -> int:
+    """The CPU executor's attention: q/k/v rows and o columns of its KV-head groups where they
+    are copied (not read in place: ``shard.attn_views``), and their KV cache (fp32, ``slots`` + 1
+    sequences)."""
+    cfg = src.config
+    hd, g, dtype = cfg.head_dim, cfg.n_gqa, DTYPES.get(cfg.dtype)
+    per_group = (2 * g + 2) * hd * cfg.n_embd * cfg.dtype_bytes  # q and o of its g heads, k and v
     cache = 2 * (slots + 1) * n_ctx * hd * 4
-    return int(sum(len(lp.cpu_groups) for lp in plan.layers) * (per_group + cache))
+    total = 0
+    for l, lp in enumerate(plan.layers):
+        if len(lp.cpu_groups):
+            copied = dtype is None or attn_views(src, l, lp.cpu_groups, dtype) is None
+            total += len(lp.cpu_groups) * ((per_group if copied else 0) + cache)
+    return total
 
 
 def check_fits(need: HostNeed, limit: int | None = None, what: str = "the model") -> None:
@@ -136,4 +142,4 @@ def host_need(src: WeightSource, plan: Plan, slots: int, n_ctx: int) -> HostNeed
         in_place_ffn_shard(src, l, np.zeros(0, np.int64), DTYPES.get(cfg.dtype)) is not None
         for l, lp in enumerate(plan.layers) if len(lp.cpu_neurons))
     return HostNeed(rows, not in_place, in_place and not on_tmpfs(mapping.path),
-                    cpu_attention_bytes(cfg, plan, slots, n_ctx, cfg.dtype_bytes), 2)
+                    cpu_attention_bytes(src, plan, slots, n_ctx), 2)

@@ -54,7 +54,7 @@ class FFNShard:
 @dataclass
 class AttnShard:
     groups: np.ndarray  # [Gs] KV-head groups
-    wqkv: torch.Tensor  # [(Hs+2Gs)*hd, D]: q, k, v rows stacked (one matmul)
+    wqkv: torch.Tensor | None  # [(Hs+2Gs)*hd, D]: q, k, v rows stacked (one matmul); None in place
     bqkv: torch.Tensor | None
     wq: torch.Tensor  # [Hs*hd, D]  (row views of wqkv, likewise wk, wv and the biases)
     wk: torch.Tensor  # [Gs*hd, D]
@@ -72,7 +72,7 @@ class AttnShard:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.wqkv, self.wo_t))
+        return sum(t.numel() * t.element_size() for t in (self.wq, self.wk, self.wv, self.wo_t))
 
     @property
     def cache_bytes(self) -> int:
@@ -120,6 +120,40 @@ def in_place_ffn_shard(src: WeightSource, l: int, ids: np.ndarray, dtype: torch.
     ids = np.asarray(ids, np.int64)
     return FFNShard(ids, views[0], views[1] if cfg.gated else None, views[-1], bias,
                     rows=torch.from_numpy(ids.astype(np.int32)))
+
+
+def attn_views(src: WeightSource, l: int, groups: np.ndarray, dtype: torch.dtype) -> dict[str, torch.Tensor | None] | None:
+    """Layer l's q / k / v rows and output columns of the KV-head groups ``groups`` as views of the
+    model file's tensors in its memory map (wo_t in the ``out_rows`` form of ``load_attn_shard``),
+    by AttnShard field; None when the groups are not one contiguous range or the file holds the
+    tensors otherwise (fused qkv, another dtype)."""
+    cfg = src.config
+    groups = np.asarray(groups, np.int64)
+    if not len(groups) or not np.array_equal(groups, np.arange(groups[0], groups[0] + len(groups))):
+        return None
+    q_rows, kv_rows = head_rows(cfg, groups)
+    (q0, q1), (k0, k1) = (q_rows[0], q_rows[-1] + 1), (kv_rows[0], kv_rows[-1] + 1)
+    t = {tmpl: mapped_tensor(src, K.tensor(tmpl, l)) for tmpl in (K.ATTN_Q, K.ATTN_K, K.ATTN_V, K.ATTN_OUT)}
+    if any(v is None or v.dtype != dtype or v.dim() != 2 or v.stride(1) != 1 for v in t.values()):
+        return None
+    b = {tmpl: mapped_tensor(src, K.tensor(tmpl, l, True)) if cfg.bias else None for tmpl in (K.ATTN_Q, K.ATTN_K, K.ATTN_V)}
+    if cfg.bias and any(v is None for v in b.values()):
+        return None
+    part = lambda v, a, z: None if v is None else v[a:z]  # noqa: E731
+    return dict(wq=t[K.ATTN_Q][q0:q1], wk=t[K.ATTN_K][k0:k1], wv=t[K.ATTN_V][k0:k1], wo_t=t[K.ATTN_OUT][:, q0:q1].T,
+                bq=part(b[K.ATTN_Q], q0, q1), bk=part(b[K.ATTN_K], k0, k1), bv=part(b[K.ATTN_V], k0, k1))
+
+
+def in_place_attn_shard(src: WeightSource, l: int, groups: np.ndarray, dtype: torch.dtype, slots: int, n_ctx: int,
+                        cache_dtype: torch.dtype) -> AttnShard | None:
+    """Layer l's attention for ``groups`` over the file's own rows (``attn_views``), with a KV
+    cache of its own [slots, Gs, n_ctx, hd]; None where ``attn_views`` is."""
+    views = attn_views(src, l, groups, dtype)
+    if views is None:
+        return None
+    cache_shape = (slots, len(groups), n_ctx, src.config.head_dim)
+    return AttnShard(groups=np.asarray(groups, np.int64), wqkv=None, bqkv=None, **views,
+                     k_cache=torch.zeros(cache_shape, dtype=cache_dtype), v_cache=torch.zeros(cache_shape, dtype=cache_dtype))
 
 
 def load_attn_shard(src: WeightSource, l: int, groups: np.ndarray, dtype: torch.dtype,

@@ -367,7 +367,7 @@ def _mapped_file(addr: int) -> str | None:
 @pytest.mark.parametrize("variant", ["llama-reglu", "opt"])  # gated rows; ReLU rows with an up bias
 def test_cpu_executor_computes_on_the_rows_in_the_file_mapping(tmp_path, variant):
     """A file's FFN rows are not copied: the CPU executor's up / gate / down_t (and up's bias) are
-    the file's own tensors in its memory map (their bytes at the tensor's offset in the file, in a
+    the file's own tensors in its memory map (and so are its heads' q rows and o columns) (their bytes at the tensor's offset in the file, in a
     mapping of that file), the shard is the neurons' ids, nothing goes to /dev/shm, and the
     primary's dense prefill reads its own mapping of the same file; the logits of both paths
     equal the dense reference."""
@@ -376,7 +376,7 @@ def test_cpu_executor_computes_on_the_rows_in_the_file_mapping(tmp_path, variant
 
     path = write_tiny_model(tmp_path / "m.gguf", variant, seed=4, n_layer=2, n_ctx=64, predictor_rank=16)
     ref = ReferenceModel.from_file(path)
-    plan = _plans(ref.cfg)["mixed"]
+    plan = _plans(ref.cfg)["split-heads"]
     before = set(SHM_DIR.glob("powerinfer-shard-*"))
     prompt = list(range(3, 23))
     want = ref.forward(prompt + [9], ref.new_cache())
@@ -402,6 +402,12 @@ def test_cpu_executor_computes_on_the_rows_in_the_file_mapping(tmp_path, variant
                     assert _mapped_file(t.data_ptr()) == str(path.resolve())
                     assert np.array_equal(t.view(torch.int16 if t.dtype == torch.float16 else t.dtype).numpy(),
                                           cpu.src.raw(name).view(np.int16 if t.dtype == torch.float16 else np.float32))
+                a, hd, D = cpu.attn[l], ref.cfg.head_dim, ref.cfg.n_embd  # the CPU's heads: q rows, o columns
+                rows = slice(int(a.groups[0]) * ref.cfg.n_gqa * hd, (int(a.groups[-1]) + 1) * ref.cfg.n_gqa * hd)
+                q, o = (cpu.src.tensors[K.tensor(t, l)] for t in (K.ATTN_Q, K.ATTN_OUT))
+                assert a.wqkv is None and a.wq.data_ptr() == m.address + int(q.data_offset) + rows.start * D * 4
+                assert a.wo_t.data_ptr() == m.address + int(o.data_offset) + rows.start * 4
+                assert torch.equal(a.wq, torch.from_numpy(np.array(cpu.src.raw(q.name)[rows])))
             assert set(SHM_DIR.glob("powerinfer-shard-*")) == before
             if dense_min:
                 cold = eng.primary.cold
