@@ -113,7 +113,8 @@ def engine_kwargs(mode: str, a: argparse.Namespace, n_ctx: int, batch: int,
     if mode == "hybrid" and a.gpu_fraction is not None:  # the hottest fraction per layer, no solver
         kw.update(gpu_fraction=a.gpu_fraction, policy="predictor")
     elif mode == "hybrid":
-        kw.update(vram_budget_gib=budget, policy="predictor", method=a.method)
+        kw.update(vram_budget_gib=budget, policy="predictor", method=a.method,
+                  reset_gpu_index=stale_split(a.model, budget))
     elif mode == "layer-offload":
         plan, k = layer_offload_plan(a.model, budget, n_ctx, batch)
         kw.update(plan=plan, policy="dense")
@@ -128,6 +129,16 @@ def engine_kwargs(mode: str, a: argparse.Namespace, n_ctx: int, batch: int,
     else:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
     return kw, extra
+
+
+def stale_split(model: str, budget_gib: float) -> bool:
+    """Whether the split cached beside a model file was solved for another budget (the engine
+    reuses one solved for a smaller budget, as upstream does; a benchmark of this budget must not)."""
+    from powerinfer_ray.placement.gpuidx import gpuidx_path, read_gpuidx
+
+    if model.startswith("planted:") or not gpuidx_path(model).exists():
+        return False
+    return read_gpuidx(gpuidx_path(model)).vram_capacity != int(budget_gib * GIB)
 
 
 def _delta(after: dict, before: dict, key: str) -> float:

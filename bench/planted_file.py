@@ -117,7 +117,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dir", default="/dev/shm", help="where the file goes (default /dev/shm)")
     ap.add_argument("--device", default=None, help="where the rows are generated (default: cuda if present)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--check", action="store_true", help="only say whether the file is there (exit 1 if not)")
     a = ap.parse_args(argv)
+    if a.check:
+        path = Path(a.dir) / file_name(a.spec)
+        ok = matches(path, a.spec)
+        print(f"{path} {'holds' if ok else 'is missing or does not hold'} {canonical(a.spec)}")
+        return 0 if ok else 1
     print(planted_file(a.spec, a.dir, a.device, not a.no_progress), flush=True)
     return 0
 
