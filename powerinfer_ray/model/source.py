@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from . import gguf_keys as K
 from .config import ModelConfig
 from .gguf_file import ModelFile
 
@@ -86,3 +87,14 @@ def mapped_tensor(src: WeightSource, name: str) -> torch.Tensor | None:
         if src.dtype_of(name) == "bf16":
             return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
         return torch.from_numpy(arr)
+
+
+def layer_rows(src: WeightSource, template: str, bid: int, rows: Any = None, dtype: torch.dtype | None = None,
+               bias: bool = False, device: str | torch.device = "cpu") -> torch.Tensor:
+    """``src.layer(...)`` (a copy of the rows), gathering a file's float rows straight out of its
+    memory map with torch's threads (``torch.set_num_threads``), then converting and moving them."""
+    view = mapped_tensor(src, K.tensor(template, bid, bias))
+    if view is None or view.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return src.layer(template, bid, rows=rows, dtype=dtype, bias=bias, device=device)
+    t = view.clone() if rows is None else view.index_select(0, torch.as_tensor(np.asarray(rows, np.int64)))
+    return t.to(device=device, dtype=dtype or t.dtype)

@@ -13,6 +13,7 @@ Dimension legend: B sequences, T tokens per sequence in a step, V vocab.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -34,6 +35,9 @@ from .stats import ExecStats
 from .weights import DTYPES, PrimaryWeights
 
 log = logging.getLogger(__name__)
+# torch threads while loading (the rows a file holds are gathered out of its map in parallel); the
+# actor reserves one CPU, but at load time the host's cores are otherwise idle
+LOAD_THREADS = 8
 
 
 class PrimaryExecutor:
@@ -63,11 +67,17 @@ class PrimaryExecutor:
             # re-plan costs milliseconds of host time
             torch.backends.cuda.enable_cudnn_sdp(False)
         t1 = time.perf_counter()
-        self.weights = PrimaryWeights(self.src, plan, self.policy, self.device, dt, slots,
-                                      min(n_ctx or cfg.n_ctx, cfg.n_ctx))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(threads, min(LOAD_THREADS, os.cpu_count() or 1)))  # gathers of file rows
+        try:
+            self.weights = PrimaryWeights(self.src, plan, self.policy, self.device, dt, slots,
+                                          min(n_ctx or cfg.n_ctx, cfg.n_ctx))
+        finally:
+            torch.set_num_threads(threads)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.phases["weights"] = time.perf_counter() - t1
+        self.phases.update({f"weights.{k}": v for k, v in self.weights.phases.items()})
         self.cold = ColdRows(self.src, plan, dt, self.device, self.stats, prefill_dense_min)
         self.exchange: Exchange | None = None
         self.use_graphs = ((self.device.type == "cuda") if graphs is None else bool(graphs)) \

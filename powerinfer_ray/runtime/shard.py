@@ -16,7 +16,7 @@ import torch
 
 from ..model import gguf_keys as K
 from ..model.config import ModelConfig
-from ..model.source import WeightSource, mapped_tensor
+from ..model.source import WeightSource, layer_rows, mapped_tensor
 
 
 @dataclass
@@ -93,8 +93,8 @@ def load_ffn_shard(src: WeightSource, l: int, ids: np.ndarray, dtype: torch.dtyp
     cfg = src.config
 
     def rows(tmpl: str, bias: bool = False) -> torch.Tensor:
-        return src.layer(tmpl, l, rows=ids, dtype=dtype if not bias else torch.float32,
-                         bias=bias, device=device).contiguous()
+        return layer_rows(src, tmpl, l, rows=ids, dtype=dtype if not bias else torch.float32,
+                          bias=bias, device=device).contiguous()
 
     return FFNShard(ids=np.asarray(ids, np.int64), up=rows(K.FFN_UP),
                     gate=rows(K.FFN_GATE) if cfg.gated else None, down_t=rows(K.FFN_DOWN_T),
@@ -169,13 +169,13 @@ def load_attn_shard(src: WeightSource, l: int, groups: np.ndarray, dtype: torch.
     def rows(tmpl: str, r: np.ndarray, bias: bool = False) -> torch.Tensor | None:
         if bias and not cfg.bias:
             return None
-        t = src.layer(tmpl, l, rows=r, dtype=dtype, bias=bias, device=device)  # F.linear wants one dtype
+        t = layer_rows(src, tmpl, l, rows=r, dtype=dtype, bias=bias, device=device)  # F.linear wants one dtype
         return t.contiguous()
 
     if len(groups) == 0:  # nothing of this layer's attention here: skip reading attn_output
         wo_t = torch.empty(0, cfg.n_embd, dtype=dtype, device=device)
     else:
-        wo = src.layer(K.ATTN_OUT, l, dtype=dtype, device=device)  # [D, H*hd]
+        wo = layer_rows(src, K.ATTN_OUT, l, dtype=dtype, device=device)  # [D, H*hd]
         wo_t = wo[:, torch.from_numpy(q_rows).to(device)].T  # our heads' columns (a copy)
         wo_t = wo_t if out_rows else wo_t.contiguous()
     cache_shape = (slots, len(groups), n_ctx, cfg.head_dim)
