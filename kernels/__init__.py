@@ -13,7 +13,8 @@ Imports torch and numpy only; triton and the C++ compiler are used lazily when p
 from .attention import decode_attention, head_attention, head_attention_ref, head_attention_step, rope, rope_table
 from .predictor import (ActiveSplit, PackedSplit, local_index, packed_views, predictor_logits,
                         predictor_logits_ref, split_active, split_active_packed, token_bits, unpack_active)
-from .sparse_ffn import ACTS, bits_to_mask, sparse_ffn, sparse_ffn_ref, sparse_ffn_torch
+from .sparse_ffn import sparse_ffn
+from .torch_ffn import ACTS, bits_to_mask, sparse_ffn_ref, sparse_ffn_torch
 
 __all__ = [
     "ACTS", "ActiveSplit", "PackedSplit", "bits_to_mask", "decode_attention", "head_attention",

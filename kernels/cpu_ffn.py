@@ -29,6 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .torch_ffn import sparse_ffn_torch
+
 SOURCE = Path(__file__).with_name("csrc") / "sparse_ffn.cpp"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 FALLBACK_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]  # compilers without -march=native
@@ -390,8 +392,6 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
 
 def _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out) -> tuple[int, int, int]:
     """sparse_ffn_bitmask without the compiled kernel: numpy decoding, the torch path."""
-    from .sparse_ffn import sparse_ffn_torch
-
     T = x.shape[0]
     if packed_mask is None:
         idx, tok, pairs = torch.arange(n), None, T * n

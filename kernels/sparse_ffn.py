@@ -31,29 +31,12 @@ captured in CUDA graphs.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-ACTS = ("relu", "reglu", "drelu", "swiglu")
+from .torch_ffn import ACTS, sparse_ffn_torch
+
 BACKENDS = ("auto", "triton", "cpu", "torch")
 
 _triton_failed = False
-
-
-def _activation(act: str, u: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
-    """h = act(g, u) elementwise, in u's dtype."""
-    if act == "relu":
-        return torch.relu(u)
-    if act == "reglu":
-        return torch.relu(g) * u
-    if act == "drelu":
-        return torch.relu(g) * torch.relu(u)
-    return F.silu(g) * u  # swiglu
-
-
-def bits_to_mask(bits: torch.Tensor, T: int) -> torch.Tensor:
-    """int32 token bitmask [K] -> bool [T, K]."""
-    shifts = torch.arange(T, device=bits.device, dtype=torch.int32)[:, None]  # [T, 1]
-    return ((bits.to(torch.int32)[None, :] >> shifts) & 1).bool()  # [T, K]
 
 
 def _check(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active) -> None:
@@ -97,52 +80,6 @@ def _check(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active) -> None:
     devs = {t.device for t in (x, up, gate, down_t, idx, mask, up_bias, out, n_active) if t is not None}
     if len(devs) != 1:
         raise bad("devices", sorted(map(str, devs)), "one device for every tensor")
-
-
-def sparse_ffn_ref(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
-                   idx: torch.Tensor, mask: torch.Tensor | None = None, act: str = "reglu",
-                   up_bias: torch.Tensor | None = None, n_active: torch.Tensor | None = None) -> torch.Tensor:
-    """The float64 reference of `sparse_ffn`: y [T, D] in float64, loop-free and obvious."""
-    T = x.shape[0]
-    K = idx.shape[0] if n_active is None else int(n_active.reshape(-1)[0])
-    rows = idx[:K].long()  # [K]
-    if mask is not None and mask.dtype != torch.bool:
-        mask = bits_to_mask(mask, T)
-    xd = x.double()  # [T, D]
-    u = xd @ up[rows].double().T  # [T, K]
-    if up_bias is not None:
-        u = u + up_bias[rows].double()[None, :]
-    g = xd @ gate[rows].double().T if gate is not None else None  # [T, K]
-    h = _activation(act, u, g)  # [T, K]
-    if mask is not None:
-        h = h * mask[:, :K].double()
-    return h @ down_t[rows].double()  # [T, D]
-
-
-def sparse_ffn_torch(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
-                     idx: torch.Tensor, mask: torch.Tensor | None = None, act: str = "reglu",
-                     up_bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                     n_active: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch path: gather the active rows, multiply in fp32. Works on any device."""
-    T, D = x.shape
-    if n_active is not None:  # host read of the count: this path syncs
-        K = min(int(n_active.reshape(-1)[0]), idx.shape[0])
-        idx = idx[:K]
-        if mask is not None:
-            mask = mask[:, :K] if mask.dtype == torch.bool else mask[:K]
-    rows = idx.long()  # [K]
-    xf = x.float()  # [T, D]
-    u = xf @ up.index_select(0, rows).float().T  # [T, K]
-    if up_bias is not None:
-        u = u + up_bias.index_select(0, rows).float()[None, :]
-    g = xf @ gate.index_select(0, rows).float().T if gate is not None else None  # [T, K]
-    h = _activation(act, u, g)  # [T, K]
-    if mask is not None:
-        h = h * (mask if mask.dtype == torch.bool else bits_to_mask(mask, T)).float()
-    y = h @ down_t.index_select(0, rows).float()  # [T, D]
-    if out is None:
-        return y.to(x.dtype)
-    return out.copy_(y)
 
 
 def sparse_ffn(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
