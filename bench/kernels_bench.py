@@ -40,11 +40,11 @@ import torch
 
 try:
     from powerinfer_ray import kernels as K
-    from powerinfer_ray.kernels import cpu_ffn
+    from powerinfer_ray.kernels import cpu_ffn, cpu_library, quant
 except ImportError:  # a plain checkout without the editable install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import kernels as K  # type: ignore[no-redef]
-    from kernels import cpu_ffn  # type: ignore[no-redef]
+    from kernels import cpu_ffn, cpu_library, quant  # type: ignore[no-redef]
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the drivers share model_bench's helpers
 from model_bench import commit, settings  # noqa: E402
@@ -63,7 +63,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="auto: the GPU (if any) and the CPU; cpu / cuda: only that one")
     p.add_argument("--densities", default="1,5,10,20,50", help="percent of active neurons, comma-separated")
     p.add_argument("--tokens", default="1,8", help="T values, comma-separated")
-    p.add_argument("--cpu-dtypes", default="fp16,fp32")
+    p.add_argument("--cpu-dtypes", default="fp16,fp32,q4_0,q8_0", help="weights: fp16, fp32, bf16, q4_0, q8_0")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default torch.get_num_threads())")
     p.add_argument("--sweep", action="store_true", help="GPU: sweep Triton tile configs first, use the best")
     p.add_argument("--order", choices=["random", "sorted"], default="random",
@@ -90,9 +90,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="--cpu-exchange: > 1 rotates over this many layers' CPU shards (40 x 264 MB: the "
                         "runtime's cold working set, beyond any L3): sparse_ffn_bitmask per work split only")
     p.add_argument("--exchange-cflags", default=None,
-                   help="--cpu-exchange: ';'-separated kernel builds to compare (POWERINFER_RAY_CPU_CFLAGS each, "
-                        "'' = the default), e.g. ';-DPI_ONE_ROW' (a value starting with '-' needs '=': "
-                        "--exchange-cflags=-DPI_ONE_ROW;); one worker process per build and policy")
+                   help="--cpu-exchange: ';'-separated kernel builds to compare (extra compiler flags of "
+                        "cpu_library.select_build each, '' = the default), e.g. ';-DPI_ONE_ROW' (a value starting "
+                        "with '-' needs '=': --exchange-cflags=-DPI_ONE_ROW;); one worker process per build and policy")
     p.add_argument("--exchange-act", choices=["reglu", "relu"], default="reglu",
                    help="--cpu-exchange with --exchange-layers > 1: the FFN (relu: no gate, as OPT / Falcon)")
     p.add_argument("--exchange-dim", type=int, default=5120,
@@ -106,10 +106,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--exchange-policies", default=",".join(EX_POLICIES),
                    help="--cpu-exchange: OMP_WAIT_POLICY values, one worker process each ('unset': not set)")
     p.add_argument("--exchange-worker", default=None, help=argparse.SUPPRESS)  # internal: JSON path of one worker
+    p.add_argument("--exchange-build", default=None, help=argparse.SUPPRESS)  # internal: the worker's cflags
     return p.parse_args(argv)
 
 
 DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16}
+QTYPES = ("q4_0", "q8_0")  # ggml blocks: GB/s are reported on the compressed bytes
 
 
 def machine_name() -> str:
@@ -127,6 +129,27 @@ def make_weights(dtype: torch.dtype, device: str, gen: torch.Generator):
     return r(False), r(True), r(False)
 
 
+def make_qweights(qtype: str, device: str, gen: torch.Generator):
+    """make_weights as random ggml blocks of qtype (uint8 [N, D // 32 * block bytes]): random
+    integers, scales of ~1/sqrt(D) per weight; gate's values >= 0 (q8_0 q in 0..127, q4_0 nibbles
+    >= 8), so with x > 0 every active neuron's activation is nonzero."""
+    bb, nb = quant.BLOCK_BYTES[qtype], D // quant.QK
+    scale = torch.full((N, nb, 1), D ** -0.5 / (64 if qtype == "q8_0" else 4), dtype=torch.float16)
+
+    def r(pos: bool) -> torch.Tensor:
+        b = torch.randint(0, 256, (N, nb, bb), generator=gen, dtype=torch.uint8)
+        if pos:
+            b[..., 2:] = b[..., 2:] & 0x7F if qtype == "q8_0" else b[..., 2:] | 0x88
+        b[..., :2] = scale.view(torch.uint8)
+        return b.reshape(N, nb * bb).to(device)
+
+    return r(False), r(True), r(False)
+
+
+def weights(dtype: str, device: str, gen: torch.Generator):
+    return make_qweights(dtype, device, gen) if dtype in QTYPES else make_weights(DTYPES[dtype], device, gen)
+
+
 def idx_sets(density: float, device: str, gen: torch.Generator, order: str = "random") -> tuple[int, list[torch.Tensor]]:
     """N_SETS sets of k active rows: in random order, or ascending (order='sorted': as the runtime's
     masks decode, on the CPU executor and from the GPU's split kernel)."""
@@ -137,13 +160,15 @@ def idx_sets(density: float, device: str, gen: torch.Generator, order: str = "ra
     return k, [s.to(torch.int32).to(device) for s in sets]
 
 
-def torch_baseline(x, up, gate, down_t, idx):
-    """torch gather + matmul in the weights' dtype: what the kernels replace."""
+def torch_baseline(x, up, gate, down_t, idx, qtype=None):
+    """torch gather + matmul in the weights' dtype (quantized: gather, dequantize to x's dtype):
+    what the kernels replace."""
     rows = idx.long()
-    u = up[rows] @ x.T  # [K, T]
-    g = gate[rows] @ x.T  # [K, T]
+    w = [r if qtype is None else quant.dequantize(r, qtype, x.dtype) for r in (up[rows], gate[rows], down_t[rows])]
+    u = w[0] @ x.T  # [K, T]
+    g = w[1] @ x.T  # [K, T]
     h = torch.relu(g) * u
-    return h.T @ down_t[rows]  # [T, D]
+    return h.T @ w[2]  # [T, D]
 
 
 def median_times_cpu(fns, reps: int, budget_s: float, flush=None) -> list[tuple[float, float]]:
@@ -168,12 +193,49 @@ def median_times_cpu(fns, reps: int, budget_s: float, flush=None) -> list[tuple[
 def cpu_flusher(threads: int, nbytes: int = FLUSH_BYTES):
     """A callable that streams nbytes through the caches (evicts the weights' rows from L3)."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    lib = cpu_ffn.library()
+    lib = cpu_library.library()
     return lambda: lib.pi_read_sum(buf.data_ptr(), buf.numel(), threads)
 
 
+def read_bandwidth(nbytes: int = 1 << 30, threads: int | None = None, reps: int = 5, method: str = "sum") -> float:
+    """Multi-threaded DRAM read rate in GB/s (median of reps) with the kernel's threads: the CPU
+    ceiling the benchmark reports fractions of. method 'sum': a sum over an fp32 buffer, each
+    thread a fixed quarter of it in four streams; 'linear': the dense rows of an fp16 matrix
+    through `pi_linear` (x of one token, rows split over the same threads). The benchmark takes the
+    larger of the two."""
+    if method not in ("sum", "linear"):
+        raise ValueError(f"method={method!r}: expected 'sum' or 'linear'")
+    lib = cpu_library.library()
+    nthreads = int(threads or torch.get_num_threads())
+    if method == "sum":
+        buf = torch.ones(nbytes // 4, dtype=torch.float32)
+
+        def call() -> None:
+            lib.pi_read_sum(buf.data_ptr(), buf.numel(), nthreads)
+    else:
+        w = torch.ones(max(1, nbytes // (2 * 4096)), 4096, dtype=torch.float16)
+        x = torch.ones(1, 4096)
+
+        def call() -> None:
+            cpu_ffn.linear(x, w, threads=nthreads)
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    times = sorted(times[1:])
+    return nbytes / times[len(times) // 2] / 1e9
+
+
+def row_bytes(dtype: str) -> int:
+    """Bytes of one weight row of D columns: the compressed bytes for q4_0 / q8_0."""
+    if dtype in QTYPES:
+        return quant.row_bytes(dtype, D)
+    return D * torch.tensor([], dtype=DTYPES[dtype]).element_size()
+
+
 def record(device, backend, dtype, T, density, k, t_kernel, t_base, ceiling, extra=None) -> dict:
-    nbytes = 3 * k * D * torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    nbytes = 3 * k * row_bytes(dtype)
     gbps, base_gbps = nbytes / t_kernel / 1e9, nbytes / t_base / 1e9
     row = dict(device=device, backend=backend, dtype=dtype, T=T, density=density, K=k, active_bytes=nbytes,
                median_us=round(t_kernel * 1e6, 2), GBps=round(gbps, 2), frac_ceiling=round(gbps / ceiling, 4),
@@ -189,29 +251,32 @@ def record(device, backend, dtype, T, density, k, t_kernel, t_base, ceiling, ext
 def bench_cpu(args) -> dict:
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
-    if not cpu_ffn.available():
+    if not cpu_library.available():
         return {"error": "compiled CPU kernel unavailable (no compiler); nothing measured"}
-    reads = {m: max(cpu_ffn.read_bandwidth(1 << 30, threads, reps=5, method=m) for _ in range(3))
+    reads = {m: max(read_bandwidth(1 << 30, threads, reps=5, method=m) for _ in range(3))
              for m in ("sum", "linear")}  # best of 3 medians each
     ceiling = max(reads.values())
-    print(f"[cpu] {threads} threads, SIMD {cpu_ffn.simd_width()} lanes, read ceiling {ceiling:.1f} GB/s "
+    print(f"[cpu] {threads} threads, SIMD {cpu_library.simd_width()} lanes, read ceiling {ceiling:.1f} GB/s "
           f"(sum {reads['sum']:.1f}, dense linear {reads['linear']:.1f})", flush=True)
     gen = torch.Generator().manual_seed(0)
     rows = []
     reps, budget = (5, 0.3) if args.quick else (30, args.budget)
     flush = cpu_flusher(threads)
     for dname in args.cpu_dtypes.split(","):
-        dtype = DTYPES[dname]
-        up, gate, down_t = make_weights(dtype, "cpu", gen)
+        qtype = dname if dname in QTYPES else None
+        xdt = torch.float16 if qtype else DTYPES[dname]  # quantized weights: x and y in fp16, as the channel's
+        up, gate, down_t = weights(dname, "cpu", gen)
         for T, pct in itertools.product(map(int, args.tokens.split(",")), map(float, args.densities.split(","))):
             k, sets = idx_sets(pct / 100, "cpu", gen, args.order)
-            x = torch.randn(T, D, generator=gen).abs().to(dtype)
-            out = torch.empty(T, D, dtype=dtype)
+            x = torch.randn(T, D, generator=gen).abs().to(xdt)
+            out = torch.empty(T, D, dtype=xdt)
             cyc = itertools.cycle(sets)
             (t_k, m_k), (t_b, m_b) = median_times_cpu(
-                [lambda: K.sparse_ffn(x, up, gate, down_t, next(cyc), out=out, backend="cpu", threads=threads),
-                 lambda: torch_baseline(x, up, gate, down_t, next(cyc))], reps, budget, flush)
-            nb = 3 * k * D * up.element_size()
+                [lambda: K.sparse_ffn(x, up, gate, down_t, next(cyc), out=out, backend="cpu", threads=threads,
+                                      qtype=qtype),
+                 lambda: torch_baseline(x.float() if qtype else x, up, gate, down_t, next(cyc), qtype)],
+                reps, budget, flush)
+            nb = 3 * k * row_bytes(dname)
             row = record("cpu", "compiled", dname, T, pct, k, t_k, t_b, ceiling,
                          dict(min_us=round(m_k * 1e6, 2), GBps_at_min=round(nb / m_k / 1e9, 2),
                               baseline_min_us=round(m_b * 1e6, 2)))
@@ -221,7 +286,8 @@ def bench_cpu(args) -> dict:
                   f"torch {row['baseline_median_us']:.0f} us (min {row['baseline_min_us']:.0f}) "
                   f"-> x{row['speedup_vs_baseline']:.1f}", flush=True)
         del up, gate, down_t
-    return dict(threads=threads, simd_lanes=cpu_ffn.simd_width(), ceiling_read_GBps=round(ceiling, 2),
+    return dict(threads=threads, simd_lanes=cpu_library.simd_width(), quant_isa=cpu_library.library().pi_quant_isa(),
+                ceiling_read_GBps=round(ceiling, 2),
                 ceiling_reads_GBps={m: round(v, 2) for m, v in reads.items()},
                 ceiling_method=("the larger of: a multi-threaded sum of a 1 GiB fp32 buffer with the kernel's "
                                 "threads, 4 interleaved streams per thread; the dense rows of a 1 GiB fp16 "
@@ -265,6 +331,11 @@ def _call_times(ts: list[float], nbytes: int | None) -> dict:
                 GBps=round(nbytes / med / 1e9, 2) if nbytes is not None else None)
 
 
+def _worker_library(args):
+    """The kernel build a worker process measures: --exchange-build's flags, else the default."""
+    return cpu_library.select_build(args.exchange_build.split()) if args.exchange_build else cpu_library.library()
+
+
 def _exchange_worker(args) -> dict:
     """One process (OMP_WAIT_POLICY as inherited): median wall time per call of each variant, calls
     separated by args.exchange_gap_ms of sleep, variants interleaved call by call."""
@@ -278,12 +349,11 @@ def _exchange_worker(args) -> dict:
 
     threads = args.threads or os.cpu_count()
     torch.set_num_threads(threads)
-    lib = cpu_ffn.library()
+    lib = _worker_library(args)
     gen = torch.Generator().manual_seed(2)
     up, gate, down_t = (w[:EX_N].contiguous() for w in make_weights(torch.float16, "cpu", gen))
     shard = FFNShard(np.arange(EX_N), up, gate, down_t, None)
     B = (EX_N + 7) // 8
-    bitmask = getattr(cpu_ffn, "sparse_ffn_bitmask", None)
     gap = args.exchange_gap_ms / 1e3
     reps = 20 if args.quick else args.exchange_reps
     rows_out = []
@@ -301,12 +371,9 @@ def _exchange_worker(args) -> dict:
             idx, tok = active_rows(unpack_mask(m, EX_N))
             pre.append((idx.contiguous(), None if tok is None else tok.contiguous()))
         xs = x.float().contiguous()
-        splits = ("rows", "cols") if hasattr(lib, "pi_scratch_bytes") else ("rows",)
-        if hasattr(lib, "pi_scratch_bytes"):  # bytes for the largest K of the sets, either split
-            nb = max(lib.pi_scratch_bytes(T, D, EX_N, threads, 0, cpu_ffn._SPLIT[sp], 0) for sp in splits)
-            scratch = torch.empty(nb, dtype=torch.uint8)
-        else:  # the kernel before the column split: per-thread accumulators only
-            scratch = torch.empty(threads * T * D * 4, dtype=torch.uint8)
+        splits = ("rows", "cols")
+        nb = max(lib.pi_scratch_bytes(T, D, EX_N, threads, 0, cpu_ffn.SPLITS[sp], 0, 1) for sp in splits)
+        scratch = torch.empty(nb, dtype=torch.uint8)  # bytes for the largest K of the sets, either split
         state = {"i": 0}
 
         def load():  # the next mask into the channel buffer (untimed)
@@ -322,12 +389,11 @@ def _exchange_worker(args) -> dict:
 
         def kernel_only(split):  # the ctypes call alone (mask mode bool [T, K], or none at T = 1)
             idx, tok = pre[state["i"]]
-            extra = (cpu_ffn._SPLIT[split],) if len(splits) > 1 else ()
             rc = lib.pi_sparse_ffn(xs.data_ptr(), T, D, up.data_ptr(), gate.data_ptr(), down_t.data_ptr(), 1,
                                    D, D, D, EX_N, None, 0, idx.data_ptr(), 1, idx.numel(),
                                    None if tok is None else tok.data_ptr(), 0 if tok is None else 1,
                                    0 if tok is None else tok.shape[1], 1, out.data_ptr(), 0, scratch.data_ptr(),
-                                   threads, *extra)
+                                   threads, cpu_ffn.SPLITS[split])
             assert rc == 0, rc
 
         tiny = torch.ones(16 * threads)
@@ -335,21 +401,11 @@ def _exchange_worker(args) -> dict:
         def omp_region():  # a parallel region of the kernel's threads doing nothing: fork/join + wake-up
             lib.pi_read_sum(tiny.data_ptr(), tiny.numel(), threads)
 
-        def old_path_rows():  # the same with the kernel's split before this change: the exchange before it
-            cpu_ffn.SPLIT = "rows"
-            try:
-                old_path()
-            finally:
-                cpu_ffn.SPLIT = "auto"
-
         variants = {"exchange_ffn_partial": old_path, "decode_python": decode_only, "omp_region": omp_region}
-        if len(splits) > 1:
-            variants["exchange_ffn_partial_rows"] = old_path_rows
         for sp in splits:
             variants[f"kernel_call_{sp}"] = lambda sp=sp: kernel_only(sp)
-        if bitmask is not None:
-            variants["exchange_bitmask"] = lambda: bitmask(x, up, gate, down_t, m_ch[:T, :B], EX_N, "reglu", None,
-                                                       out, threads)
+        variants["exchange_bitmask"] = lambda: cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, m_ch[:T, :B], EX_N,
+                                                                         "reglu", None, out, threads)
         times = {v: [] for v in variants}
         for v in variants.values():  # warm-up (the kernel's build, page faults)
             load()
@@ -411,7 +467,7 @@ def _exchange_cold(args) -> dict:
     gap = args.exchange_gap_ms / 1e3
     reps = 20 if args.quick else args.exchange_reps
     variants = ("auto", "rows", "cols", "contiguous", "omp_region")
-    lib, tiny = cpu_ffn.library(), torch.ones(16 * threads)
+    lib, tiny = _worker_library(args), torch.ones(16 * threads)
     rows_out = []
     for K in map(int, args.exchange_k.split(",")):
         masks = exchange_masks(K, 1, n, 16, gen)
@@ -440,7 +496,7 @@ def _exchange_cold(args) -> dict:
                                  D=dim, n=n, shm=bool(args.exchange_shm),
                                  **_call_times(ts, None if v == "omp_region" else nbytes)))
         print(f"[exchange cold {os.environ.get('OMP_WAIT_POLICY', 'unset')} "
-              f"{os.environ.get('POWERINFER_RAY_CPU_CFLAGS') or 'default build'}] {act} D={dim} n={n} t={threads} "
+              f"{args.exchange_build or 'default build'}] {act} D={dim} n={n} t={threads} "
               f"L={L}{' shm' if args.exchange_shm else ''} K={K}: " + ", ".join(
             f"{r['variant']} {r['median_us']:.0f} us" + (f" ({r['GBps']} GB/s)" if r["GBps"] else "")
             for r in rows_out[-len(times):]), flush=True)
@@ -450,15 +506,13 @@ def _exchange_cold(args) -> dict:
 def bench_cpu_exchange(args) -> dict:
     """The CPU executor's per-layer answer at the Llama-2-13B shape (D = 5120, fp16 weights, a CPU
     shard of 8600 rows, ReGLU), from the packed mask in a channel-like buffer to y in the fp32 out
-    buffer. Variants: exchange_ffn_partial = unpack_mask + ffn_partial as CPUExecutor._compute does
-    (exchange_ffn_partial_rows: with the kernel's row split, i.e. the exchange before the column split);
+    buffer. Variants: exchange_ffn_partial = unpack_mask + ffn_partial (runtime.layers);
     decode_python = its Python decoding alone (unpackbits + active_rows); kernel_call_<split> = the
     ctypes kernel call alone (inputs decoded beforehand) with the work split over rows (per-thread
-    accumulators + reduction, the kernel before this change) or columns; omp_region = an empty
-    parallel region of the kernel's threads (fork/join and wake-up after the gap); exchange_bitmask = kernels.cpu_ffn.sparse_ffn_bitmask
-    (when present). Each variant runs in
-    two processes, OMP_WAIT_POLICY unset and ACTIVE (libgomp reads it at load)."""
-    if not cpu_ffn.available():
+    accumulators + reduction) or columns; omp_region = an empty parallel region of the kernel's
+    threads (fork/join and wake-up after the gap); exchange_bitmask = kernels.cpu_ffn.sparse_ffn_bitmask.
+    Each variant runs in two processes, OMP_WAIT_POLICY unset and ACTIVE (libgomp reads it at load)."""
+    if not cpu_library.available():
         return {"error": "compiled CPU kernel unavailable (no compiler); nothing measured"}
     res = dict(shape=dict(D=args.exchange_dim, n=args.exchange_n or EX_N, act=args.exchange_act, weights="fp16",
                           x="fp16 (channel)", out="fp32 (channel)"),
@@ -513,8 +567,6 @@ def _exchange_run(args, cflags: str | None, pol: str, reps: int) -> dict:
     env.pop("OMP_WAIT_POLICY", None)
     if pol != "unset":
         env["OMP_WAIT_POLICY"] = pol
-    if cflags is not None:
-        env["POWERINFER_RAY_CPU_CFLAGS"] = cflags.strip()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "worker.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--exchange-worker", str(path),
@@ -526,6 +578,7 @@ def _exchange_run(args, cflags: str | None, pol: str, reps: int) -> dict:
         cmd += ["--exchange-n", str(args.exchange_n)] if args.exchange_n else []
         cmd += ["--exchange-shm"] if args.exchange_shm else []
         cmd += ["--threads", str(args.threads)] if args.threads else []
+        cmd += [f"--exchange-build={cflags.strip()}"] if cflags and cflags.strip() else []
         subprocess.run(cmd, env=env, check=True)
         return json.loads(path.read_text())
 
