@@ -1,11 +1,14 @@
 """Benchmark of the neuron-aware sparse FFN against torch gather + matmul, with roofline numbers.
 
-Shape: Llama-2-13B FFN (D = 5120, N = 13824), ReGLU; fp16 on the GPU (Triton), fp16 and fp32 on
-the CPU (compiled kernel); densities 1, 5, 10, 20, 50 %; T = 1 and 8. Reported per case: median
-time, achieved GB/s on the ACTIVE bytes (3 x K x D x bytes per element: each active row of up,
-gate and down_t read once), the fraction of the ceiling measured in the same run (GPU: a
-device-to-device copy, bytes read + written; CPU: a multi-threaded read with the kernel's
-threads), and the torch gather + matmul baseline measured in the same run.
+Shape: Llama-2-13B FFN (D = 5120, N = 13824), ReGLU; weights fp16, q4_0 and q8_0 on the GPU
+(Triton), fp16, fp32, q4_0 and q8_0 on the CPU (compiled kernel); densities 1, 5, 10, 20, 50 %;
+T = 1 and 8. Reported per case: median time, achieved GB/s on the ACTIVE bytes (3 x K x row bytes:
+each active row of up, gate and down_t read once; for q4_0 / q8_0 the compressed bytes), the
+fraction of the ceiling measured in the same run (GPU: a device-to-device copy, bytes read +
+written; CPU: a multi-threaded read with the kernel's threads), and the torch gather + matmul
+baseline measured in the same run (quantized rows: gathered, dequantized, multiplied). The GPU
+part also times the dense GEMV on quantized rows (kernels.linear) at the attention, output-head
+and predictor shapes.
 
 Data: x and gate rows are positive, so relu(gate . x) > 0 and every active neuron has a nonzero
 activation: the kernels' skip of zero-activation down rows never triggers, every active byte is
@@ -64,6 +67,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--densities", default="1,5,10,20,50", help="percent of active neurons, comma-separated")
     p.add_argument("--tokens", default="1,8", help="T values, comma-separated")
     p.add_argument("--cpu-dtypes", default="fp16,fp32,q4_0,q8_0", help="weights: fp16, fp32, bf16, q4_0, q8_0")
+    p.add_argument("--gpu-dtypes", default="fp16,q4_0,q8_0", help="weights: fp16, bf16, fp32, q4_0, q8_0")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default torch.get_num_threads())")
     p.add_argument("--sweep", action="store_true", help="GPU: sweep Triton tile configs first, use the best")
     p.add_argument("--order", choices=["random", "sorted"], default="random",
@@ -676,15 +680,6 @@ SWEEP_DOWN = {1: [(False, 64, 64, 4, 3), (False, 64, 32, 4, 3), (False, 128, 32,
                   (True, 128, 16, 4, 4), (True, 128, 64, 4, 3), (True, 128, 32, 8, 3), (True, 256, 32, 8, 3)]}
 
 
-# Split variant (Config.up_sd / down_sk), timed as the whole op (graph replays) against the best
-# two-stage config: (up_bk, up_bd, up_sd, up_warps) x (down_bk, down_bd, down_sk, down_warps). T == 1
-# (elementwise kernels): the fourth session's winner and the one tried before it
-# (kernels-nvidia-h200-v2.json, -v3.json). T == 8 (tl.dot kernels): the two-stage up stage took
-# ~25 us at every density from 1 to 10 % (v5: K / 16 programs, each walking D in 20 steps); D over
-# 5 programs: 14.3 vs 28.2 us under ncu (kernels-ncu-h200.txt). down_sk = 1: the two-stage down.
-SWEEP_SPLIT = {1: [((8, 512, 10, 4), (128, 32, 4, 8)), ((4, 1024, 5, 4), (64, 32, 8, 4))],
-               8: [(u, d) for u in ((16, 256, 5, 4), (32, 256, 5, 8), (16, 512, 5, 4), (32, 256, 10, 8))
-                   for d in ((256, 32, 1, 4), (128, 32, 1, 4), (256, 32, 2, 4), (128, 64, 4, 4))]}
 # Fused variant (Config.fused_r, T == 1): (rows per block, warps, programs per SM, eager down rows),
 # whole op as graph replays. The first H200 sweep (one program per block, no fence, 39ce94c): best
 # r = 2, 4 warps, 28.0 us against 34.4 for the two-stage kernels (kernels-nvidia-h200-v4.json).
@@ -713,29 +708,12 @@ def sweep_triton(up, gate, down_t, gen, quick: bool) -> dict:
             cfg = tf.Config(16, 256, 4, c[1], c[2], c[3], down_stages=c[4], down_dot=c[0])
             cyc = itertools.cycle(sets)
             res_down[c] = gpu_time(lambda: tf.launch_down(h, down_t, next(cyc), None, y, cfg), True)
-        if T > 1:  # the split path's stages alone (the whole op adds a memset and, y not fp32, a cast)
-            u32, g32, y32 = torch.zeros(T, k, device=GPU), torch.zeros(T, k, device=GPU), torch.zeros(T, D, device=GPU)
-            for cu in sorted({cu for cu, _ in SWEEP_SPLIT[T]}):
-                cfg = tf.Config(cu[0], cu[1], cu[3], 64, 64, 4, up_sd=cu[2], down_sk=1)
-                cyc = itertools.cycle(sets)
-                t = gpu_time(lambda: tf.launch_up(x, up, gate, None, next(cyc), None, None, "reglu", u32, cfg, g=g32), True)
-                table.append(dict(T=T, stage="up split", bk=cu[0], bd=cu[1], sd=cu[2], warps=cu[3], us=round(t * 1e6, 2),
-                                  GBps=round(2 * k * D * 2 / t / 1e9, 1)))
-            for cd in sorted({cd for _, cd in SWEEP_SPLIT[T]}):
-                cfg = tf.Config(16, 256, 4, cd[0], cd[1], cd[3], up_sd=1, down_sk=cd[2])
-                cyc = itertools.cycle(sets)
-                t = gpu_time(lambda: tf.launch_down(h, down_t, next(cyc), None, y32, cfg, split=cd[2] > 1), True)
-                table.append(dict(T=T, stage="down split", bk=cd[0], bd=cd[1], sk=cd[2], warps=cd[3], us=round(t * 1e6, 2),
-                                  GBps=round(k * D * 2 / t / 1e9, 1)))
-            print("[sweep] T=%d split stages alone: " % T + ", ".join(
-                f"{r['stage']} {r['bk']}/{r['bd']}/{r.get('sd', r.get('sk'))}/{r['warps']} {r['us']} us"
-                for r in table if r["T"] == T and r["stage"].endswith("split")), flush=True)
         bu, bdn = min(res_up, key=res_up.get), min(res_down, key=res_down.get)
         best[mode] = tf.Config(bu[1], bu[2], bu[3], bdn[1], bdn[2], bdn[3], up_stages=bu[4], down_stages=bdn[4],
                                up_dot=bu[0], down_dot=bdn[0])
-        # whole op as graph replays, as the runtime runs it (timed as Python calls, the two or three
+        # whole op as graph replays, as the runtime runs it (timed as Python calls, the two
         # launches, ~40 us each on the host, outlast the L2 flush and the GPU idles between): the
-        # two-stage winner against the fused (T == 1) and split variants
+        # two-stage winner against the fused variants (T == 1)
         yo = torch.empty(T, D, dtype=torch.float16, device=GPU)
 
         def whole(cfg):  # noqa: ANN001, ANN202
@@ -749,9 +727,6 @@ def sweep_triton(up, gate, down_t, gen, quick: bool) -> dict:
             # the two-stage winner's tiles kept: T > 1 falls back to them
             cfgs[f"fused r={r} warps={w} progs/SM={progs}" + ("" if eager else " lazy")] = dataclasses.replace(
                 best[mode], fused_r=r, fused_warps=w, fused_progs=progs, eager_down=eager)
-        for cu, cd in SWEEP_SPLIT[T]:
-            cfgs[f"split {cu} x {cd}"] = tf.Config(cu[0], cu[1], cu[3], cd[0], cd[1], cd[3], up_dot=T > 1,
-                                                   down_dot=T > 1, up_sd=cu[2], down_sk=cd[2])
         res_op = {}
         for name, c in cfgs.items():
             try:
@@ -797,12 +772,94 @@ def bench_split(gen, quick: bool) -> list[dict]:
     return out
 
 
-def check_gpu(x, up, gate, down_t, idx, cfg, tf) -> float:
+def check_gpu(x, up, gate, down_t, idx, cfg, tf, qtype=None) -> float:
     """Relative L2 error of the timed configuration against the float64 reference (NaN-poisoned out)."""
     out = torch.full_like(x, float("nan"))
-    y = tf.sparse_ffn_triton(x, up, gate, down_t, idx, None, "reglu", None, out, None, cfg).double()
-    ref = K.sparse_ffn_ref(x, up, gate, down_t, idx)
+    y = tf.sparse_ffn_triton(x, up, gate, down_t, idx, None, "reglu", None, out, None, cfg, qtype=qtype).double()
+    ref = K.sparse_ffn_ref(x, up, gate, down_t, idx, qtype=qtype)
     return float("inf") if not torch.isfinite(y).all() else float((y - ref).norm() / ref.norm())
+
+
+def gpu_layers(w, seq_layers: int) -> list:
+    """w and seq_layers - 1 copies (each layer of the sequence graph on its own weights), as many as
+    fit in half the free GPU memory."""
+    layer_bytes = sum(t.numel() * t.element_size() for t in w)
+    fits = 1 + int(0.5 * torch.cuda.mem_get_info()[0] // layer_bytes)
+    if seq_layers > fits:
+        print(f"[gpu] --seq-layers {seq_layers}: {fits} layers fit in half the free GPU memory; using {fits}", flush=True)
+    return [w] + [tuple(t.clone() for t in w) for _ in range(min(seq_layers, fits) - 1)]
+
+
+def gpu_case(tf, dname, w, layers, cfg, T, pct, ceiling, gen, args) -> dict:
+    """One (weights, T, density) case: kernel and torch baseline times, the stages alone, graph
+    replays, per layer in a graph of len(layers) layers, error against float64."""
+    qtype = dname if dname in QTYPES else None
+    up, gate, down_t = w
+    k, sets = idx_sets(pct / 100, GPU, gen, args.order)
+    x = torch.randn(T, D, generator=gen).abs().half().to(GPU)
+    out = torch.empty(T, D, dtype=torch.float16, device=GPU)
+    cyc = itertools.cycle(sets)
+    op = lambda w_, s_: tf.sparse_ffn_triton(x, *w_, s_, None, "reglu", None, out, None, cfg, qtype=qtype)  # noqa: E731
+    t_k = gpu_time(lambda: op(w, next(cyc)), args.quick)
+    wall = gpu_wall(lambda: op(w, next(cyc)))
+    t_b = gpu_time(lambda: torch_baseline(x, up, gate, down_t, next(cyc), qtype), args.quick)
+    t_up = t_dn = float("nan")  # the stages alone: two-stage configs only
+    if not cfg.fused:
+        h = torch.empty(T, k, device=GPU)
+        t_up = gpu_time(lambda: tf.launch_up(x, up, gate, None, next(cyc), None, None, "reglu", h, cfg, qtype), args.quick)
+        h.uniform_(0.5, 1.5)  # nonzero activations: every down row is read
+        t_dn = gpu_time(lambda: tf.launch_down(h, down_t, next(cyc), None, out, cfg, qtype), args.quick)
+    err = check_gpu(x, up, gate, down_t, sets[0], cfg, tf, qtype)
+    t_g = graph_time(lambda s_: op(w, s_), sets, args.quick)
+    row = record("cuda", "triton", dname, T, pct, k, t_k, t_b, ceiling,
+                 dict(wall_us_per_call=round(wall * 1e6, 2),
+                      up_stage_us=None if cfg.fused else round(t_up * 1e6, 2),
+                      down_stage_us=None if cfg.fused else round(t_dn * 1e6, 2),
+                      rel_err_vs_fp64=float(f"{err:.3g}"), config=vars(cfg)))
+    if t_g is not None:  # as the runtime runs it: one graph replay, no Python launch per kernel
+        row.update(graph_median_us=round(t_g * 1e6, 2), graph_GBps=round(row["GBps"] * t_k / t_g, 1),
+                   graph_frac_ceiling=round(row["frac_ceiling"] * t_k / t_g, 3))
+    t_s = seq_time(op, layers, sets, args.quick) if len(layers) > 1 else None
+    if t_s is not None:  # per layer inside a graph of len(layers) layers
+        row.update(seq_layer_us=round(t_s * 1e6, 2), seq_GBps=round(row["GBps"] * t_k / t_s, 1),
+                   seq_frac_ceiling=round(row["frac_ceiling"] * t_k / t_s, 3))
+    print(f"[gpu] {dname} T={T} {pct:g}%: {row['median_us']:.1f} us {row['GBps']:.0f} GB/s "
+          f"({row['frac_ceiling']:.0%} of copy; up {t_up*1e6:.1f} + down {t_dn*1e6:.1f} us alone); "
+          f"torch {row['baseline_median_us']:.1f} us -> x{row['speedup_vs_baseline']:.1f}; "
+          f"wall {wall*1e6:.1f} us/call; graph replay {row.get('graph_median_us', float('nan')):.1f} us "
+          f"({row.get('graph_frac_ceiling', float('nan')):.0%} of copy); per layer in a graph of "
+          f"{len(layers)} {row.get('seq_layer_us', float('nan')):.1f} us "
+          f"({row.get('seq_frac_ceiling', float('nan')):.0%}); err {err:.1e}", flush=True)
+    return row
+
+
+LINEAR_SHAPES = {"attn_5120x5120": (5120, 5120), "head_32000x5120": (32000, 5120), "fc1_1024x5120": (1024, 5120)}
+
+
+def bench_gpu_linear(qtypes, ceiling, gen, quick: bool) -> list[dict]:
+    """The dense GEMV on quantized rows (kernels.linear: attention projections, output head,
+    predictor) at 1 and 8 tokens; GB/s on the compressed bytes, L2 flushed before each call."""
+    from powerinfer_ray.kernels.linear import linear
+
+    rows = []
+    for qtype, (name, (R, Dw)) in itertools.product(qtypes, LINEAR_SHAPES.items()):
+        nb = R * quant.row_bytes(qtype, Dw)
+        w = torch.randint(0, 256, (R, nb // R), generator=gen, dtype=torch.uint8)
+        w.view(R, -1, quant.BLOCK_BYTES[qtype])[..., :2] = torch.full((1,), 1e-3, dtype=torch.float16).view(torch.uint8)
+        w = w.to(GPU)
+        for T in (1, 8):
+            x = torch.randn(T, Dw, generator=gen).half().to(GPU)
+            t = gpu_time(lambda: linear(x, w, qtype=qtype), quick)
+            g = graph_time(lambda _s: linear(x, w, qtype=qtype), [None], quick)
+            row = dict(qtype=qtype, shape=name, T=T, bytes=nb, median_us=round(t * 1e6, 2),
+                       GBps=round(nb / t / 1e9, 1), frac_ceiling=round(nb / t / 1e9 / ceiling, 4))
+            if g is not None:
+                row.update(graph_median_us=round(g * 1e6, 2), graph_GBps=round(nb / g / 1e9, 1))
+            rows.append(row)
+            print(f"[gpu linear] {qtype} {name} T={T}: {row['median_us']} us {row['GBps']} GB/s "
+                  f"(graph {row.get('graph_median_us')} us)", flush=True)
+        del w
+    return rows
 
 
 def bench_gpu(args) -> dict:
@@ -814,60 +871,22 @@ def bench_gpu(args) -> dict:
     ceiling = 2 * big.numel() / gpu_time(lambda: dst.copy_(big), args.quick) / 1e9
     del big, dst
     print(f"[gpu] {torch.cuda.get_device_name()}: D2D copy {ceiling:.0f} GB/s (read + write)", flush=True)
-    up, gate, down_t = make_weights(torch.float16, GPU, gen)
-    layer_bytes = sum(w.numel() * w.element_size() for w in (up, gate, down_t))
-    fits = 1 + int(0.5 * torch.cuda.mem_get_info()[0] // layer_bytes)  # copies in half the free memory
-    if args.seq_layers > fits:
-        print(f"[gpu] --seq-layers {args.seq_layers}: {fits} layers fit in half the free GPU memory; using {fits}",
-              flush=True)
-        args.seq_layers = fits
-    layers = [(up, gate, down_t)] + [(up.clone(), gate.clone(), down_t.clone()) for _ in range(args.seq_layers - 1)]
     floor = graph_floor(max(1, args.seq_layers), args.quick)
     print(f"[gpu] floor: one-kernel graph {floor['one_kernel_graph_us']} us, "
           f"{floor['per_kernel_in_graph_of_n_us']} us per kernel in a graph of {floor['n']}", flush=True)
-    sweep = sweep_triton(up, gate, down_t, gen, args.quick) if args.sweep else None
-    configs = sweep.pop("_configs") if sweep else dict(tf.CONFIGS)
-    rows = []
-    for T, pct in itertools.product(map(int, args.tokens.split(",")), map(float, args.densities.split(","))):
-        k, sets = idx_sets(pct / 100, GPU, gen, args.order)
-        x = torch.randn(T, D, generator=gen).abs().half().to(GPU)
-        out = torch.empty(T, D, dtype=torch.float16, device=GPU)
-        cfg = configs["gemv" if T == 1 else "dot"]
-        cyc = itertools.cycle(sets)
-        run = lambda: tf.sparse_ffn_triton(x, up, gate, down_t, next(cyc), None, "reglu", None, out, None, cfg)  # noqa: E731
-        t_k = gpu_time(run, args.quick)
-        wall = gpu_wall(run)
-        t_b = gpu_time(lambda: torch_baseline(x, up, gate, down_t, next(cyc)), args.quick)
-        t_up = t_dn = float("nan")  # the stages alone: two-stage configs only (the split's share one buffer)
-        if not (cfg.split or cfg.fused):
-            h = torch.empty(T, k, device=GPU)
-            t_up = gpu_time(lambda: tf.launch_up(x, up, gate, None, next(cyc), None, None, "reglu", h, cfg), args.quick)
-            h.uniform_(0.5, 1.5)  # nonzero activations: every down row is read
-            t_dn = gpu_time(lambda: tf.launch_down(h, down_t, next(cyc), None, out, cfg), args.quick)
-        err = check_gpu(x, up, gate, down_t, sets[0], cfg, tf)
-        t_g = graph_time(lambda s_: tf.sparse_ffn_triton(x, up, gate, down_t, s_, None, "reglu", None, out, None, cfg),
-                         sets, args.quick)
-        row = record("cuda", "triton", "fp16", T, pct, k, t_k, t_b, ceiling,
-                     dict(wall_us_per_call=round(wall * 1e6, 2),
-                          up_stage_us=None if cfg.split or cfg.fused else round(t_up * 1e6, 2),
-                          down_stage_us=None if cfg.split or cfg.fused else round(t_dn * 1e6, 2),
-                          rel_err_vs_fp64=float(f"{err:.3g}"), config=vars(cfg)))
-        if t_g is not None:  # as the runtime runs it: one graph replay, no Python launch per kernel
-            row.update(graph_median_us=round(t_g * 1e6, 2), graph_GBps=round(row["GBps"] * t_k / t_g, 1),
-                       graph_frac_ceiling=round(row["frac_ceiling"] * t_k / t_g, 3))
-        t_s = seq_time(lambda w, s_: tf.sparse_ffn_triton(x, *w, s_, None, "reglu", None, out, None, cfg),
-                       layers, sets, args.quick) if args.seq_layers > 1 else None
-        if t_s is not None:  # per layer inside a graph of seq_layers layers
-            row.update(seq_layer_us=round(t_s * 1e6, 2), seq_GBps=round(row["GBps"] * t_k / t_s, 1),
-                       seq_frac_ceiling=round(row["frac_ceiling"] * t_k / t_s, 3))
-        rows.append(row)
-        print(f"[gpu] fp16 T={T} {pct:g}%: {row['median_us']:.1f} us {row['GBps']:.0f} GB/s "
-              f"({row['frac_ceiling']:.0%} of copy; up {t_up*1e6:.1f} + down {t_dn*1e6:.1f} us alone); "
-              f"torch {row['baseline_median_us']:.1f} us -> x{row['speedup_vs_baseline']:.1f}; "
-              f"wall {wall*1e6:.1f} us/call; graph replay {row.get('graph_median_us', float('nan')):.1f} us "
-              f"({row.get('graph_frac_ceiling', float('nan')):.0%} of copy); per layer in a graph of "
-              f"{args.seq_layers} {row.get('seq_layer_us', float('nan')):.1f} us "
-              f"({row.get('seq_frac_ceiling', float('nan')):.0%}); err {err:.1e}", flush=True)
+    rows, sweep, configs = [], None, dict(tf.CONFIGS)
+    for dname in args.gpu_dtypes.split(","):
+        w = weights(dname, GPU, gen)
+        if args.sweep and dname == "fp16":  # the tiles are tuned on fp16 and kept for the other formats
+            sweep = sweep_triton(*w, gen, args.quick)
+            configs = sweep.pop("_configs")
+        layers = gpu_layers(w, args.seq_layers)
+        for T, pct in itertools.product(map(int, args.tokens.split(",")), map(float, args.densities.split(","))):
+            rows.append(gpu_case(tf, dname, w, layers, configs["gemv" if T == 1 else "dot"], T, pct, ceiling, gen,
+                                 args))
+        del w, layers
+    qtypes = [d for d in args.gpu_dtypes.split(",") if d in QTYPES]
+    linear_rows = bench_gpu_linear(qtypes, ceiling, gen, args.quick) if qtypes else []
     split = bench_split(gen, args.quick)
     res = dict(device_name=torch.cuda.get_device_name(), ceiling_copy_GBps=round(ceiling, 1),
                ceiling_method="torch copy_ of 1 GiB device to device, bytes read + written, L2 flushed",
@@ -875,7 +894,8 @@ def bench_gpu(args) -> dict:
                       "back-to-back calls incl. host launch overhead; graph_median_us = one CUDA-graph replay "
                       "of the op (as the runtime's decode step runs it); seq_layer_us = per layer in one CUDA graph "
                       "of seq_layers calls, each on its own weight copy",
-               seq_layers=args.seq_layers, floor=floor, results=rows, split=split)
+               active_bytes="3 x K x row bytes (q4_0 / q8_0: the compressed bytes)",
+               seq_layers=args.seq_layers, floor=floor, results=rows, linear=linear_rows, split=split)
     if sweep:
         res["sweep"] = sweep
     return res
@@ -897,7 +917,8 @@ def main(argv: list[str] | None = None) -> int:
         date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), torch=torch.__version__, python=platform.python_version(),
         cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
         load_average_at_start=os.getloadavg(),
-        shape=dict(D=D, N=N, act="reglu"), active_bytes="3 x K x D x element size", row_order=args.order,
+        shape=dict(D=D, N=N, act="reglu"), active_bytes="3 x K x row bytes (q4_0 / q8_0: compressed)",
+        row_order=args.order,
         data="x and gate rows positive: every active neuron has a nonzero activation, every active byte is read",
     )
     if args.cpu_exchange:

@@ -121,7 +121,7 @@ def _packed_view(packed, T: int, n: int) -> tuple[int, int]:
         shape, dt, strides = packed.shape, packed.dtype, packed.strides
         if dt != np.uint8:
             raise _bad("packed_mask.dtype", dt, "uint8")
-        try:  # 0.3 us against 1 us for __array_interface__ (a writable C-contiguous buffer only)
+        try:  # faster than __array_interface__ (a writable C-contiguous buffer only)
             addr = ctypes.addressof(ctypes.c_char.from_buffer(packed))
         except (TypeError, ValueError, BufferError):
             addr = packed.__array_interface__["data"][0]

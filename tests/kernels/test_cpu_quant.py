@@ -184,6 +184,26 @@ def test_linear_quantized_matches_float64(qtype, T, R, D):
     assert rel_err(y[0], ref) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_fallback_without_compiler_on_quantized_rows(qtype, monkeypatch):
+    """Without the compiled kernels: the torch path on the dequantized rows (x as it is), same
+    counts, float64 values within fp32 rounding."""
+    monkeypatch.setattr(cpu_ffn, "library", lambda: None)
+    gen = torch.Generator().manual_seed(11)
+    N, D, T = 40, 64, 3
+    up, gate, down_t = q_shard(N, D, qtype, "swiglu", gen)
+    x = activations(T, D, gen)
+    mask = torch.rand(T, N, generator=gen) < 0.4
+    out = poisoned((T, D), torch.float32)
+    packed = np.packbits(mask.numpy(), axis=1, bitorder="little")
+    idx = mask.any(0).nonzero().reshape(-1)
+    assert cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, packed, N, "swiglu", None, out,
+                                      qtype=qtype)[:2] == (int(mask.sum()), idx.numel())
+    assert rel_err(out, sparse_ffn_ref(x, up, gate, down_t, idx, mask[:, idx], "swiglu", qtype=qtype)) < 1e-5
+    y = cpu_ffn.linear(x, up, qtype=qtype)
+    assert rel_err(y, x.double() @ quant.dequantize(up, qtype, torch.float64).T) < 1e-5
+
+
 def test_quantized_weights_bad_arguments_name_the_field():
     gen = torch.Generator().manual_seed(3)
     up, gate, down_t = q_shard(20, 64, "q4_0", "reglu", gen)
