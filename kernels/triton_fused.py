@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_stages import ACT_CODE, QT_CODE, Config, _act, _w_tile, mask_args
+from .triton_stages import ACT_CODE, QT_CODE, Config, _act, _block_rows, _w_tile, mask_args
 
 
 @triton.jit
@@ -27,14 +27,6 @@ def _rows_tile(ptr, rows, stride, rmask, c0, D, W: tl.constexpr, CMASK: tl.const
     if CMASK:
         m = m & (offs[None, :] < D)
     return _w_tile(ptr, rows, stride, offs, m, QT)
-
-
-@triton.jit
-def _block_rows(idx_ptr, b, kc, R: tl.constexpr):
-    """Entries, their mask (< kc) and row ids of block b of R active rows (none past the end)."""
-    offs = b * R + tl.arange(0, R)
-    m = offs < kc
-    return offs, m, tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
 
 
 @triton.jit

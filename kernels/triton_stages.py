@@ -102,6 +102,14 @@ def _act(u, g, ACT: tl.constexpr):
 
 
 @triton.jit
+def _block_rows(idx_ptr, b, kc, R: tl.constexpr):
+    """Entries, their mask (< kc) and row ids of block b of R active rows (none past the end)."""
+    offs = b * R + tl.arange(0, R)
+    m = offs < kc
+    return offs, m, tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
+
+
+@triton.jit
 def _rows_dot_x(x_ptr, up_ptr, gate_ptr, rows, kmask, D, s_up, s_gate,
                 HAS_GATE: tl.constexpr, QT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
     """T == 1: (up . x, gate . x) of BK rows, as [BK] fp32 sums."""
@@ -130,9 +138,7 @@ def _up_gemv_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_p
     pid = tl.program_id(0)
     if HAS_NACT:
         K = tl.minimum(tl.load(nact_ptr), K)
-    offs_k = pid * BK + tl.arange(0, BK)  # [BK]
-    kmask = offs_k < K
-    rows = tl.load(idx_ptr + offs_k, mask=kmask, other=0).to(tl.int64)  # [BK]
+    offs_k, kmask, rows = _block_rows(idx_ptr, pid, K, BK)  # [BK]
     u, g = _rows_dot_x(x_ptr, up_ptr, gate_ptr, rows, kmask, D, s_up, s_gate, HAS_GATE, QT, BK, BD)  # [BK]
     if HAS_BIAS:
         u += tl.load(bias_ptr + rows, mask=kmask, other=0.0).to(tl.float32)
@@ -171,9 +177,7 @@ def _up_dot_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_pt
     pid = tl.program_id(0)
     if HAS_NACT:
         K = tl.minimum(tl.load(nact_ptr), K)
-    offs_k = pid * BK + tl.arange(0, BK)  # [BK]
-    kmask = offs_k < K
-    rows = tl.load(idx_ptr + offs_k, mask=kmask, other=0).to(tl.int64)  # [BK]
+    offs_k, kmask, rows = _block_rows(idx_ptr, pid, K, BK)  # [BK]
     offs_t = tl.arange(0, TP)  # [TP]
     tmask = offs_t < T
     acc_u = tl.zeros((BK, TP), dtype=tl.float32)
