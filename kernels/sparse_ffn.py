@@ -18,8 +18,9 @@ Partial outputs over disjoint neuron sets add up to the dense FFN output (down b
 the merge adds it once). Accumulation is fp32; y has x's dtype.
 
 Weights are fp32 / fp16 / bf16 [N, D], or with `qtype` ('q4_0' | 'q8_0') ggml blocks uint8
-[N, D // 32 * block bytes] (quant.py): every backend dequantizes the gathered rows in registers
-(the CPU kernel multiplies a Q8_0-quantized x, as ggml does).
+[N, D // 32 * block bytes] (quant.py): the Triton and CPU kernels dequantize the active rows in
+registers (the CPU kernel multiplies a Q8_0-quantized x, as ggml does), the torch path gathers
+and dequantizes them.
 
 Backends (`sparse_ffn` picks): CUDA tensors -> Triton kernels (triton_ffn.py), falling back to
 torch; CPU tensors -> the compiled OpenMP kernel (cpu_ffn.py), falling back to torch. The torch

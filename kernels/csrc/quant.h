@@ -143,6 +143,18 @@ struct WQ8_0 : QuantRow<WQ8_0> {
 #endif
         return vmul(q, vset1(f16_bits_at(blk)));
     }
+    static void block_vals(const T* row, int64_t b, vf* q) {  // block b's 32 q as QK / VW vectors
+        const uint8_t* p = row + b * BB + 2;
+        for (int j = 0; j < QK / VW; ++j) {
+#if defined(__AVX512F__)
+            q[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p + 16 * j))));
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+            q[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p + 8 * j))));
+#else
+            for (int i = 0; i < VW; ++i) q[j].v[i] = (float)(int8_t)p[VW * j + i];
+#endif
+        }
+    }
 };
 
 struct WQ4_0 : QuantRow<WQ4_0> {
@@ -172,6 +184,26 @@ struct WQ4_0 : QuantRow<WQ4_0> {
         for (int j = 0; j < VW; ++j) q.v[j] = (float)(((p[j] >> shift) & 15) - 8);
 #endif
         return vmul(q, vset1(f16_bits_at(blk)));
+    }
+    static void block_vals(const T* row, int64_t b, vf* q) {  // block b's 32 (nibble - 8) as QK / VW vectors
+        const uint8_t* p = row + b * BB + 2;
+#if defined(__AVX512F__)
+        // vpermps takes the low 4 bits of each lane: the nibble picks its value from the table
+        const __m512 tbl = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+        q[0] = _mm512_permutexvar_ps(v, tbl);
+        q[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), tbl);
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+        const __m128i bytes = _mm_loadu_si128((const __m128i*)p);
+        const __m256i lo = _mm256_cvtepu8_epi32(bytes), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8));
+        const __m256i m = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+        q[0] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(lo, m), eight));
+        q[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(hi, m), eight));
+        q[2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(lo, 4), eight));
+        q[3] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(hi, 4), eight));
+#else
+        for (int i = 0; i < QK; ++i) q[i / VW].v[i % VW] = (float)at_int(p - 2, i);
+#endif
     }
 };
 

@@ -283,9 +283,39 @@ inline float activate(int act, float u, float g) {
 
 // ---- phase 2: A[t, d0:d1] += sum_r h[r, t] * rows[r][d0:d1] -----------------------------------
 // h is [nr, T] row-major; A is [T, D] (row stride D). Tokens t0 .. t0+TB-1, columns d0 .. d1-1.
+// One token's A[t0, d0:d1] += sum_r h[r, t0] * rows[r][d0:d1] on quantized rows (d0, d1 multiples
+// of 32): block by block, each row's block unpacked once and its scale folded into h; two
+// accumulator sets (even and odd rows) so FMA latency does not bound the rows.
+template <class W>
+void qaxpy_t1(const uint8_t* const* rows, int nr, const float* h, int64_t T, int64_t t0, float* A, int64_t D,
+              int64_t d0, int64_t d1) {
+    constexpr int QV = QK / VW;
+    for (int64_t b = d0 / QK; b < d1 / QK; ++b) {
+        float* a = A + t0 * D + b * QK;
+        vf acc0[QV], acc1[QV], q[QV];
+        for (int j = 0; j < QV; ++j) {
+            acc0[j] = vload(a + j * VW);
+            acc1[j] = vzero();
+        }
+        for (int r = 0; r < nr; ++r) {
+            W::block_vals(rows[r], b, q);
+            const vf hs = vset1(h[r * T + t0] * W::scale(rows[r], b));
+            for (int j = 0; j < QV; ++j) {
+                if (r % 2) acc1[j] = vfma(hs, q[j], acc1[j]);
+                else acc0[j] = vfma(hs, q[j], acc0[j]);
+            }
+        }
+        for (int j = 0; j < QV; ++j) vstore(a + j * VW, vadd(acc0[j], acc1[j]));
+    }
+}
+
 template <class W, int TB>
 inline void axpy_rows(const typename W::T* const* rows, int nr, const float* h, int64_t T, int64_t t0,
                       float* A, int64_t D, int64_t d0, int64_t d1) {
+    if constexpr (W::QUANT && TB == 1) {
+        qaxpy_t1<W>(rows, nr, h, T, t0, A, D, d0, d1);
+        return;
+    }
     int64_t d = d0;
     if (TB > 1 && TB <= 8)  // two d-vectors per pass: 2 weight loads + TB broadcasts feed 2 * TB FMAs
         for (; d + 2 * VW <= d1; d += 2 * VW) {
