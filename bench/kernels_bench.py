@@ -786,7 +786,8 @@ def gpu_layers(w, seq_layers: int) -> list:
     layer_bytes = sum(t.numel() * t.element_size() for t in w)
     fits = 1 + int(0.5 * torch.cuda.mem_get_info()[0] // layer_bytes)
     if seq_layers > fits:
-        print(f"[gpu] --seq-layers {seq_layers}: {fits} layers fit in half the free GPU memory; using {fits}", flush=True)
+        print(f"[gpu] --seq-layers {seq_layers}: {fits} layers fit in half the free GPU memory; using {fits}",
+              flush=True)
     return [w] + [tuple(t.clone() for t in w) for _ in range(min(seq_layers, fits) - 1)]
 
 
@@ -806,7 +807,8 @@ def gpu_case(tf, dname, w, layers, cfg, T, pct, ceiling, gen, args) -> dict:
     t_up = t_dn = float("nan")  # the stages alone: two-stage configs only
     if not cfg.fused:
         h = torch.empty(T, k, device=GPU)
-        t_up = gpu_time(lambda: tf.launch_up(x, up, gate, None, next(cyc), None, None, "reglu", h, cfg, qtype), args.quick)
+        t_up = gpu_time(lambda: tf.launch_up(x, up, gate, None, next(cyc), None, None, "reglu", h, cfg, qtype),
+                        args.quick)
         h.uniform_(0.5, 1.5)  # nonzero activations: every down row is read
         t_dn = gpu_time(lambda: tf.launch_down(h, down_t, next(cyc), None, out, cfg, qtype), args.quick)
     err = check_gpu(x, up, gate, down_t, sets[0], cfg, tf, qtype)

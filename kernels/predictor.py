@@ -62,7 +62,8 @@ def predictor_logits(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, qtyp
     return z @ fc2.to(x.dtype).T  # [T, N]
 
 
-def predictor_logits_ref(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, qtype: str | None = None) -> torch.Tensor:
+def predictor_logits_ref(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
+                         qtype: str | None = None) -> torch.Tensor:
     """float64 reference of `predictor_logits` (quantized fc1 / fc2 dequantized exactly)."""
     return linear_ref(torch.relu(linear_ref(x, fc1, qtype=qtype)), fc2, qtype=qtype)
 

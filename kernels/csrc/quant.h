@@ -41,7 +41,9 @@ inline float qf_sum(qf v) { return _mm512_reduce_add_ps(v); }
 inline qf qf_scales(float a, float b) { return _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(a), _mm512_set1_ps(b)); }
 inline qi qi_join(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
 inline qi qi_load(const int8_t* p) { return _mm512_loadu_si512((const void*)p); }
-inline qi qi_load_tail(const int8_t* p) { return qi_join(_mm256_loadu_si256((const __m256i*)p), _mm256_setzero_si256()); }
+inline qi qi_load_tail(const int8_t* p) {
+    return qi_join(_mm256_loadu_si256((const __m256i*)p), _mm256_setzero_si256());
+}
 // acc + dd * (w . x per lane): lanes 0-7 hold block 0's partial sums, lanes 8-15 block 1's.
 inline qf qdot_acc(qi w, qi x, qf dd, qf acc) {
     const qi aw = _mm512_abs_epi8(w);
@@ -109,7 +111,9 @@ struct QuantRow {
 #endif
     }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    static qi unpack_tail(const T* row, int64_t b) { return qi_join(Q::block(row + b * Q::BB), _mm256_setzero_si256()); }
+    static qi unpack_tail(const T* row, int64_t b) {
+        return qi_join(Q::block(row + b * Q::BB), _mm256_setzero_si256());
+    }
 #endif
 #else
     static qi unpack(const T* row, int64_t b) {

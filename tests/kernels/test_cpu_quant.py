@@ -156,7 +156,9 @@ def test_sparse_ffn_dispatch_on_quantized_rows(qtype, mask_kind):
     idx = torch.randperm(N, generator=gen)[:K]
     for T in (1, 6, 70):
         x = activations(T, D, gen).half()
-        mask = None if mask_kind == "none" or (mask_kind == "bits" and T > 32) else torch.rand(T, K, generator=gen) < 0.6
+        mask = None
+        if mask_kind != "none" and not (mask_kind == "bits" and T > 32):
+            mask = torch.rand(T, K, generator=gen) < 0.6
         if mask is not None and mask_kind == "bits":
             mask = token_bits(mask)
         n_act = torch.tensor([K - 9])
@@ -202,6 +204,28 @@ def test_fallback_without_compiler_on_quantized_rows(qtype, monkeypatch):
     assert rel_err(out, sparse_ffn_ref(x, up, gate, down_t, idx, mask[:, idx], "swiglu", qtype=qtype)) < 1e-5
     y = cpu_ffn.linear(x, up, qtype=qtype)
     assert rel_err(y, x.double() @ quant.dequantize(up, qtype, torch.float64).T) < 1e-5
+
+
+@needs_compiler
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_predictor_on_quantized_rows(qtype):
+    """predictor_logits with quantized fc1 [r, D] and fc2 [N, r] (upstream's Q4_0 files quantize
+    both) through kernels.linear on the CPU: each GEMV quantizes its input to Q8_0, so the float64
+    reference rounds x and z = relu(fc1 . x) the same way. Tolerance 1e-4 rather than 1e-5: z
+    comes out of fp32 sums, and an element within ~1e-7 of a rounding boundary may round the other
+    way (one step of 1/127 of its block's largest value)."""
+    from powerinfer_ray.kernels import linear_ref, predictor_logits
+
+    gen = torch.Generator().manual_seed(4)
+    D, r, N = 256, 128, 300
+    fc1 = quantized(torch.randn(r, D, generator=gen) * D ** -0.5, qtype)
+    fc2 = quantized(torch.randn(N, r, generator=gen), qtype)
+    for T in (1, 5):
+        x = activations(T, D, gen)
+        z = torch.relu(linear_ref(quant.round_q8_0(x), fc1, qtype=qtype))
+        ref = linear_ref(quant.round_q8_0(z), fc2, qtype=qtype)
+        got = predictor_logits(x, fc1, fc2, qtype)
+        assert got.shape == (T, N) and got.dtype == x.dtype and rel_err(got, ref) < 1e-4, (T, rel_err(got, ref))
 
 
 def test_quantized_weights_bad_arguments_name_the_field():
