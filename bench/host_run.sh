@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gpukern|t8ab|t8ab2|13b|13bfile|b32|batch|cpu|cpucost|falcon|falcon24|falconwrite|falconfile
+#       bash bench/host_run.sh verify|gpukern|t8ab|13b|13bfile|b32|batch|cpu|cpucost|falcon|falcon24|falconwrite|falconfile
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gpukern|t8ab|t8ab2|13b|13bfile|b32|batch|cpu|cpucost|falcon|falcon24|falconwrite|falconfile"
+stages="verify|gpukern|t8ab|13b|13bfile|b32|batch|cpu|cpucost|falcon|falcon24|falconwrite|falconfile"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -95,22 +95,11 @@ b32)  # batch 32 (the CPU's per-token path) and long prompts
         --shapes 16x32 --batch 32 -t "$THREADS"
     suite runtime-13b-long-h200 200 -m "$M13" --vram-budget 16 --modes hybrid --shapes 1500x128,64x512 -t "$THREADS"
     ;;
-t8ab)  # the GPU tests and the kernels with the defaults (t8ab2: batch 8, T = 8 on the GPU, through the
-    # split path, POWERINFER_RAY_GPU_SPLIT=1, and the two-stage kernels, the default)
+t8ab)  # the GPU tests and the kernels with the defaults
     timeout -s INT 240 python -m pytest tests/gpu -q -rf > "$OUT/gpu-tests.log" 2>&1
     tail -n 3 "$OUT/gpu-tests.log" | cut -c1-300
     timeout 100 powerinfer-ray bench kernels --device cuda --out "$OUT" >> "$log" 2>&1
     grep -E "^\[gpu\] fp16" "$log" | cut -c1-80,200-330
-    ;;
-t8ab2)  # the batch-8 A/B of t8ab in ABBA order (its own call: each engine loads the 13B; one pair of
-    # engines in sequence differed by 27 % in the hybrid, whose GPU is off its critical path)
-    n=0
-    for r in ${AB_ORDER:-split twostage twostage split}; do
-        n=$((n + 1))
-        (if [ $r = split ]; then export POWERINFER_RAY_GPU_SPLIT=1; fi
-         suite runtime-13b-16gib-b8-$r-h200-r$n 140 -m "$M13" --vram-budget 16 --modes ${AB_MODES:-dense-gpu,hybrid} \
-             --shapes 16x32 --batch 8 -t "$THREADS")
-    done
     ;;
 batch)  # the batch sweep, hybrid and layer-offload, one engine per (mode, batch size) (~20-40 s
     # load each for the 13B): prompt 16, 32 generated (422 s on the host, 6c5071a)

@@ -983,18 +983,20 @@ int64_t pi_sparse_ffn(const float* x, int64_t T, int64_t D,
 // Any T: tokens are run in blocks of 64. stats[0] = (token, neuron) pairs set, stats[1] = rows
 // active for any of the T tokens (each read from up / gate once), stats[2] = down rows read
 // (summed over the blocks of 64 tokens; rows whose activation is zero for every token of a block
-// are skipped unless keep_zero). Weights as pi_sparse_ffn's. scratch: pi_scratch_bytes(T, D, n,
-// nthreads, y_dt, split, 1, w_dt).
+// are skipped unless keep_zero). Weights as pi_sparse_ffn's. row_ids: neuron j of the mask is row
+// row_ids[j] of up / gate / down and bias (int32 [n], each in [0, n_rows): the caller checks;
+// nullptr: row j), so a shard can be rows of the model file's whole matrices, read in place.
+// scratch: pi_scratch_bytes(T, D, n, nthreads, y_dt, split, 1, w_dt).
 // Returns 0 or BAD_ARGS.
 int64_t pi_sparse_ffn_bitmask(const void* x, int x_dt, int64_t ld_x, int64_t T, int64_t D,
                               const void* up, const void* gate, const void* down, int w_dt,
                               int64_t ld_up, int64_t ld_gate, int64_t ld_down, int64_t n_rows,
                               const void* bias, int bias_dt,
-                              const uint8_t* packed, int64_t ld_packed, int64_t n,
+                              const uint8_t* packed, int64_t ld_packed, int64_t n, const int32_t* row_ids,
                               int act, void* y, int y_dt, void* scratch, int nthreads, int split,
                               int keep_zero, int64_t* stats) {
-    if (T < 0 || D < 1 || n < 0 || n > n_rows || nthreads < 1 || !weights_ok(w_dt, D) || y_dt < 0 ||
-        y_dt > 2 || x_dt < 0 || x_dt > 2 || ld_x < D)
+    if (T < 0 || D < 1 || n < 0 || (!row_ids && n > n_rows) || nthreads < 1 || !weights_ok(w_dt, D) ||
+        y_dt < 0 || y_dt > 2 || x_dt < 0 || x_dt > 2 || ld_x < D)
         return BAD_ARGS;
     const int64_t B = (n + 7) / 8, nw = (B + 7) / 8;
     if (packed && ld_packed < B) return BAD_ARGS;
@@ -1028,7 +1030,7 @@ int64_t pi_sparse_ffn_bitmask(const void* x, int x_dt, int64_t ld_x, int64_t T, 
                 while (u) {
                     const int b = __builtin_ctzll(u);
                     u &= u - 1;
-                    s.idx[K] = (int32_t)(64 * w + b);
+                    s.idx[K] = row_ids ? row_ids[64 * w + b] : (int32_t)(64 * w + b);
                     if (Tc > 1) {
                         uint64_t tb = 0;
                         for (int64_t t = 0; t < Tc; ++t) tb |= ((m[t] >> b) & 1) << t;
@@ -1039,7 +1041,7 @@ int64_t pi_sparse_ffn_bitmask(const void* x, int x_dt, int64_t ld_x, int64_t T, 
             }
             if (T <= 64) rows = K;
         } else {
-            for (int64_t k = 0; k < n; ++k) s.idx[k] = (int32_t)k;
+            for (int64_t k = 0; k < n; ++k) s.idx[k] = row_ids ? row_ids[k] : (int32_t)k;
             K = n;
         }
         void* yc = (char*)y + t0 * D * ysz;

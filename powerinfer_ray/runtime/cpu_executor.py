@@ -124,7 +124,6 @@ class CPUExecutor:
         self.stats = ExecStats()
         self.channel: Channel | None = None
         self.error: str | None = None
-        self._row_masks: dict[int, np.ndarray] = {}
         self.warmer = Warmer(self.ffn).start() if self.ffn_rows == "file" else None
 
     def _ffn_in_place(self, wdt: torch.dtype) -> list[FFNShard] | None:
@@ -275,37 +274,15 @@ class CPUExecutor:
             nbytes = rows * cfg.neuron_bytes
         else:  # one compiled call from the channel's packed mask and x to out
             packed = ch.mask_rows(n_tok, n_mask) if self.policy == "predictor" else None
-            n = n_mask if packed is not None else sh.n
-            if sh.rows is not None:
-                packed, n = self._row_mask(l, packed, n_tok)
             t_k = time.monotonic_ns()
             pairs, rows, down_rows = sparse_ffn_bitmask(
-                ch.x_ffn[:n_tok], sh.up, sh.gate, sh.down_t, packed, n,
-                cfg.ffn_act, sh.up_bias, out, self.threads, skip_zero=self.skip_zero)
+                ch.x_ffn[:n_tok], sh.up, sh.gate, sh.down_t, packed, n_mask if packed is not None else sh.n,
+                cfg.ffn_act, sh.up_bias, out, self.threads, skip_zero=self.skip_zero, rows=sh.rows)
             self.stats.kernel_s += (time.monotonic_ns() - t_k) * 1e-9
             row_bytes = cfg.n_embd * cfg.dtype_bytes  # bytes read: the up (+ gate) rows, the down rows read
             nbytes = rows * (cfg.neuron_bytes - row_bytes) + down_rows * row_bytes
         self.stats.neurons += pairs
         self.stats.active_bytes += nbytes
-
-    def _row_mask(self, l: int, packed: np.ndarray | None, n_tok: int) -> tuple[np.ndarray | None, int]:
-        """An in-place shard's mask in row order of the file's matrices: bit r for row r, over
-        all R rows (the kernel reads rows 0 .. n-1 of the matrices it is given; this goes when
-        it reads rows by id). packed None: every one of the shard's neurons."""
-        sh = self.ffn[l]
-        R = sh.up.shape[0]
-        if packed is None:
-            if sh.n == R:
-                return None, R
-            if l not in self._row_masks:
-                bits = np.zeros((1, R), np.uint8)
-                bits[0, sh.ids] = 1
-                self._row_masks[l] = np.packbits(bits, axis=1, bitorder="little")
-            return np.repeat(self._row_masks[l], n_tok, axis=0), R
-        bits = np.unpackbits(packed, axis=1, count=sh.n, bitorder="little")  # [N, n]
-        full = np.zeros((n_tok, R), np.uint8)
-        full[:, sh.ids] = bits
-        return np.packbits(full, axis=1, bitorder="little"), R
 
     def stop(self) -> None:
         """After the serving loop answered OP_STOP (or never started): end the worker thread and
