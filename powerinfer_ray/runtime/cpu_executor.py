@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..kernels.cpu_ffn import linear as cpu_linear, sparse_ffn_bitmask
+from ..kernels.cpu_library import configure_threads
 from ..model import gguf_keys as K
 from ..model.source import WeightSource, file_mapping, open_model
 from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec
@@ -30,6 +31,10 @@ from .warm import Warmer
 from .weights import DTYPES
 
 log = logging.getLogger(__name__)
+# how long the FFN kernel's worker threads spin after an exchange before they sleep: longer than the
+# gap between two layers' exchanges and between decode steps, so while tokens are generated they
+# start each exchange at once, on cores that never fell asleep
+WORKER_SPIN_US = 5000
 
 
 class OneThread:
@@ -37,10 +42,11 @@ class OneThread:
     ``submit`` returns a Future; exceptions travel with them). Not ThreadPoolExecutor(1): its
     worker is joined at interpreter exit, and the serving loop it would run ends only on OP_STOP.
 
-    The CPU executor runs all of its torch and kernel work here because libgomp (the OpenMP
-    runtime of torch and of the compiled kernel) keeps a pool of worker threads per thread that
-    starts parallel regions: with two such threads the pools outnumber the cores, and libgomp then
-    puts its workers to sleep between regions instead of letting them spin."""
+    The CPU executor runs all of its torch and kernel work here because libgomp (torch's OpenMP
+    runtime) keeps a pool of worker threads per thread that starts parallel regions: with two such
+    threads the pools outnumber the cores, and libgomp then puts its workers to sleep between
+    regions instead of letting them spin. (The compiled kernels' own workers, kernels/csrc/pool.h,
+    take their caller as thread 0: this thread.)"""
 
     def __init__(self, name: str) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -104,6 +110,7 @@ class CPUExecutor:
         self.skip_zero = policy != "dense"
         self.threads = threads or torch.get_num_threads()
         torch.set_num_threads(self.threads)
+        configure_threads(WORKER_SPIN_US)
         wdt = DTYPES[dtype or cfg.dtype]
         n_ctx = min(n_ctx or cfg.n_ctx, cfg.n_ctx)
         self.phases = {"open": time.perf_counter() - t0}

@@ -320,9 +320,9 @@ def test_rows_read_a_shard_in_place_of_the_whole_matrices(compiled, act, dtype, 
 @needs_compiler
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
 def test_rows_of_quantized_matrices_equal_the_gathered_rows(qtype):
-    """Quantized whole matrices with row ids give the gathered shard's result bit for bit (the same
-    rows in the same order through the same code; that path is checked against gguf-py's
-    dequantization in test_cpu_quant.py)."""
+    """Quantized whole matrices with row ids give the gathered shard's result bit for bit on one
+    thread (the same rows in the same order through the same code; that path is checked against
+    gguf-py's dequantization in test_cpu_quant.py)."""
     from gguf import GGMLQuantizationType as GQ
     from gguf.quants import quantize
 
@@ -336,9 +336,9 @@ def test_rows_of_quantized_matrices_equal_the_gathered_rows(qtype):
         x = torch.randn(T, D, generator=gen)
         packed = pack(token_mask(T, n, 0.3, gen))
         a, b = torch.empty(T, D), torch.empty(T, D)
-        sa = cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, packed, n, "reglu", None, a, qtype=qtype, rows=rows)
-        sb = cpu_ffn.sparse_ffn_bitmask(x, up[sel], gate[sel], down_t[sel], packed, n, "reglu", None, b, qtype=qtype)
-        assert sa == sb and torch.equal(a, b), (qtype, T)
+        sa = cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, packed, n, "reglu", None, a, 1, qtype=qtype, rows=rows)
+        sb = cpu_ffn.sparse_ffn_bitmask(x, up[sel], gate[sel], down_t[sel], packed, n, "reglu", None, b, 1, qtype=qtype)
+        assert sa == sb and torch.equal(a, b), (qtype, T)  # one thread: the same sums in the same order
 
 
 @pytest.mark.parametrize("rows, match", [
