@@ -2,9 +2,9 @@
 //
 // A call's parallel region runs on the calling thread (tid 0) and nt - 1 workers that live for
 // the process. Each worker waits on a sequence number in a cache line of its own: it spins
-// (pause) for spin_us after its last job, so the workers of an exchange that comes every few
-// hundred microseconds start within a cache miss and their cores never drop into a sleep state;
-// after that it sleeps on a condition variable (an idle engine costs no CPU). Inside a region:
+// (pause, then sched_yield: Spin) for spin_us after its last job, so the workers of an exchange
+// that comes every few hundred microseconds start within a cache miss and their cores never drop
+// into a sleep state; after that it sleeps on a condition variable (an idle engine costs no CPU). Inside a region:
 // barrier() (sense-reversing, spinning), for_static / for_dynamic (an atomic counter per loop),
 // as OpenMP's `omp for` with its implicit barrier. pi_pool_config sets the spin and pins the
 // threads to cores (the caller to cpus[0], worker i to cpus[i]).
@@ -30,6 +30,17 @@ inline void cpu_relax() {}
 #endif
 
 namespace pool {
+
+// A spinning wait that stays polite on a busy host: pause for the first few thousand rounds
+// (a few microseconds: a teammate on its own core arrives by then), then yield the core every
+// round, so a teammate the OS preempted onto this core gets it back instead of waiting a tick.
+struct Spin {
+    int rounds = 0;
+    void operator()() {
+        if (++rounds < 4096) cpu_relax();
+        else sched_yield();
+    }
+};
 
 constexpr int MAX_LOOPS = 16;  // dynamic loops in one region
 
@@ -58,7 +69,7 @@ struct Ctx {
             sh->count.store(0, std::memory_order_relaxed);
             sh->sense.store(local_sense, std::memory_order_release);
         } else {
-            while (sh->sense.load(std::memory_order_acquire) != local_sense) cpu_relax();
+            for (Spin spin; sh->sense.load(std::memory_order_acquire) != local_sense;) spin();
         }
     }
     // `omp for schedule(static)`: contiguous blocks of [0, N), then a barrier.
@@ -116,7 +127,7 @@ class Pool {
         }
         Ctx c{0, nt, &shared_};
         fn(c);
-        while (done_.load(std::memory_order_acquire) != nt - 1) cpu_relax();
+        for (Spin spin; done_.load(std::memory_order_acquire) != nt - 1;) spin();
         job_ = nullptr;
     }
 
@@ -164,8 +175,9 @@ class Pool {
         uint64_t seen = 0;
         for (;;) {
             auto t0 = std::chrono::steady_clock::now();
+            Spin spin;
             for (int spins = 0; w.go.load(std::memory_order_acquire) == seen; ++spins) {
-                cpu_relax();
+                spin();
                 if ((spins & 63) == 63 &&
                     std::chrono::steady_clock::now() - t0 > std::chrono::nanoseconds(spin_ns_.load())) {
                     std::unique_lock<std::mutex> lk(sleep_mu_);
