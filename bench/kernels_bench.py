@@ -112,6 +112,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pool-spin-us", type=int, default=None,
                    help="--cpu-exchange: microseconds the kernels' worker threads spin after a call before sleeping "
                         "(default: the CPU executor's, runtime.cpu_executor.WORKER_SPIN_US)")
+    p.add_argument("--pool-pin", action="store_true",
+                   help="--cpu-exchange: pin the caller and the kernels' workers to the last -t CPUs (as the CPU "
+                        "executor does when two CPUs are left over)")
     p.add_argument("--exchange-worker", default=None, help=argparse.SUPPRESS)  # internal: JSON path of one worker
     p.add_argument("--exchange-build", default=None, help=argparse.SUPPRESS)  # internal: the worker's cflags
     return p.parse_args(argv)
@@ -345,7 +348,8 @@ def _worker_library(args):
     if hasattr(cpu_library, "configure_threads"):  # (builds before the library's own threads had none)
         from powerinfer_ray.runtime.cpu_executor import WORKER_SPIN_US
 
-        cpu_library.configure_threads(WORKER_SPIN_US if args.pool_spin_us is None else args.pool_spin_us)
+        cpus = sorted(os.sched_getaffinity(0))[-(args.threads or os.cpu_count()):] if args.pool_pin else []
+        cpu_library.configure_threads(WORKER_SPIN_US if args.pool_spin_us is None else args.pool_spin_us, cpus)
     return lib
 
 
@@ -592,6 +596,7 @@ def _exchange_run(args, cflags: str | None, pol: str, reps: int) -> dict:
         cmd += ["--exchange-shm"] if args.exchange_shm else []
         cmd += ["--threads", str(args.threads)] if args.threads else []
         cmd += ["--pool-spin-us", str(args.pool_spin_us)] if args.pool_spin_us is not None else []
+        cmd += ["--pool-pin"] if args.pool_pin else []
         cmd += [f"--exchange-build={cflags.strip()}"] if cflags and cflags.strip() else []
         subprocess.run(cmd, env=env, check=True)
         return json.loads(path.read_text())

@@ -2,9 +2,11 @@
 //
 // A call's parallel region runs on the calling thread (tid 0) and nt - 1 workers that live for
 // the process. Each worker waits on a sequence number in a cache line of its own: it spins
-// (pause, then sched_yield: Spin) for spin_us after its last job, so the workers of an exchange
-// that comes every few hundred microseconds start within a cache miss and their cores never drop
-// into a sleep state; after that it sleeps on a condition variable (an idle engine costs no CPU). Inside a region:
+// for spin_us after its last job, so the workers of an exchange that comes every few hundred
+// microseconds start within a cache miss and their cores never drop into a sleep state; after
+// that it sleeps on a condition variable (an idle engine costs no CPU). Pinned to a core of its
+// own it spins with pause; unpinned it yields the core after a few microseconds (Spin), since
+// the OS may have put another busy thread (the GPU's driver thread, say) on the same core. Inside a region:
 // barrier() (sense-reversing, spinning), for_static / for_dynamic (an atomic counter per loop),
 // as OpenMP's `omp for` with its implicit barrier. pi_pool_config sets the spin and pins the
 // threads to cores (the caller to cpus[0], worker i to cpus[i]).
@@ -137,6 +139,7 @@ class Pool {
         std::lock_guard<std::mutex> region(region_);
         spin_ns_.store(spin_us * 1000, std::memory_order_relaxed);
         cpus_.assign(cpus, cpus + (ncpus > 0 ? ncpus : 0));
+        pinned_.store(!cpus_.empty(), std::memory_order_relaxed);
         place(pthread_self(), cpus_.empty() ? -1 : cpus_[0]);
         for (size_t i = 0; i < workers_.size(); ++i) place(workers_[i]->handle, cpu_of(i));
     }
@@ -177,7 +180,8 @@ class Pool {
             auto t0 = std::chrono::steady_clock::now();
             Spin spin;
             for (int spins = 0; w.go.load(std::memory_order_acquire) == seen; ++spins) {
-                spin();
+                if (pinned_.load(std::memory_order_relaxed)) cpu_relax();  // its own core: nobody to yield to
+                else spin();
                 if ((spins & 63) == 63 &&
                     std::chrono::steady_clock::now() - t0 > std::chrono::nanoseconds(spin_ns_.load())) {
                     std::unique_lock<std::mutex> lk(sleep_mu_);
@@ -201,6 +205,7 @@ class Pool {
     alignas(64) std::atomic<int> done_{0};
     std::atomic<int64_t> spin_ns_{100 * 1000};  // 100 us unless configured
     std::vector<int> cpus_;
+    std::atomic<bool> pinned_{false};
     cpu_set_t all_;
     std::mutex sleep_mu_;
     std::condition_variable sleep_cv_;

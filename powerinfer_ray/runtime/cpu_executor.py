@@ -109,8 +109,8 @@ class CPUExecutor:
         # FFN (llama.cpp) does: it is the layer-offload baseline
         self.skip_zero = policy != "dense"
         self.threads = threads or torch.get_num_threads()
-        torch.set_num_threads(self.threads)
-        configure_threads(WORKER_SPIN_US)
+        self._cpus = sorted(os.sched_getaffinity(0))  # before any pinning of this thread
+        self._apply_threads()
         wdt = DTYPES[dtype or cfg.dtype]
         n_ctx = min(n_ctx or cfg.n_ctx, cfg.n_ctx)
         self.phases = {"open": time.perf_counter() - t0}
@@ -167,7 +167,7 @@ class CPUExecutor:
         """What the group's start script reads: the shared rows' layout, and whether they await
         their rows (``defer_fill``); where the FFN rows are (file | shared | private), the load's
         phases in seconds, and this process's memory."""
-        return {"device": "cpu", "weight_bytes": self.weight_bytes(), "threads": self.threads,
+        return {"device": "cpu", "weight_bytes": self.weight_bytes(), "threads": self.threads, "pinned": self.pinned,
                 "load_s": self.load_s, "needs_fill": self.needs_fill, "shard_spec": self.shard_spec,
                 "ffn_rows": self.ffn_rows, "phases": {k: round(v, 3) for k, v in self.phases.items()},
                 "memory": self.memory()}
@@ -190,8 +190,18 @@ class CPUExecutor:
             raise ValueError(f"threads={n!r}: expected an int in [1, {os.cpu_count()}] (this host's cores)")
         self.threads = n
         if self._serving is None:
-            self._omp.call(lambda: torch.set_num_threads(n))
+            self._omp.call(self._apply_threads)
         return n
+
+    def _apply_threads(self) -> None:
+        """torch's threads, and the kernels' workers: pinned to the last ``threads`` CPUs of this
+        process when at least two more are left for the others (the primary's driver thread, Ray),
+        so they spin on cores of their own; else unpinned (they yield when a core is shared).
+        Runs in the worker thread, which becomes the kernels' thread 0."""
+        torch.set_num_threads(self.threads)
+        cpus = self._cpus
+        self.pinned = cpus[-self.threads:] if self.threads + 2 <= len(cpus) else []
+        configure_threads(WORKER_SPIN_US, self.pinned)
 
     def _ids_and_bias(self, l: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Layer l's CPU neurons and their up bias (float32, models with biases): the shared
@@ -233,7 +243,7 @@ class CPUExecutor:
             last = ch.wait_request(last, spin_s=0.02)  # hot while generating, asleep when idle
             t_start = time.monotonic_ns()
             if self.threads != applied:  # set_threads while serving
-                torch.set_num_threads(self.threads)
+                self._apply_threads()
                 applied = self.threads
             op, l, n_seq, n_tok, n_mask = ch.request()
             if op == OP_STOP:
