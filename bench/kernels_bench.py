@@ -105,10 +105,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="--cpu-exchange with --exchange-layers > 1: rows per layer's shard (default 8600, the "
                         "13B CPU shard; Falcon-40B at 24 GiB: ~31000)")
     p.add_argument("--exchange-shm", action="store_true",
-                   help="--cpu-exchange with --exchange-layers > 1: the shards in one /dev/shm file, as the "
-                        "runtime holds them (runtime/sharedshard.py), instead of private memory")
+                   help="--cpu-exchange with --exchange-layers > 1: the shards in one /dev/shm file (tmpfs pages, "
+                        "as a model file on /dev/shm or the runtime's shared copy), instead of private memory")
     p.add_argument("--exchange-policies", default=",".join(EX_POLICIES),
-                   help="--cpu-exchange: OMP_WAIT_POLICY values, one worker process each ('unset': not set)")
+                   help="--cpu-exchange: OMP_WAIT_POLICY values, one worker process each ('unset': not set; "
+                        "it reaches torch's threads only: the kernels run on their own, csrc/pool.h)")
     p.add_argument("--pool-spin-us", type=int, default=None,
                    help="--cpu-exchange: microseconds the kernels' worker threads spin after a call before sleeping "
                         "(default: the CPU executor's, runtime.cpu_executor.WORKER_SPIN_US)")
