@@ -76,6 +76,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=256)
     p.set_defaults(func=cmd_profile)
 
+    p = sub.add_parser("sparsify", help="calibrate per-layer activation thresholds of a SwiGLU model")
+    _model_arg(p, required=True)
+    p.add_argument("corpus", nargs="?", default=None,
+                   help="calibration text: text file, JSONL (text field), Parquet (text column) or builtin")
+    p.add_argument("-o", "--outfile", required=True)
+    p.add_argument("--target-sparsity", nargs="+", default=["0.5"],
+                   help="share of FFN neurons to skip: one value, or one per layer (0.3,0.4,0.5 ...)")
+    p.add_argument("--on", choices=("gate", "h"), default="gate",
+                   help="threshold |SiLU(gate)| (computes up/down only for active neurons) or |h|")
+    p.add_argument("--thresholds", default=None,
+                   help="take the thresholds from this sparsified file of the same model (no corpus)")
+    p.add_argument("--max-tokens", type=int, default=16384)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.set_defaults(func=cmd_sparsify)
+
     p = sub.add_parser("train-predictors", help="train per-layer activation predictors")
     _model_arg(p)
     p.add_argument("corpus")
@@ -154,6 +169,14 @@ def cmd_profile(a: argparse.Namespace) -> int:
     from .offline.profile import run_profile
 
     run_profile(_resolve_model(a.model), a.corpus, a.out_dir, max_tokens=a.max_tokens, seq_len=a.seq_len)
+    return 0
+
+
+def cmd_sparsify(a: argparse.Namespace) -> int:
+    from .offline.sparsify import parse_targets, sparsify
+
+    sparsify(a.model, a.corpus, a.outfile, parse_targets(a.target_sparsity), on=a.on,
+             max_tokens=a.max_tokens, seq_len=a.seq_len, thresholds_from=a.thresholds)
     return 0
 
 

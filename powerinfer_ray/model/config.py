@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-ARCHS = ("llama", "opt", "falcon")
+ARCHS = ("llama", "qwen2", "opt", "falcon")
 FFN_ACTS = ("relu", "reglu", "drelu", "swiglu")
+THRESHOLD_ON = ("gate", "h")  # what a SwiGLU threshold compares: |SiLU(gate_j)| or |h_j|
 DTYPES = ("f32", "f16", "bf16")
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 
@@ -21,7 +22,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # llama | opt | falcon
+    arch: str  # llama | qwen2 | opt | falcon
     ffn_act: str  # relu | reglu | drelu | swiglu
     n_vocab: int
     n_embd: int
@@ -32,13 +33,18 @@ class ModelConfig:
     n_ctx: int
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    n_rot: int = 0  # rotary dims; 0 -> head_dim (ignored without rope)
+    n_rot: int = 0  # rotary dims; 0 -> head_dim (set in __post_init__; 0 without rope)
     parallel_attn: bool = False  # falcon: x + attn(ln(x)) + ffn(ln'(x))
     two_norms: bool = False  # falcon new decoder architecture: separate ln_attn / ln_mlp
     bias: bool = False  # q/k/v/o and up/down biases (opt)
+    qkv_bias: bool = False  # q/k/v biases only (qwen2)
     tied_output: bool = False  # output head is token_embd
     sparse_threshold: float | None = None  # neuron skipped iff predictor logit < threshold
     predictor_ranks: tuple[int, ...] = ()  # per-layer predictor width r (empty: no predictors)
+    # SwiGLU activation sparsity: per layer l, neuron j is active iff its criterion exceeds
+    # ffn_thresholds[l] (empty: dense); the criterion is |SiLU(gate_j)| or |h_j| (ffn_threshold_on)
+    ffn_thresholds: tuple[float, ...] = ()
+    ffn_threshold_on: str = "gate"
     dtype: str = "f32"  # storage dtype of the big matrices
     name: str = ""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
@@ -62,6 +68,28 @@ class ModelConfig:
             raise bad("n_head_kv", self.n_head_kv, f"a divisor of n_head={self.n_head}")
         if self.predictor_ranks and len(self.predictor_ranks) != self.n_layer:
             raise bad("predictor_ranks", len(self.predictor_ranks), f"{self.n_layer} entries")
+        self._check_thresholds(bad)
+        if self.rope_style is None:
+            object.__setattr__(self, "n_rot", 0)
+        elif self.n_rot == 0:
+            object.__setattr__(self, "n_rot", self.head_dim)
+        elif not (0 < self.n_rot <= self.head_dim and self.n_rot % 2 == 0):
+            raise bad("n_rot", self.n_rot, f"an even number of rotary dims <= head_dim={self.head_dim}")
+
+    def _check_thresholds(self, bad) -> None:  # noqa: ANN001
+        object.__setattr__(self, "ffn_thresholds", tuple(float(t) for t in self.ffn_thresholds))
+        if not self.ffn_thresholds:
+            return
+        if self.ffn_act != "swiglu":
+            raise bad("ffn_thresholds", "present", f"none for ffn_act={self.ffn_act} (its zeros are "
+                      "already sparse; thresholds are for SwiGLU)")
+        if len(self.ffn_thresholds) != self.n_layer:
+            raise bad("ffn_thresholds", f"{len(self.ffn_thresholds)} values",
+                      f"one per layer: n_layer={self.n_layer}")
+        if any(not t >= 0.0 for t in self.ffn_thresholds):  # rejects NaN too
+            raise bad("ffn_thresholds", list(self.ffn_thresholds), "values >= 0")
+        if self.ffn_threshold_on not in THRESHOLD_ON:
+            raise bad("ffn_threshold_on", self.ffn_threshold_on, f"one of {THRESHOLD_ON}")
 
     # --- derived sizes ------------------------------------------------------------------------
     @property
@@ -75,7 +103,7 @@ class ModelConfig:
 
     @property
     def rot_dims(self) -> int:
-        return self.n_rot or self.head_dim
+        return self.n_rot
 
     @property
     def gated(self) -> bool:
@@ -85,12 +113,22 @@ class ModelConfig:
     @property
     def rope_style(self) -> str | None:
         """'norm' = GGML mode 0 (adjacent pairs; llama GGUF stores Q/K permuted for it),
-        'neox' = rotate halves (falcon), None = learned absolute positions (opt)."""
-        return {"llama": "norm", "falcon": "neox", "opt": None}[self.arch]
+        'neox' = rotate halves (falcon, qwen2), None = learned absolute positions (opt)."""
+        return {"llama": "norm", "qwen2": "neox", "falcon": "neox", "opt": None}[self.arch]
 
     @property
     def norm(self) -> str:
-        return "rms" if self.arch == "llama" else "layer"
+        return "rms" if self.arch in ("llama", "qwen2") else "layer"
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        """q/k/v carry biases (opt: with all others; qwen2: alone)."""
+        return self.bias or self.qkv_bias
+
+    @property
+    def thresholded(self) -> bool:
+        """SwiGLU with per-layer activation thresholds (``sparsify``)."""
+        return bool(self.ffn_thresholds)
 
     @property
     def pos_offset(self) -> int:

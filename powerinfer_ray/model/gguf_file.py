@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.constants import GGUF_MAGIC as _GGUF_MAGIC_U32
 
 from . import gguf_keys as K
-from .config import ConfigError, ModelConfig
+from .config import ARCHS, ConfigError, ModelConfig
 
 SUPPORTED_TYPES = {
     GGMLQuantizationType.F32: ("f32", np.float32, torch.float32),
@@ -184,9 +184,9 @@ def config_from_fields(fields: Mapping[str, Any], tensors: Mapping[str, Any], sp
     if arch_name is None:
         raise ModelFileError(f"{path}: metadata key {K.ARCH!r} is missing")
     arch, default_act = _ARCH_ALIASES.get(arch_name, (arch_name, None))
-    if arch not in ("llama", "opt", "falcon"):
+    if arch not in ARCHS:
         raise ModelFileError(f"{path}: unknown architecture {arch_name!r}; supported: llama "
-                             "(ReGLU, dReLU, ReLU, SwiGLU), bamboo, opt, falcon")
+                             "(ReGLU, dReLU, ReLU, SwiGLU), bamboo, qwen2 (SwiGLU), opt, falcon")
 
     def req(template: str) -> Any:
         k = K.key(template, arch_name)
@@ -199,13 +199,14 @@ def config_from_fields(fields: Mapping[str, Any], tensors: Mapping[str, Any], sp
 
     n_layer = int(req(K.BLOCK_COUNT))
     if default_act is None:
-        default_act = ("reglu" if sparse else "swiglu") if arch == "llama" else "relu"
+        default_act = {"llama": "reglu" if sparse else "swiglu", "qwen2": "swiglu"}.get(arch, "relu")
     embd = tensors.get(K.global_tensor(K.TOKEN_EMBD))
     n_vocab = opt(K.VOCAB_SIZE, None)
     if n_vocab is None:
         toks = fields.get(K.TOK_TOKENS)
         n_vocab = len(toks) if toks else (int(embd.shape[-1]) if embd is not None else 0)
-    eps_key = K.LAYERNORM_RMS_EPS if arch == "llama" else K.LAYERNORM_EPS
+    rms = arch in ("llama", "qwen2")
+    eps_key = K.LAYERNORM_RMS_EPS if rms else K.LAYERNORM_EPS
     ranks = []
     for l in range(n_layer):
         fc1 = tensors.get(K.tensor(K.FC1, l))
@@ -220,22 +221,24 @@ def config_from_fields(fields: Mapping[str, Any], tensors: Mapping[str, Any], sp
     thr = fields.get(K.SPARSE_THRESHOLD)
     n_head = int(req(K.HEAD_COUNT))
     n_rot = int(opt(K.ROPE_DIMENSION_COUNT, 0))
-    if n_rot == int(req(K.EMBEDDING_LENGTH)) // n_head:
-        n_rot = 0  # the default: all of head_dim
+    qkv_bias = K.tensor(K.ATTN_Q, 0, bias=True) in tensors or K.tensor(K.ATTN_QKV, 0, bias=True) in tensors
+    bias = qkv_bias and K.tensor(K.FFN_UP, 0, bias=True) in tensors  # every linear layer (opt, falcon)
     try:
         return ModelConfig(
             arch=arch, ffn_act=str(fields.get(K.FFN_ACT, default_act)),
             n_vocab=int(n_vocab), n_embd=int(req(K.EMBEDDING_LENGTH)), n_layer=n_layer,
             n_head=n_head, n_head_kv=int(opt(K.HEAD_COUNT_KV, n_head)),
             n_ff=int(req(K.FEED_FORWARD_LENGTH)), n_ctx=int(opt(K.CONTEXT_LENGTH, 2048)),
-            norm_eps=_f32(opt(eps_key, 1e-5 if arch != "llama" else 1e-6)),
+            norm_eps=_f32(opt(eps_key, 1e-6 if rms else 1e-5)),
             rope_theta=_f32(opt(K.ROPE_FREQ_BASE, 10000.0)), n_rot=n_rot,
             parallel_attn=bool(fields.get(K.PARALLEL_ATTN, arch == "falcon")),
             two_norms=K.tensor(K.ATTN_NORM_2, 0) in tensors,
-            bias=K.tensor(K.ATTN_Q, 0, bias=True) in tensors or K.tensor(K.ATTN_QKV, 0, bias=True) in tensors,
+            bias=bias, qkv_bias=qkv_bias and not bias,
             tied_output=K.global_tensor(K.OUTPUT) not in tensors,
             sparse_threshold=None if thr is None else _f32(thr),
             predictor_ranks=tuple(ranks), dtype=dtype, name=str(fields.get(K.NAME, "")),
+            ffn_thresholds=tuple(fields.get(K.FFN_THRESHOLDS, ())),
+            ffn_threshold_on=str(fields.get(K.FFN_THRESHOLD_ON, "gate")),
         )
     except ConfigError as exc:
         raise ModelFileError(f"{path}: {exc}") from None
@@ -257,7 +260,7 @@ def config_to_fields(cfg: ModelConfig) -> dict[str, Any]:
         K.key(K.FEED_FORWARD_LENGTH, a): cfg.n_ff,
         K.key(K.HEAD_COUNT, a): cfg.n_head,
         K.key(K.HEAD_COUNT_KV, a): cfg.n_head_kv,
-        K.key(K.LAYERNORM_RMS_EPS if a == "llama" else K.LAYERNORM_EPS, a): float(cfg.norm_eps),
+        K.key(K.LAYERNORM_RMS_EPS if cfg.norm == "rms" else K.LAYERNORM_EPS, a): float(cfg.norm_eps),
         K.key(K.VOCAB_SIZE, a): cfg.n_vocab,
         K.FFN_ACT: cfg.ffn_act,
     }
@@ -268,6 +271,9 @@ def config_to_fields(cfg: ModelConfig) -> dict[str, Any]:
         f[K.PARALLEL_ATTN] = bool(cfg.parallel_attn)
     if cfg.sparse_threshold is not None:
         f[K.SPARSE_THRESHOLD] = float(cfg.sparse_threshold)
+    if cfg.thresholded:
+        f[K.FFN_THRESHOLDS] = list(cfg.ffn_thresholds)
+        f[K.FFN_THRESHOLD_ON] = cfg.ffn_threshold_on
     return f
 
 
@@ -300,9 +306,11 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             s[t(tmpl)] = (D,)
             if cfg.norm == "layer":
                 s[t(tmpl, True)] = (D,)
-        if cfg.bias:
-            for tmpl, n in ((K.ATTN_Q, q), (K.ATTN_K, kv), (K.ATTN_V, kv), (K.ATTN_OUT, D),
-                            (K.FFN_UP, F), (K.FFN_DOWN_T, D)):
+        if cfg.has_qkv_bias:
+            biased = ((K.ATTN_Q, q), (K.ATTN_K, kv), (K.ATTN_V, kv))
+            if cfg.bias:
+                biased += ((K.ATTN_OUT, D), (K.FFN_UP, F), (K.FFN_DOWN_T, D))
+            for tmpl, n in biased:
                 s[t(tmpl, True)] = (n,)
         if cfg.predictor_ranks:
             r = cfg.predictor_ranks[l]

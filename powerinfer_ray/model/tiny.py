@@ -20,6 +20,7 @@ VARIANTS = {
     "llama-drelu": dict(arch="llama", ffn_act="drelu"),
     "llama-relu": dict(arch="llama", ffn_act="relu"),
     "llama-swiglu": dict(arch="llama", ffn_act="swiglu"),
+    "qwen2": dict(arch="qwen2", ffn_act="swiglu", qkv_bias=True, n_head=4, n_head_kv=2),
     "llama-gqa": dict(arch="llama", ffn_act="reglu", n_head=4, n_head_kv=2),
     "opt": dict(arch="opt", ffn_act="relu", bias=True, tied_output=True),
     "falcon": dict(arch="falcon", ffn_act="relu", parallel_attn=True, n_head=4, n_head_kv=1,

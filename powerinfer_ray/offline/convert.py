@@ -10,9 +10,10 @@ Layouts written (see gguf_keys): FFN neuron j is row j of ``ffn_up`` / ``ffn_gat
 mode-0 ("norm") RoPE, which the reference uses for llama, equals HF's ``rotate_half``; falcon's
 fused ``query_key_value`` is split into q / k / v with query head h reading KV group h // n_gqa.
 
-Architectures: LlamaForCausalLM (ReLU -> ReGLU, SiLU -> SwiGLU, dReLU), OPTForCausalLM (pre-LN,
-ReLU), FalconForCausalLM (ReLU, rotary, parallel or sequential attention, old and new decoder
-architectures).
+Architectures: LlamaForCausalLM and MistralForCausalLM (ReLU -> ReGLU, SiLU -> SwiGLU, dReLU),
+Qwen2ForCausalLM (SwiGLU, q/k/v biases, NeoX RoPE: Q/K not permuted, as llama.cpp writes arch
+qwen2), OPTForCausalLM (pre-LN, ReLU), FalconForCausalLM (ReLU, rotary, parallel or sequential
+attention, old and new decoder architectures).
 """
 from __future__ import annotations
 
@@ -229,7 +230,7 @@ def rope_theta(hf: HFConfig) -> float:
 LLAMA_ACTS = {"relu": "reglu", "silu": "swiglu", "swish": "swiglu", "drelu": "drelu"}
 
 
-def _llama_config(hf: HFConfig, ck: Checkpoint, outtype: str, name: str) -> ModelConfig:
+def _llama_config(hf: HFConfig, ck: Checkpoint, outtype: str, name: str, arch: str = "llama") -> ModelConfig:
     act = str(hf.get("hidden_act", default="silu"))
     hf.require("hidden_act", act.lower() in LLAMA_ACTS, act,
                "expected relu (ReGLU), silu (SwiGLU) or drelu")
@@ -240,17 +241,37 @@ def _llama_config(hf: HFConfig, ck: Checkpoint, outtype: str, name: str) -> Mode
     hd = hf.get("head_dim", default=D // H)
     hf.require("head_dim", hd == D // H, hd, f"expected hidden_size / num_attention_heads = {D // H}")
     return ModelConfig(
-        arch="llama", ffn_act=LLAMA_ACTS[act.lower()], n_vocab=ck.shape("model.embed_tokens.weight")[0],
+        arch=arch, ffn_act=LLAMA_ACTS[act.lower()], n_vocab=ck.shape("model.embed_tokens.weight")[0],
         n_embd=D, n_layer=int(hf.get("num_hidden_layers")), n_head=H, n_head_kv=G,
-        n_ff=int(hf.get("intermediate_size")), n_ctx=int(hf.get("max_position_embeddings", default=2048)),
+        n_ff=int(hf.get("intermediate_size")), n_ctx=_context_length(hf),
         norm_eps=float(hf.get("rms_norm_eps", default=1e-6)), rope_theta=rope_theta(hf),
-        tied_output=bool(hf.get("tie_word_embeddings", default=False)), dtype=outtype, name=name)
+        tied_output=bool(hf.get("tie_word_embeddings", default=False)), dtype=outtype, name=name,
+        qkv_bias=arch == "qwen2")
+
+
+def _context_length(hf: HFConfig) -> int:
+    """max_position_embeddings, capped at the sliding window where one applies (Mistral's
+    sliding_window, Qwen2's use_sliding_window): within the window it equals full attention."""
+    n_ctx = int(hf.get("max_position_embeddings", default=2048))
+    windowed = hf.get("use_sliding_window", default=hf.get("model_type", default="") == "mistral") or \
+        "sliding_attention" in (hf.get("layer_types", default=None) or [])
+    window = hf.get("sliding_window", default=None)
+    return min(n_ctx, int(window)) if windowed and window else n_ctx
 
 
 def plan_llama(hf: HFConfig, ck: Checkpoint, outtype: str, name: str) -> Plan:
     """LlamaForCausalLM: RMSNorm, RoPE (Q/K permuted for GGML mode 0), GQA, gated FFN."""
-    cfg = _llama_config(hf, ck, outtype, name)
+    return _plan_llama_layout(_llama_config(hf, ck, outtype, name), ck, outtype)
+
+
+def plan_qwen2(hf: HFConfig, ck: Checkpoint, outtype: str, name: str) -> Plan:
+    """Qwen2ForCausalLM: llama's layout with q/k/v biases and NeoX RoPE (Q/K as HF stores them)."""
+    return _plan_llama_layout(_llama_config(hf, ck, outtype, name, arch="qwen2"), ck, outtype)
+
+
+def _plan_llama_layout(cfg: ModelConfig, ck: Checkpoint, outtype: str) -> Plan:
     H, G = cfg.n_head, cfg.n_head_kv
+    qk = (lambda n: (lambda w: permute_qk(w, n))) if cfg.rope_style == "norm" else (lambda n: None)
     p = Plan(cfg)
     p.tensors[K.global_tensor(K.TOKEN_EMBD)] = ck.lazy("model.embed_tokens.weight", outtype)
     p.tensors[K.global_tensor(K.OUTPUT_NORM)] = ck.lazy("model.norm.weight", outtype)
@@ -259,8 +280,8 @@ def plan_llama(hf: HFConfig, ck: Checkpoint, outtype: str, name: str) -> Plan:
     for l in range(cfg.n_layer):
         hl = f"model.layers.{l}."
         t = {K.ATTN_NORM: ck.lazy(hl + "input_layernorm.weight", outtype),
-             K.ATTN_Q: ck.lazy(hl + "self_attn.q_proj.weight", outtype, lambda w: permute_qk(w, H)),
-             K.ATTN_K: ck.lazy(hl + "self_attn.k_proj.weight", outtype, lambda w: permute_qk(w, G)),
+             K.ATTN_Q: ck.lazy(hl + "self_attn.q_proj.weight", outtype, qk(H)),
+             K.ATTN_K: ck.lazy(hl + "self_attn.k_proj.weight", outtype, qk(G)),
              K.ATTN_V: ck.lazy(hl + "self_attn.v_proj.weight", outtype),
              K.ATTN_OUT: ck.lazy(hl + "self_attn.o_proj.weight", outtype),
              K.FFN_NORM: ck.lazy(hl + "post_attention_layernorm.weight", outtype),
@@ -268,6 +289,9 @@ def plan_llama(hf: HFConfig, ck: Checkpoint, outtype: str, name: str) -> Plan:
              K.FFN_GATE: ck.lazy(hl + "mlp.gate_proj.weight", outtype),
              K.FFN_DOWN_T: _transposed(ck, hl + "mlp.down_proj.weight", outtype)}
         p.tensors.update({K.tensor(tmpl, l): v for tmpl, v in t.items()})
+        if cfg.qkv_bias:
+            for tmpl, proj in ((K.ATTN_Q, "q_proj"), (K.ATTN_K, "k_proj"), (K.ATTN_V, "v_proj")):
+                p.tensors[K.tensor(tmpl, l, True)] = ck.lazy(f"{hl}self_attn.{proj}.bias", outtype)
     return p
 
 
@@ -403,10 +427,12 @@ def _falcon_qkv(ck: Checkpoint, p: Plan, l: int, hf_prefix: str, layout: str, ou
 
 
 PLANNERS: dict[str, Callable[[HFConfig, Checkpoint, str, str], Plan]] = {
-    "LlamaForCausalLM": plan_llama, "OPTForCausalLM": plan_opt,
+    "LlamaForCausalLM": plan_llama, "MistralForCausalLM": plan_llama, "Qwen2ForCausalLM": plan_qwen2,
+    "OPTForCausalLM": plan_opt,
     "FalconForCausalLM": plan_falcon, "RWForCausalLM": plan_falcon,
 }
-MODEL_TYPES = {"llama": "LlamaForCausalLM", "opt": "OPTForCausalLM", "falcon": "FalconForCausalLM",
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "opt": "OPTForCausalLM", "falcon": "FalconForCausalLM",
                "RefinedWeb": "FalconForCausalLM", "RefinedWebModel": "FalconForCausalLM"}
 
 

@@ -21,7 +21,8 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 transformers = pytest.importorskip("transformers")
 from transformers import (AutoTokenizer, FalconConfig, FalconForCausalLM, LlamaConfig,  # noqa: E402
-                          LlamaForCausalLM, OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast)
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, OPTConfig, OPTForCausalLM,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
 from powerinfer_ray.model import gguf_keys as K  # noqa: E402
 from powerinfer_ray.model.gguf_file import ModelFile  # noqa: E402
@@ -103,6 +104,20 @@ def llama(act: str = "relu", **kw) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg)
 
 
+def qwen2(**kw) -> Qwen2ForCausalLM:
+    cfg = Qwen2Config(hidden_size=D, intermediate_size=F, num_hidden_layers=L, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=CTX, rms_norm_eps=1e-6,
+                      rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, **kw)
+    return Qwen2ForCausalLM(cfg)
+
+
+def mistral(**kw) -> MistralForCausalLM:
+    cfg = MistralConfig(hidden_size=D, intermediate_size=F, num_hidden_layers=L, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=CTX, rms_norm_eps=1e-6,
+                        sliding_window=None, **kw)
+    return MistralForCausalLM(cfg)
+
+
 def opt(**kw) -> OPTForCausalLM:
     cfg = OPTConfig(hidden_size=D, ffn_dim=F, num_hidden_layers=L, num_attention_heads=4,
                     max_position_embeddings=CTX, word_embed_proj_dim=D, activation_function="relu",
@@ -120,6 +135,9 @@ MODELS = {
     "llama-relu": lambda v: llama("relu", vocab_size=v),
     "llama-gqa-tied": lambda v: llama("relu", vocab_size=v, num_key_value_heads=2, tie_word_embeddings=True),
     "llama-silu": lambda v: llama("silu", vocab_size=v, num_key_value_heads=1),
+    "qwen2": lambda v: qwen2(vocab_size=v),
+    "qwen2-tied": lambda v: qwen2(vocab_size=v, tie_word_embeddings=True),
+    "mistral": lambda v: mistral(vocab_size=v),
     "opt": lambda v: opt(vocab_size=v),
     "falcon-new-gqa": lambda v: falcon(vocab_size=v, new_decoder_architecture=True, num_kv_heads=2),
     "falcon-multi-query": lambda v: falcon(vocab_size=v, new_decoder_architecture=False, multi_query=True),
@@ -183,6 +201,10 @@ EXPECTED_CONFIG = {
     "llama-relu": dict(arch="llama", ffn_act="reglu", n_head_kv=4, tied_output=False, rope_theta=5000.0),
     "llama-gqa-tied": dict(arch="llama", ffn_act="reglu", n_head_kv=2, tied_output=True),
     "llama-silu": dict(arch="llama", ffn_act="swiglu", n_head_kv=1),
+    "qwen2": dict(arch="qwen2", ffn_act="swiglu", n_head_kv=2, qkv_bias=True, bias=False, tied_output=False,
+                  rope_theta=5000.0, n_rot=D // 4),
+    "qwen2-tied": dict(arch="qwen2", ffn_act="swiglu", qkv_bias=True, tied_output=True),
+    "mistral": dict(arch="llama", ffn_act="swiglu", n_head_kv=2, n_ctx=CTX),
     "opt": dict(arch="opt", ffn_act="relu", bias=True, tied_output=True, n_ctx=CTX),
     "falcon-new-gqa": dict(arch="falcon", n_head_kv=2, parallel_attn=True, two_norms=True, bias=False),
     "falcon-multi-query": dict(arch="falcon", n_head_kv=1, parallel_attn=True, two_norms=False),
