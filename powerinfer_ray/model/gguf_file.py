@@ -65,6 +65,11 @@ class ModelFile:
         }
         self.tensors = {t.name: t for t in self.reader.tensors}
         for t in self.tensors.values():
+            if t.tensor_type not in SUPPORTED_TYPES and _is_standard_down(t.name):
+                raise self.error(f"tensor {t.name!r} is {t.tensor_type.name} in llama.cpp's layout "
+                                 "(neuron j's down weights are column j of a quantized row-major "
+                                 "matrix, which cannot be read by neuron): convert the HF checkpoint "
+                                 "with `powerinfer-ray convert` (it stores ffn_down_t, a row per neuron)")
             if t.tensor_type not in SUPPORTED_TYPES:
                 raise self.error(f"tensor {t.name!r} has type {t.tensor_type.name}; supported types "
                                  "are F32, F16, BF16 (quantized models are not supported yet: "
@@ -141,6 +146,11 @@ class ModelFile:
         """The output head [V, D] (the token embedding when tied)."""
         name = K.OUTPUT if self.has(K.global_tensor(K.OUTPUT)) else K.TOKEN_EMBD
         return self.global_(name, dtype)
+
+
+def _is_standard_down(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) == 4 and parts[1].isdigit() and K.tensor(K.FFN_DOWN, int(parts[1])) == name
 
 
 def open_gguf(path: Path) -> GGUFReader:
