@@ -4,7 +4,9 @@ In layer l, FFN neuron j is active iff its criterion c_j exceeds t_l; an inactiv
 contributes nothing (h_j := 0). The criterion is |SiLU(gate_j)| (``on="gate"``, CATS: a device
 computes the gate rows, thresholds, and reads up/down rows only for the active neurons) or
 |h_j| = |SiLU(gate_j) * up_j| (``on="h"``: gate and up rows of every neuron, down rows of the
-active ones).
+active ones). 'gate' is the default: it is the criterion a device can apply before it reads any
+up/down row, so gate-first execution needs no predictor. '|h|' keeps more quality at equal
+sparsity and costs the same in predicted mode, which reads only the predicted neurons' rows.
 
 t_l is the target-sparsity quantile of c over the calibration tokens, calibrated layer after
 layer on the thresholded forward: layer l sees the hidden states that the thresholded layers
@@ -32,9 +34,9 @@ from ..model.reference import KVCache, ReferenceModel
 from ..model.tokenizer import Tokenizer
 from .corpus import Corpus, iter_texts, token_windows
 
-# Fewer tokens than this estimate a layer's quantile from too few contexts: at 1024 tokens
-# (4 windows of 256) a 0.5 target lands within about +-1 % sparsity on held-out text of the
-# tiny SwiGLU model (bench/results/swiglu-quality-tiny.json measures the held-out sparsity).
+# Fewer tokens than this estimate a layer's quantile from too few contexts: calibrated on 1024
+# tokens of the tiny SwiGLU model's train split, a 0.5 target reaches 0.500-0.506 per layer on
+# its held-out text (256 tokens: 0.504-0.510; 16384: 0.498-0.502).
 MIN_CALIBRATION_TOKENS = 1024
 QUANTILE_SAMPLES = 1 << 24  # criterion values kept per layer (a uniform sample beyond this)
 FINGERPRINT_TOLERANCE = 0.25  # relative L2 distance: dtype conversion moves it by ~1e-3 (f16)
@@ -254,3 +256,46 @@ def write_thresholded(mf: ModelFile, out_path: str | Path, th: Thresholds) -> Pa
     write_model(tmp, cfg, tensors, metadata=meta, sparse=mf.magic == K.PWRI_MAGIC)
     shutil.move(tmp, out_path)
     return Path(out_path)
+
+
+# ------------------------------------------------------------------------------------------------
+# quality of a thresholded model against its dense forward
+# ------------------------------------------------------------------------------------------------
+class _ZeroShare:
+    """FFNHooks that count, per layer, the zeros of the (thresholded) h."""
+
+    def __init__(self, n_layer: int) -> None:
+        self.zeros, self.values = np.zeros(n_layer), np.zeros(n_layer)
+
+    def mask(self, layer: int, pred_in: torch.Tensor) -> None:
+        return None
+
+    def observe(self, layer: int, pred_in: torch.Tensor, h: torch.Tensor) -> None:
+        self.zeros[layer] += float((h == 0).sum())
+        self.values[layer] += h.numel()
+
+
+@torch.no_grad()
+def threshold_quality(ref: ReferenceModel, windows: Sequence[Sequence[int]], thresholds: Sequence[float],
+                      on: str = "gate") -> dict[str, Any]:
+    """The thresholded forward against the dense one over token windows [W, T + 1] (inputs and
+    their next-token targets): perplexity of each, top-1 agreement of the next-token argmax,
+    and the share of neurons inactive per layer."""
+    nll = {"dense": 0.0, "thresholded": 0.0}
+    agree = n = 0
+    zeros = _ZeroShare(ref.cfg.n_layer)
+    for w in windows:
+        inp, tgt = list(w[:-1]), torch.as_tensor(w[1:], device=ref.device)
+        ref.set_thresholds(None)
+        dense = ref.forward(inp, ref.new_cache())  # [T, V]
+        ref.set_thresholds(thresholds, on)
+        sparse = ref.forward(inp, ref.new_cache(), zeros)
+        for name, logits in (("dense", dense), ("thresholded", sparse)):
+            nll[name] += float(torch.nn.functional.cross_entropy(logits.float(), tgt, reduction="sum"))
+        agree += int((dense.argmax(-1) == sparse.argmax(-1)).sum())
+        n += len(inp)
+    assert n > 0, "no windows to evaluate"
+    ppl = {k: float(np.exp(v / n)) for k, v in nll.items()}
+    return {"tokens": n, "ppl_dense": ppl["dense"], "ppl": ppl["thresholded"],
+            "ppl_increase": ppl["thresholded"] / ppl["dense"] - 1.0, "top1_agreement": agree / n,
+            "sparsity": (zeros.zeros / np.maximum(zeros.values, 1)).tolist()}
