@@ -1,40 +1,25 @@
-"""GGUF model files: a memory-mapped, lazy reader and a streaming writer.
+"""GGUF model files: a memory-mapped, lazy reader.
 
 The reader accepts standard GGUF and upstream PowerInfer files (magic ``PWRI``); tensors stay on
 disk until a caller asks for them, and a caller can ask for a subset of rows, so an executor
-loads only its neuron rows and attention heads. The writer stamps ``PWRI`` on sparse models
-(models with predictors) unless told not to, and streams tensors one by one, so a model larger
-than RAM can be written from a generator.
+loads only its neuron rows and attention heads. Writing lives in ``gguf_writer``, metadata <->
+``ModelConfig`` in ``gguf_config``.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import GGUFReader
 from gguf.constants import GGUF_MAGIC as _GGUF_MAGIC_U32
 
 from . import gguf_keys as K
-from .config import ConfigError, ModelConfig
+from .gguf_config import SUPPORTED_TYPES, ModelFileError, check_tensors, config_from_fields
 
-SUPPORTED_TYPES = {
-    GGMLQuantizationType.F32: ("f32", np.float32, torch.float32),
-    GGMLQuantizationType.F16: ("f16", np.float16, torch.float16),
-    GGMLQuantizationType.BF16: ("bf16", np.uint16, torch.bfloat16),
-    GGMLQuantizationType.I32: ("i32", np.int32, torch.int32),
-}
-_GGML_OF = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16,
-            "bf16": GGMLQuantizationType.BF16, "i32": GGMLQuantizationType.I32}
-_TORCH_OF = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 _PWRI_U32 = int.from_bytes(K.PWRI_MAGIC, "little")
-
-
-class ModelFileError(ValueError):
-    """A model file that cannot be used; the message names the file and the problem."""
 
 
 class _Reader(GGUFReader):
@@ -47,9 +32,6 @@ class _Reader(GGUFReader):
         return arr
 
 
-# ------------------------------------------------------------------------------------------------
-# reading
-# ------------------------------------------------------------------------------------------------
 class ModelFile:
     """A GGUF model on disk: metadata, ``ModelConfig`` and lazy tensor access.
 
@@ -170,292 +152,3 @@ def _to_torch(arr: np.ndarray, kind: str, dtype: torch.dtype | None, device: Any
         t = t.to(dtype)
     return t.to(device) if str(device) != "cpu" else t
 
-
-# ------------------------------------------------------------------------------------------------
-# metadata <-> ModelConfig
-# ------------------------------------------------------------------------------------------------
-_ARCH_ALIASES = {"bamboo": ("llama", "drelu")}
-
-
-def config_from_fields(fields: Mapping[str, Any], tensors: Mapping[str, Any], sparse: bool,
-                       path: Path | str = "<memory>") -> ModelConfig:
-    """Build the ModelConfig that GGUF metadata (and tensor presence/shapes) describe."""
-    arch_name = fields.get(K.ARCH)
-    if arch_name is None:
-        raise ModelFileError(f"{path}: metadata key {K.ARCH!r} is missing")
-    arch, default_act = _ARCH_ALIASES.get(arch_name, (arch_name, None))
-    if arch not in ("llama", "opt", "falcon"):
-        raise ModelFileError(f"{path}: unknown architecture {arch_name!r}; supported: llama "
-                             "(ReGLU, dReLU, ReLU, SwiGLU), bamboo, opt, falcon")
-
-    def req(template: str) -> Any:
-        k = K.key(template, arch_name)
-        if k not in fields:
-            raise ModelFileError(f"{path}: metadata key {k!r} is missing")
-        return fields[k]
-
-    def opt(template: str, default: Any) -> Any:
-        return fields.get(K.key(template, arch_name), default)
-
-    n_layer = int(req(K.BLOCK_COUNT))
-    if default_act is None:
-        default_act = ("reglu" if sparse else "swiglu") if arch == "llama" else "relu"
-    embd = tensors.get(K.global_tensor(K.TOKEN_EMBD))
-    n_vocab = opt(K.VOCAB_SIZE, None)
-    if n_vocab is None:
-        toks = fields.get(K.TOK_TOKENS)
-        n_vocab = len(toks) if toks else (int(embd.shape[-1]) if embd is not None else 0)
-    eps_key = K.LAYERNORM_RMS_EPS if arch == "llama" else K.LAYERNORM_EPS
-    ranks = []
-    for l in range(n_layer):
-        fc1 = tensors.get(K.tensor(K.FC1, l))
-        if fc1 is None:
-            break
-        ranks.append(int(fc1.data.shape[0]))
-    if 0 < len(ranks) < n_layer:
-        raise ModelFileError(f"{path}: predictors present for {len(ranks)} of {n_layer} layers "
-                             f"(tensor {K.tensor(K.FC1, len(ranks))!r} is missing)")
-    up = tensors.get(K.tensor(K.FFN_UP, 0))
-    dtype = SUPPORTED_TYPES.get(up.tensor_type, ("f32",))[0] if up is not None else "f32"
-    thr = fields.get(K.SPARSE_THRESHOLD)
-    n_head = int(req(K.HEAD_COUNT))
-    n_rot = int(opt(K.ROPE_DIMENSION_COUNT, 0))
-    if n_rot == int(req(K.EMBEDDING_LENGTH)) // n_head:
-        n_rot = 0  # the default: all of head_dim
-    try:
-        return ModelConfig(
-            arch=arch, ffn_act=str(fields.get(K.FFN_ACT, default_act)),
-            n_vocab=int(n_vocab), n_embd=int(req(K.EMBEDDING_LENGTH)), n_layer=n_layer,
-            n_head=n_head, n_head_kv=int(opt(K.HEAD_COUNT_KV, n_head)),
-            n_ff=int(req(K.FEED_FORWARD_LENGTH)), n_ctx=int(opt(K.CONTEXT_LENGTH, 2048)),
-            norm_eps=_f32(opt(eps_key, 1e-5 if arch != "llama" else 1e-6)),
-            rope_theta=_f32(opt(K.ROPE_FREQ_BASE, 10000.0)), n_rot=n_rot,
-            parallel_attn=bool(fields.get(K.PARALLEL_ATTN, arch == "falcon")),
-            two_norms=K.tensor(K.ATTN_NORM_2, 0) in tensors,
-            bias=K.tensor(K.ATTN_Q, 0, bias=True) in tensors or K.tensor(K.ATTN_QKV, 0, bias=True) in tensors,
-            tied_output=K.global_tensor(K.OUTPUT) not in tensors,
-            sparse_threshold=None if thr is None else _f32(thr),
-            predictor_ranks=tuple(ranks), dtype=dtype, name=str(fields.get(K.NAME, "")),
-        )
-    except ConfigError as exc:
-        raise ModelFileError(f"{path}: {exc}") from None
-
-
-def _f32(v: Any) -> float:
-    """GGUF stores float32: undo the representation error (1e-5 reads as 9.99999975e-06)."""
-    return float(f"{float(v):.7g}")
-
-
-def config_to_fields(cfg: ModelConfig) -> dict[str, Any]:
-    """The GGUF metadata that describes ``cfg`` (inverse of ``config_from_fields``)."""
-    a = cfg.arch
-    f: dict[str, Any] = {
-        K.NAME: cfg.name or f"{a}-{cfg.ffn_act}",
-        K.key(K.CONTEXT_LENGTH, a): cfg.n_ctx,
-        K.key(K.EMBEDDING_LENGTH, a): cfg.n_embd,
-        K.key(K.BLOCK_COUNT, a): cfg.n_layer,
-        K.key(K.FEED_FORWARD_LENGTH, a): cfg.n_ff,
-        K.key(K.HEAD_COUNT, a): cfg.n_head,
-        K.key(K.HEAD_COUNT_KV, a): cfg.n_head_kv,
-        K.key(K.LAYERNORM_RMS_EPS if a == "llama" else K.LAYERNORM_EPS, a): float(cfg.norm_eps),
-        K.key(K.VOCAB_SIZE, a): cfg.n_vocab,
-        K.FFN_ACT: cfg.ffn_act,
-    }
-    if cfg.rope_style is not None:
-        f[K.key(K.ROPE_FREQ_BASE, a)] = float(cfg.rope_theta)
-        f[K.key(K.ROPE_DIMENSION_COUNT, a)] = cfg.rot_dims
-    if a == "falcon":
-        f[K.PARALLEL_ATTN] = bool(cfg.parallel_attn)
-    if cfg.sparse_threshold is not None:
-        f[K.SPARSE_THRESHOLD] = float(cfg.sparse_threshold)
-    return f
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a complete model file of ``cfg`` holds, with its numpy shape."""
-    D, F, hd = cfg.n_embd, cfg.n_ff, cfg.head_dim
-    q, kv = cfg.n_head * hd, cfg.n_head_kv * hd
-    g = K.global_tensor
-    s: dict[str, tuple[int, ...]] = {g(K.TOKEN_EMBD): (cfg.n_vocab, D), g(K.OUTPUT_NORM): (D,)}
-    if cfg.norm == "layer":
-        s[g(K.OUTPUT_NORM, bias=True)] = (D,)
-    if not cfg.tied_output:
-        s[g(K.OUTPUT)] = (cfg.n_vocab, D)
-    if cfg.arch == "opt":
-        s[g(K.POS_EMBD)] = (cfg.n_ctx + cfg.pos_offset, D)
-    for l in range(cfg.n_layer):
-        t = lambda tmpl, bias=False: K.tensor(tmpl, l, bias)  # noqa: E731
-        mats = {K.ATTN_Q: (q, D), K.ATTN_K: (kv, D), K.ATTN_V: (kv, D), K.ATTN_OUT: (D, q),
-                K.FFN_UP: (F, D), K.FFN_DOWN_T: (F, D)}
-        if cfg.gated:
-            mats[K.FFN_GATE] = (F, D)
-        norms = [K.ATTN_NORM]
-        if cfg.two_norms:
-            norms.append(K.ATTN_NORM_2)
-        elif not cfg.parallel_attn:
-            norms.append(K.FFN_NORM)
-        for tmpl, shape in mats.items():
-            s[t(tmpl)] = shape
-        for tmpl in norms:
-            s[t(tmpl)] = (D,)
-            if cfg.norm == "layer":
-                s[t(tmpl, True)] = (D,)
-        if cfg.bias:
-            for tmpl, n in ((K.ATTN_Q, q), (K.ATTN_K, kv), (K.ATTN_V, kv), (K.ATTN_OUT, D),
-                            (K.FFN_UP, F), (K.FFN_DOWN_T, D)):
-                s[t(tmpl, True)] = (n,)
-        if cfg.predictor_ranks:
-            r = cfg.predictor_ranks[l]
-            s[t(K.FC1)] = (r, D)
-            s[t(K.FC2)] = (F, r)
-    return s
-
-
-# alternative layouts a reader accepts for a tensor our writer emits
-def _alternatives(name: str, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    parts = name.split(".")
-    if len(parts) < 3 or parts[0] != "blk":
-        return []
-    l, what, kind = int(parts[1]), parts[2], parts[-1]
-    D, F, hd = cfg.n_embd, cfg.n_ff, cfg.head_dim
-    fused = (cfg.n_head + 2 * cfg.n_head_kv) * hd
-    if what == "ffn_down_t" and kind == "weight":
-        return [(K.tensor(K.FFN_DOWN, l), (D, F))]
-    if what in ("attn_q", "attn_k", "attn_v"):
-        return [(K.tensor(K.ATTN_QKV, l, kind == "bias"), (fused, D) if kind == "weight" else (fused,))]
-    return []
-
-
-def check_tensors(cfg: ModelConfig, shapes: Mapping[str, tuple[int, ...]], path: Path | str) -> None:
-    """Raise one clear error for the first missing tensor or shape that contradicts metadata."""
-    for name, shape in expected_shapes(cfg).items():
-        if name in shapes:
-            got = tuple(shapes[name])
-            if got != shape:
-                raise ModelFileError(f"{path}: tensor {name!r} has shape {list(got)}, expected "
-                                     f"{list(shape)} from the metadata ({cfg.arch}, n_embd={cfg.n_embd}, "
-                                     f"n_ff={cfg.n_ff}, n_head={cfg.n_head}, n_head_kv={cfg.n_head_kv})")
-            continue
-        for alt, alt_shape in _alternatives(name, cfg):
-            if alt in shapes:
-                if tuple(shapes[alt]) != alt_shape:
-                    raise ModelFileError(f"{path}: tensor {alt!r} has shape {list(shapes[alt])}, "
-                                         f"expected {list(alt_shape)} from the metadata")
-                break
-        else:
-            raise ModelFileError(f"{path}: missing tensor {name!r} (shape {list(shape)}); the file "
-                                 "is incomplete or was written for another architecture")
-
-
-# ------------------------------------------------------------------------------------------------
-# writing
-# ------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LazyTensor:
-    """A tensor produced only when the writer reaches it (for models larger than RAM)."""
-
-    shape: tuple[int, ...]
-    dtype: str  # f32 | f16 | bf16 | i32
-    make: Callable[[], np.ndarray | torch.Tensor]
-
-
-TensorLike = np.ndarray | torch.Tensor | LazyTensor
-
-
-def write_model(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping[str, TensorLike],
-                metadata: Mapping[str, Any] | None = None, sparse: bool | None = None,
-                validate: bool = True, progress: bool = False) -> Path:
-    """Write a model file. Matrices are stored at ``cfg.dtype``; 1-D tensors (norms, biases) at F32.
-
-    ``sparse`` (default: the model has predictors) stamps upstream PowerInfer's ``PWRI`` magic.
-    Tensors are written in the order given; lazy ones are produced one at a time.
-    """
-    path = Path(path)
-    if validate:
-        check_tensors(cfg, {n: tuple(_shape(t)) for n, t in tensors.items()}, path)
-    fields = config_to_fields(cfg)
-    fields.update(metadata or {})
-    write_gguf(path, cfg.arch, fields, ((n, t, _storage_dtype(cfg, t)) for n, t in tensors.items()),
-               progress=progress)
-    if sparse if sparse is not None else cfg.has_predictors:
-        with path.open("r+b") as fh:
-            fh.write(K.PWRI_MAGIC)
-    return path
-
-
-def write_gguf(path: Path, arch: str, fields: Mapping[str, Any],
-               tensors: Iterable[tuple[str, TensorLike, str]], progress: bool = False) -> None:
-    """Write metadata and (name, tensor, storage dtype) triples with gguf's GGUFWriter."""
-    items = list(tensors)
-    w = GGUFWriter(path, arch)
-    for k, v in fields.items():
-        _add_field(w, k, v)
-    for name, t, kind in items:
-        shape = tuple(_shape(t))
-        nbytes = int(np.prod(shape)) * (4 if kind in ("f32", "i32") else 2)
-        np_dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "i32": np.int32}[kind]
-        w.add_tensor_info(name, shape, np.dtype(np_dtype), nbytes, raw_dtype=_GGML_OF[kind])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    bar = _progress(progress, sum(int(np.prod(_shape(t))) for _, t, _ in items), f"writing {path.name}")
-    for name, t, kind in items:
-        arr = _to_numpy(t.make() if isinstance(t, LazyTensor) else t, kind)
-        if tuple(arr.shape) != tuple(_shape(t)):
-            raise ModelFileError(f"{path}: tensor {name!r} produced shape {list(arr.shape)}, "
-                                 f"declared {list(_shape(t))}")
-        w.write_tensor_data(arr)
-        if bar is not None:
-            bar.update(arr.size)
-    w.close()
-    if bar is not None:
-        bar.close()
-
-
-def _progress(enabled: bool, total: int, desc: str):  # noqa: ANN202
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="param", unit_scale=True)
-
-
-def _shape(t: TensorLike) -> tuple[int, ...]:
-    return tuple(t.shape)
-
-
-def _storage_dtype(cfg: ModelConfig, t: TensorLike) -> str:
-    if isinstance(t, LazyTensor):
-        return t.dtype
-    if t.dtype in (np.int32, torch.int32):
-        return "i32"
-    return cfg.dtype if len(t.shape) >= 2 else "f32"
-
-
-def _to_numpy(t: np.ndarray | torch.Tensor, kind: str) -> np.ndarray:
-    if isinstance(t, np.ndarray):
-        t = torch.from_numpy(np.ascontiguousarray(t))
-    t = t.detach().cpu().contiguous()
-    if kind == "bf16":
-        return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    if kind == "i32":
-        return t.to(torch.int32).numpy()
-    return t.to(_TORCH_OF[kind]).numpy()
-
-
-def _add_field(w: GGUFWriter, key: str, v: Any) -> None:
-    if key == K.ARCH:
-        return  # GGUFWriter writes it from its arch argument
-    if isinstance(v, bool):
-        w.add_bool(key, v)
-    elif isinstance(v, (int, np.integer)):
-        v = int(v)
-        w.add_uint32(key, v) if 0 <= v < 2**32 else w.add_int64(key, v)
-    elif isinstance(v, (float, np.floating)):
-        w.add_float32(key, float(v))
-    elif isinstance(v, str):
-        w.add_string(key, v)
-    elif isinstance(v, (list, tuple, np.ndarray)):
-        w.add_array(key, list(v.tolist() if isinstance(v, np.ndarray) else v))
-    else:
-        raise TypeError(f"metadata {key!r}: cannot store a {type(v).__name__} in GGUF")

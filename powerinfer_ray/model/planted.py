@@ -58,7 +58,8 @@ import torch
 
 from . import gguf_keys as K
 from .config import ModelConfig
-from .gguf_file import LazyTensor, config_to_fields, expected_shapes, write_model
+from .gguf_config import config_to_fields, expected_shapes
+from .gguf_writer import LazyTensor, write_model
 from .tokenizer import BYTE_VOCAB_SIZE, byte_level_fields
 
 BLOCK_ROWS = 256  # rows per generation block: the unit of determinism

@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 from ..model import gguf_keys as K
 from ..model.config import ConfigError, ModelConfig
-from ..model.gguf_file import LazyTensor, TensorLike, write_model
+from ..model.gguf_writer import LazyTensor, TensorLike, write_model
 from ..model.tokenizer import hf_tokenizer_fields
 
 log = logging.getLogger(__name__)

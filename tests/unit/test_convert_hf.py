@@ -27,7 +27,7 @@ from powerinfer_ray.model import gguf_keys as K  # noqa: E402
 from powerinfer_ray.model.gguf_file import ModelFile  # noqa: E402
 from powerinfer_ray.model.reference import ReferenceModel  # noqa: E402
 from powerinfer_ray.model.tokenizer import SPM, Tokenizer  # noqa: E402
-from powerinfer_ray.model.gguf_file import LazyTensor  # noqa: E402
+from powerinfer_ray.model.gguf_writer import LazyTensor  # noqa: E402
 from powerinfer_ray.offline.convert import (Checkpoint, ConvertError, HFConfig, convert_hf,  # noqa: E402
                                             falcon_qkv_layout, permute_qk, planner_for,
                                             predictor_files, rope_theta)

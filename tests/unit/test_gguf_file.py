@@ -8,7 +8,8 @@ from gguf import GGUFReader, GGUFWriter
 
 from powerinfer_ray.model import gguf_keys as K
 from powerinfer_ray.model.config import ModelConfig
-from powerinfer_ray.model.gguf_file import ModelFile, ModelFileError, write_model
+from powerinfer_ray.model.gguf_file import ModelFile, ModelFileError
+from powerinfer_ray.model.gguf_writer import write_model
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import VARIANTS, tiny_config, tiny_weights, write_tiny_model
 from powerinfer_ray.model.tokenizer import Tokenizer, byte_level_fields

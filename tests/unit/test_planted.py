@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from powerinfer_ray.model import gguf_keys as K
-from powerinfer_ray.model.gguf_file import ModelFile, expected_shapes
+from powerinfer_ray.model.gguf_config import expected_shapes
+from powerinfer_ray.model.gguf_file import ModelFile
 from powerinfer_ray.model.planted import (BLOCK_ROWS, PRESETS, PlantedModel, PlantedSpecError, calibrate,
                                           parse_spec, planted_model, preset_config, splitmix64, stream_key,
                                           top_share, write_planted_gguf)
