@@ -9,19 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-import numpy as np
-import torch
-from gguf import GGMLQuantizationType
-
 from . import gguf_keys as K
 from .config import ConfigError, ModelConfig
-
-SUPPORTED_TYPES = {
-    GGMLQuantizationType.F32: ("f32", np.float32, torch.float32),
-    GGMLQuantizationType.F16: ("f16", np.float16, torch.float16),
-    GGMLQuantizationType.BF16: ("bf16", np.uint16, torch.bfloat16),
-    GGMLQuantizationType.I32: ("i32", np.int32, torch.int32),
-}
+from .quants import KIND_OF
 
 
 class ModelFileError(ValueError):
@@ -70,7 +60,7 @@ def config_from_fields(fields: Mapping[str, Any], tensors: Mapping[str, Any], sp
         raise ModelFileError(f"{path}: predictors present for {len(ranks)} of {n_layer} layers "
                              f"(tensor {K.tensor(K.FC1, len(ranks))!r} is missing)")
     up = tensors.get(K.tensor(K.FFN_UP, 0))
-    dtype = SUPPORTED_TYPES.get(up.tensor_type, ("f32",))[0] if up is not None else "f32"
+    dtype = KIND_OF.get(up.tensor_type, "f32") if up is not None else "f32"
     thr = fields.get(K.SPARSE_THRESHOLD)
     n_head = int(req(K.HEAD_COUNT))
     n_rot = int(opt(K.ROPE_DIMENSION_COUNT, 0))

@@ -17,7 +17,8 @@ from gguf import GGUFReader
 from gguf.constants import GGUF_MAGIC as _GGUF_MAGIC_U32
 
 from . import gguf_keys as K
-from .gguf_config import SUPPORTED_TYPES, ModelFileError, check_tensors, config_from_fields
+from .gguf_config import ModelFileError, check_tensors, config_from_fields
+from .quants import KIND_OF, QTYPES, QuantRows, dequantize, unsupported_type_message
 
 _PWRI_U32 = int.from_bytes(K.PWRI_MAGIC, "little")
 
@@ -35,7 +36,9 @@ class _Reader(GGUFReader):
 class ModelFile:
     """A GGUF model on disk: metadata, ``ModelConfig`` and lazy tensor access.
 
-    ``get(name, rows)`` copies only the requested rows out of the memory map.
+    ``get(name, rows)`` copies only the requested rows out of the memory map (dequantized when
+    the file stores the tensor in blocks); ``layer_blocks`` / ``global_blocks`` hand out a
+    Q8_0 / Q4_0 matrix's rows as the blocks themselves (``qtype`` says which tensors come so).
     """
 
     def __init__(self, path: str | os.PathLike[str], validate: bool = True) -> None:
@@ -47,13 +50,12 @@ class ModelFile:
         }
         self.tensors = {t.name: t for t in self.reader.tensors}
         for t in self.tensors.values():
-            if t.tensor_type not in SUPPORTED_TYPES:
-                raise self.error(f"tensor {t.name!r} has type {t.tensor_type.name}; supported types "
-                                 "are F32, F16, BF16 (quantized models are not supported yet: "
-                                 "convert from the HF checkpoint with --outtype f16)")
+            kind = KIND_OF.get(t.tensor_type)
+            if kind is None or (kind == "q6_k" and t.name != K.global_tensor(K.OUTPUT)):
+                raise self.error(unsupported_type_message(t.name, t.tensor_type.name, str(self.path)))
         self.config = config_from_fields(self.fields, self.tensors, self.is_sparse, self.path)
         if validate:
-            check_tensors(self.config, {n: self.raw(n).shape for n in self.tensors}, self.path)
+            check_tensors(self.config, {n: self.shape(n) for n in self.tensors}, self.path)
 
     # --- metadata ---------------------------------------------------------------------------
     @property
@@ -71,21 +73,41 @@ class ModelFile:
         return name in self.tensors
 
     def raw(self, name: str) -> np.ndarray:
-        """The tensor as a numpy memory-map view (bf16 shows as uint16); no copy."""
+        """The tensor as a numpy memory-map view, no copy: bf16 shows as uint16, block types as
+        uint8 [rows, row bytes]."""
         if name not in self.tensors:
             raise self.error(f"missing tensor {name!r}")
         data = self.tensors[name].data
-        return data.view(np.uint16) if data.dtype == np.uint8 else data  # gguf shows BF16 as bytes
+        return data.view(np.uint16) if self.dtype_of(name) == "bf16" else data  # gguf shows BF16 as bytes
 
     def dtype_of(self, name: str) -> str:
-        return SUPPORTED_TYPES[self.tensors[name].tensor_type][0]
+        """How the file stores the tensor: f32 | f16 | bf16 | i32 | q8_0 | q4_0 | q6_k."""
+        return KIND_OF[self.tensors[name].tensor_type]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's numpy shape in weights (rows, cols), whatever its storage."""
+        return tuple(int(n) for n in reversed(self.tensors[name].shape.tolist()))
 
     def get(self, name: str, rows: Sequence[int] | np.ndarray | torch.Tensor | None = None,
             dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
-        """Rows ``rows`` (all when None) of tensor ``name`` as a torch tensor (a copy)."""
+        """Rows ``rows`` (all when None) of tensor ``name`` as a torch tensor (a copy); block
+        types are dequantized (to ``dtype``, default float32) on ``device``."""
         arr = self.raw(name)
         arr = np.array(arr) if rows is None else arr[np.asarray(rows, dtype=np.int64)]  # a copy
-        return _to_torch(arr, self.dtype_of(name), dtype, device)
+        kind = self.dtype_of(name)
+        if kind in QTYPES or kind == "q6_k":
+            return dequantize(torch.from_numpy(arr).to(device), kind, dtype or torch.float32)
+        return _to_torch(arr, kind, dtype, device)
+
+    def blocks(self, name: str, rows: Any = None, device: str | torch.device = "cpu") -> QuantRows:
+        """Rows ``rows`` (all when None) of a Q8_0 / Q4_0 tensor as its blocks, gathered straight
+        from the memory map."""
+        kind = self.dtype_of(name) if name in self.tensors else None
+        if kind not in QTYPES:
+            raise self.error(f"tensor {name!r} is stored as {kind}, not in blocks of {QTYPES}")
+        arr = self.raw(name)
+        arr = np.array(arr) if rows is None else arr[np.asarray(rows, dtype=np.int64)]  # a copy
+        return QuantRows(torch.from_numpy(arr).to(device), kind)
 
     def layer(self, template: str, bid: int, rows: Any = None, dtype: torch.dtype | None = None,
               bias: bool = False, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -98,17 +120,45 @@ class ModelFile:
         if name in self.tensors:
             return self.get(name, rows, dtype, device)
         if template == K.FFN_DOWN_T and not bias:
-            down = self.raw(K.tensor(K.FFN_DOWN, bid))  # [D, F]
+            down_name = K.tensor(K.FFN_DOWN, bid)
             cols = slice(None) if rows is None else np.asarray(rows, dtype=np.int64)
-            arr = np.ascontiguousarray(down[:, cols].T)
-            return _to_torch(arr, self.dtype_of(K.tensor(K.FFN_DOWN, bid)), dtype, device)
-        if template in (K.ATTN_Q, K.ATTN_K, K.ATTN_V):
-            fused = K.tensor(K.ATTN_QKV, bid, bias)
-            if fused in self.tensors:
-                base = self._qkv_rows(template)
-                sel = base if rows is None else base[np.asarray(rows, dtype=np.int64)]
-                return self.get(fused, sel, dtype, device)
+            if self.dtype_of(down_name) in QTYPES:  # blocks run along a neuron's column: dequantize
+                return self.get(down_name, dtype=dtype, device=device)[:, cols].T.contiguous()
+            arr = np.ascontiguousarray(self.raw(down_name)[:, cols].T)  # [F, D]
+            return _to_torch(arr, self.dtype_of(down_name), dtype, device)
+        fused = self._fused_rows(template, bid, rows, bias)
+        if fused is not None:
+            return self.get(fused[0], fused[1], dtype, device)
         raise self.error(f"missing tensor {name!r}")
+
+    def qtype(self, template: str, bid: int | None = None, bias: bool = False) -> str | None:
+        """'q8_0' | 'q4_0' when ``layer_blocks`` (``global_blocks`` for bid None) hands the
+        tensor's rows out as blocks; None when it comes in float (``layer`` / ``global_``)."""
+        name = K.global_tensor(template, bias) if bid is None else K.tensor(template, bid, bias)
+        if name not in self.tensors and bid is not None and (fused := self._fused_rows(template, bid, None, bias)):
+            name = fused[0]
+        kind = self.dtype_of(name) if name in self.tensors else None
+        return kind if kind in QTYPES else None
+
+    def layer_blocks(self, template: str, bid: int, rows: Any = None,
+                     device: str | torch.device = "cpu") -> QuantRows:
+        """Rows of a per-layer Q8_0 / Q4_0 matrix as blocks (see ``qtype``)."""
+        name = K.tensor(template, bid)
+        if name not in self.tensors and (fused := self._fused_rows(template, bid, rows, False)):
+            return self.blocks(*fused, device=device)
+        return self.blocks(name, rows, device)
+
+    def global_blocks(self, name: str, rows: Any = None, device: str | torch.device = "cpu") -> QuantRows:
+        """Rows of a model-level Q8_0 / Q4_0 matrix (token_embd, output) as blocks."""
+        return self.blocks(K.global_tensor(name), rows, device)
+
+    def _fused_rows(self, template: str, bid: int, rows: Any, bias: bool) -> tuple[str, np.ndarray] | None:
+        """(fused attn_qkv name, its rows) standing for rows of q, k or v; None without one."""
+        fused = K.tensor(K.ATTN_QKV, bid, bias)
+        if template not in (K.ATTN_Q, K.ATTN_K, K.ATTN_V) or fused not in self.tensors:
+            return None
+        base = self._qkv_rows(template)
+        return fused, base if rows is None else base[np.asarray(rows, dtype=np.int64)]
 
     def _qkv_rows(self, template: str) -> np.ndarray:
         c = self.config

@@ -12,15 +12,12 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGUFWriter
 
 from . import gguf_keys as K
 from .config import ModelConfig
 from .gguf_config import ModelFileError, check_tensors, config_to_fields
-
-_GGML_OF = {"f32": GGMLQuantizationType.F32, "f16": GGMLQuantizationType.F16,
-            "bf16": GGMLQuantizationType.BF16, "i32": GGMLQuantizationType.I32}
-_TORCH_OF = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+from .quants import GGML_TYPES, TORCH_DTYPES, QuantError, quantize, row_bytes, storage_kind, tensor_bytes
 
 
 @dataclass(frozen=True)
@@ -28,8 +25,8 @@ class LazyTensor:
     """A tensor produced only when the writer reaches it (for models larger than RAM)."""
 
     shape: tuple[int, ...]
-    dtype: str  # f32 | f16 | bf16 | i32
-    make: Callable[[], np.ndarray | torch.Tensor]
+    dtype: str  # storage: f32 | f16 | bf16 | i32 | q8_0 | q4_0 (| q6_k, given as blocks)
+    make: Callable[[], np.ndarray | torch.Tensor]  # weights, or for block types uint8 blocks as they are
 
 
 TensorLike = np.ndarray | torch.Tensor | LazyTensor
@@ -38,7 +35,8 @@ TensorLike = np.ndarray | torch.Tensor | LazyTensor
 def write_model(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping[str, TensorLike],
                 metadata: Mapping[str, Any] | None = None, sparse: bool | None = None,
                 validate: bool = True, progress: bool = False) -> Path:
-    """Write a model file. Matrices are stored at ``cfg.dtype``; 1-D tensors (norms, biases) at F32.
+    """Write a model file. Tensors are stored as ``quants.storage_kind`` says (matrices at
+    ``cfg.dtype``, quantized when it is a block type; 1-D tensors at F32) unless lazy ones say.
 
     ``sparse`` (default: the model has predictors) stamps upstream PowerInfer's ``PWRI`` magic.
     Tensors are written in the order given; lazy ones are produced one at a time.
@@ -48,7 +46,7 @@ def write_model(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping
         check_tensors(cfg, {n: tuple(_shape(t)) for n, t in tensors.items()}, path)
     fields = config_to_fields(cfg)
     fields.update(metadata or {})
-    write_gguf(path, cfg.arch, fields, ((n, t, _storage_dtype(cfg, t)) for n, t in tensors.items()),
+    write_gguf(path, cfg.arch, fields, ((n, t, _storage_dtype(cfg, n, t)) for n, t in tensors.items()),
                progress=progress)
     if sparse if sparse is not None else cfg.has_predictors:
         with path.open("r+b") as fh:
@@ -58,28 +56,33 @@ def write_model(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping
 
 def write_gguf(path: Path, arch: str, fields: Mapping[str, Any],
                tensors: Iterable[tuple[str, TensorLike, str]], progress: bool = False) -> None:
-    """Write metadata and (name, tensor, storage dtype) triples with gguf's GGUFWriter."""
+    """Write metadata and (name, tensor, storage dtype) triples with gguf's GGUFWriter; block
+    types are quantized here (or written as given when the tensor is uint8 blocks)."""
     items = list(tensors)
     w = GGUFWriter(path, arch)
     for k, v in fields.items():
         _add_field(w, k, v)
     for name, t, kind in items:
         shape = tuple(_shape(t))
-        nbytes = int(np.prod(shape)) * (4 if kind in ("f32", "i32") else 2)
-        np_dtype = {"f32": np.float32, "f16": np.float16, "bf16": np.uint16, "i32": np.int32}[kind]
-        w.add_tensor_info(name, shape, np.dtype(np_dtype), nbytes, raw_dtype=_GGML_OF[kind])
+        try:
+            nbytes = tensor_bytes(kind, shape)
+        except QuantError as exc:
+            raise ModelFileError(f"{path}: tensor {name!r} {list(shape)}: {exc}") from None
+        # a non-uint8 dtype keeps GGUFWriter from reading the shape as bytes
+        w.add_tensor_info(name, shape, np.dtype(np.float32), nbytes, raw_dtype=GGML_TYPES[kind])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     bar = _progress(progress, sum(int(np.prod(_shape(t))) for _, t, _ in items), f"writing {path.name}")
     for name, t, kind in items:
         arr = _to_numpy(t.make() if isinstance(t, LazyTensor) else t, kind)
-        if tuple(arr.shape) != tuple(_shape(t)):
+        want = _stored_shape(kind, tuple(_shape(t)))
+        if tuple(arr.shape) != want:
             raise ModelFileError(f"{path}: tensor {name!r} produced shape {list(arr.shape)}, "
-                                 f"declared {list(_shape(t))}")
+                                 f"declared {list(want)} ({kind})")
         w.write_tensor_data(arr)
         if bar is not None:
-            bar.update(arr.size)
+            bar.update(int(np.prod(_shape(t))))
     w.close()
     if bar is not None:
         bar.close()
@@ -97,12 +100,17 @@ def _shape(t: TensorLike) -> tuple[int, ...]:
     return tuple(t.shape)
 
 
-def _storage_dtype(cfg: ModelConfig, t: TensorLike) -> str:
+def _storage_dtype(cfg: ModelConfig, name: str, t: TensorLike) -> str:
     if isinstance(t, LazyTensor):
         return t.dtype
     if t.dtype in (np.int32, torch.int32):
         return "i32"
-    return cfg.dtype if len(t.shape) >= 2 else "f32"
+    return storage_kind(cfg.dtype, name, tuple(t.shape))
+
+
+def _stored_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The numpy shape of what is written: weights, or [rows, row bytes] for block types."""
+    return shape if kind in TORCH_DTYPES else (*shape[:-1], row_bytes(kind, shape[-1]))
 
 
 def _to_numpy(t: np.ndarray | torch.Tensor, kind: str) -> np.ndarray:
@@ -111,9 +119,15 @@ def _to_numpy(t: np.ndarray | torch.Tensor, kind: str) -> np.ndarray:
     t = t.detach().cpu().contiguous()
     if kind == "bf16":
         return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-    if kind == "i32":
-        return t.to(torch.int32).numpy()
-    return t.to(_TORCH_OF[kind]).numpy()
+    if kind in TORCH_DTYPES:
+        return t.to(TORCH_DTYPES[kind]).numpy()
+    if t.dtype == torch.uint8:  # blocks as they are
+        return t.numpy()
+    out = np.empty(_stored_shape(kind, tuple(t.shape)), np.uint8)
+    step = max(1, (1 << 22) // t.shape[-1])  # quantize a few million weights at a time
+    for i in range(0, t.shape[0], step):
+        out[i: i + step] = quantize(t[i: i + step], kind).numpy()
+    return out
 
 
 def _add_field(w: GGUFWriter, key: str, v: Any) -> None:

@@ -5,7 +5,10 @@ Benchmarks cannot download checkpoints, so ``planted:<preset>?dtype=f16&seed=0[&
 (see ``source.open_model``) stands for a Llama-2 / Falcon / OPT model of the real shape. Nothing
 is stored: every tensor is generated on demand, row block by row block, from a counter-based
 hash of (seed, tensor, layer, block), so an executor materialises only its shard and every
-device (CPU or CUDA) produces bit-identical rows.
+device (CPU or CUDA) produces bit-identical rows. With ``dtype=q8_0`` or ``q4_0`` the matrices
+are stored as ``quants.storage_kind`` says, quantized per 32-weight block from the same generated
+floats on the device that generates them (so the statistics are those of the f16 model, up to
+quantization), and their rows come as blocks (``layer_blocks``) or dequantized (``layer``).
 
 How the sparsity is planted (dimension legend of ``config.py``; c = the bias channel, dim 0):
 
@@ -61,6 +64,7 @@ from .planted_random import splitmix64, std_normal, stream_key
 from .planted_rows import RowGenerators, assemble, row_ids, zeros
 from .planted_spec import PRESETS, TORCH_DT, PlantedSpec, PlantedSpecError, parse_spec, preset_config
 from .planted_stats import ATTN_VAR, FFN_VAR, P_MAX, POS_VAR, LayerPlan, calibrate, down_plan
+from .quants import QTYPES, QuantRows, dequantize, storage_kind
 from .tokenizer import BYTE_VOCAB_SIZE, byte_level_fields
 
 JITTER_MEAN, JITTER_SHARE = 0.06, 0.015  # per-layer variation: log-mean std, top-share std
@@ -185,24 +189,56 @@ class PlantedModel:
             w[K.global_tensor(K.OUTPUT)] = w[K.global_tensor(K.TOKEN_EMBD)]
         return ReferenceModel(self.config, w, dtype, device)
 
-    # --- generation ----------------------------------------------------------------------------
-    def storage_dtype(self, name: str) -> str:
-        """How a file stores the tensor: matrices at the model dtype, 1-D tensors at f32."""
-        return self.spec.dtype if len(self.shapes[name]) >= 2 else "f32"
+    def qtype(self, template: str, bid: int | None = None, bias: bool = False) -> str | None:
+        """'q8_0' | 'q4_0' when ``layer_blocks`` (``global_blocks`` for bid None) hands the
+        tensor's rows out as blocks; None when it comes in float."""
+        name = K.global_tensor(template, bias) if bid is None else K.tensor(template, bid, bias)
+        kind = self.dtype_of(name) if name in self.shapes else None
+        return kind if kind in QTYPES else None
 
-    def _tensor(self, name: str, gen_key: tuple, l: int, rows: Any, dtype: torch.dtype | None,
-                device: Any) -> torch.Tensor:
+    def blocks(self, name: str, rows: Any = None, device: str | torch.device = "cpu") -> QuantRows:
+        """Rows of a Q8_0 / Q4_0 tensor as blocks, quantized per 32-weight block from the
+        generated floats (as ModelFile.blocks)."""
+        kind = self.dtype_of(name)
+        if kind not in QTYPES:
+            raise PlantedSpecError(f"{self}: tensor {name!r} is stored as {kind}, not in blocks of {QTYPES}")
+        tmpl, l, bias = self._names[name]
+        return QuantRows(self._rows(name, (tmpl, bias), l or 0, rows, device, kind), kind)
+
+    def layer_blocks(self, template: str, bid: int, rows: Any = None,
+                     device: str | torch.device = "cpu") -> QuantRows:
+        """Rows of a per-layer Q8_0 / Q4_0 matrix as blocks (see ``qtype``)."""
+        return self.blocks(K.tensor(template, bid), rows, device)
+
+    def global_blocks(self, name: str, rows: Any = None, device: str | torch.device = "cpu") -> QuantRows:
+        """Rows of a model-level Q8_0 / Q4_0 matrix (token_embd, output) as blocks."""
+        return self.blocks(K.global_tensor(name), rows, device)
+
+    # --- generation ----------------------------------------------------------------------------
+    def dtype_of(self, name: str) -> str:
+        """How the model stores the tensor (``quants.storage_kind`` of the spec's dtype)."""
         if name not in self.shapes:
             raise PlantedSpecError(f"{self}: no tensor {name!r} in a {self.config.arch} model "
                                    f"(ffn_act={self.config.ffn_act}, bias={self.config.bias})")
+        return storage_kind(self.spec.dtype, name, self.shapes[name])
+
+    def _tensor(self, name: str, gen_key: tuple, l: int, rows: Any, dtype: torch.dtype | None,
+                device: Any) -> torch.Tensor:
+        kind = self.dtype_of(name)
+        if kind in QTYPES:  # the weights the blocks stand for
+            return dequantize(self._rows(name, gen_key, l, rows, device, kind), kind, dtype or torch.float32)
+        return self._rows(name, gen_key, l, rows, device, None, dtype or TORCH_DT[kind])
+
+    def _rows(self, name: str, gen_key: tuple, l: int, rows: Any, device: Any, qtype: str | None,
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Generated rows in ``dtype``, or with ``qtype`` their blocks (``planted_rows.assemble``)."""
         shape, dev = self.shapes[name], torch.device(device)
-        out_dt = dtype or TORCH_DT[self.storage_dtype(name)]
         gen = self._gens.get(gen_key, zeros)
         if len(shape) == 1:
             vec = gen(l, np.zeros(1, dtype=np.int64), dev)[0, : shape[0]]
             vec = vec if rows is None else vec[torch.as_tensor(row_ids(rows), device=dev)]
-            return vec.to(out_dt).contiguous()
-        return assemble(lambda blocks: gen(l, blocks, dev), shape, rows, out_dt, dev)
+            return vec.to(dtype).contiguous()
+        return assemble(lambda blocks: gen(l, blocks, dev), shape, rows, dtype, dev, qtype)
 
 
 def _name_index(cfg: ModelConfig, shapes: dict) -> dict[str, tuple[str, int | None, bool]]:
@@ -242,7 +278,7 @@ def write_planted_gguf(spec: str | PlantedModel, path: str | Path, progress: boo
     as upstream's ``activation_{l}.pt`` count tensors over ``n_tokens`` tokens."""
     model = spec if isinstance(spec, PlantedModel) else PlantedModel(spec)
     path = Path(path)
-    tensors = {name: LazyTensor(shape, model.storage_dtype(name), _maker(model, name))
+    tensors = {name: LazyTensor(shape, model.dtype_of(name), _maker(model, name))
                for name, shape in model.shapes.items()}
     t0 = time.perf_counter()
     write_model(path, model.config, tensors, metadata=model.fields, sparse=True, progress=progress)
@@ -253,6 +289,9 @@ def write_planted_gguf(spec: str | PlantedModel, path: str | Path, progress: boo
 
 
 def _maker(model: PlantedModel, name: str) -> Callable[[], torch.Tensor]:
+    """What the writer stores for ``name``: the weights, or the blocks of a block type."""
+    if model.dtype_of(name) in QTYPES:
+        return lambda: model.blocks(name).blocks
     return lambda: model.get(name)
 
 

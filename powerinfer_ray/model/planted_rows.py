@@ -13,6 +13,7 @@ from .config import ModelConfig
 from .planted_random import BLOCK_ROWS, VAR8, block_ints, row_norm, splitmix64, stream_key
 from .planted_spec import PlantedSpec
 from .planted_stats import ATTN_VAR, POS_VAR, LayerPlan
+from .quants import quantize, row_bytes
 
 CHANNEL = 0  # the residual dim used as the constant bias channel
 C_VALUE = 1.0  # its value in every embedding row (same scale as the other dims)
@@ -241,7 +242,6 @@ def ones(l: int, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
     return torch.ones((1, 1), device=dev).expand(1, 1 << 20)
 
 
-
 def row_ids(rows: Any) -> np.ndarray:
     if isinstance(rows, torch.Tensor):
         rows = rows.cpu().numpy()
@@ -249,19 +249,23 @@ def row_ids(rows: Any) -> np.ndarray:
 
 
 def assemble(gen: Callable[[np.ndarray], torch.Tensor], shape: tuple[int, ...], rows: Any,
-              dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+             dtype: torch.dtype, dev: torch.device, qtype: str | None = None) -> torch.Tensor:
     """Rows of a [n, cols] tensor from its block generator: only the blocks holding the rows are
-    generated, a few at a time (about 16 M elements per call)."""
+    generated, a few at a time (about 16 M elements per call). With ``qtype`` (q8_0 | q4_0) the
+    generated floats are quantized per 32-weight block and the rows come as their blocks
+    [len(rows), cols / 32 * block_bytes] uint8."""
     n, cols = shape
     want = np.arange(n) if rows is None else row_ids(rows)
     if want.size and (want.min() < 0 or want.max() >= n):
         raise IndexError(f"rows out of range 0..{n - 1}: min {want.min()}, max {want.max()}")
     blocks = np.unique(want // BLOCK_ROWS)
     per_call = max(1, (1 << (26 if dev.type == "cuda" else 22)) // (BLOCK_ROWS * cols))
-    out = torch.empty((len(want), cols), dtype=dtype, device=dev)
+    width, dtype = (row_bytes(qtype, cols), torch.uint8) if qtype else (cols, dtype)
+    out = torch.empty((len(want), width), dtype=dtype, device=dev)
     for s in range(0, len(blocks), per_call):
         chunk = blocks[s: s + per_call]
         vals = gen(chunk)[:, :cols]  # [len(chunk) * B, cols]
+        vals = quantize(vals, qtype) if qtype else vals
         lo, hi = chunk[0] * BLOCK_ROWS, min(n, (chunk[-1] + 1) * BLOCK_ROWS)
         if rows is None:  # whole tensor: the chunk is a contiguous slice
             out[lo:hi].copy_(vals[: hi - lo])

@@ -9,6 +9,7 @@ from urllib.parse import parse_qsl
 import torch
 
 from .config import ModelConfig
+from .quants import QTYPES
 
 TORCH_DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
@@ -121,7 +122,7 @@ def parse_spec(spec: str) -> PlantedSpec:
             raise PlantedSpecError(f"planted spec {spec!r}: {k}={v!r} is not a {_SPEC_KEYS[k].__name__}") from None
     s = PlantedSpec(name, **kw)
     full_l = PRESETS[name].config["n_layer"]
-    checks = [("dtype", s.dtype, s.dtype in TORCH_DT, "f16, bf16 or f32"),
+    checks = [("dtype", s.dtype, s.dtype in TORCH_DT or s.dtype in QTYPES, "f16, bf16, f32, q8_0 or q4_0"),
               ("layers", s.layers, s.layers is None or 1 <= s.layers <= full_l, f"1..{full_l}"),
               ("rho", s.rho, 0.0 < s.rho <= 1.0, "in (0, 1]")]
     checks += [(k, getattr(s, k), getattr(s, k) is None or 0.0 < getattr(s, k) < 1.0, "in (0, 1)")
