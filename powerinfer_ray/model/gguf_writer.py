@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 import torch
 from gguf import GGUFWriter
+from gguf.gguf_writer import GGUFValue
 
 from . import gguf_keys as K
 from .config import ModelConfig
@@ -133,7 +134,9 @@ def _to_numpy(t: np.ndarray | torch.Tensor, kind: str) -> np.ndarray:
 def _add_field(w: GGUFWriter, key: str, v: Any) -> None:
     if key == K.ARCH:
         return  # GGUFWriter writes it from its arch argument
-    if isinstance(v, bool):
+    if isinstance(v, GGUFValue):  # typed as another file had it (copied metadata)
+        w.add_key_value(key, v.value, v.type, v.sub_type)
+    elif isinstance(v, bool):
         w.add_bool(key, v)
     elif isinstance(v, (int, np.integer)):
         v = int(v)

@@ -20,14 +20,14 @@ import torch
 from ..model import gguf_keys as K
 from ..model.config import ConfigError, ModelConfig
 from ..model.gguf_writer import LazyTensor, TensorLike, write_model
+from ..model.quants import FILE_TYPE, storage_kind
 from ..model.tokenizer import hf_tokenizer_fields
 from .hf_archs import Plan, planner_for
 from .hf_checkpoint import Checkpoint, ConvertError, HFConfig
 
 log = logging.getLogger(__name__)
 
-OUTTYPES = ("f16", "bf16", "f32")
-FILE_TYPE = {"f32": 0, "f16": 1, "bf16": 32}  # llama.cpp's general.file_type (LlamaFileType)
+OUTTYPES = ("f16", "bf16", "f32", "q8_0", "q4_0")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -155,7 +155,8 @@ def convert_hf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLike[str],
                progress: bool = True) -> Path:
     """Convert the HF model in ``hf_dir`` into a GGUF model file at ``out_path``.
 
-    ``outtype`` is the storage type of matrices (norms and biases stay f32); ``predictors_dir``
+    ``outtype`` is the storage type of matrices (norms and biases stay f32; in q8_0 / q4_0
+    files some matrices differ, see ``quants.storage_kind``); ``predictors_dir``
     holds upstream's per-layer ``model_{l}.pt`` predictors; ``sparse`` stamps the ``PWRI`` magic
     (default: when predictors are given). The file appears only once complete.
     """
@@ -172,6 +173,8 @@ def convert_hf(hf_dir: str | os.PathLike[str], out_path: str | os.PathLike[str],
     if predictors_dir is not None:
         plan = add_predictors(plan, Path(predictors_dir), outtype)
     metadata = {K.FILE_TYPE: FILE_TYPE[outtype], **tokenizer_metadata(hf_dir, hf, plan.cfg.n_vocab)}
+    plan.tensors = {n: LazyTensor(t.shape, storage_kind(outtype, n, t.shape), t.make)  # the block types' exceptions
+                    if isinstance(t, LazyTensor) and t.dtype == outtype else t for n, t in plan.tensors.items()}
     tensors, bar = with_progress(plan.tensors, f"converting {hf_dir.name}") if progress else (plan.tensors, None)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".part")

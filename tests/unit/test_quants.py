@@ -96,12 +96,17 @@ def test_model_file_bytes_equal_gguf_and_read_back(tmp_path, qtype):
     assert torch.equal(mf.global_blocks(K.TOKEN_EMBD, rows=[5]).dequantize(), mf.global_(K.TOKEN_EMBD)[5:6])
 
 
-def _q6_k_blocks(rng: np.random.Generator, n_blocks: int) -> np.ndarray:
-    """Q6_K blocks (210 bytes: ql[128], qh[64], int8 scales[16], f16 d) of random 6-bit weights,
-    as upstream's quantize writes output.weight (gguf-py reads them; it has no Q6_K quantizer)."""
-    b = rng.integers(0, 256, (n_blocks, 210), dtype=np.uint8)
-    b[:, 192:208] = rng.integers(-30, 31, (n_blocks, 16)).astype(np.int8).view(np.uint8)
-    b[:, 208:210] = np.full((n_blocks, 1), 0.002, np.float16).view(np.uint8)
+def _k_blocks(rng: np.random.Generator, n_blocks: int, qt: T) -> np.ndarray:
+    """Random K-quant blocks with small finite scales (gguf-py reads them; it has no quantizer
+    for them). Q6_K, as upstream's quantize writes output.weight (210 bytes: ql[128], qh[64],
+    int8 scales[16], f16 d); Q4_K (144 bytes: f16 d, f16 dmin, scales[12], qs[128])."""
+    if qt == T.Q6_K:
+        b = rng.integers(0, 256, (n_blocks, 210), dtype=np.uint8)
+        b[:, 192:208] = rng.integers(-30, 31, (n_blocks, 16)).astype(np.int8).view(np.uint8)
+        b[:, 208:210] = np.full((n_blocks, 1), 0.002, np.float16).view(np.uint8)
+        return b
+    b = rng.integers(0, 256, (n_blocks, 144), dtype=np.uint8)
+    b[:, 0:4] = np.full((n_blocks, 2), 0.001, np.float16).view(np.uint8)
     return b
 
 
@@ -115,11 +120,12 @@ def test_q6_k_block_by_hand():
     assert x.tolist() == [0.5 * (i // 16) * -31 for i in range(256)]
 
 
-def _write_upstream_int4(path, cfg, rng) -> dict[str, np.ndarray]:
+def write_upstream_int4(path, cfg, rng, q4_k: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     """A PowerInfer model in the layout of upstream's ``quantize ... Q4_0``, written by gguf-py
     alone (GGUFWriter + gguf.quants): Q4_0 for every matrix (token_embd, attention, FFN with
-    ffn_down_t, predictors fc1/fc2), Q6_K output.weight, F32 norms, PWRI magic. Returns the
-    weights the file stands for (gguf-py's dequantization)."""
+    ffn_down_t, predictors fc1/fc2), Q6_K output.weight, F32 norms, PWRI magic; the tensors
+    named in ``q4_k`` as random Q4_K blocks instead. Returns the weights the file stands for
+    (gguf-py's dequantization)."""
     w = GGUFWriter(path, "llama")
     a = "llama"
     for key, v in ((f"{a}.context_length", cfg.n_ctx), (f"{a}.embedding_length", cfg.n_embd),
@@ -132,10 +138,11 @@ def _write_upstream_int4(path, cfg, rng) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for name, t in tiny_weights(cfg, seed=5).items():
         x = t.float().numpy()
-        if name == "output.weight":
-            data = _q6_k_blocks(rng, x.size // 256).reshape(x.shape[0], -1)
-            w.add_tensor(name, data, raw_dtype=T.Q6_K)
-            out[name] = gq.dequantize(data, T.Q6_K)
+        if name == "output.weight" or name in q4_k:
+            qt = T.Q4_K if name in q4_k else T.Q6_K
+            data = _k_blocks(rng, x.size // 256, qt).reshape(x.shape[0], -1)
+            w.add_tensor(name, data, raw_dtype=qt)
+            out[name] = gq.dequantize(data, qt)
         elif x.ndim == 2:
             data = gq.quantize(x, T.Q4_0)
             w.add_tensor(name, data, raw_dtype=T.Q4_0)
@@ -153,7 +160,7 @@ def test_upstream_int4_file_written_by_gguf_py_loads_and_generates(tmp_path):
     cfg = tiny_config("llama-reglu", n_embd=256, n_ff=256, predictor_rank=64, tied_output=False,
                       norm_eps=1e-6, dtype="q4_0")
     path = tmp_path / "tiny.q4.powerinfer.gguf"
-    want = _write_upstream_int4(path, cfg, np.random.default_rng(7))
+    want = write_upstream_int4(path, cfg, np.random.default_rng(7))
     mf = ModelFile(path)
     assert mf.magic == b"PWRI" and mf.config.dtype == "q4_0" and mf.config.ffn_act == "reglu"
     assert mf.config.predictor_ranks == (64, 64) and mf.dtype_of("output.weight") == "q6_k"
