@@ -58,10 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="HF checkpoint -> PowerInfer-compatible GGUF")
     p.add_argument("hf_dir")
     p.add_argument("-o", "--outfile", required=True)
-    p.add_argument("--outtype", choices=("f16", "bf16", "f32"), default="f16")
+    p.add_argument("--outtype", choices=("f16", "bf16", "f32", "q8_0", "q4_0"), default="f16")
     p.add_argument("--predictors", default=None, help="folder of upstream model_{l}.pt predictors")
     p.add_argument("--no-pwri", action="store_true", help="keep the plain GGUF magic for sparse models")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("quantize", help="re-store a GGUF/PWRI model's matrices as q8_0 or q4_0 blocks")
+    p.add_argument("infile")
+    p.add_argument("outfile")
+    p.add_argument("type", choices=("q8_0", "q4_0"))
+    p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("inspect", help="print a model file's metadata, config and tensors")
     p.add_argument("model")
@@ -155,6 +161,13 @@ def cmd_convert(a: argparse.Namespace) -> int:
     out = convert_hf(a.hf_dir, a.outfile, outtype=a.outtype, predictors_dir=a.predictors,
                      sparse=False if a.no_pwri else None)
     print(f"wrote {out}")
+    return 0
+
+
+def cmd_quantize(a: argparse.Namespace) -> int:
+    from .offline.quantize import quantize_file
+
+    print(f"wrote {quantize_file(a.infile, a.outfile, a.type)}")
     return 0
 
 

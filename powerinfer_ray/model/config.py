@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .quants import BLOCK_BYTES, QK, QTYPES, row_bytes
+
 ARCHS = ("llama", "qwen2", "opt", "falcon")
 FFN_ACTS = ("relu", "reglu", "drelu", "swiglu")
 THRESHOLD_ON = ("gate", "h")  # what a SwiGLU threshold compares: |SiLU(gate_j)| or |h_j|
@@ -57,8 +59,10 @@ class ModelConfig:
             raise bad("architecture", self.arch, f"one of {ARCHS}")
         if self.ffn_act not in FFN_ACTS:
             raise bad("ffn_act", self.ffn_act, f"one of {FFN_ACTS}")
-        if self.dtype not in DTYPES:
-            raise bad("dtype", self.dtype, f"one of {DTYPES}")
+        if self.dtype not in DTYPES + QTYPES:
+            raise bad("dtype", self.dtype, f"one of {DTYPES + QTYPES}")
+        if self.dtype in QTYPES and self.n_embd % QK:
+            raise bad("n_embd", self.n_embd, f"a multiple of {QK} (the {self.dtype} block) for dtype {self.dtype}")
         for name in ("n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "n_ff", "n_ctx"):
             if int(getattr(self, name)) <= 0:
                 raise bad(name, getattr(self, name), "a positive integer")
@@ -140,19 +144,25 @@ class ModelConfig:
         return bool(self.predictor_ranks)
 
     @property
-    def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+    def dtype_bytes(self) -> float:
+        """Bytes per weight of the big matrices (block types: the block's bytes / 32)."""
+        return DTYPE_BYTES.get(self.dtype) or BLOCK_BYTES[self.dtype] / QK
+
+    @property
+    def float_dtype(self) -> str:
+        """The float type of what a block-quantized model keeps in float (its own dtype otherwise)."""
+        return "f16" if self.dtype in QTYPES else self.dtype
 
     @property
     def neuron_bytes(self) -> int:
         """Bytes of one FFN neuron: its rows of up, gate (if any) and down_t."""
-        return (3 if self.gated else 2) * self.n_embd * self.dtype_bytes
+        return (3 if self.gated else 2) * row_bytes(self.dtype, self.n_embd)
 
     @property
     def attn_bytes(self) -> int:
         """Bytes of one layer's q/k/v/o matrices."""
         hd = self.head_dim
-        return (2 * self.n_head * hd + 2 * self.n_head_kv * hd) * self.n_embd * self.dtype_bytes
+        return (2 * self.n_head * hd + 2 * self.n_head_kv * hd) * row_bytes(self.dtype, self.n_embd)
 
     @property
     def kv_bytes_per_token(self) -> int:

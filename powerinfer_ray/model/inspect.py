@@ -3,8 +3,6 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-import numpy as np
-
 from . import gguf_keys as K
 from .gguf_file import ModelFile
 
@@ -28,8 +26,8 @@ def describe(path: str, tensors: bool = False) -> str:
     total = sum(int(t.n_bytes) for t in mf.tensors.values())
     lines.append(f"tensors: {len(mf.tensors)}, {total / 2**20:.1f} MiB")
     if tensors:
-        for name, t in mf.tensors.items():
-            lines.append(f"  {name:32s} {mf.dtype_of(name):5s} {list(np.shape(t.data))}")
+        for name in mf.tensors:
+            lines.append(f"  {name:32s} {mf.dtype_of(name):5s} {list(mf.shape(name))}")
     return "\n".join(lines)
 
 

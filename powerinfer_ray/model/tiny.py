@@ -12,7 +12,8 @@ import torch
 
 from . import gguf_keys as K
 from .config import ModelConfig
-from .gguf_file import expected_shapes, write_model
+from .gguf_config import expected_shapes
+from .gguf_writer import write_model
 from .tokenizer import BYTE_VOCAB_SIZE, byte_level_fields
 
 VARIANTS = {

@@ -29,7 +29,8 @@ import torch
 
 from ..model import gguf_keys as K
 from ..model.config import THRESHOLD_ON, ModelConfig
-from ..model.gguf_file import LazyTensor, ModelFile, write_model
+from ..model.gguf_file import ModelFile
+from ..model.gguf_writer import write_model
 from ..model.reference import KVCache, ReferenceModel
 from ..model.tokenizer import Tokenizer
 from .corpus import Corpus, iter_texts, token_windows
@@ -249,8 +250,7 @@ def write_thresholded(mf: ModelFile, out_path: str | Path, th: Thresholds) -> Pa
     """Copy every tensor (lazily, at its stored dtype) and all metadata of ``mf`` with the
     thresholds ``th``; keeps the file's magic."""
     cfg = mf.config.with_(ffn_thresholds=th.values, ffn_threshold_on=th.on)
-    tensors = {name: LazyTensor(tuple(t.data.shape), mf.dtype_of(name), lambda n=name: mf.get(n))
-               for name, t in mf.tensors.items()}
+    tensors = {name: mf.stored(name) for name in mf.tensors}
     meta: Mapping[str, Any] = {**{k: v for k, v in mf.fields.items() if k != K.ARCH}, **th.fields()}
     tmp = Path(str(out_path) + ".tmp")
     write_model(tmp, cfg, tensors, metadata=meta, sparse=mf.magic == K.PWRI_MAGIC)

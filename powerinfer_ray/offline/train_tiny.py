@@ -23,7 +23,8 @@ import torch.nn.functional as Fn
 
 from ..model import gguf_keys as K
 from ..model.config import ModelConfig
-from ..model.gguf_file import expected_shapes, write_model
+from ..model.gguf_config import expected_shapes
+from ..model.gguf_writer import write_model
 from ..model.reference import ReferenceModel, apply_rope, ffn_activation, rms_norm
 from ..model.tokenizer import BYTE_VOCAB_SIZE, Tokenizer, byte_level_fields
 from .corpus import DATA_DIR

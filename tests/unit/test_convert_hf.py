@@ -28,10 +28,10 @@ from powerinfer_ray.model import gguf_keys as K  # noqa: E402
 from powerinfer_ray.model.gguf_file import ModelFile  # noqa: E402
 from powerinfer_ray.model.reference import ReferenceModel  # noqa: E402
 from powerinfer_ray.model.tokenizer import SPM, Tokenizer  # noqa: E402
-from powerinfer_ray.model.gguf_file import LazyTensor  # noqa: E402
-from powerinfer_ray.offline.convert import (Checkpoint, ConvertError, HFConfig, convert_hf,  # noqa: E402
-                                            falcon_qkv_layout, permute_qk, planner_for,
-                                            predictor_files, rope_theta)
+from powerinfer_ray.model.gguf_writer import LazyTensor  # noqa: E402
+from powerinfer_ray.offline.convert import convert_hf, predictor_files  # noqa: E402
+from powerinfer_ray.offline.hf_archs import falcon_qkv_layout, permute_qk, planner_for, rope_theta  # noqa: E402
+from powerinfer_ray.offline.hf_checkpoint import Checkpoint, ConvertError, HFConfig  # noqa: E402
 
 D, L, F, CTX = 64, 2, 128, 128
 N_DECODE = 16

@@ -12,7 +12,9 @@ import torch.nn.functional as Fn
 from powerinfer_ray.cli import main
 from powerinfer_ray.model import gguf_keys as K
 from powerinfer_ray.model.config import ConfigError
-from powerinfer_ray.model.gguf_file import ModelFile, ModelFileError, write_model
+from powerinfer_ray.model.gguf_config import ModelFileError
+from powerinfer_ray.model.gguf_file import ModelFile
+from powerinfer_ray.model.gguf_writer import write_model
 from powerinfer_ray.model.reference import ReferenceModel, rms_norm
 from powerinfer_ray.model.tiny import tiny_config, tiny_weights, write_tiny_model
 from powerinfer_ray.model.tokenizer import Tokenizer, byte_level_fields
@@ -132,12 +134,19 @@ def test_profile_counts_the_thresholded_mask(sparse):
     np.testing.assert_allclose(stats.sparsity(), [0.3, 0.5, 0.7], atol=0.05)
 
 
-def test_thresholds_carry_over_to_the_same_model_at_another_dtype(tmp_path, sparse):
+@pytest.mark.parametrize("dtype", ["f16", "q8_0", "q4_0"])
+def test_thresholds_carry_over_to_the_same_model_at_another_dtype(tmp_path, sparse, dtype):
+    """Thresholds calibrated at f32 apply to the f16 / q8_0 / q4_0 file of the same weights; the
+    copy keeps every tensor's bytes (blocks stay blocks)."""
     out, th = sparse
-    f16 = write_tiny_model(tmp_path / "f16.gguf", "llama-swiglu", seed=3, dtype="f16", **SHAPE)
-    got = sparsify(f16, None, tmp_path / "f16-sparse.gguf", thresholds_from=out, log=lambda m: None)
+    other = write_tiny_model(tmp_path / "m.gguf", "llama-swiglu", seed=3, dtype=dtype, **SHAPE)
+    got = sparsify(other, None, tmp_path / "sparse.gguf", thresholds_from=out, log=lambda m: None)
     assert got.values == th.values and got.target == pytest.approx(th.target)
-    assert ModelFile(tmp_path / "f16-sparse.gguf").config.ffn_thresholds == th.values
+    src, mf = ModelFile(other), ModelFile(tmp_path / "sparse.gguf")
+    assert mf.config.ffn_thresholds == th.values and mf.config.dtype == dtype
+    for name in src.tensors:
+        assert mf.dtype_of(name) == src.dtype_of(name)
+        np.testing.assert_array_equal(mf.raw(name), src.raw(name))
 
 
 def test_thresholds_of_another_model_are_refused(tmp_path, sparse):
