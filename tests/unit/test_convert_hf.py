@@ -30,7 +30,8 @@ from powerinfer_ray.model.reference import ReferenceModel  # noqa: E402
 from powerinfer_ray.model.tokenizer import SPM, Tokenizer  # noqa: E402
 from powerinfer_ray.model.gguf_writer import LazyTensor  # noqa: E402
 from powerinfer_ray.offline.convert import convert_hf, predictor_files  # noqa: E402
-from powerinfer_ray.offline.hf_archs import falcon_qkv_layout, permute_qk, planner_for, rope_theta  # noqa: E402
+from powerinfer_ray.offline.hf_archs import (_context_length, falcon_qkv_layout, permute_qk,  # noqa: E402
+                                             planner_for, rope_theta)
 from powerinfer_ray.offline.hf_checkpoint import Checkpoint, ConvertError, HFConfig  # noqa: E402
 
 D, L, F, CTX = 64, 2, 128, 128
@@ -412,3 +413,16 @@ def test_no_safetensors_is_a_clear_error(tmp_path):
     (tmp_path / "hf" / "model.safetensors").unlink()
     with pytest.raises(ConvertError, match="no model.safetensors"):
         convert_hf(tmp_path / "hf", tmp_path / "m.gguf", progress=False)
+
+
+@pytest.mark.parametrize("fields, n_ctx", [
+    ({"model_type": "mistral", "sliding_window": 64}, 64),  # Mistral-7B-v0.1: attention within 4096
+    ({"model_type": "mistral", "sliding_window": None}, CTX),
+    ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 64}, CTX),  # set but unused
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64}, 64),
+    ({"model_type": "llama"}, CTX),
+])
+def test_sliding_window_caps_the_context(tmp_path, fields, n_ctx):
+    """Within the window sliding-window attention is full attention: the context stops there."""
+    hf = HFConfig(tmp_path / "config.json", {"max_position_embeddings": CTX, **fields})
+    assert _context_length(hf) == n_ctx
