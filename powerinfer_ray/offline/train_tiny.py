@@ -34,14 +34,18 @@ DEFAULT_STATS_FILE = "tiny-reglu.activation.parquet"
 SWIGLU_MODEL_FILE = "tiny-swiglu.gguf"  # dense; `sparsify` adds thresholds
 
 
+def _shipped(name: str, flags: str = "") -> Path:
+    path = DATA_DIR / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: the embedded model is missing; train it with "
+                                f"scripts/train_tiny_model.py{flags}")
+    return path
+
+
 def trained_model_path() -> Path:
     """The trained tiny ReGLU model with its predictors, as shipped in package data
     (``powerinfer_ray.model.default.default_model_path()`` returns it when present)."""
-    path = DATA_DIR / DEFAULT_MODEL_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: the embedded model is missing; train it with "
-                                "scripts/train_tiny_model.py")
-    return path
+    return _shipped(DEFAULT_MODEL_FILE)
 
 
 def trained_stats_path() -> Path:
@@ -51,11 +55,7 @@ def trained_stats_path() -> Path:
 
 def trained_swiglu_path() -> Path:
     """The trained tiny SwiGLU model (dense, no thresholds), as shipped in package data."""
-    path = DATA_DIR / SWIGLU_MODEL_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: the embedded SwiGLU model is missing; train it with "
-                                "scripts/train_tiny_model.py --ffn-act swiglu")
-    return path
+    return _shipped(SWIGLU_MODEL_FILE, " --ffn-act swiglu")
 
 
 def tiny_trained_config(ffn_act: str = "reglu", n_vocab: int = 1024, n_embd: int = 192,
