@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             "seconds": round(time.time() - t0, 1)})
             print(f"{on:>4} target {s:.1f}: sparsity {sp:.3f}, ppl {q['ppl']:.3f} vs {q['ppl_dense']:.3f} "
                   f"({100 * q['ppl_increase']:+.2f} %), top-1 {100 * q['top1_agreement']:.2f} %", flush=True)
+    threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
     gate_at = {r["target_sparsity"]: r for r in records if r["criterion"] == "gate"}
     bars = {f"gate_first_{s}": {"ppl_increase": gate_at[s]["ppl_increase"], "max": m,
                                 "met": gate_at[s]["ppl_increase"] <= m} for s, m in BAR.items()}
@@ -66,7 +68,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "model": str(Path(args.model).relative_to(ROOT)) if Path(args.model).is_relative_to(ROOT) else args.model,
             "calibration": f"builtin:train, {sum(map(len, calib))} tokens in windows of {seq}",
             "evaluation": f"builtin:heldout, {records[0]['tokens']} tokens in windows of {seq}",
-            "machine": machine(), "commit": commit(), "command": "python " + " ".join(sys.argv),
+            "machine": machine(), "commit": commit(), "command": threads + "python " + " ".join(sys.argv),
             "date": time.strftime("%Y-%m-%d"), "bars": bars, "records": records}
 
 
