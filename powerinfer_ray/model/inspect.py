@@ -13,7 +13,7 @@ def describe(path: str, tensors: bool = False) -> str:
     mf = ModelFile(path)
     lines = [f"file: {mf.path} ({mf.path.stat().st_size / 2**20:.1f} MiB, magic {mf.magic.decode()})", "config:"]
     for k, v in asdict(mf.config).items():
-        if k not in ("extra", "ffn_thresholds"):
+        if k not in ("extra", "ffn_thresholds", "ffn_threshold_on"):  # thresholds: their own table
             lines.append(f"  {k} = {v}")
     lines += thresholds_table(mf)
     lines.append("metadata:")

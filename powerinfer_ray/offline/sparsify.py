@@ -31,6 +31,7 @@ from ..model import gguf_keys as K
 from ..model.config import THRESHOLD_ON, ModelConfig
 from ..model.gguf_file import ModelFile
 from ..model.gguf_writer import write_model
+from ..model.inspect import thresholds_table
 from ..model.reference import KVCache, ReferenceModel
 from ..model.tokenizer import Tokenizer
 from .corpus import Corpus, iter_texts, token_windows
@@ -232,18 +233,9 @@ def sparsify(model_path: str | Path, corpus: Corpus | None, out_path: str | Path
         values = calibrate(ref, windows, target, on)
         th = Thresholds(values, on, target, sum(map(len, windows)), tuple(fingerprint.tolist()))
     write_thresholded(mf, out_path, th)
-    log(format_thresholds(th))
+    log("\n".join(thresholds_table(ModelFile(out_path))))
     log(f"wrote {out_path}")
     return th
-
-
-def format_thresholds(th: Thresholds) -> str:
-    lines = [f"thresholds on |{'SiLU(gate)' if th.on == 'gate' else 'h'}|, calibrated on {th.tokens} tokens:",
-             f"{'layer':>5} {'target sparsity':>15} {'threshold':>10}"]
-    target = th.target or (float("nan"),) * len(th.values)
-    for l, (s, t) in enumerate(zip(target, th.values)):
-        lines.append(f"{l:>5} {s:>15.3f} {t:>10.4g}")
-    return "\n".join(lines)
 
 
 def write_thresholded(mf: ModelFile, out_path: str | Path, th: Thresholds) -> Path:
