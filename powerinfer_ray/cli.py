@@ -58,10 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="HF checkpoint -> PowerInfer-compatible GGUF")
     p.add_argument("hf_dir")
     p.add_argument("-o", "--outfile", required=True)
-    p.add_argument("--outtype", choices=("f16", "bf16", "f32"), default="f16")
+    p.add_argument("--outtype", choices=("f16", "bf16", "f32", "q8_0", "q4_0"), default="f16")
     p.add_argument("--predictors", default=None, help="folder of upstream model_{l}.pt predictors")
     p.add_argument("--no-pwri", action="store_true", help="keep the plain GGUF magic for sparse models")
     p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("quantize", help="re-store a GGUF/PWRI model's matrices as q8_0 or q4_0 blocks")
+    p.add_argument("infile")
+    p.add_argument("outfile")
+    p.add_argument("type", choices=("q8_0", "q4_0"))
+    p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("inspect", help="print a model file's metadata, config and tensors")
     p.add_argument("model")
@@ -75,6 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=200_000)
     p.add_argument("--seq-len", type=int, default=256)
     p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("sparsify", help="calibrate per-layer activation thresholds of a SwiGLU model")
+    _model_arg(p, required=True)
+    p.add_argument("corpus", nargs="?", default=None,
+                   help="calibration text: text file, JSONL (text field), Parquet (text column) or builtin")
+    p.add_argument("-o", "--outfile", required=True)
+    p.add_argument("--target-sparsity", nargs="+", default=["0.5"],
+                   help="share of FFN neurons to skip: one value, or one per layer (0.3,0.4,0.5 ...)")
+    p.add_argument("--on", choices=("gate", "h"), default="gate",
+                   help="threshold |SiLU(gate)| (computes up/down only for active neurons) or |h|")
+    p.add_argument("--thresholds", default=None,
+                   help="take the thresholds from this sparsified file of the same model (no corpus)")
+    p.add_argument("--max-tokens", type=int, default=16384)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.set_defaults(func=cmd_sparsify)
 
     p = sub.add_parser("train-predictors", help="train per-layer activation predictors")
     _model_arg(p)
@@ -143,6 +164,13 @@ def cmd_convert(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(a: argparse.Namespace) -> int:
+    from .offline.quantize import quantize_file
+
+    print(f"wrote {quantize_file(a.infile, a.outfile, a.type)}")
+    return 0
+
+
 def cmd_inspect(a: argparse.Namespace) -> int:
     from .model.inspect import describe
 
@@ -154,6 +182,14 @@ def cmd_profile(a: argparse.Namespace) -> int:
     from .offline.profile import run_profile
 
     run_profile(_resolve_model(a.model), a.corpus, a.out_dir, max_tokens=a.max_tokens, seq_len=a.seq_len)
+    return 0
+
+
+def cmd_sparsify(a: argparse.Namespace) -> int:
+    from .offline.sparsify import parse_targets, sparsify
+
+    sparsify(a.model, a.corpus, a.outfile, parse_targets(a.target_sparsity), on=a.on,
+             max_tokens=a.max_tokens, seq_len=a.seq_len, thresholds_from=a.thresholds)
     return 0
 
 
