@@ -22,6 +22,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gguf_quants
 
+from . import gguf_keys as K
+
 QK = 32  # weights per block
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
 QTYPES = tuple(BLOCK_BYTES)  # the block types executors hold as they are
@@ -68,7 +70,7 @@ def storage_kind(dtype: str, name: str, shape: Sequence[int]) -> str:
         return dtype
     if int(shape[-1]) % QK:
         return QUANT_FALLBACK
-    return "q8_0" if dtype == "q4_0" and name == "output.weight" else dtype
+    return "q8_0" if dtype == "q4_0" and name == K.global_tensor(K.OUTPUT) else dtype
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ again. Metadata is copied with its types (``general.file_type`` set), and so is 
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -24,7 +25,7 @@ from gguf.gguf_reader import ReaderField, ReaderTensor
 from gguf.gguf_writer import GGUFValue
 
 from ..model import gguf_keys as K
-from ..model.gguf_file import open_gguf
+from ..model.gguf_file import ModelFile, open_gguf
 from ..model.gguf_writer import LazyTensor, write_gguf
 from ..model.quants import FILE_TYPE, KIND_OF, QTYPES, storage_kind
 
@@ -92,3 +93,32 @@ def _maker(t: ReaderTensor, same: bool, shape: tuple[int, ...]) -> Callable[[], 
             raise ValueError(f"tensor {t.name!r}: gguf cannot dequantize type {t.tensor_type.name}; "
                              "convert the model from its HF checkpoint instead") from None
     return make
+
+
+@torch.no_grad()
+def quantization_quality(reference: str | os.PathLike[str], quantized: str | os.PathLike[str],
+                         text: Any = "builtin:heldout", seq_len: int = 256,
+                         max_tokens: int | None = 4096) -> dict[str, Any]:
+    """What quantizing cost, on the dense reference path: perplexity of each model's dense
+    forward over windows of ``text`` (a corpus ``offline.corpus.iter_texts`` reads), and the
+    share of positions where the quantized model's next-token argmax is the reference's."""
+    from ..model.reference import ReferenceModel
+    from ..model.tokenizer import Tokenizer
+    from .corpus import iter_texts, token_windows
+
+    models = {"reference": ReferenceModel.from_file(reference), "quantized": ReferenceModel.from_file(quantized)}
+    tok = Tokenizer(ModelFile(reference).fields)
+    budget = None if max_tokens is None else max_tokens + max_tokens // seq_len  # windows hold seq_len + 1
+    nll, agree, n = dict.fromkeys(models, 0.0), 0, 0
+    for window in token_windows(tok.encode, iter_texts(text), seq_len + 1, budget):
+        target = torch.tensor(window[1:])
+        logits = {k: m.forward(window[:-1], m.new_cache()) for k, m in models.items()}  # [T, V] each
+        for k, v in logits.items():
+            nll[k] += float(torch.nn.functional.cross_entropy(v.float(), target, reduction="sum"))
+        agree += int((logits["reference"].argmax(-1) == logits["quantized"].argmax(-1)).sum())
+        n += seq_len
+    if n == 0:
+        raise ValueError(f"text gave no window of {seq_len + 1} tokens: pass more text")
+    ppl = {k: math.exp(v / n) for k, v in nll.items()}
+    return {"tokens": n, "seq_len": seq_len, "ppl_reference": ppl["reference"], "ppl_quantized": ppl["quantized"],
+            "ppl_ratio": ppl["quantized"] / ppl["reference"], "top1_agreement": agree / n}

@@ -96,3 +96,18 @@ def test_quantize_tool_keeps_blocks_and_requantizes_other_types(tmp_path, caplog
                 assert kind == "q4_0" and np.array_equal(np.asarray(b.raw(name)), raw[name]), name  # kept
             else:
                 _assert_quantized(b, name, torch.from_numpy(x), "q8_0" if name == "output.weight" else qtype)
+
+
+def test_quantization_quality_of_the_embedded_model(tmp_path):
+    """Issue 19's bar on the embedded tiny model's held-out text (a sample of it here; all of it in
+    bench/results/quant-quality-tiny.json): Q8_0 perplexity within 0.5 % of the f16 file's, Q4_0
+    within a few % and mostly the same next token."""
+    from powerinfer_ray.model.default import default_model_path
+    from powerinfer_ray.offline.quantize import quantization_quality, quantize_file
+
+    src = default_model_path()
+    q8 = quantization_quality(src, quantize_file(src, tmp_path / "q8.gguf", "q8_0", progress=False), max_tokens=512)
+    q4 = quantization_quality(src, quantize_file(src, tmp_path / "q4.gguf", "q4_0", progress=False), max_tokens=512)
+    assert q8["tokens"] == q4["tokens"] == 512 and q8["ppl_reference"] == q4["ppl_reference"]
+    assert abs(q8["ppl_ratio"] - 1) < 0.005 and q8["top1_agreement"] > 0.97, q8
+    assert 1.0 < q4["ppl_ratio"] < 1.06 and q4["top1_agreement"] > 0.8, q4
