@@ -15,8 +15,8 @@ from ray import serve
 
 from powerinfer_ray.actors.coordinator import Coordinator
 from powerinfer_ray.model.tiny import write_tiny_model
-from powerinfer_ray.runtime.coordinator import EngineOverloaded
-from powerinfer_ray.serve import build_app
+from powerinfer_ray.runtime.scheduler import EngineOverloaded
+from powerinfer_ray.serve.app import build_app
 
 KEY = "sk-test-key"
 MODEL = "tiny-llama-gqa"  # the tiny model's general.name
@@ -37,7 +37,7 @@ def engine(ray_cluster, tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp("serve") / "m.gguf", "llama-gqa", seed=5, n_layer=2,
                             n_ctx=N_CTX)
     eng = Coordinator.options(name=ENGINE, max_concurrency=1000).remote(
-        str(path), policy="dense", threads=1, max_batch=MAX_BATCH, max_ongoing=MAX_WAITING)
+        str(path), policy="dense", threads=1, max_batch=MAX_BATCH, max_waiting=MAX_WAITING)
     ray.get(eng.ready.remote())
     yield eng
     ray.get(eng.shutdown.remote())
@@ -190,9 +190,9 @@ BAD = [
     ("completions", {**GOOD, "max_tokens": 0}, "max_tokens"),
     ("completions", {**GOOD, "max_tokens": "ten"}, "max_tokens"),
     ("completions", {**GOOD, "top_k": -3}, "top_k"),
-    ("completions", {**GOOD, "n": 2}, "n"),
+    ("completions", {**GOOD, "n": 17}, "n"),
     ("completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ("completions", {**GOOD, "logprobs": 3}, "logprobs"),
+    ("completions", {**GOOD, "logprobs": 30}, "logprobs"),
     ("completions", {**GOOD, "prompt": "x" * (N_CTX + 10)}, "prompt"),  # beyond the context
     ("completions", {**GOOD, "prompt": list(range(1, 200)) * 6}, "prompt"),  # beyond, as token ids
     ("completions", {**GOOD, "prompt": [1, 2, 100000]}, "prompt"),  # outside the vocabulary

@@ -12,7 +12,8 @@ from powerinfer_ray.model.costs import model_costs
 from powerinfer_ray.model.default import default_model_path
 from powerinfer_ray.model.source import open_model
 from powerinfer_ray.placement.gpuidx import gpuidx_path, read_gpuidx
-from powerinfer_ray.runtime.engine import GIB, EngineConfig, LocalEngine, resolve_plan
+from powerinfer_ray.runtime.config import GIB
+from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine, resolve_plan
 
 
 @pytest.fixture()
@@ -111,22 +112,22 @@ def test_prefill_chunk_defaults_by_device_and_checks_values():
         resolve_prefill_chunk(EngineConfig("m.gguf", prefill_chunk=0), "cpu")
 
 
-def test_hot_first_cpu_rows_give_the_same_logits(monkeypatch):
-    """$POWERINFER_RAY_CPU_ORDER=hot: the same split, each layer's CPU rows ordered by activation
-    count; the CPU shard, its mask and the predictor's rows follow that order, so every step's
-    logits equal those of the id-ordered engine (up to fp32 summation order)."""
-    from powerinfer_ray.runtime.engine import activation_counts
+def test_hot_first_cpu_rows_give_the_same_logits():
+    """The resolved plan orders each layer's CPU rows hottest first; the CPU shard, its mask and
+    the predictor's rows follow that order, so every step's logits equal those of the same split
+    in ascending id order (up to fp32 summation order)."""
+    from powerinfer_ray.runtime.config import activation_counts
+    from powerinfer_ray.runtime.plan import Plan
 
     spec = "planted:tiny"
     src = open_model(spec)
     counts = activation_counts(src, spec)[0]
     ec = dict(gpu_fraction=0.3, policy="predictor", max_batch=1, prefill_chunk=8)
-    prompt, logits, plans = list(range(3, 19)), {}, {}
-    for order in ("id", "hot"):
-        monkeypatch.setenv("POWERINFER_RAY_CPU_ORDER", order)
-        eng = LocalEngine(EngineConfig(spec, **ec))
+    plans = {"id": Plan.hottest(src.config, 0.3, counts, 0), "hot": resolve_plan(EngineConfig(spec, **ec))}
+    prompt, logits = list(range(3, 19)), {}
+    for order, plan in plans.items():
+        eng = LocalEngine(EngineConfig(spec, **{**ec, "plan": plan}))
         try:
-            plans[order] = eng.primary.plan
             steps = [eng.primary.step([0], [prompt[i:i + 8]], [i])[0] for i in (0, 8)]
             steps += [eng.primary.step([0], [[t]], [len(prompt) + i])[0] for i, t in enumerate(range(40, 48))]
             logits[order] = np.stack(steps)
@@ -139,6 +140,3 @@ def test_hot_first_cpu_rows_give_the_same_logits(monkeypatch):
         assert np.all(np.diff(counts[l][b.cpu_neurons]) <= 0)  # hottest first
         assert not np.array_equal(a.cpu_neurons, b.cpu_neurons)  # reordered: the test is not vacuous
     np.testing.assert_allclose(logits["hot"], logits["id"], rtol=1e-4, atol=1e-4)
-    monkeypatch.setenv("POWERINFER_RAY_CPU_ORDER", "random")
-    with pytest.raises(ValueError, match="POWERINFER_RAY_CPU_ORDER='random'"):
-        resolve_plan(EngineConfig(spec, **ec))
