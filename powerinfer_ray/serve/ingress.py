@@ -4,7 +4,8 @@ A plain class (``OpenAIServer``) holding a handle to the engine; ``serve.ingress
 into the Serve ingress (``OpenAIIngress``), ``serve.app`` into a deployment. Each route checks
 its request (``protocol``), calls the engine's ``generate`` / ``generate_stream`` once per choice
 (``n``), and answers in OpenAI's format (``responses``); errors have OpenAI's body (``errors``).
-A client that goes away aborts its generations in the engine.
+A client that goes away aborts its generations in the engine. Serve's proxy echoes the client's
+``X-Request-Id`` header (or sends its own) on every response.
 """
 from __future__ import annotations
 
@@ -35,30 +36,6 @@ app = FastAPI(title="powerinfer-ray", docs_url=None, redoc_url=None, openapi_url
 @app.exception_handler(APIError)
 async def _api_error_handler(_request: Request, exc: APIError) -> JSONResponse:
     return exc.response()
-
-
-class RequestIdMiddleware:
-    """Every HTTP response carries ``X-Request-Id``: the client's own, or a new one (plain ASGI,
-    so streamed responses and disconnects pass through untouched)."""
-
-    def __init__(self, asgi: Any) -> None:  # noqa: ANN401
-        self.asgi = asgi
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:  # noqa: ANN401
-        if scope["type"] != "http":
-            return await self.asgi(scope, receive, send)
-        given = dict(scope.get("headers") or []).get(b"x-request-id")
-        rid = given[:256] if given else uuid.uuid4().hex.encode()
-
-        async def send_with_id(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
-            await send(message)
-
-        await self.asgi(scope, receive, send_with_id)
-
-
-app.add_middleware(RequestIdMiddleware)
 
 
 def resolve_engine(engine: str | ActorHandle, engine_options: dict[str, Any] | None = None,

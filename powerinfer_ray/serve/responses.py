@@ -28,9 +28,18 @@ def completion_logprobs(entries: list[dict], offset: int = 0) -> dict[str, Any]:
     for e in entries:
         out["tokens"].append(e["token"])
         out["token_logprobs"].append(e["logprob"])
-        out["top_logprobs"].append(None if e["logprob"] is None else {a["token"]: a["logprob"] for a in e["top"]})
+        out["top_logprobs"].append(None if e["logprob"] is None else _by_text(e["top"]))
         out["text_offset"].append(offset)
         offset += len(e["token"])
+    return out
+
+
+def _by_text(alts: list[dict]) -> dict[str, float]:
+    """Alternatives keyed by their text, most likely first; tokens whose texts coincide (bytes of
+    one UTF-8 character, each alone "\ufffd") keep the most likely one's log-probability."""
+    out: dict[str, float] = {}
+    for a in alts:
+        out.setdefault(a["token"], a["logprob"])
     return out
 
 
