@@ -15,7 +15,7 @@ from ray.actor import ActorHandle
 
 from ..runtime.config import EngineConfig, coerce, exposed_fields
 from . import ENGINE_NAMESPACE
-from .config import DEFAULT_ENGINE, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IN_FLIGHT, IngressConfig
+from .config import DEFAULT_ENGINE, DEFAULT_MAX_IN_FLIGHT, IngressConfig
 from .ingress import OpenAIIngress, resolve_engine
 
 RESERVE = 64  # requests beyond max_in_flight that the replica takes in, to answer them 429 itself
@@ -31,12 +31,18 @@ def deployment(max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, name: str = "OpenAISe
 
 
 def build_app(engine: str | ActorHandle = DEFAULT_ENGINE, model_name: str | None = None,
-              api_key: str | None = None, *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, namespace: str | None = None) -> serve.Application:
-    """The Serve application over a running engine (a handle, or its name, looked up here)."""
+              api_key: str | None = None, *, namespace: str | None = None, **ingress: Any) -> serve.Application:
+    """The Serve application over a running engine (a handle, or its name, looked up here);
+    ingress: the other ``IngressConfig`` fields (max_in_flight, max_body_bytes, body_timeout_s)."""
     handle = resolve_engine(engine, namespace=namespace) if isinstance(engine, str) else engine
-    return deployment(max_in_flight).bind(handle, model_name, api_key=api_key, max_in_flight=max_in_flight,
-                                          max_body_bytes=max_body_bytes)
+    ic = IngressConfig(model_name=model_name, api_key=api_key, **ingress)
+    return deployment(ic.max_in_flight).bind(handle, ic.model_name, **_server_kwargs(ic))
+
+
+def _server_kwargs(ic: IngressConfig) -> dict[str, Any]:
+    """OpenAIServer's keywords from an ingress config (all but the engine and model names)."""
+    return {"api_key": ic.api_key, "max_in_flight": ic.max_in_flight, "max_body_bytes": ic.max_body_bytes,
+            "body_timeout_s": ic.body_timeout_s}
 
 
 def parse_args(args: dict[str, Any]) -> tuple[EngineConfig, IngressConfig]:
@@ -61,9 +67,8 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
     args: see ``parse_args`` (model: GGUF path or planted:<shape>; default: the embedded model)."""
     ec, ic = parse_args(args)
     options = {f.name: getattr(ec, f.name) for f in exposed_fields(EngineConfig)}
-    return deployment(ic.max_in_flight).bind(
-        ic.engine_name, ic.model_name, api_key=ic.api_key, max_in_flight=ic.max_in_flight,
-        max_body_bytes=ic.max_body_bytes, engine_options={"model": ec.model, **options}, namespace=ENGINE_NAMESPACE)
+    return deployment(ic.max_in_flight).bind(ic.engine_name, ic.model_name, **_server_kwargs(ic),
+                                             engine_options={"model": ec.model, **options}, namespace=ENGINE_NAMESPACE)
 
 
 def _default_model() -> str:

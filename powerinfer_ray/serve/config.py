@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..runtime.config import check_int, option
+from ..runtime.config import check_int, check_number, option
 
 DEFAULT_ENGINE = "powerinfer-engine"
 DEFAULT_MAX_IN_FLIGHT = 256  # generations admitted by one ingress replica (more: 429)
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # request bodies beyond this get 413
+DEFAULT_BODY_TIMEOUT_S = 10.0  # request bodies slower than this get 408
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,10 @@ class IngressConfig:
     max_in_flight: int = option(DEFAULT_MAX_IN_FLIGHT, "generations the ingress admits at once (more: 429)",
                                 kind=int)
     max_body_bytes: int = option(DEFAULT_MAX_BODY_BYTES, "largest request body accepted (more: 413)", kind=int)
+    body_timeout_s: float = option(DEFAULT_BODY_TIMEOUT_S, "seconds a request body may take to arrive (more: 408)",
+                                   kind=float)
 
     def __post_init__(self) -> None:
         check_int("max_in_flight", self.max_in_flight, 1)
         check_int("max_body_bytes", self.max_body_bytes, 1024)
+        check_number("body_timeout_s", self.body_timeout_s, 0.0, lo_open=True)

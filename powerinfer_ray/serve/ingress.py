@@ -22,7 +22,7 @@ from ray import serve
 from ray.actor import ActorHandle
 
 from .chat_template import ChatTemplate
-from .config import DEFAULT_ENGINE, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IN_FLIGHT
+from .config import DEFAULT_BODY_TIMEOUT_S, DEFAULT_ENGINE, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_IN_FLIGHT
 from .errors import APIError, bad_request, engine_error, overloaded
 from .protocol import (GenerationCall, check_model, json_body, parse_choices, parse_flag, parse_messages,
                        parse_prompt, parse_sampling, parse_stream, parse_token_ids, text)
@@ -58,8 +58,8 @@ class OpenAIServer:
 
     def __init__(self, engine: str | ActorHandle = DEFAULT_ENGINE, model_name: str | None = None, *,
                  api_key: str | None = None, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, engine_options: dict[str, Any] | None = None,
-                 namespace: str | None = None) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                 engine_options: dict[str, Any] | None = None, namespace: str | None = None) -> None:
         self.engine = resolve_engine(engine, engine_options, namespace)
         info = ray.get(self.engine.model_info.remote())
         self.model_name = model_name or info["name"]
@@ -67,7 +67,8 @@ class OpenAIServer:
         self.template = ChatTemplate(info.get("chat_template"), info.get("bos_token") or "",
                                      info.get("eos_token") or "", bool(info.get("add_bos", True)))
         self.api_key = api_key or None
-        self.max_in_flight, self.in_flight, self.max_body_bytes = max_in_flight, 0, max_body_bytes
+        self.max_in_flight, self.in_flight = max_in_flight, 0
+        self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
         self.created = int(time.time())
 
     # --- routes ----------------------------------------------------------------------------------
@@ -89,7 +90,7 @@ class OpenAIServer:
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Any:  # noqa: ANN401
         self._authorize(request)
-        body = await json_body(request, self.max_body_bytes)
+        body = await self._body(request)
         check_model(body, self.model_name)
         prompt, ids = parse_prompt(body.get("prompt"), self.n_vocab)
         sampling = parse_sampling(body, default_max_tokens=16)
@@ -105,7 +106,7 @@ class OpenAIServer:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Any:  # noqa: ANN401
         self._authorize(request)
-        body = await json_body(request, self.max_body_bytes)
+        body = await self._body(request)
         check_model(body, self.model_name)
         if body.get("echo") not in (None, False):
             raise bad_request("echo is not supported by chat completions (the completions API has it)", "echo",
@@ -119,7 +120,7 @@ class OpenAIServer:
     async def tokenize(self, request: Request) -> dict[str, Any]:
         """vLLM's /tokenize: {"prompt"} or {"messages"} (rendered with the chat template) -> token ids."""
         self._authorize(request)
-        body = await json_body(request, self.max_body_bytes)
+        body = await self._body(request)
         if body.get("model") is not None:
             check_model(body, self.model_name)
         if body.get("messages") is not None:
@@ -138,11 +139,14 @@ class OpenAIServer:
     async def detokenize(self, request: Request) -> dict[str, Any]:
         """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
         self._authorize(request)
-        body = await json_body(request, self.max_body_bytes)
+        body = await self._body(request)
         if body.get("model") is not None:
             check_model(body, self.model_name)
         ids = parse_token_ids(body, "tokens", self.n_vocab)
         return {"prompt": await self._engine_call(self.engine.decode, ids)}
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        return await json_body(request, self.max_body_bytes, self.body_timeout_s)
 
     def _format(self, chat: bool, body: dict[str, Any], logprobs: bool) -> ResponseFormat:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

@@ -2,6 +2,7 @@
 bad value, options we do not implement refused by name rather than ignored."""
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,19 +53,19 @@ def _is_num(v: Any) -> bool:  # noqa: ANN401
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
 
 
-async def json_body(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The request's JSON object, read up to ``max_bytes`` (413 beyond, before reading it all)."""
+async def json_body(request: Request, max_bytes: int, timeout_s: float) -> dict[str, Any]:
+    """The request's JSON object, read up to ``max_bytes`` (413 beyond, before reading it all) within
+    ``timeout_s`` (408 after: a client that sends its body slowly holds a slot of the replica)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(int(declared), max_bytes)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(size, max_bytes)
-        chunks.append(chunk)
     try:
-        body = json.loads(b"".join(chunks))
+        raw = await asyncio.wait_for(_read(request, max_bytes), timeout_s)
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s (body_timeout_s)",
+                       code="request_timeout") from None
+    try:
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}", None, "invalid_json") from exc
     except RecursionError:
@@ -72,6 +73,16 @@ async def json_body(request: Request, max_bytes: int) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}", None, "invalid_json")
     return body
+
+
+async def _read(request: Request, max_bytes: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(size, max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _too_large(size: int, max_bytes: int) -> APIError:

@@ -249,3 +249,32 @@ def test_out_of_vocabulary_prompt_ids_are_refused_by_the_engine_too(engine, ref)
     assert [o["token_ids"] for o in ray.get(good)] == [ref.generate_greedy([9, 10 + i], 6) for i in range(3)]
     st = ray.get(engine.stats.remote())
     assert st["coordinator"]["failed"] == 0 and st["restarts"] == 0
+
+
+def _slow_body(port: int) -> socket.socket:
+    """A connection that sends its headers and then only part of its body."""
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /slow/v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: 1000\r\n\r\n{\"model\":")
+    return s
+
+
+def test_slow_bodies_time_out_and_serve_never_answers_in_plain_text(engine, url):
+    """More slow-body clients than the replica takes in: each gets a 408 in OpenAI's format once
+    its body is late, and a good request behind them is answered by the ingress, never by Serve's
+    own plain-text 429 (which a bounded Serve queue gave)."""
+    serve.run(build_app(engine, max_in_flight=1, body_timeout_s=2.0), name="slow", route_prefix="/slow")
+    port = int(url.rsplit(":", 1)[1])
+    slow = [_slow_body(port) for _ in range(80)]  # beyond max_in_flight + the replica's reserve (64)
+    try:
+        r = requests.post(f"{url}/slow/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                          timeout=60)
+        assert r.status_code in (200, 429), r.text
+        assert "choices" in r.json() or r.json()["error"]["type"] == "rate_limit_error"
+        slow[0].settimeout(30)
+        head = slow[0].recv(4096).decode()
+        assert head.startswith("HTTP/1.1 408") and '"code":"request_timeout"' in head.replace(" ", ""), head
+    finally:
+        for s in slow:
+            s.close()
+        serve.delete("slow")
