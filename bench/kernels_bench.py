@@ -626,15 +626,15 @@ SWEEP_DOWN = {1: [(False, 64, 64, 4, 3), (False, 64, 32, 4, 3), (False, 128, 32,
 # Split variant (Config.up_sd / down_sk), timed as the whole op (graph replays) against the best
 # two-stage config: (up_bk, up_bd, up_sd, up_warps) x (down_bk, down_bd, down_sk, down_warps). T == 1
 # (elementwise kernels): the fourth session's winner and the one tried before it
-# (kernels-nvidia-h200-v2.json, -v3.json). T == 8 (tl.dot kernels): the two-stage up stage took
+# (docs/log/kernels-notes.md). T == 8 (tl.dot kernels): the two-stage up stage took
 # ~25 us at every density from 1 to 10 % (v5: K / 16 programs, each walking D in 20 steps); D over
-# 5 programs: 14.3 vs 28.2 us under ncu (kernels-ncu-h200.txt). down_sk = 1: the two-stage down.
+# 5 programs: 14.3 vs 28.2 us under ncu (docs/log/kernels-notes.md). down_sk = 1: the two-stage down.
 SWEEP_SPLIT = {1: [((8, 512, 10, 4), (128, 32, 4, 8)), ((4, 1024, 5, 4), (64, 32, 8, 4))],
                8: [(u, d) for u in ((16, 256, 5, 4), (32, 256, 5, 8), (16, 512, 5, 4), (32, 256, 10, 8))
                    for d in ((256, 32, 1, 4), (128, 32, 1, 4), (256, 32, 2, 4), (128, 64, 4, 4))]}
 # Fused variant (Config.fused_r, T == 1): (rows per block, warps, programs per SM, eager down rows),
 # whole op as graph replays. The first H200 sweep (one program per block, no fence, 39ce94c): best
-# r = 2, 4 warps, 28.0 us against 34.4 for the two-stage kernels (kernels-nvidia-h200-v4.json).
+# r = 2, 4 warps, 28.0 us against 34.4 for the two-stage kernels (docs/log/kernels-notes.md).
 SWEEP_FUSED = {1: [(1, 4, 2, True), (1, 4, 4, True), (1, 8, 2, True), (2, 4, 1, True), (2, 4, 2, True),
                    (2, 8, 1, True), (2, 8, 2, True), (1, 4, 64, True), (2, 4, 64, True), (1, 4, 2, False),
                    (2, 4, 2, False)],

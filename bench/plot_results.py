@@ -1,7 +1,7 @@
 """Plot engine benchmark records (bench/results/*.json from model_bench): decode tokens/s per
 mode, batch and prompt+output length, beside upstream's batch-1 figures from DESIGN.md section 3.
 
-    python bench/plot_results.py bench/results/runtime-13b-16gib-h200.json -o bench/results/runtime-13b.png
+    python bench/plot_results.py bench/results/runtime-13b-16gib-h200-v8.json -o bench/results/runtime-13b.png
 
 --sweeps: one panel per swept field (VRAM budget, prompt length, output length) of the batch-1
 records given, decode tokens/s with the GPU share of activated neurons on each point, and a batch

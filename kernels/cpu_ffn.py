@@ -39,7 +39,7 @@ EXTRA_FLAGS = os.environ.get("POWERINFER_RAY_CPU_CFLAGS", "").split()
 _W_DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _ACT = {"relu": 0, "reglu": 1, "drelu": 2, "swiglu": 3}
 _MAX_T = 64  # tokens per kernel call (the kernel's stack buffers); more are split into calls
-_SPLIT = {"auto": 0, "rows": 1, "cols": 2}  # the kernel's work split (csrc/sparse_ffn.cpp, NOTES.md)
+_SPLIT = {"auto": 0, "rows": 1, "cols": 2}  # the kernel's work split (csrc/sparse_ffn.cpp, kernels/README.md)
 # The split used when a call names none: $POWERINFER_RAY_CPU_SPLIT (auto | rows | cols), for A/B runs
 # of the whole runtime; benchmarks may also assign it.
 SPLIT = os.environ.get("POWERINFER_RAY_CPU_SPLIT", "auto")

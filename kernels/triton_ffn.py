@@ -9,7 +9,7 @@ fused_r active rows, loading a block's whole up, gate (and, eager_down, down) ro
 previous block's arithmetic runs, sums h * down in registers, then adds its [D] partial into an
 fp32 scratch with atomics; the last program to take a ticket writes y and zeroes the scratch (the
 scratch is per device: calls must be stream-ordered, as on the runtime's one stream per GPU).
-H200, 13B shape, fp16 (bench/results/kernels-nvidia-h200-v5.json, graph replays): 10 % density
+H200, 13B shape, fp16 (docs/log/kernels-notes.md, graph replays): 10 % density
 26.0 us (39 % of the copy ceiling) against 34.6 us for the two-stage kernels below, 50 % 72 %;
 the fixed cost, ~11 us at 1 %, is what keeps 10 % from the 70 % bar (launch, the idx -> row
 round trips, the atomics, fence and ticket, the last program's cast).
@@ -81,7 +81,7 @@ class Config:
     # stage splits D over up_sd programs per row block and adds partial pre-activations into fp32
     # with atomics; the down stage applies the activation as it loads them and splits the active
     # rows over down_sk programs per column block, adding into an fp32 y. More programs with
-    # fewer sequential steps each (the two-stage kernels are latency-chain bound: NOTES.md).
+    # fewer sequential steps each (the two-stage kernels are latency-chain bound: kernels/README.md).
     up_sd: int = 0
     down_sk: int = 0
     # Fused variant (T == 1; fused_r > 0 selects it): one launch of fused_progs programs per SM,
@@ -106,14 +106,14 @@ class Config:
 # T == 1 and T > 1 defaults: the winners of `bench/kernels_bench.py --sweep` on the H200 (10 %
 # density of the Llama-2-13B FFN, fp16). T == 1: the fused kernel, 2 rows per block, 4 warps, 2
 # programs per SM, lazy down rows: 26.0 us as a graph replay against 34.6 for the two-stage
-# kernels (bench/results/kernels-nvidia-h200-v5.json); its two-stage tiles (the elementwise
+# kernels (docs/log/kernels-notes.md); its two-stage tiles (the elementwise
 # kernels, which beat the tl.dot ones: up 17.6 vs 28.8 us, down 17.2 vs 21.1 us) are what a
 # Config with fused_r = 0 runs. T > 1: the two-stage tl.dot kernels. POWERINFER_RAY_GPU_SPLIT=1
 # selects the split path (D over 5 programs per block of 16 rows, each column block's rows over 2
 # programs): faster on the GPU (T = 8, 10 %: 38.5 vs 48.0 us as graph replays,
 # kernels-nvidia-h200-v8.json; dense-gpu at batch 8 311-314 vs 345-351 us of GPU compute per
 # layer), yet the 13B hybrid at batch 8 decoded slower with it in all six engine pairs on the
-# host (82-132 vs 131-145 tok/s; runtime-13b-16gib-b8-*-h200*.json, kernels/NOTES.md). Not
+# host (82-132 vs 131-145 tok/s; runtime-13b-16gib-b8-*-h200*.json, docs/log/kernels-notes.md). Not
 # explained; so not the default.
 TWO_STAGE_DOT = Config(up_bk=32, up_bd=256, up_warps=8, down_bk=256, down_bd=32, down_warps=4, down_stages=4)
 SPLIT_DOT = Config(up_bk=16, up_bd=256, up_warps=4, down_bk=256, down_bd=32, down_warps=4, up_sd=5, down_sk=2)

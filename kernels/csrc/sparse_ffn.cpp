@@ -47,7 +47,7 @@ constexpr int R = 8;  // rows per block: A_i is touched once per R down rows
 constexpr int PF_LINES = 8;  // cache lines prefetched at the head of a row about to be streamed
 // (An in-row prefetch PI_PF_AHEAD elements ahead of phase 1's dot product was tried and dropped:
 // H200 host, 14 threads, cold exchange over 40 layers, K = 254 178 vs 159 us, K = 1024 456 vs 431,
-// bench/results/kernels-exchange-cold-builds-h200.json.)
+// docs/log/kernels-notes.md.)
 
 // ---- scalar conversions (tails and the portable path) ---------------------------------------
 inline float f16_to_f32(uint16_t h) {

@@ -101,7 +101,7 @@ class Plan:
         instead of lying anywhere in it. The CPU kernel reads scattered rows slower than adjacent
         ones (GPU host, Falcon-40B rows: 8-14 % at 400-3200 rows). Dev machine, planted Falcon-40B
         rows, active sets drawn from the planted statistics, 2 threads: the kernel 5-10 % faster
-        hottest first (`bench/cpu_row_order.py`, NOTES.md); on the GPU host no measurable
+        hottest first (`bench/cpu_row_order.py`, docs/log/kernels-notes.md); on the GPU host no measurable
         difference (x1.00 on Falcon rows; 13B engines within their spread)."""
         layers = []
         for l, lp in enumerate(self.layers):
