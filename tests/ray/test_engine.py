@@ -5,6 +5,7 @@ import time
 
 import pytest
 import ray
+import torch
 
 from powerinfer_ray.actors.coordinator import Coordinator
 from powerinfer_ray.model.reference import ReferenceModel
@@ -154,3 +155,14 @@ def test_latency_histograms_show_on_the_metrics_endpoint(engine, ray_cluster):
             break
         time.sleep(2)
     assert all(v >= n for v in got.values()), got
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the cluster has a GPU")
+def test_cuda_on_a_cluster_without_a_gpu_fails_at_once(engine, model):
+    """The engine checks what the cluster has: without the check its GPU executor waited forever
+    for a GPU. The failure is final (a constructor's error is not restarted)."""
+    eng = Coordinator.options(name="test-engine-cuda", num_cpus=0).remote(str(model[0]), device="cuda")
+    with pytest.raises(ray.exceptions.RayActorError, match="device='cuda': the Ray cluster has no GPU"):
+        ray.get(eng.ready.remote(), timeout=120)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(eng.ready.remote(), timeout=60)

@@ -90,3 +90,34 @@ def test_the_installed_command_prints_one_line(model):
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == ["powerinfer-ray generate: error: max_batch=0: expected an integer "
                                                 ">= 1 (sequences decoded together)"]
+
+
+def test_bench_lists_only_the_modes_it_has(capsys):
+    from powerinfer_ray.bench import DRIVERS, MODEL_MODES
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "hybird"])
+    assert e.value.code == 2 and "invalid choice: 'hybird'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    assert " | ".join(sorted(DRIVERS) + list(MODEL_MODES)) in " ".join(capsys.readouterr().out.split())
+
+
+def test_generate_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ("tokens to generate (default: 64)", "0 is greedy (the HTTP API follows OpenAI's default of 1)",
+                  "--max-batch MAX_BATCH sequences decoded together (default: 8)", "--vram-budget-gib", "--policy"):
+        assert words in text, words
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU")
+def test_a_budget_without_a_gpu_gets_a_note(model):
+    from powerinfer_ray.runtime.config import EngineConfig
+    from powerinfer_ray.runtime.preflight import prepare
+
+    prep = prepare(EngineConfig(model, vram_budget_gib=1.0, disable_gpu_index=True))
+    assert prep.device == "cpu" and prep.config.plan is not None
+    assert any("without a GPU" in n and "leave it out" in n for n in prep.notes), prep.notes
+    assert prepare(EngineConfig(model)).notes == ()
