@@ -89,9 +89,7 @@ class OpenAIServer:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Any:  # noqa: ANN401
-        self._authorize(request)
-        body = await self._body(request)
-        check_model(body, self.model_name)
+        body = await self._checked(request)
         prompt, ids = parse_prompt(body.get("prompt"), self.n_vocab)
         sampling = parse_sampling(body, default_max_tokens=16)
         echo = parse_flag(body, "echo")
@@ -105,9 +103,7 @@ class OpenAIServer:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Any:  # noqa: ANN401
-        self._authorize(request)
-        body = await self._body(request)
-        check_model(body, self.model_name)
+        body = await self._checked(request)
         if body.get("echo") not in (None, False):
             raise bad_request("echo is not supported by chat completions (the completions API has it)", "echo",
                               "unsupported_parameter")
@@ -119,10 +115,7 @@ class OpenAIServer:
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> dict[str, Any]:
         """vLLM's /tokenize: {"prompt"} or {"messages"} (rendered with the chat template) -> token ids."""
-        self._authorize(request)
-        body = await self._body(request)
-        if body.get("model") is not None:
-            check_model(body, self.model_name)
+        body = await self._checked(request, model_required=False)
         if body.get("messages") is not None:
             prompt = self.template.render(parse_messages(body["messages"]))
         elif isinstance(body.get("prompt"), str):
@@ -138,15 +131,17 @@ class OpenAIServer:
     @app.post("/detokenize")
     async def detokenize(self, request: Request) -> dict[str, Any]:
         """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
-        self._authorize(request)
-        body = await self._body(request)
-        if body.get("model") is not None:
-            check_model(body, self.model_name)
+        body = await self._checked(request, model_required=False)
         ids = parse_token_ids(body, "tokens", self.n_vocab)
         return {"prompt": await self._engine_call(self.engine.decode, ids)}
 
-    async def _body(self, request: Request) -> dict[str, Any]:
-        return await json_body(request, self.max_body_bytes, self.body_timeout_s)
+    async def _checked(self, request: Request, model_required: bool = True) -> dict[str, Any]:
+        """The request's JSON body, after its API key; its ``model`` must be the served one."""
+        self._authorize(request)
+        body = await json_body(request, self.max_body_bytes, self.body_timeout_s)
+        if model_required or body.get("model") is not None:
+            check_model(body, self.model_name)
+        return body
 
     def _format(self, chat: bool, body: dict[str, Any], logprobs: bool) -> ResponseFormat:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

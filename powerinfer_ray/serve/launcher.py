@@ -60,7 +60,10 @@ def start_engine(ec: EngineConfig, name: str = "powerinfer-engine"):  # noqa: AN
     try:
         info = ray.get(engine.ready.remote())
     except ray.exceptions.RayError as exc:
-        raise actor_cause(exc) from exc
+        cause = actor_cause(exc)
+        if cause is exc:
+            raise
+        raise cause from exc
     finally:
         stop.set()
         th.join()

@@ -6,7 +6,6 @@ and waiting counts return to 0 and the 32 disconnected generations are aborted."
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 
@@ -15,7 +14,6 @@ import ray
 import requests
 from ray import serve
 
-from powerinfer_ray.actors.coordinator import Coordinator
 from powerinfer_ray.model.default import default_model_path
 from powerinfer_ray.serve.app import build_app
 
@@ -25,29 +23,16 @@ GOOD_TOKENS, GONE_TOKENS = 16, 400
 STALL_S = 1.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def engine(ray_cluster):
+def engine(engines):
     # 32 slots: the disconnecting clients all hold one at the moment they leave
-    eng = Coordinator.options(name=ENGINE, max_concurrency=1000).remote(str(default_model_path()), max_batch=32)
-    ray.get(eng.ready.remote())
-    yield eng
-    ray.get(eng.shutdown.remote())
-    ray.kill(eng)
+    return engines(ENGINE, default_model_path(), max_batch=32)
 
 
 @pytest.fixture(scope="module")
-def url(engine):
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+def url(engine, serve_url):
     serve.run(build_app(engine), name="abuse", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    return serve_url
 
 
 def _events(r: requests.Response):  # noqa: ANN202

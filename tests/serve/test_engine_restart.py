@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -18,12 +17,6 @@ from powerinfer_ray.actors.coordinator import Coordinator
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import write_tiny_model
 from powerinfer_ray.serve.app import build_app
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait(predicate, timeout: float, what: str):  # noqa: ANN001, ANN202
@@ -43,7 +36,7 @@ def _health(url: str) -> int:
         return 0
 
 
-def test_a_killed_engine_is_replaced_and_its_channel_removed(ray_cluster, tmp_path):
+def test_a_killed_engine_is_replaced_and_its_channel_removed(ray_cluster, serve_url, tmp_path):
     path = write_tiny_model(tmp_path / "m.gguf", "llama-reglu", seed=4, n_layer=2, n_ctx=128)
     ref = ReferenceModel.from_file(path)
     # half the neurons on a CPU executor: the engine has a shared-memory channel
@@ -53,10 +46,8 @@ def test_a_killed_engine_is_replaced_and_its_channel_removed(ray_cluster, tmp_pa
         old_pid = ray.get(engine.ready.remote())["pid"]
         channel = Path(ray.get(engine.__ray_call__.remote(lambda self: str(self.spec.path))))
         assert channel.exists()
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(engine), name="restart", route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
+        url = serve_url
         assert _health(url) == 200
 
         os.kill(old_pid, signal.SIGKILL)
@@ -69,5 +60,5 @@ def test_a_killed_engine_is_replaced_and_its_channel_removed(ray_cluster, tmp_pa
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == ref.generate_greedy([5, 6, 7], 6)
         _wait(lambda: not channel.exists(), 60, f"{channel} of the dead executors to be removed")
     finally:
-        serve.shutdown()
+        serve.delete("restart")
         ray.kill(engine, no_restart=True)

@@ -3,7 +3,6 @@ session's 2-CPU cluster). The same engine is reachable both ways: through the ap
 ``ray.get(engine.generate.remote(...))``; greedy outputs must agree token for token."""
 from __future__ import annotations
 
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,7 +12,6 @@ import ray
 import requests
 from ray import serve
 
-from powerinfer_ray.actors.coordinator import Coordinator
 from powerinfer_ray.model.tiny import write_tiny_model
 from powerinfer_ray.runtime.scheduler import EngineOverloaded
 from powerinfer_ray.serve.app import build_app
@@ -26,32 +24,18 @@ MAX_BATCH, MAX_WAITING = 8, 16
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def engine(ray_cluster, tmp_path_factory):
+def engine(engines, tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp("serve") / "m.gguf", "llama-gqa", seed=5, n_layer=2,
                             n_ctx=N_CTX)
-    eng = Coordinator.options(name=ENGINE, max_concurrency=1000).remote(
-        str(path), policy="dense", threads=1, max_batch=MAX_BATCH, max_waiting=MAX_WAITING)
-    ray.get(eng.ready.remote())
-    yield eng
-    ray.get(eng.shutdown.remote())
-    ray.kill(eng)
+    return engines(ENGINE, path, policy="dense", threads=1, max_batch=MAX_BATCH, max_waiting=MAX_WAITING)
 
 
 @pytest.fixture(scope="module")
-def url(engine):
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+def url(engine, serve_url):
     serve.run(build_app(ENGINE, api_key=KEY), name="main", route_prefix="/")  # engine by name
     serve.run(build_app(engine, max_in_flight=1), name="tight", route_prefix="/tight")  # by handle
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    return serve_url
 
 
 @pytest.fixture(scope="module")

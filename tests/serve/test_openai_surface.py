@@ -17,7 +17,6 @@ import requests
 import torch
 from ray import serve
 
-from powerinfer_ray.actors.coordinator import Coordinator
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import write_tiny_model
 from powerinfer_ray.serve.app import build_app
@@ -25,12 +24,6 @@ from powerinfer_ray.serve.app import build_app
 MODEL = "tiny-llama-reglu"
 ENGINE = "surface-test-engine"
 N_CTX = 256
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -45,21 +38,14 @@ def ref(path):
 
 
 @pytest.fixture(scope="module")
-def engine(ray_cluster, path):
-    eng = Coordinator.options(name=ENGINE, max_concurrency=1000).remote(str(path), policy="dense", max_batch=8)
-    ray.get(eng.ready.remote())
-    yield eng
-    ray.get(eng.shutdown.remote())
-    ray.kill(eng)
+def engine(engines, path):
+    return engines(ENGINE, path, policy="dense", max_batch=8)
 
 
 @pytest.fixture(scope="module")
-def url(engine):
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+def url(engine, serve_url):
     serve.run(build_app(engine, max_body_bytes=1 << 20), name="surface", route_prefix="/")
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    return serve_url
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -27,14 +25,6 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a fresh local Ray, not the tests'
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_readme_ray_program(tmp_path):
     """The snippet starts its own local Ray (before the server below starts another)."""
     (block,) = [b for b in _blocks("python") if "Coordinator" in b]
@@ -45,32 +35,12 @@ def test_readme_ray_program(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """``powerinfer-ray serve`` without -m (the embedded model), as the README starts it."""
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "powerinfer_ray.cli", "serve", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
-                            cwd=tmp_path_factory.mktemp("readme"))
-    lines: list[str] = []
-    try:
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "".join(lines[-30:])
-            lines.append(line)
-            if line.startswith("serving "):
-                break
-        else:
-            pytest.fail("no banner within 180 s:\n" + "".join(lines[-30:]))
-        threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-        yield port
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def server(serve_process, free_port, tmp_path_factory):
+    """``powerinfer-ray serve`` without -m (the embedded model), as the README starts it; its port."""
+    proc = serve_process(["--port", str(free_port())], cwd=str(tmp_path_factory.mktemp("readme")))
+    yield int(proc.url.rsplit(":", 1)[1])
+    proc.proc.send_signal(signal.SIGINT)
+    proc.proc.wait(timeout=90)
 
 
 def test_readme_curl_lines(server):
