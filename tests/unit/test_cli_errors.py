@@ -121,3 +121,16 @@ def test_a_budget_without_a_gpu_gets_a_note(model):
     assert prep.device == "cpu" and prep.config.plan is not None
     assert any("without a GPU" in n and "leave it out" in n for n in prep.notes), prep.notes
     assert prepare(EngineConfig(model)).notes == ()
+
+
+def test_the_first_run_says_it_compiles_the_cpu_kernel(model, tmp_path):
+    """With an empty kernel cache the checks before Ray build the CPU kernel, saying so, so that
+    the engine's first token does not silently pay ~10 s for the compiler."""
+    code = ("from powerinfer_ray.runtime.config import EngineConfig\n"
+            "from powerinfer_ray.runtime.preflight import prepare\n"
+            f"prepare(EngineConfig({model!r}, device='cpu'))\n")
+    env = {**os.environ, "POWERINFER_RAY_CACHE": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "compiling the CPU sparse-FFN kernel (once per machine)" in proc.stderr, proc.stderr
+    assert list((tmp_path / "kernels").glob("*.so")), "the kernel was not built into the cache"
