@@ -4,13 +4,13 @@
     ray.get(engine.generate.remote("Hello", max_tokens=32, temperature=0.8))
     for chunk in engine.generate_stream.remote("Hello"): print(ray.get(chunk)["text"], end="")
 
-Its keyword options are the fields of ``runtime.config.EngineConfig``. It builds the executor
-actors for its plan (one GPU executor per GPU, one CPU executor), sets up their shared-memory
-channel through Ray, and runs the request loop (``runtime.scheduler.Scheduler``) talking to the
-GPU executor once per step, over a Unix socket the executor opens (``runtime.steplink``;
-$POWERINFER_RAY_STEP_LINK=0: Ray calls). When an executor dies, in-flight requests fail with a
-clear error, the executors are rebuilt and the next request is served. When the engine itself
-dies, Ray restarts it (``max_restarts=-1``) under the same name and handle.
+Its keyword options are the fields of ``runtime.config.EngineConfig``. It starts the executor
+group for its plan on Ray actors (``runtime.group.start_group`` with ``executors.RayBackend``: one
+primary executor per GPU, one CPU executor, their shared-memory channel) and runs the request
+loop (``runtime.scheduler.Scheduler``), talking to the primary once per step over the step link
+(a Unix socket the primary opens, ``runtime.steplink``). When an executor dies, in-flight
+requests fail with a clear error, the executors are rebuilt and the next request is served.
+When the engine itself dies, Ray restarts it (``max_restarts=-1``) under the same name and handle.
 """
 from __future__ import annotations
 
@@ -23,25 +23,16 @@ from typing import Any, AsyncIterator
 import ray
 from ray.util import metrics
 
-from ..model.source import PLANTED_PREFIX, open_model
-from ..runtime.config import GIB, EngineConfig, engine_n_ctx, resolve_plan, resolve_policy, resolve_prefill_chunk
-from ..runtime.engine import make_tokenizer
+from ..model.source import open_model
+from ..runtime.config import EngineConfig, engine_n_ctx, resolve_plan, resolve_policy, resolve_prefill_chunk
+from ..runtime.engine import executor_spec, make_tokenizer
+from ..runtime.group import ExecutorGroup, start_group
 from ..runtime.scheduler import Request, Scheduler
 from ..runtime.shmfiles import sweep_stale
-from ..runtime.steplink import StepClient
-from .executors import CPUExecutor, GPUExecutor
+from .executors import RayBackend
 
 log = logging.getLogger(__name__)
 DEFAULT_NAME = "powerinfer-engine"
-STEP_LINK = os.environ.get("POWERINFER_RAY_STEP_LINK", "1") != "0"  # 0: steps as Ray calls (A/B runs)
-
-
-def _primary_fills(model: Any, device: str) -> bool:  # noqa: ANN401
-    """Whether the primary generates the CPU executor's rows (runtime.sharedshard): planted models
-    on a GPU primary. POWERINFER_RAY_PRIMARY_FILL=0 never, =1 also on a CPU primary (tests)."""
-    env = os.environ.get("POWERINFER_RAY_PRIMARY_FILL", "")
-    planted = isinstance(model, str) and model.startswith(PLANTED_PREFIX)
-    return planted and env != "0" and (device == "cuda" or env == "1")
 
 
 # seconds: histogram buckets of time to first token / in the queue, and of time per output token
@@ -71,10 +62,11 @@ class Coordinator:
         self.plan = resolve_plan(self.ec, src)
         self.plan_s = time.perf_counter() - t0
         self.tokenizer = make_tokenizer(src.fields)
-        self.gpu = self.cpu = None
+        self.group: ExecutorGroup | None = None
         self.restarts = 0
         self.device = self._device()
         self.prefill_chunk = resolve_prefill_chunk(self.ec, self.device)
+        self.spec = executor_spec(self.ec, src, self.plan, self.device, threads=self._cpu_threads())
         self._start_named_executors()
         self.core = Scheduler(self._step, self.tokenizer, n_ctx=self.n_ctx, max_batch=self.ec.max_batch,
                               prefill_chunk=self.prefill_chunk, max_waiting=self.ec.max_waiting,
@@ -122,76 +114,24 @@ class Coordinator:
             return self.ec.device
         return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
 
+    def _cpu_threads(self) -> int:
+        """The CPU executor's threads: all the cluster's CPUs but the primary's and one more,
+        unless set; it reserves one CPU per thread."""
+        n_cpus = int(ray.cluster_resources().get("CPU", 2))
+        threads = self.ec.threads or max(1, n_cpus - 2)
+        if self.plan.needs_cpu_executor and threads + 1 > n_cpus:  # it would wait forever for CPUs
+            raise ValueError(f"threads={threads}: the CPU executor reserves one CPU per thread and the GPU "
+                             f"executor one more, but the Ray cluster has {n_cpus} CPUs; use threads <= "
+                             f"{n_cpus - 1} (or start Ray with more CPUs)")
+        return threads
+
     def _start_executors(self) -> None:
-        ec, device = self.ec, self._device()
-        t_max = max(self.prefill_chunk, ec.max_batch)
-        common = dict(policy=self.policy, slots=ec.max_batch, n_ctx=self.n_ctx)
-        budget = int(ec.vram_budget_gib * GIB) if ec.vram_budget_gib else None
-        dev_name = "cuda0" if device == "cuda" else "cpu"
-        threads = 0
-        if self.plan.needs_cpu_executor:
-            n_cpus = int(ray.cluster_resources().get("CPU", 2))
-            threads = ec.threads or max(1, n_cpus - 2)  # default: all but the GPU executor's and one more
-            if threads + 1 > n_cpus:  # the actor would wait forever for CPUs the cluster lacks
-                raise ValueError(f"threads={threads}: the CPU executor reserves one CPU per thread and the GPU "
-                                 f"executor one more, but the Ray cluster has {n_cpus} CPUs; use threads <= "
-                                 f"{n_cpus - 1} (or start Ray with more CPUs)")
-        self.gpu = self.cpu = self.spec = self.link = self.shard_spec = self.dense_prefill = None
-        self.load_s: dict[str, float] = {}
-        try:  # all or nothing: a half-built pair would hold the names a retry needs
-            self.gpu = GPUExecutor.options(
-                name=f"{self.name}.gpu-executor.{dev_name}", num_gpus=1 if device == "cuda" else 0, num_cpus=1,
-            ).remote(f"{self.name}.gpu-executor.{dev_name}", ec.model, self.plan, budget_bytes=budget,
-                     device=device, threshold=ec.threshold, t_max=t_max, dtype=ec.dtype, timeout_s=ec.timeout_s,
-                     prefill_dense_min=ec.prefill_dense_min, graphs=ec.graphs, **common)
-            if self.plan.needs_cpu_executor:
-                self.cpu = CPUExecutor.options(name=f"{self.name}.cpu-executor.0", num_cpus=threads).remote(
-                    f"{self.name}.cpu-executor.0", ec.model, self.plan, threads=threads,
-                    defer_fill=_primary_fills(ec.model, device), **common)
-            info = ray.get([self.gpu.ready.remote()] + ([self.cpu.ready.remote()] if self.cpu else []))
-            log.info("executors ready: %s", info)
-            # seconds each executor took to build its shard (they load in parallel), then the
-            # primary's mapping of the CPU shard (below)
-            self.load_s = dict(zip(("gpu", "cpu"), (round(i["load_s"], 1) for i in info)))
-            if self.cpu is not None:
-                self.shard_spec = ray.get(self.cpu.shard_spec.remote())
-                if info[1]["needs_fill"]:  # a planted model's rows, made by the primary
-                    t_f = time.perf_counter()
-                    try:
-                        ray.get(self.gpu.fill_cold.remote(self.shard_spec))
-                        by_primary = True
-                    except ray.exceptions.RayTaskError as e:  # e.g. cannot open the file: the old path
-                        log.warning("the primary could not write the CPU executor's rows (%s); it loads them", e)
-                        by_primary = False
-                    ray.get(self.cpu.filled.remote(by_primary))
-                    self.load_s["fill_cold" if by_primary else "cpu_fill"] = round(time.perf_counter() - t_f, 1)
-            self.spec = ray.get(self.gpu.create_channel.remote())
-            if self.cpu is not None:
-                ray.get(self.cpu.attach.remote(self.spec))
-                # dense prefill of long prompts reads the CPU executor's rows: its shared pages, or a copy
-                t_a = time.perf_counter()
-                self.dense_prefill = ray.get(self.gpu.attach_cold.remote(self.shard_spec))
-                self.load_s["attach_cold"] = round(time.perf_counter() - t_a, 1)
-            if STEP_LINK:  # steps over a Unix socket: Ray's ~1.5 ms per call off every token
-                self.link = StepClient(ray.get(self.gpu.open_step_link.remote()))
-        except BaseException:
-            self._kill_executors()
-            raise
+        self.group = start_group(RayBackend(self.name, self.ec.vram_budget_bytes), self.spec)
 
     def _kill_executors(self) -> None:
-        for a in (self.gpu, self.cpu):
-            if a is not None:
-                try:
-                    ray.kill(a, no_restart=True)
-                except Exception:  # noqa: BLE001  (already dead)
-                    pass
-        self.gpu = self.cpu = None
-        if getattr(self, "spec", None) is not None:
-            self.spec.path.unlink(missing_ok=True)  # the dead primary cannot remove its channel
-        link = getattr(self, "link", None)
-        if link is not None:
-            link.close()  # (its socket has no file: runtime/steplink.py)
-            self.link = None
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
     async def _recover(self, exc: BaseException) -> None:
         log.error("executor failure (%s): restarting the executors", exc)
@@ -207,10 +147,7 @@ class Coordinator:
                 await asyncio.sleep(0.2)
 
     async def _step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]):  # noqa: ANN202
-        if self.link is not None:
-            out = await self.link.call(slots, tokens, start_pos)
-        else:
-            out = await self.gpu.step.remote(slots, tokens, start_pos)
+        out = await self._running().step(slots, tokens, start_pos)
         self.m_tokens.inc(len(tokens), tags={"engine": self.name})
         return out
 
@@ -228,9 +165,11 @@ class Coordinator:
         return self.core.abort(request_id)
 
     def ready(self) -> dict[str, Any]:
+        g = self.group
         return {"model": self.model_name, "n_ctx": self.n_ctx, "policy": self.policy, "device": self.device,
-                "executors": ["gpu"] + (["cpu"] if self.cpu else []), "plan_s": self.plan_s,
-                "load_s": self.load_s, "dense_prefill": self.dense_prefill, "pid": os.getpid()}
+                "executors": ["gpu"] + (["cpu"] if g and g.cpu else []), "plan_s": self.plan_s,
+                "load_s": g.load_s if g else {}, "dense_prefill": g.dense_prefill if g else None,
+                "pid": os.getpid()}
 
     def model_info(self) -> dict[str, Any]:
         return {"name": self.model_name, "n_ctx": self.n_ctx, "n_vocab": self.cfg.n_vocab,
@@ -262,24 +201,30 @@ class Coordinator:
         """Scheduler counters and each executor's load (neurons, bytes, busy s, sync, memory)."""
         out: dict[str, Any] = {"coordinator": self.core.stats(), "restarts": self.restarts,
                                "policy": self.policy, "n_ctx": self.n_ctx, "device": self.device}
-        peer = None
-        if self.cpu is not None:
-            out["cpu_executor"] = await self.cpu.stats.remote()
+        peer, g = None, self._running()
+        if g.cpu is not None:
+            out["cpu_executor"] = await g.cpu.stats.remote()
             peer = out["cpu_executor"]["neurons"]
-        out["gpu_executor"] = await self.gpu.stats.remote(peer)
+        out["gpu_executor"] = await g.primary.stats.remote(peer)
         self.m_requests.set(out["coordinator"]["running"], tags={"engine": self.name})
         return out
 
     async def set_cpu_threads(self, n: int) -> int:
         """Threads of the CPU executor's kernels from the next layer on (no reload): for tuning
         and thread sweeps. The actor keeps the CPUs it reserved at start."""
-        if self.cpu is None:
+        if not self.plan.needs_cpu_executor:
             raise ValueError("this engine's plan has no CPU executor")
-        return await self.cpu.set_threads.remote(n)
+        return await self._running().cpu.set_threads.remote(n)
 
     def executor_handles(self) -> dict[str, Any]:
         """The executor actors (for operations and fault tests)."""
-        return {"gpu": self.gpu, "cpu": self.cpu}
+        g = self._running()
+        return {"gpu": g.primary, "cpu": g.cpu}
+
+    def _running(self) -> ExecutorGroup:
+        if self.group is None:
+            raise RuntimeError("the executors are not running (their restart failed; see the engine's log)")
+        return self.group
 
     def shutdown(self) -> None:
         self._kill_executors()

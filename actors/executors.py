@@ -1,10 +1,12 @@
-"""Ray shells of the executors: distinct classes per role, so the dashboard's ``Component``
-label (the class name) says the role; actor names say role and device.
+"""Ray shells of the executors, and the executor group's Ray backend.
 
-The real executor is built inside the actor after Ray has set CUDA_VISIBLE_DEVICES. Ray
-carries control only (load, channel setup, stats, stop); the per-layer data goes through the
-shared-memory channel. Metrics (``ray.util.metrics``) are tagged by actor and device and show
-on the node's /metrics endpoint and in the dashboard.
+``PrimaryExecutorActor`` and ``CPUExecutorActor`` wrap ``runtime.primary.PrimaryExecutor`` and
+``runtime.cpu_executor.CPUExecutor``: distinct classes per role, so the dashboard's ``Component``
+label (the class name) says the role; actor names say role and device. The real executor is
+built inside the actor after Ray has set CUDA_VISIBLE_DEVICES. Ray carries control only (the
+group's start script, stats, stop); the per-layer data goes through the shared-memory channel
+and the steps through the step link. Metrics (``ray.util.metrics``) are tagged by actor and
+device and show on the node's /metrics endpoint and in the dashboard.
 """
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ import ray
 from ray.util import metrics
 
 from ..runtime.channel import ChannelSpec
-from ..runtime.executor import CPUExecutor as CPUExecutorCore
-from ..runtime.executor import PrimaryExecutor
+from ..runtime.cpu_executor import CPUExecutor
+from ..runtime.group import ExecutorGroup, GroupSpec, StepFn
 from ..runtime.plan import Plan
+from ..runtime.primary import PrimaryExecutor
+from ..runtime.steplink import StepClient, StepServer
 
 log = logging.getLogger(__name__)
 TAGS = ("actor", "device")
@@ -55,11 +59,10 @@ class ExecutorMetrics:
 
 
 @ray.remote
-class GPUExecutor:
+class PrimaryExecutorActor:
     """The primary executor: the only process that drives its GPU (or the CPU primary)."""
 
     def __init__(self, name: str, model: Any, plan: Plan, budget_bytes: int | None = None, **kw: Any) -> None:
-        t0 = time.perf_counter()
         logging.basicConfig(level=logging.INFO)
         self.name = name
         self.impl = PrimaryExecutor(model, plan, **kw)
@@ -69,19 +72,13 @@ class GPUExecutor:
         self.metrics.mem.set(self.impl.weight_bytes(), tags=self.metrics.tags)
         if budget_bytes:
             self.metrics.budget.set(budget_bytes, tags=self.metrics.tags)
-        self.peer_neurons = 0
-        self.link = None
-        self.load_s = time.perf_counter() - t0  # reading (or generating) its shard
+        self.link: StepServer | None = None
 
     def ready(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "device": self.device, "weight_bytes": self.impl.weight_bytes(),
-                "vram_used_bytes": _vram_used(self.impl.device), "load_s": self.load_s}
+        return {**self.impl.ready(), "pid": os.getpid(), "vram_used_bytes": _vram_used(self.impl.device)}
 
     def open_step_link(self) -> str:
-        """Serve `step` over a Unix socket (runtime.steplink); its path. The coordinator's decode
-        steps then skip Ray's per-call cost; Ray's `step` stays for everything else."""
-        from ..runtime.steplink import StepServer
-
+        """Serve `step` over a Unix socket (runtime.steplink); its path."""
         if self.link is None:
             self.link = StepServer(self.step, name="step")
         return str(self.link.path)
@@ -94,7 +91,7 @@ class GPUExecutor:
         return self.impl.attach_cold(spec)
 
     def fill_cold(self, spec: Any) -> None:  # noqa: ANN401
-        """Generate the CPU executor's rows here and write them into its shared file."""
+        """Make the CPU executor's rows here and write them into its shared file."""
         self.impl.fill_cold(spec)
 
     def step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]):  # noqa: ANN201
@@ -116,13 +113,6 @@ class GPUExecutor:
                   vram_used_bytes=_vram_used(self.impl.device), vram_budget_bytes=self.budget)
         return st
 
-    def stop_peer(self) -> None:
-        from ..runtime.channel import OP_STOP
-
-        ch = self.impl.channel
-        if ch is not None:
-            ch.wait_response(ch.post(OP_STOP, 0, 0, 0, 0), timeout_s=5)
-
     def shutdown(self) -> None:
         if self.link is not None:
             self.link.close()
@@ -130,21 +120,18 @@ class GPUExecutor:
 
 
 @ray.remote
-class CPUExecutor:
+class CPUExecutorActor:
     """Cold neurons and CPU-placed heads; serves the channel in a background thread."""
 
     def __init__(self, name: str, model: Any, plan: Plan, **kw: Any) -> None:
-        t0 = time.perf_counter()
         logging.basicConfig(level=logging.INFO)
         self.name = name
-        self.impl = CPUExecutorCore(model, plan, **kw)
+        self.impl = CPUExecutor(model, plan, **kw)
         self.metrics = ExecutorMetrics(name, "cpu")
         self.metrics.mem.set(self.impl.weight_bytes(), tags=self.metrics.tags)
-        self.load_s = time.perf_counter() - t0  # reading (or generating) its shard
 
     def ready(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "device": "cpu", "weight_bytes": self.impl.weight_bytes(),
-                "threads": self.impl.threads, "load_s": self.load_s, "needs_fill": self.impl.needs_fill}
+        return {**self.impl.ready(), "pid": os.getpid()}
 
     def filled(self, by_primary: bool = True) -> None:
         """The primary wrote the shared rows (ready()'s needs_fill): touch them before serving;
@@ -154,14 +141,9 @@ class CPUExecutor:
     def set_threads(self, n: int) -> int:
         return self.impl.set_threads(n)
 
-    def shard_spec(self) -> Any:  # noqa: ANN401
-        """Where its FFN rows are shared (runtime.sharedshard), or None."""
-        return self.impl.shard_spec
-
     def attach(self, spec: ChannelSpec) -> int:
-        pid = self.impl.attach(spec)
-        self.impl.start()
-        return pid
+        """Map the channel and serve it (in the executor's worker thread)."""
+        return self.impl.attach(spec)
 
     def stats(self) -> dict[str, Any]:
         st = self.impl.stats.as_dict()
@@ -172,7 +154,51 @@ class CPUExecutor:
         return st
 
 
-def _vram_used(device: Any) -> int:
+class RayBackend:
+    """The executor group (``runtime.group``) as Ray actors named after their engine: one
+    primary per GPU (or the CPU primary), one CPU executor reserving a CPU per thread."""
+
+    task_error = ray.exceptions.RayTaskError
+
+    def __init__(self, engine_name: str, budget_bytes: int | None = None) -> None:
+        self.engine_name, self.budget_bytes = engine_name, budget_bytes
+        self.link: StepClient | None = None
+
+    def create(self, role: str, spec: GroupSpec) -> Any:  # noqa: ANN401
+        if role == "primary":
+            cuda = spec.device == "cuda"
+            name = f"{self.engine_name}.gpu-executor.{'cuda0' if cuda else 'cpu'}"
+            return PrimaryExecutorActor.options(name=name, num_gpus=1 if cuda else 0, num_cpus=1).remote(
+                name, spec.model, spec.plan, budget_bytes=self.budget_bytes, **spec.primary_kwargs())
+        name = f"{self.engine_name}.cpu-executor.0"
+        return CPUExecutorActor.options(name=name, num_cpus=spec.threads).remote(name, spec.model, spec.plan,
+                                                                                 **spec.cpu_kwargs())
+
+    def call(self, calls: list[tuple[Any, str, tuple]]) -> list[Any]:
+        return ray.get([getattr(member, method).remote(*args) for member, method, args in calls])
+
+    def step_fn(self, primary: Any) -> StepFn:  # noqa: ANN401
+        """Steps over the primary's step link (Ray's per-call cost off every token)."""
+        self.link = StepClient(ray.get(primary.open_step_link.remote()))
+        return self.link.call
+
+    def close(self, group: ExecutorGroup) -> None:
+        """Kill the actors; the dead primary cannot remove its channel's file, so do it here."""
+        for a in (group.primary, group.cpu):
+            if a is not None:
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception:  # noqa: BLE001  (already dead)
+                    pass
+        group.primary = group.cpu = None
+        if group.channel is not None:
+            group.channel.path.unlink(missing_ok=True)
+        if self.link is not None:
+            self.link.close()  # (its socket has no file: runtime/steplink.py)
+            self.link = None
+
+
+def _vram_used(device: Any) -> int:  # noqa: ANN401
     import torch
 
     return int(torch.cuda.memory_allocated(device)) if getattr(device, "type", "") == "cuda" else 0

@@ -1,11 +1,14 @@
 """Benchmark of the neuron-aware sparse FFN against torch gather + matmul, with roofline numbers.
 
-Shape: Llama-2-13B FFN (D = 5120, N = 13824), ReGLU; fp16 on the GPU (Triton), fp16 and fp32 on
-the CPU (compiled kernel); densities 1, 5, 10, 20, 50 %; T = 1 and 8. Reported per case: median
-time, achieved GB/s on the ACTIVE bytes (3 x K x D x bytes per element: each active row of up,
-gate and down_t read once), the fraction of the ceiling measured in the same run (GPU: a
-device-to-device copy, bytes read + written; CPU: a multi-threaded read with the kernel's
-threads), and the torch gather + matmul baseline measured in the same run.
+Shape: Llama-2-13B FFN (D = 5120, N = 13824), ReGLU; weights fp16, q4_0 and q8_0 on the GPU
+(Triton), fp16, fp32, q4_0 and q8_0 on the CPU (compiled kernel); densities 1, 5, 10, 20, 50 %;
+T = 1 and 8. Reported per case: median time, achieved GB/s on the ACTIVE bytes (3 x K x row bytes:
+each active row of up, gate and down_t read once; for q4_0 / q8_0 the compressed bytes), the
+fraction of the ceiling measured in the same run (GPU: a device-to-device copy, bytes read +
+written; CPU: a multi-threaded read with the kernel's threads), and the torch gather + matmul
+baseline measured in the same run (quantized rows: gathered, dequantized, multiplied). The GPU
+part also times the dense GEMV on quantized rows (kernels.linear) at the attention, output-head
+and predictor shapes.
 
 Data: x and gate rows are positive, so relu(gate . x) > 0 and every active neuron has a nonzero
 activation: the kernels' skip of zero-activation down rows never triggers, every active byte is
@@ -40,11 +43,11 @@ import torch
 
 try:
     from powerinfer_ray import kernels as K
-    from powerinfer_ray.kernels import cpu_ffn
+    from powerinfer_ray.kernels import cpu_ffn, cpu_library, quant
 except ImportError:  # a plain checkout without the editable install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import kernels as K  # type: ignore[no-redef]
-    from kernels import cpu_ffn  # type: ignore[no-redef]
+    from kernels import cpu_ffn, cpu_library, quant  # type: ignore[no-redef]
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the drivers share model_bench's helpers
 from model_bench import commit, settings  # noqa: E402
@@ -63,7 +66,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="auto: the GPU (if any) and the CPU; cpu / cuda: only that one")
     p.add_argument("--densities", default="1,5,10,20,50", help="percent of active neurons, comma-separated")
     p.add_argument("--tokens", default="1,8", help="T values, comma-separated")
-    p.add_argument("--cpu-dtypes", default="fp16,fp32")
+    p.add_argument("--cpu-dtypes", default="fp16,fp32,q4_0,q8_0", help="weights: fp16, fp32, bf16, q4_0, q8_0")
+    p.add_argument("--gpu-dtypes", default="fp16,q4_0,q8_0", help="weights: fp16, bf16, fp32, q4_0, q8_0")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default torch.get_num_threads())")
     p.add_argument("--sweep", action="store_true", help="GPU: sweep Triton tile configs first, use the best")
     p.add_argument("--order", choices=["random", "sorted"], default="random",
@@ -90,9 +94,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="--cpu-exchange: > 1 rotates over this many layers' CPU shards (40 x 264 MB: the "
                         "runtime's cold working set, beyond any L3): sparse_ffn_bitmask per work split only")
     p.add_argument("--exchange-cflags", default=None,
-                   help="--cpu-exchange: ';'-separated kernel builds to compare (POWERINFER_RAY_CPU_CFLAGS each, "
-                        "'' = the default), e.g. ';-DPI_ONE_ROW' (a value starting with '-' needs '=': "
-                        "--exchange-cflags=-DPI_ONE_ROW;); one worker process per build and policy")
+                   help="--cpu-exchange: ';'-separated kernel builds to compare (extra compiler flags of "
+                        "cpu_library.select_build each, '' = the default), e.g. ';-DPI_ONE_ROW' (a value starting "
+                        "with '-' needs '=': --exchange-cflags=-DPI_ONE_ROW;); one worker process per build and policy")
     p.add_argument("--exchange-act", choices=["reglu", "relu"], default="reglu",
                    help="--cpu-exchange with --exchange-layers > 1: the FFN (relu: no gate, as OPT / Falcon)")
     p.add_argument("--exchange-dim", type=int, default=5120,
@@ -106,10 +110,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--exchange-policies", default=",".join(EX_POLICIES),
                    help="--cpu-exchange: OMP_WAIT_POLICY values, one worker process each ('unset': not set)")
     p.add_argument("--exchange-worker", default=None, help=argparse.SUPPRESS)  # internal: JSON path of one worker
+    p.add_argument("--exchange-build", default=None, help=argparse.SUPPRESS)  # internal: the worker's cflags
     return p.parse_args(argv)
 
 
 DTYPES = {"fp16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16}
+QTYPES = ("q4_0", "q8_0")  # ggml blocks: GB/s are reported on the compressed bytes
 
 
 def machine_name() -> str:
@@ -127,6 +133,27 @@ def make_weights(dtype: torch.dtype, device: str, gen: torch.Generator):
     return r(False), r(True), r(False)
 
 
+def make_qweights(qtype: str, device: str, gen: torch.Generator):
+    """make_weights as random ggml blocks of qtype (uint8 [N, D // 32 * block bytes]): random
+    integers, scales of ~1/sqrt(D) per weight; gate's values >= 0 (q8_0 q in 0..127, q4_0 nibbles
+    >= 8), so with x > 0 every active neuron's activation is nonzero."""
+    bb, nb = quant.BLOCK_BYTES[qtype], D // quant.QK
+    scale = torch.full((N, nb, 1), D ** -0.5 / (64 if qtype == "q8_0" else 4), dtype=torch.float16)
+
+    def r(pos: bool) -> torch.Tensor:
+        b = torch.randint(0, 256, (N, nb, bb), generator=gen, dtype=torch.uint8)
+        if pos:
+            b[..., 2:] = b[..., 2:] & 0x7F if qtype == "q8_0" else b[..., 2:] | 0x88
+        b[..., :2] = scale.view(torch.uint8)
+        return b.reshape(N, nb * bb).to(device)
+
+    return r(False), r(True), r(False)
+
+
+def weights(dtype: str, device: str, gen: torch.Generator):
+    return make_qweights(dtype, device, gen) if dtype in QTYPES else make_weights(DTYPES[dtype], device, gen)
+
+
 def idx_sets(density: float, device: str, gen: torch.Generator, order: str = "random") -> tuple[int, list[torch.Tensor]]:
     """N_SETS sets of k active rows: in random order, or ascending (order='sorted': as the runtime's
     masks decode, on the CPU executor and from the GPU's split kernel)."""
@@ -137,13 +164,15 @@ def idx_sets(density: float, device: str, gen: torch.Generator, order: str = "ra
     return k, [s.to(torch.int32).to(device) for s in sets]
 
 
-def torch_baseline(x, up, gate, down_t, idx):
-    """torch gather + matmul in the weights' dtype: what the kernels replace."""
+def torch_baseline(x, up, gate, down_t, idx, qtype=None):
+    """torch gather + matmul in the weights' dtype (quantized: gather, dequantize to x's dtype):
+    what the kernels replace."""
     rows = idx.long()
-    u = up[rows] @ x.T  # [K, T]
-    g = gate[rows] @ x.T  # [K, T]
+    w = [r if qtype is None else quant.dequantize(r, qtype, x.dtype) for r in (up[rows], gate[rows], down_t[rows])]
+    u = w[0] @ x.T  # [K, T]
+    g = w[1] @ x.T  # [K, T]
     h = torch.relu(g) * u
-    return h.T @ down_t[rows]  # [T, D]
+    return h.T @ w[2]  # [T, D]
 
 
 def median_times_cpu(fns, reps: int, budget_s: float, flush=None) -> list[tuple[float, float]]:
@@ -168,12 +197,49 @@ def median_times_cpu(fns, reps: int, budget_s: float, flush=None) -> list[tuple[
 def cpu_flusher(threads: int, nbytes: int = FLUSH_BYTES):
     """A callable that streams nbytes through the caches (evicts the weights' rows from L3)."""
     buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    lib = cpu_ffn.library()
+    lib = cpu_library.library()
     return lambda: lib.pi_read_sum(buf.data_ptr(), buf.numel(), threads)
 
 
+def read_bandwidth(nbytes: int = 1 << 30, threads: int | None = None, reps: int = 5, method: str = "sum") -> float:
+    """Multi-threaded DRAM read rate in GB/s (median of reps) with the kernel's threads: the CPU
+    ceiling the benchmark reports fractions of. method 'sum': a sum over an fp32 buffer, each
+    thread a fixed quarter of it in four streams; 'linear': the dense rows of an fp16 matrix
+    through `pi_linear` (x of one token, rows split over the same threads). The benchmark takes the
+    larger of the two."""
+    if method not in ("sum", "linear"):
+        raise ValueError(f"method={method!r}: expected 'sum' or 'linear'")
+    lib = cpu_library.library()
+    nthreads = int(threads or torch.get_num_threads())
+    if method == "sum":
+        buf = torch.ones(nbytes // 4, dtype=torch.float32)
+
+        def call() -> None:
+            lib.pi_read_sum(buf.data_ptr(), buf.numel(), nthreads)
+    else:
+        w = torch.ones(max(1, nbytes // (2 * 4096)), 4096, dtype=torch.float16)
+        x = torch.ones(1, 4096)
+
+        def call() -> None:
+            cpu_ffn.linear(x, w, threads=nthreads)
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    times = sorted(times[1:])
+    return nbytes / times[len(times) // 2] / 1e9
+
+
+def row_bytes(dtype: str) -> int:
+    """Bytes of one weight row of D columns: the compressed bytes for q4_0 / q8_0."""
+    if dtype in QTYPES:
+        return quant.row_bytes(dtype, D)
+    return D * torch.tensor([], dtype=DTYPES[dtype]).element_size()
+
+
 def record(device, backend, dtype, T, density, k, t_kernel, t_base, ceiling, extra=None) -> dict:
-    nbytes = 3 * k * D * torch.tensor([], dtype=DTYPES[dtype]).element_size()
+    nbytes = 3 * k * row_bytes(dtype)
     gbps, base_gbps = nbytes / t_kernel / 1e9, nbytes / t_base / 1e9
     row = dict(device=device, backend=backend, dtype=dtype, T=T, density=density, K=k, active_bytes=nbytes,
                median_us=round(t_kernel * 1e6, 2), GBps=round(gbps, 2), frac_ceiling=round(gbps / ceiling, 4),
@@ -189,29 +255,32 @@ def record(device, backend, dtype, T, density, k, t_kernel, t_base, ceiling, ext
 def bench_cpu(args) -> dict:
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
-    if not cpu_ffn.available():
+    if not cpu_library.available():
         return {"error": "compiled CPU kernel unavailable (no compiler); nothing measured"}
-    reads = {m: max(cpu_ffn.read_bandwidth(1 << 30, threads, reps=5, method=m) for _ in range(3))
+    reads = {m: max(read_bandwidth(1 << 30, threads, reps=5, method=m) for _ in range(3))
              for m in ("sum", "linear")}  # best of 3 medians each
     ceiling = max(reads.values())
-    print(f"[cpu] {threads} threads, SIMD {cpu_ffn.simd_width()} lanes, read ceiling {ceiling:.1f} GB/s "
+    print(f"[cpu] {threads} threads, SIMD {cpu_library.simd_width()} lanes, read ceiling {ceiling:.1f} GB/s "
           f"(sum {reads['sum']:.1f}, dense linear {reads['linear']:.1f})", flush=True)
     gen = torch.Generator().manual_seed(0)
     rows = []
     reps, budget = (5, 0.3) if args.quick else (30, args.budget)
     flush = cpu_flusher(threads)
     for dname in args.cpu_dtypes.split(","):
-        dtype = DTYPES[dname]
-        up, gate, down_t = make_weights(dtype, "cpu", gen)
+        qtype = dname if dname in QTYPES else None
+        xdt = torch.float16 if qtype else DTYPES[dname]  # quantized weights: x and y in fp16, as the channel's
+        up, gate, down_t = weights(dname, "cpu", gen)
         for T, pct in itertools.product(map(int, args.tokens.split(",")), map(float, args.densities.split(","))):
             k, sets = idx_sets(pct / 100, "cpu", gen, args.order)
-            x = torch.randn(T, D, generator=gen).abs().to(dtype)
-            out = torch.empty(T, D, dtype=dtype)
+            x = torch.randn(T, D, generator=gen).abs().to(xdt)
+            out = torch.empty(T, D, dtype=xdt)
             cyc = itertools.cycle(sets)
             (t_k, m_k), (t_b, m_b) = median_times_cpu(
-                [lambda: K.sparse_ffn(x, up, gate, down_t, next(cyc), out=out, backend="cpu", threads=threads),
-                 lambda: torch_baseline(x, up, gate, down_t, next(cyc))], reps, budget, flush)
-            nb = 3 * k * D * up.element_size()
+                [lambda: K.sparse_ffn(x, up, gate, down_t, next(cyc), out=out, backend="cpu", threads=threads,
+                                      qtype=qtype),
+                 lambda: torch_baseline(x.float() if qtype else x, up, gate, down_t, next(cyc), qtype)],
+                reps, budget, flush)
+            nb = 3 * k * row_bytes(dname)
             row = record("cpu", "compiled", dname, T, pct, k, t_k, t_b, ceiling,
                          dict(min_us=round(m_k * 1e6, 2), GBps_at_min=round(nb / m_k / 1e9, 2),
                               baseline_min_us=round(m_b * 1e6, 2)))
@@ -221,7 +290,8 @@ def bench_cpu(args) -> dict:
                   f"torch {row['baseline_median_us']:.0f} us (min {row['baseline_min_us']:.0f}) "
                   f"-> x{row['speedup_vs_baseline']:.1f}", flush=True)
         del up, gate, down_t
-    return dict(threads=threads, simd_lanes=cpu_ffn.simd_width(), ceiling_read_GBps=round(ceiling, 2),
+    return dict(threads=threads, simd_lanes=cpu_library.simd_width(), quant_isa=cpu_library.library().pi_quant_isa(),
+                ceiling_read_GBps=round(ceiling, 2),
                 ceiling_reads_GBps={m: round(v, 2) for m, v in reads.items()},
                 ceiling_method=("the larger of: a multi-threaded sum of a 1 GiB fp32 buffer with the kernel's "
                                 "threads, 4 interleaved streams per thread; the dense rows of a 1 GiB fp16 "
@@ -265,6 +335,11 @@ def _call_times(ts: list[float], nbytes: int | None) -> dict:
                 GBps=round(nbytes / med / 1e9, 2) if nbytes is not None else None)
 
 
+def _worker_library(args):
+    """The kernel build a worker process measures: --exchange-build's flags, else the default."""
+    return cpu_library.select_build(args.exchange_build.split()) if args.exchange_build else cpu_library.library()
+
+
 def _exchange_worker(args) -> dict:
     """One process (OMP_WAIT_POLICY as inherited): median wall time per call of each variant, calls
     separated by args.exchange_gap_ms of sleep, variants interleaved call by call."""
@@ -278,12 +353,11 @@ def _exchange_worker(args) -> dict:
 
     threads = args.threads or os.cpu_count()
     torch.set_num_threads(threads)
-    lib = cpu_ffn.library()
+    lib = _worker_library(args)
     gen = torch.Generator().manual_seed(2)
     up, gate, down_t = (w[:EX_N].contiguous() for w in make_weights(torch.float16, "cpu", gen))
     shard = FFNShard(np.arange(EX_N), up, gate, down_t, None)
     B = (EX_N + 7) // 8
-    bitmask = getattr(cpu_ffn, "sparse_ffn_bitmask", None)
     gap = args.exchange_gap_ms / 1e3
     reps = 20 if args.quick else args.exchange_reps
     rows_out = []
@@ -301,12 +375,9 @@ def _exchange_worker(args) -> dict:
             idx, tok = active_rows(unpack_mask(m, EX_N))
             pre.append((idx.contiguous(), None if tok is None else tok.contiguous()))
         xs = x.float().contiguous()
-        splits = ("rows", "cols") if hasattr(lib, "pi_scratch_bytes") else ("rows",)
-        if hasattr(lib, "pi_scratch_bytes"):  # bytes for the largest K of the sets, either split
-            nb = max(lib.pi_scratch_bytes(T, D, EX_N, threads, 0, cpu_ffn._SPLIT[sp], 0) for sp in splits)
-            scratch = torch.empty(nb, dtype=torch.uint8)
-        else:  # the kernel before the column split: per-thread accumulators only
-            scratch = torch.empty(threads * T * D * 4, dtype=torch.uint8)
+        splits = ("rows", "cols")
+        nb = max(lib.pi_scratch_bytes(T, D, EX_N, threads, 0, cpu_ffn.SPLITS[sp], 0, 1) for sp in splits)
+        scratch = torch.empty(nb, dtype=torch.uint8)  # bytes for the largest K of the sets, either split
         state = {"i": 0}
 
         def load():  # the next mask into the channel buffer (untimed)
@@ -322,12 +393,11 @@ def _exchange_worker(args) -> dict:
 
         def kernel_only(split):  # the ctypes call alone (mask mode bool [T, K], or none at T = 1)
             idx, tok = pre[state["i"]]
-            extra = (cpu_ffn._SPLIT[split],) if len(splits) > 1 else ()
             rc = lib.pi_sparse_ffn(xs.data_ptr(), T, D, up.data_ptr(), gate.data_ptr(), down_t.data_ptr(), 1,
                                    D, D, D, EX_N, None, 0, idx.data_ptr(), 1, idx.numel(),
                                    None if tok is None else tok.data_ptr(), 0 if tok is None else 1,
                                    0 if tok is None else tok.shape[1], 1, out.data_ptr(), 0, scratch.data_ptr(),
-                                   threads, *extra)
+                                   threads, cpu_ffn.SPLITS[split])
             assert rc == 0, rc
 
         tiny = torch.ones(16 * threads)
@@ -335,21 +405,11 @@ def _exchange_worker(args) -> dict:
         def omp_region():  # a parallel region of the kernel's threads doing nothing: fork/join + wake-up
             lib.pi_read_sum(tiny.data_ptr(), tiny.numel(), threads)
 
-        def old_path_rows():  # the same with the kernel's split before this change: the exchange before it
-            cpu_ffn.SPLIT = "rows"
-            try:
-                old_path()
-            finally:
-                cpu_ffn.SPLIT = "auto"
-
         variants = {"exchange_ffn_partial": old_path, "decode_python": decode_only, "omp_region": omp_region}
-        if len(splits) > 1:
-            variants["exchange_ffn_partial_rows"] = old_path_rows
         for sp in splits:
             variants[f"kernel_call_{sp}"] = lambda sp=sp: kernel_only(sp)
-        if bitmask is not None:
-            variants["exchange_bitmask"] = lambda: bitmask(x, up, gate, down_t, m_ch[:T, :B], EX_N, "reglu", None,
-                                                       out, threads)
+        variants["exchange_bitmask"] = lambda: cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, m_ch[:T, :B], EX_N,
+                                                                         "reglu", None, out, threads)
         times = {v: [] for v in variants}
         for v in variants.values():  # warm-up (the kernel's build, page faults)
             load()
@@ -411,7 +471,7 @@ def _exchange_cold(args) -> dict:
     gap = args.exchange_gap_ms / 1e3
     reps = 20 if args.quick else args.exchange_reps
     variants = ("auto", "rows", "cols", "contiguous", "omp_region")
-    lib, tiny = cpu_ffn.library(), torch.ones(16 * threads)
+    lib, tiny = _worker_library(args), torch.ones(16 * threads)
     rows_out = []
     for K in map(int, args.exchange_k.split(",")):
         masks = exchange_masks(K, 1, n, 16, gen)
@@ -440,7 +500,7 @@ def _exchange_cold(args) -> dict:
                                  D=dim, n=n, shm=bool(args.exchange_shm),
                                  **_call_times(ts, None if v == "omp_region" else nbytes)))
         print(f"[exchange cold {os.environ.get('OMP_WAIT_POLICY', 'unset')} "
-              f"{os.environ.get('POWERINFER_RAY_CPU_CFLAGS') or 'default build'}] {act} D={dim} n={n} t={threads} "
+              f"{args.exchange_build or 'default build'}] {act} D={dim} n={n} t={threads} "
               f"L={L}{' shm' if args.exchange_shm else ''} K={K}: " + ", ".join(
             f"{r['variant']} {r['median_us']:.0f} us" + (f" ({r['GBps']} GB/s)" if r["GBps"] else "")
             for r in rows_out[-len(times):]), flush=True)
@@ -450,15 +510,13 @@ def _exchange_cold(args) -> dict:
 def bench_cpu_exchange(args) -> dict:
     """The CPU executor's per-layer answer at the Llama-2-13B shape (D = 5120, fp16 weights, a CPU
     shard of 8600 rows, ReGLU), from the packed mask in a channel-like buffer to y in the fp32 out
-    buffer. Variants: exchange_ffn_partial = unpack_mask + ffn_partial as CPUExecutor._compute does
-    (exchange_ffn_partial_rows: with the kernel's row split, i.e. the exchange before the column split);
+    buffer. Variants: exchange_ffn_partial = unpack_mask + ffn_partial (runtime.layers);
     decode_python = its Python decoding alone (unpackbits + active_rows); kernel_call_<split> = the
     ctypes kernel call alone (inputs decoded beforehand) with the work split over rows (per-thread
-    accumulators + reduction, the kernel before this change) or columns; omp_region = an empty
-    parallel region of the kernel's threads (fork/join and wake-up after the gap); exchange_bitmask = kernels.cpu_ffn.sparse_ffn_bitmask
-    (when present). Each variant runs in
-    two processes, OMP_WAIT_POLICY unset and ACTIVE (libgomp reads it at load)."""
-    if not cpu_ffn.available():
+    accumulators + reduction) or columns; omp_region = an empty parallel region of the kernel's
+    threads (fork/join and wake-up after the gap); exchange_bitmask = kernels.cpu_ffn.sparse_ffn_bitmask.
+    Each variant runs in two processes, OMP_WAIT_POLICY unset and ACTIVE (libgomp reads it at load)."""
+    if not cpu_library.available():
         return {"error": "compiled CPU kernel unavailable (no compiler); nothing measured"}
     res = dict(shape=dict(D=args.exchange_dim, n=args.exchange_n or EX_N, act=args.exchange_act, weights="fp16",
                           x="fp16 (channel)", out="fp32 (channel)"),
@@ -513,8 +571,6 @@ def _exchange_run(args, cflags: str | None, pol: str, reps: int) -> dict:
     env.pop("OMP_WAIT_POLICY", None)
     if pol != "unset":
         env["OMP_WAIT_POLICY"] = pol
-    if cflags is not None:
-        env["POWERINFER_RAY_CPU_CFLAGS"] = cflags.strip()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "worker.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--exchange-worker", str(path),
@@ -526,6 +582,7 @@ def _exchange_run(args, cflags: str | None, pol: str, reps: int) -> dict:
         cmd += ["--exchange-n", str(args.exchange_n)] if args.exchange_n else []
         cmd += ["--exchange-shm"] if args.exchange_shm else []
         cmd += ["--threads", str(args.threads)] if args.threads else []
+        cmd += [f"--exchange-build={cflags.strip()}"] if cflags and cflags.strip() else []
         subprocess.run(cmd, env=env, check=True)
         return json.loads(path.read_text())
 
@@ -623,15 +680,6 @@ SWEEP_DOWN = {1: [(False, 64, 64, 4, 3), (False, 64, 32, 4, 3), (False, 128, 32,
                   (True, 128, 16, 4, 4), (True, 128, 64, 4, 3), (True, 128, 32, 8, 3), (True, 256, 32, 8, 3)]}
 
 
-# Split variant (Config.up_sd / down_sk), timed as the whole op (graph replays) against the best
-# two-stage config: (up_bk, up_bd, up_sd, up_warps) x (down_bk, down_bd, down_sk, down_warps). T == 1
-# (elementwise kernels): the fourth session's winner and the one tried before it
-# (docs/log/kernels-notes.md). T == 8 (tl.dot kernels): the two-stage up stage took
-# ~25 us at every density from 1 to 10 % (v5: K / 16 programs, each walking D in 20 steps); D over
-# 5 programs: 14.3 vs 28.2 us under ncu (docs/log/kernels-notes.md). down_sk = 1: the two-stage down.
-SWEEP_SPLIT = {1: [((8, 512, 10, 4), (128, 32, 4, 8)), ((4, 1024, 5, 4), (64, 32, 8, 4))],
-               8: [(u, d) for u in ((16, 256, 5, 4), (32, 256, 5, 8), (16, 512, 5, 4), (32, 256, 10, 8))
-                   for d in ((256, 32, 1, 4), (128, 32, 1, 4), (256, 32, 2, 4), (128, 64, 4, 4))]}
 # Fused variant (Config.fused_r, T == 1): (rows per block, warps, programs per SM, eager down rows),
 # whole op as graph replays. The first H200 sweep (one program per block, no fence, 39ce94c): best
 # r = 2, 4 warps, 28.0 us against 34.4 for the two-stage kernels (docs/log/kernels-notes.md).
@@ -660,29 +708,12 @@ def sweep_triton(up, gate, down_t, gen, quick: bool) -> dict:
             cfg = tf.Config(16, 256, 4, c[1], c[2], c[3], down_stages=c[4], down_dot=c[0])
             cyc = itertools.cycle(sets)
             res_down[c] = gpu_time(lambda: tf.launch_down(h, down_t, next(cyc), None, y, cfg), True)
-        if T > 1:  # the split path's stages alone (the whole op adds a memset and, y not fp32, a cast)
-            u32, g32, y32 = torch.zeros(T, k, device=GPU), torch.zeros(T, k, device=GPU), torch.zeros(T, D, device=GPU)
-            for cu in sorted({cu for cu, _ in SWEEP_SPLIT[T]}):
-                cfg = tf.Config(cu[0], cu[1], cu[3], 64, 64, 4, up_sd=cu[2], down_sk=1)
-                cyc = itertools.cycle(sets)
-                t = gpu_time(lambda: tf.launch_up(x, up, gate, None, next(cyc), None, None, "reglu", u32, cfg, g=g32), True)
-                table.append(dict(T=T, stage="up split", bk=cu[0], bd=cu[1], sd=cu[2], warps=cu[3], us=round(t * 1e6, 2),
-                                  GBps=round(2 * k * D * 2 / t / 1e9, 1)))
-            for cd in sorted({cd for _, cd in SWEEP_SPLIT[T]}):
-                cfg = tf.Config(16, 256, 4, cd[0], cd[1], cd[3], up_sd=1, down_sk=cd[2])
-                cyc = itertools.cycle(sets)
-                t = gpu_time(lambda: tf.launch_down(h, down_t, next(cyc), None, y32, cfg, split=cd[2] > 1), True)
-                table.append(dict(T=T, stage="down split", bk=cd[0], bd=cd[1], sk=cd[2], warps=cd[3], us=round(t * 1e6, 2),
-                                  GBps=round(k * D * 2 / t / 1e9, 1)))
-            print("[sweep] T=%d split stages alone: " % T + ", ".join(
-                f"{r['stage']} {r['bk']}/{r['bd']}/{r.get('sd', r.get('sk'))}/{r['warps']} {r['us']} us"
-                for r in table if r["T"] == T and r["stage"].endswith("split")), flush=True)
         bu, bdn = min(res_up, key=res_up.get), min(res_down, key=res_down.get)
         best[mode] = tf.Config(bu[1], bu[2], bu[3], bdn[1], bdn[2], bdn[3], up_stages=bu[4], down_stages=bdn[4],
                                up_dot=bu[0], down_dot=bdn[0])
-        # whole op as graph replays, as the runtime runs it (timed as Python calls, the two or three
+        # whole op as graph replays, as the runtime runs it (timed as Python calls, the two
         # launches, ~40 us each on the host, outlast the L2 flush and the GPU idles between): the
-        # two-stage winner against the fused (T == 1) and split variants
+        # two-stage winner against the fused variants (T == 1)
         yo = torch.empty(T, D, dtype=torch.float16, device=GPU)
 
         def whole(cfg):  # noqa: ANN001, ANN202
@@ -696,9 +727,6 @@ def sweep_triton(up, gate, down_t, gen, quick: bool) -> dict:
             # the two-stage winner's tiles kept: T > 1 falls back to them
             cfgs[f"fused r={r} warps={w} progs/SM={progs}" + ("" if eager else " lazy")] = dataclasses.replace(
                 best[mode], fused_r=r, fused_warps=w, fused_progs=progs, eager_down=eager)
-        for cu, cd in SWEEP_SPLIT[T]:
-            cfgs[f"split {cu} x {cd}"] = tf.Config(cu[0], cu[1], cu[3], cd[0], cd[1], cd[3], up_dot=T > 1,
-                                                   down_dot=T > 1, up_sd=cu[2], down_sk=cd[2])
         res_op = {}
         for name, c in cfgs.items():
             try:
@@ -744,12 +772,96 @@ def bench_split(gen, quick: bool) -> list[dict]:
     return out
 
 
-def check_gpu(x, up, gate, down_t, idx, cfg, tf) -> float:
+def check_gpu(x, up, gate, down_t, idx, cfg, tf, qtype=None) -> float:
     """Relative L2 error of the timed configuration against the float64 reference (NaN-poisoned out)."""
     out = torch.full_like(x, float("nan"))
-    y = tf.sparse_ffn_triton(x, up, gate, down_t, idx, None, "reglu", None, out, None, cfg).double()
-    ref = K.sparse_ffn_ref(x, up, gate, down_t, idx)
+    y = tf.sparse_ffn_triton(x, up, gate, down_t, idx, None, "reglu", None, out, None, cfg, qtype=qtype).double()
+    ref = K.sparse_ffn_ref(x, up, gate, down_t, idx, qtype=qtype)
     return float("inf") if not torch.isfinite(y).all() else float((y - ref).norm() / ref.norm())
+
+
+def gpu_layers(w, seq_layers: int) -> list:
+    """w and seq_layers - 1 copies (each layer of the sequence graph on its own weights), as many as
+    fit in half the free GPU memory."""
+    layer_bytes = sum(t.numel() * t.element_size() for t in w)
+    fits = 1 + int(0.5 * torch.cuda.mem_get_info()[0] // layer_bytes)
+    if seq_layers > fits:
+        print(f"[gpu] --seq-layers {seq_layers}: {fits} layers fit in half the free GPU memory; using {fits}",
+              flush=True)
+    return [w] + [tuple(t.clone() for t in w) for _ in range(min(seq_layers, fits) - 1)]
+
+
+def gpu_case(tf, dname, w, layers, cfg, T, pct, ceiling, gen, args) -> dict:
+    """One (weights, T, density) case: kernel and torch baseline times, the stages alone, graph
+    replays, per layer in a graph of len(layers) layers, error against float64."""
+    qtype = dname if dname in QTYPES else None
+    up, gate, down_t = w
+    k, sets = idx_sets(pct / 100, GPU, gen, args.order)
+    x = torch.randn(T, D, generator=gen).abs().half().to(GPU)
+    out = torch.empty(T, D, dtype=torch.float16, device=GPU)
+    cyc = itertools.cycle(sets)
+    op = lambda w_, s_: tf.sparse_ffn_triton(x, *w_, s_, None, "reglu", None, out, None, cfg, qtype=qtype)  # noqa: E731
+    t_k = gpu_time(lambda: op(w, next(cyc)), args.quick)
+    wall = gpu_wall(lambda: op(w, next(cyc)))
+    t_b = gpu_time(lambda: torch_baseline(x, up, gate, down_t, next(cyc), qtype), args.quick)
+    t_up = t_dn = float("nan")  # the stages alone: two-stage configs only
+    if not cfg.fused:
+        h = torch.empty(T, k, device=GPU)
+        t_up = gpu_time(lambda: tf.launch_up(x, up, gate, None, next(cyc), None, None, "reglu", h, cfg, qtype),
+                        args.quick)
+        h.uniform_(0.5, 1.5)  # nonzero activations: every down row is read
+        t_dn = gpu_time(lambda: tf.launch_down(h, down_t, next(cyc), None, out, cfg, qtype), args.quick)
+    err = check_gpu(x, up, gate, down_t, sets[0], cfg, tf, qtype)
+    t_g = graph_time(lambda s_: op(w, s_), sets, args.quick)
+    row = record("cuda", "triton", dname, T, pct, k, t_k, t_b, ceiling,
+                 dict(wall_us_per_call=round(wall * 1e6, 2),
+                      up_stage_us=None if cfg.fused else round(t_up * 1e6, 2),
+                      down_stage_us=None if cfg.fused else round(t_dn * 1e6, 2),
+                      rel_err_vs_fp64=float(f"{err:.3g}"), config=vars(cfg)))
+    if t_g is not None:  # as the runtime runs it: one graph replay, no Python launch per kernel
+        row.update(graph_median_us=round(t_g * 1e6, 2), graph_GBps=round(row["GBps"] * t_k / t_g, 1),
+                   graph_frac_ceiling=round(row["frac_ceiling"] * t_k / t_g, 3))
+    t_s = seq_time(op, layers, sets, args.quick) if len(layers) > 1 else None
+    if t_s is not None:  # per layer inside a graph of len(layers) layers
+        row.update(seq_layer_us=round(t_s * 1e6, 2), seq_GBps=round(row["GBps"] * t_k / t_s, 1),
+                   seq_frac_ceiling=round(row["frac_ceiling"] * t_k / t_s, 3))
+    print(f"[gpu] {dname} T={T} {pct:g}%: {row['median_us']:.1f} us {row['GBps']:.0f} GB/s "
+          f"({row['frac_ceiling']:.0%} of copy; up {t_up*1e6:.1f} + down {t_dn*1e6:.1f} us alone); "
+          f"torch {row['baseline_median_us']:.1f} us -> x{row['speedup_vs_baseline']:.1f}; "
+          f"wall {wall*1e6:.1f} us/call; graph replay {row.get('graph_median_us', float('nan')):.1f} us "
+          f"({row.get('graph_frac_ceiling', float('nan')):.0%} of copy); per layer in a graph of "
+          f"{len(layers)} {row.get('seq_layer_us', float('nan')):.1f} us "
+          f"({row.get('seq_frac_ceiling', float('nan')):.0%}); err {err:.1e}", flush=True)
+    return row
+
+
+LINEAR_SHAPES = {"attn_5120x5120": (5120, 5120), "head_32000x5120": (32000, 5120), "fc1_1024x5120": (1024, 5120)}
+
+
+def bench_gpu_linear(qtypes, ceiling, gen, quick: bool) -> list[dict]:
+    """The dense GEMV on quantized rows (kernels.linear: attention projections, output head,
+    predictor) at 1 and 8 tokens; GB/s on the compressed bytes, L2 flushed before each call."""
+    from powerinfer_ray.kernels.linear import linear
+
+    rows = []
+    for qtype, (name, (R, Dw)) in itertools.product(qtypes, LINEAR_SHAPES.items()):
+        nb = R * quant.row_bytes(qtype, Dw)
+        w = torch.randint(0, 256, (R, nb // R), generator=gen, dtype=torch.uint8)
+        w.view(R, -1, quant.BLOCK_BYTES[qtype])[..., :2] = torch.full((1,), 1e-3, dtype=torch.float16).view(torch.uint8)
+        w = w.to(GPU)
+        for T in (1, 8):
+            x = torch.randn(T, Dw, generator=gen).half().to(GPU)
+            t = gpu_time(lambda: linear(x, w, qtype=qtype), quick)
+            g = graph_time(lambda _s: linear(x, w, qtype=qtype), [None], quick)
+            row = dict(qtype=qtype, shape=name, T=T, bytes=nb, median_us=round(t * 1e6, 2),
+                       GBps=round(nb / t / 1e9, 1), frac_ceiling=round(nb / t / 1e9 / ceiling, 4))
+            if g is not None:
+                row.update(graph_median_us=round(g * 1e6, 2), graph_GBps=round(nb / g / 1e9, 1))
+            rows.append(row)
+            print(f"[gpu linear] {qtype} {name} T={T}: {row['median_us']} us {row['GBps']} GB/s "
+                  f"(graph {row.get('graph_median_us')} us)", flush=True)
+        del w
+    return rows
 
 
 def bench_gpu(args) -> dict:
@@ -761,60 +873,22 @@ def bench_gpu(args) -> dict:
     ceiling = 2 * big.numel() / gpu_time(lambda: dst.copy_(big), args.quick) / 1e9
     del big, dst
     print(f"[gpu] {torch.cuda.get_device_name()}: D2D copy {ceiling:.0f} GB/s (read + write)", flush=True)
-    up, gate, down_t = make_weights(torch.float16, GPU, gen)
-    layer_bytes = sum(w.numel() * w.element_size() for w in (up, gate, down_t))
-    fits = 1 + int(0.5 * torch.cuda.mem_get_info()[0] // layer_bytes)  # copies in half the free memory
-    if args.seq_layers > fits:
-        print(f"[gpu] --seq-layers {args.seq_layers}: {fits} layers fit in half the free GPU memory; using {fits}",
-              flush=True)
-        args.seq_layers = fits
-    layers = [(up, gate, down_t)] + [(up.clone(), gate.clone(), down_t.clone()) for _ in range(args.seq_layers - 1)]
     floor = graph_floor(max(1, args.seq_layers), args.quick)
     print(f"[gpu] floor: one-kernel graph {floor['one_kernel_graph_us']} us, "
           f"{floor['per_kernel_in_graph_of_n_us']} us per kernel in a graph of {floor['n']}", flush=True)
-    sweep = sweep_triton(up, gate, down_t, gen, args.quick) if args.sweep else None
-    configs = sweep.pop("_configs") if sweep else dict(tf.CONFIGS)
-    rows = []
-    for T, pct in itertools.product(map(int, args.tokens.split(",")), map(float, args.densities.split(","))):
-        k, sets = idx_sets(pct / 100, GPU, gen, args.order)
-        x = torch.randn(T, D, generator=gen).abs().half().to(GPU)
-        out = torch.empty(T, D, dtype=torch.float16, device=GPU)
-        cfg = configs["gemv" if T == 1 else "dot"]
-        cyc = itertools.cycle(sets)
-        run = lambda: tf.sparse_ffn_triton(x, up, gate, down_t, next(cyc), None, "reglu", None, out, None, cfg)  # noqa: E731
-        t_k = gpu_time(run, args.quick)
-        wall = gpu_wall(run)
-        t_b = gpu_time(lambda: torch_baseline(x, up, gate, down_t, next(cyc)), args.quick)
-        t_up = t_dn = float("nan")  # the stages alone: two-stage configs only (the split's share one buffer)
-        if not (cfg.split or cfg.fused):
-            h = torch.empty(T, k, device=GPU)
-            t_up = gpu_time(lambda: tf.launch_up(x, up, gate, None, next(cyc), None, None, "reglu", h, cfg), args.quick)
-            h.uniform_(0.5, 1.5)  # nonzero activations: every down row is read
-            t_dn = gpu_time(lambda: tf.launch_down(h, down_t, next(cyc), None, out, cfg), args.quick)
-        err = check_gpu(x, up, gate, down_t, sets[0], cfg, tf)
-        t_g = graph_time(lambda s_: tf.sparse_ffn_triton(x, up, gate, down_t, s_, None, "reglu", None, out, None, cfg),
-                         sets, args.quick)
-        row = record("cuda", "triton", "fp16", T, pct, k, t_k, t_b, ceiling,
-                     dict(wall_us_per_call=round(wall * 1e6, 2),
-                          up_stage_us=None if cfg.split or cfg.fused else round(t_up * 1e6, 2),
-                          down_stage_us=None if cfg.split or cfg.fused else round(t_dn * 1e6, 2),
-                          rel_err_vs_fp64=float(f"{err:.3g}"), config=vars(cfg)))
-        if t_g is not None:  # as the runtime runs it: one graph replay, no Python launch per kernel
-            row.update(graph_median_us=round(t_g * 1e6, 2), graph_GBps=round(row["GBps"] * t_k / t_g, 1),
-                       graph_frac_ceiling=round(row["frac_ceiling"] * t_k / t_g, 3))
-        t_s = seq_time(lambda w, s_: tf.sparse_ffn_triton(x, *w, s_, None, "reglu", None, out, None, cfg),
-                       layers, sets, args.quick) if args.seq_layers > 1 else None
-        if t_s is not None:  # per layer inside a graph of seq_layers layers
-            row.update(seq_layer_us=round(t_s * 1e6, 2), seq_GBps=round(row["GBps"] * t_k / t_s, 1),
-                       seq_frac_ceiling=round(row["frac_ceiling"] * t_k / t_s, 3))
-        rows.append(row)
-        print(f"[gpu] fp16 T={T} {pct:g}%: {row['median_us']:.1f} us {row['GBps']:.0f} GB/s "
-              f"({row['frac_ceiling']:.0%} of copy; up {t_up*1e6:.1f} + down {t_dn*1e6:.1f} us alone); "
-              f"torch {row['baseline_median_us']:.1f} us -> x{row['speedup_vs_baseline']:.1f}; "
-              f"wall {wall*1e6:.1f} us/call; graph replay {row.get('graph_median_us', float('nan')):.1f} us "
-              f"({row.get('graph_frac_ceiling', float('nan')):.0%} of copy); per layer in a graph of "
-              f"{args.seq_layers} {row.get('seq_layer_us', float('nan')):.1f} us "
-              f"({row.get('seq_frac_ceiling', float('nan')):.0%}); err {err:.1e}", flush=True)
+    rows, sweep, configs = [], None, dict(tf.CONFIGS)
+    for dname in args.gpu_dtypes.split(","):
+        w = weights(dname, GPU, gen)
+        if args.sweep and dname == "fp16":  # the tiles are tuned on fp16 and kept for the other formats
+            sweep = sweep_triton(*w, gen, args.quick)
+            configs = sweep.pop("_configs")
+        layers = gpu_layers(w, args.seq_layers)
+        for T, pct in itertools.product(map(int, args.tokens.split(",")), map(float, args.densities.split(","))):
+            rows.append(gpu_case(tf, dname, w, layers, configs["gemv" if T == 1 else "dot"], T, pct, ceiling, gen,
+                                 args))
+        del w, layers
+    qtypes = [d for d in args.gpu_dtypes.split(",") if d in QTYPES]
+    linear_rows = bench_gpu_linear(qtypes, ceiling, gen, args.quick) if qtypes else []
     split = bench_split(gen, args.quick)
     res = dict(device_name=torch.cuda.get_device_name(), ceiling_copy_GBps=round(ceiling, 1),
                ceiling_method="torch copy_ of 1 GiB device to device, bytes read + written, L2 flushed",
@@ -822,7 +896,8 @@ def bench_gpu(args) -> dict:
                       "back-to-back calls incl. host launch overhead; graph_median_us = one CUDA-graph replay "
                       "of the op (as the runtime's decode step runs it); seq_layer_us = per layer in one CUDA graph "
                       "of seq_layers calls, each on its own weight copy",
-               seq_layers=args.seq_layers, floor=floor, results=rows, split=split)
+               active_bytes="3 x K x row bytes (q4_0 / q8_0: the compressed bytes)",
+               seq_layers=args.seq_layers, floor=floor, results=rows, linear=linear_rows, split=split)
     if sweep:
         res["sweep"] = sweep
     return res
@@ -844,7 +919,8 @@ def main(argv: list[str] | None = None) -> int:
         date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), torch=torch.__version__, python=platform.python_version(),
         cpu=platform.processor() or platform.machine(), cpu_count=os.cpu_count(),
         load_average_at_start=os.getloadavg(),
-        shape=dict(D=D, N=N, act="reglu"), active_bytes="3 x K x D x element size", row_order=args.order,
+        shape=dict(D=D, N=N, act="reglu"), active_bytes="3 x K x row bytes (q4_0 / q8_0: compressed)",
+        row_order=args.order,
         data="x and gate rows positive: every active neuron has a nonzero activation, every active byte is read",
     )
     if args.cpu_exchange:

@@ -1,153 +1,41 @@
-"""The compiled CPU sparse-FFN kernel (csrc/sparse_ffn.cpp): build at first use, load, call.
-
-The C++ source is compiled once per machine with the system compiler
-(`g++ -O3 -march=native -fopenmp`) into a cache directory and loaded with ctypes; no torch
-headers, no build step at install time. When no compiler works, `library()` returns None, a
-warning says so once, and callers fall back to the torch path.
-
-Cache directory: $POWERINFER_RAY_CACHE, else $XDG_CACHE_HOME/powerinfer_ray, else
-~/.cache/powerinfer_ray; the file name hashes the source, the flags, the compiler and the CPU's
-feature flags, so a home directory shared between different CPUs never loads a foreign build.
+"""The compiled CPU kernels' entry points (csrc/sparse_ffn.cpp, built and loaded by cpu_library).
 
 Dimension legend: T tokens, D n_embd, N shard rows, K active rows.
+
+Weights are fp32 / fp16 / bf16 rows, or ggml Q4_0 / Q8_0 rows (qtype 'q4_0' / 'q8_0': uint8
+[N, D // 32 * block bytes], quant.py), which the kernels multiply as ggml does: x quantized to
+Q8_0 once per call, integer dots per block, the down rows dequantized into fp32 sums.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-import warnings
 import weakref
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-SOURCE = Path(__file__).with_name("csrc") / "sparse_ffn.cpp"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-FALLBACK_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]  # compilers without -march=native
-# Extra compiler flags for kernel variants (A/B runs on a host, e.g. "-DPI_CHUNKS=3"; see the
-# macros in csrc/sparse_ffn.cpp): part of the build's cache key, read at first use.
-EXTRA_FLAGS = os.environ.get("POWERINFER_RAY_CPU_CFLAGS", "").split()
+from .cpu_library import available, library  # noqa: F401  (available: the callers' check)
+from .quant import check_matrix, dequantize, n_cols, row_bytes
+from .torch_ffn import sparse_ffn_torch
 
 _W_DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_Q_DT = {"q4_0": 3, "q8_0": 4}
 _ACT = {"relu": 0, "reglu": 1, "drelu": 2, "swiglu": 3}
 _MAX_T = 64  # tokens per kernel call (the kernel's stack buffers); more are split into calls
-_SPLIT = {"auto": 0, "rows": 1, "cols": 2}  # the kernel's work split (csrc/sparse_ffn.cpp, kernels/README.md)
-# The split used when a call names none: $POWERINFER_RAY_CPU_SPLIT (auto | rows | cols), for A/B runs
-# of the whole runtime; benchmarks may also assign it.
-SPLIT = os.environ.get("POWERINFER_RAY_CPU_SPLIT", "auto")
-if SPLIT not in _SPLIT:
-    warnings.warn(f"POWERINFER_RAY_CPU_SPLIT={SPLIT!r} is not one of {tuple(_SPLIT)}; using 'auto'", RuntimeWarning)
-    SPLIT = "auto"
+SPLITS = {"auto": 0, "rows": 1, "cols": 2}  # the kernel's work split (csrc/sparse_ffn.cpp); 'auto' for the runtime
 _BAD_ARGS = -1000000000
 
-_lock = threading.Lock()  # one build, and one call at a time per process (shared scratch)
-_lib: ctypes.CDLL | None = None
-_lib_failed = False
+_lock = threading.Lock()  # one call at a time per process (shared scratch)
 _scratch: torch.Tensor | None = None
 _stats = (ctypes.c_int64 * 3)()  # pi_sparse_ffn_bitmask's (pairs, rows, down rows); used under _lock
 _scratch_bytes: dict[tuple, int] = {}  # pi_scratch_bytes by its arguments
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("POWERINFER_RAY_CACHE")
-    if root:
-        return Path(root) / "kernels"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return Path(xdg or Path.home() / ".cache") / "powerinfer_ray" / "kernels"
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _compiler() -> str | None:
-    for cand in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if cand and shutil.which(cand):
-            return cand
-    return None
-
-
-def _build(cxx: str) -> Path:
-    src = SOURCE.read_bytes()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    key = hashlib.sha256(src + " ".join(FLAGS + EXTRA_FLAGS).encode() + version.encode()
-                         + _cpu_flags().encode()).hexdigest()[:16]
-    out = cache_dir() / f"sparse_ffn-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    errors = []
-    for flags in (FLAGS, FALLBACK_FLAGS):
-        # Build into a temporary file and rename: concurrent processes never load a partial .so.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        proc = subprocess.run([cxx, *flags, *EXTRA_FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
-        if proc.returncode == 0:
-            os.replace(tmp, out)
-            return out
-        os.unlink(tmp)
-        errors.append(proc.stderr[-2000:])
-    raise RuntimeError(f"{cxx} could not build {SOURCE.name}:\n" + "\n".join(errors))
-
-
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.pi_sparse_ffn.restype = i64
-    lib.pi_sparse_ffn.argtypes = [p, i64, i64, p, p, p, i32, i64, i64, i64, i64, p, i32,
-                                  p, i32, i64, p, i32, i64, i32, p, i32, p, i32, i32]
-    lib.pi_sparse_ffn_bitmask.restype = i64
-    lib.pi_sparse_ffn_bitmask.argtypes = [p, i32, i64, i64, i64, p, p, p, i32, i64, i64, i64, i64, p, i32,
-                                          p, i64, i64, i32, p, i32, p, i32, i32, i32, p]
-    lib.pi_scratch_bytes.restype = i64
-    lib.pi_scratch_bytes.argtypes = [i64, i64, i64, i32, i32, i32, i32]
-    lib.pi_read_sum.restype = ctypes.c_double
-    lib.pi_read_sum.argtypes = [p, i64, i32]
-    lib.pi_linear.restype = i64
-    lib.pi_linear.argtypes = [p, i64, i64, p, i32, i64, i64, p, i32]
-    lib.pi_simd_width.restype = i32
-    return lib
-
-
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, compiled at first use; None (with one warning) if impossible."""
-    global _lib, _lib_failed
-    if _lib is not None or _lib_failed:
-        return _lib
-    with _lock:
-        if _lib is None and not _lib_failed:
-            cxx = _compiler()
-            try:
-                if cxx is None:
-                    raise RuntimeError("no C++ compiler found (looked for $CXX, g++, c++, clang++)")
-                _lib = _bind(ctypes.CDLL(str(_build(cxx))))
-            except (RuntimeError, OSError) as e:
-                _lib_failed = True
-                warnings.warn(f"powerinfer_ray.kernels: the compiled CPU sparse-FFN kernel is unavailable, "
-                              f"using the slower torch path instead ({e})", RuntimeWarning, stacklevel=3)
-    return _lib
-
-
-def available() -> bool:
-    return library() is not None
-
-
-def simd_width() -> int:
-    lib = library()
-    return int(lib.pi_simd_width()) if lib is not None else 0
+def _w_code(w: torch.Tensor, qtype: str | None) -> int:
+    """The kernel's weight type: fp32 / fp16 / bf16 by dtype, or the qtype's."""
+    return _Q_DT[qtype] if qtype is not None else _W_DT[w.dtype]
 
 
 def _scratch_for(nbytes: int) -> int:
@@ -162,28 +50,28 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _rows_ok(w: torch.Tensor, D: int) -> bool:
-    return w.dim() == 2 and w.shape[1] == D and w.stride(1) == 1
+def _rows_ok(w: torch.Tensor, width: int) -> bool:
+    return w.dim() == 2 and w.shape[1] == width and w.stride(1) == 1
 
 
 def sparse_ffn_cpu(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
                    idx: torch.Tensor, mask: torch.Tensor | None, act: str, up_bias: torch.Tensor | None,
-                   y: torch.Tensor, threads: int | None = None, split: str | None = None) -> torch.Tensor:
+                   y: torch.Tensor, threads: int | None = None, split: str = "auto",
+                   qtype: str | None = None) -> torch.Tensor:
     """Run the compiled kernel; inputs already validated by `sparse_ffn` (CPU tensors).
 
     x [T, D] any float dtype; up, gate, down_t [N, D] rows with unit column stride, one of
-    fp32 / fp16 / bf16; idx [K] int32 or int64; mask None, bool [T, K] or int32 bits [K];
-    y [T, D] contiguous, x's dtype. split: the kernel's work split, 'auto' | 'rows' | 'cols'
-    (benchmarks; None: SPLIT). Returns y.
+    fp32 / fp16 / bf16, or quantized rows uint8 [N, row_bytes] of qtype; idx [K] int32 or int64;
+    mask None, bool [T, K] or int32 bits [K]; y [T, D] contiguous, x's dtype. split: the
+    kernel's work split, 'auto' | 'rows' | 'cols' (benchmarks compare them). Returns y.
     """
-    split = split or SPLIT
     lib = library()
     assert lib is not None, "sparse_ffn_cpu called without a compiled kernel"
     T, D = x.shape
     N, K = up.shape[0], idx.numel()
-    wdt = _W_DT[up.dtype]
-    assert all(w is None or (w.dtype == up.dtype and _rows_ok(w, D)) for w in (up, gate, down_t)), \
-        f"weights must share dtype {up.dtype} and have unit column stride"
+    wdt, width = _w_code(up, qtype), D if qtype is None else row_bytes(qtype, D)
+    assert all(w is None or (w.dtype == up.dtype and _rows_ok(w, width)) for w in (up, gate, down_t)), \
+        f"weights must share dtype {up.dtype} and have rows of {width} with unit column stride"
     idx = idx if idx.dtype in (torch.int32, torch.int64) and idx.is_contiguous() else idx.contiguous().long()
     bias = None if up_bias is None else up_bias.contiguous()
     if bias is not None and bias.dtype not in _W_DT:
@@ -204,7 +92,8 @@ def sparse_ffn_cpu(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None,
             ms = mask[t0:t1] if mode == 1 else mask
             if mode == 2 and t0:
                 ms = torch.bitwise_right_shift(mask, t0)
-            scratch = _scratch_for(lib.pi_scratch_bytes(t1 - t0, D, K, nthreads, _W_DT[y.dtype], _SPLIT[split], 0))
+            scratch = _scratch_for(lib.pi_scratch_bytes(t1 - t0, D, K, nthreads, _W_DT[y.dtype], SPLITS[split], 0,
+                                                        wdt))
             rc = lib.pi_sparse_ffn(
                 xs.data_ptr(), t1 - t0, D,
                 up.data_ptr(), _ptr(gate), down_t.data_ptr(), wdt,
@@ -212,7 +101,7 @@ def sparse_ffn_cpu(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None,
                 _ptr(bias), _W_DT.get(bias.dtype, 0) if bias is not None else 0,
                 idx.data_ptr(), int(idx.dtype == torch.int64), K,
                 _ptr(ms), mode, ld_mask,
-                _ACT[act], ys.data_ptr(), _W_DT[y.dtype], scratch, nthreads, _SPLIT[split])
+                _ACT[act], ys.data_ptr(), _W_DT[y.dtype], scratch, nthreads, SPLITS[split])
             if rc != 0:
                 if rc == _BAD_ARGS:
                     raise ValueError(f"sparse_ffn_cpu: bad arguments T={T}, D={D}, threads={nthreads}")
@@ -232,7 +121,7 @@ def _packed_view(packed, T: int, n: int) -> tuple[int, int]:
         shape, dt, strides = packed.shape, packed.dtype, packed.strides
         if dt != np.uint8:
             raise _bad("packed_mask.dtype", dt, "uint8")
-        try:  # 0.3 us against 1 us for __array_interface__ (a writable C-contiguous buffer only)
+        try:  # faster than __array_interface__ (a writable C-contiguous buffer only)
             addr = ctypes.addressof(ctypes.c_char.from_buffer(packed))
         except (TypeError, ValueError, BufferError):
             addr = packed.__array_interface__["data"][0]
@@ -261,15 +150,16 @@ class _Shard:
 
     __slots__ = ("r_up", "r_gate", "r_down", "r_bias", "up_ptr", "N", "D", "args", "bias")
 
-    def __init__(self, up, gate, down_t, up_bias, act):
+    def __init__(self, up, gate, down_t, up_bias, qtype):
         bias = up_bias
         if bias is not None and (bias.dtype not in _W_DT or not bias.is_contiguous()):
             bias = bias.float().contiguous()
         self.r_up, self.r_gate, self.r_down, self.r_bias = (
             _none if t is None else weakref.ref(t) for t in (up, gate, down_t, up_bias))
-        self.up_ptr, self.N, self.D, self.bias = up.data_ptr(), up.shape[0], up.shape[1], bias
+        D = up.shape[1] if qtype is None else n_cols(up, qtype)
+        self.up_ptr, self.N, self.D, self.bias = up.data_ptr(), up.shape[0], D, bias
         # pi_sparse_ffn_bitmask's weight arguments, in order (up .. bias_dt)
-        self.args = (up.data_ptr(), _ptr(gate), down_t.data_ptr(), _W_DT[up.dtype],
+        self.args = (up.data_ptr(), _ptr(gate), down_t.data_ptr(), _w_code(up, qtype),
                      up.stride(0), gate.stride(0) if gate is not None else 0, down_t.stride(0), up.shape[0],
                      _ptr(bias), _W_DT[bias.dtype] if bias is not None else 0)
 
@@ -281,27 +171,29 @@ class _Shard:
 _shards: dict[tuple, _Shard] = {}
 
 
-def _shard(up, gate, down_t, up_bias, act) -> _Shard:
+def _shard(up, gate, down_t, up_bias, act, qtype) -> _Shard:
     """The weights' checks run once per set of tensors (an executor passes the same shard every
     step): cached by identity, held by weak references, revalidated if up's storage moved."""
-    key = (id(up), id(gate), id(down_t), id(up_bias), act)
+    key = (id(up), id(gate), id(down_t), id(up_bias), act, qtype)
     sh = _shards.get(key)
     if sh is not None and sh.same(up, gate, down_t, up_bias):
         return sh
-    _check_weights(up, gate, down_t, up_bias, act)
+    _check_weights(up, gate, down_t, up_bias, act, qtype)
     if len(_shards) >= 512:
         _shards.clear()
-    sh = _shards[key] = _Shard(up, gate, down_t, up_bias, act)
+    sh = _shards[key] = _Shard(up, gate, down_t, up_bias, qtype)
     return sh
 
 
-def _check_weights(up, gate, down_t, up_bias, act) -> None:
+def _check_weights(up, gate, down_t, up_bias, act, qtype) -> None:
     if act not in _ACT:
         raise _bad("act", repr(act), f"one of {tuple(_ACT)}")
+    if qtype is not None:
+        check_matrix(up, qtype, None, "up", "sparse_ffn_bitmask")
     if not isinstance(up, torch.Tensor) or up.dim() != 2:
         raise _bad("up.shape", tuple(getattr(up, "shape", ())), "[N, D]")
-    if up.dtype not in _W_DT:
-        raise _bad("up.dtype", up.dtype, "float32, float16 or bfloat16")
+    if up.dtype not in _W_DT and qtype is None:
+        raise _bad("up.dtype", up.dtype, "float32, float16 or bfloat16 (uint8 blocks need a qtype)")
     N, D = up.shape
     if (gate is None) != (act == "relu"):
         raise _bad("gate", "None" if gate is None else "given", f"{'None' if act == 'relu' else 'a tensor'} for act={act!r}")
@@ -322,18 +214,19 @@ def _check_weights(up, gate, down_t, up_bias, act) -> None:
 
 def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
                        packed_mask, n: int, act: str, up_bias: torch.Tensor | None, out: torch.Tensor,
-                       threads: int | None = None, *, split: str | None = None,
-                       skip_zero: bool = True) -> tuple[int, int, int]:
+                       threads: int | None = None, *, split: str = "auto", skip_zero: bool = True,
+                       qtype: str | None = None) -> tuple[int, int, int]:
     """The CPU executor's FFN answer in one call, from the mask as the channel holds it.
 
     x [T, D] fp32 / fp16 / bf16 (rows with unit column stride, e.g. the channel's x view);
-    up, gate (None for act='relu'), down_t [N, D] (the shard); packed_mask uint8 [T, ceil(n/8)]
+    up, gate (None for act='relu'), down_t [N, D] (the shard), fp32 / fp16 / bf16, or quantized
+    rows uint8 [N, D // 32 * block bytes] of qtype ('q4_0' | 'q8_0'; quant.py); packed_mask uint8 [T, ceil(n/8)]
     (numpy array or torch tensor, rows with any stride; neuron j in bit j % 8 of byte j // 8, as
     `runtime.channel.pack_mask` writes it; padding bits of the last byte ignored) or None for every
     one of the n rows (policy 'dense'); n: the mask's neurons, rows 0 .. n-1 of the shard; out
     [T, D] contiguous, float32 or x's dtype: every element is written; threads: default
-    torch.get_num_threads(); split: the kernel's work split, 'auto' | 'rows' | 'cols' (benchmarks;
-    None: SPLIT, i.e. $POWERINFER_RAY_CPU_SPLIT or 'auto'); skip_zero: a row whose activation is
+    torch.get_num_threads(); split: the kernel's work split, 'auto' | 'rows' | 'cols' (benchmarks
+    compare them); skip_zero: a row whose activation is
     zero for every token skips its down row (same result, fewer bytes); False reads it anyway, as a
     dense FFN does (llama.cpp; the engine's policy 'dense', i.e. the layer-offload baseline).
 
@@ -342,10 +235,11 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
     bits), the conversion of x and the output dtype happen in the compiled kernel; each active row
     is read once. Returns (pairs, rows, down_rows): the (token, neuron) pairs set, the rows active
     for any token (their up / gate rows read) and the down rows read (rows - the skipped ones; the
-    torch path reads every one). Bad arguments raise ValueError naming the field. Without a
-    compiler: numpy decoding and the torch path, same results.
+    torch path reads every one). Quantized rows: x is quantized to Q8_0 once per call and the dots
+    run on integers, as ggml's. Bad arguments raise ValueError naming the field. Without a compiler:
+    numpy decoding and the torch path, same results up to rounding.
     """
-    sh = _shard(up, gate, down_t, up_bias, act)
+    sh = _shard(up, gate, down_t, up_bias, act, qtype)
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != sh.D:
         raise _bad("x.shape", tuple(getattr(x, "shape", ())), f"[T, {sh.D}]")
     T, D = x.shape
@@ -365,20 +259,20 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
     if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= sh.N:
         raise _bad("n", n, f"an int in [0, {sh.N}] (the mask's neurons: rows 0 .. n-1 of the shard)")
     addr, ld = _packed_view(packed_mask, T, n) if packed_mask is not None else (None, 0)
-    sp = _SPLIT.get(split or SPLIT)
+    sp = SPLITS.get(split)
     if sp is None:
-        raise _bad("split", repr(split), f"one of {tuple(_SPLIT)}")
+        raise _bad("split", repr(split), f"one of {tuple(SPLITS)}")
     if T == 0:
         return 0, 0, 0
     lib = library()
     if lib is None:
-        return _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out)
+        return _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out, qtype)
     nthreads = int(threads or torch.get_num_threads())
     with _lock:
-        key = (T, D, n, nthreads, y_dt, sp)
+        key = (T, D, n, nthreads, y_dt, sp, sh.args[3])
         nb = _scratch_bytes.get(key)
         if nb is None:
-            nb = _scratch_bytes[key] = lib.pi_scratch_bytes(T, D, n, nthreads, y_dt, sp, 1)
+            nb = _scratch_bytes[key] = lib.pi_scratch_bytes(T, D, n, nthreads, y_dt, sp, 1, sh.args[3])
         rc = lib.pi_sparse_ffn_bitmask(x.data_ptr(), x_dt, ld_x, T, D, *sh.args, addr, ld, n, _ACT[act],
                                        out.data_ptr(), y_dt, _scratch_for(nb), nthreads, sp, int(not skip_zero),
                                        _stats)
@@ -388,10 +282,8 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
         return _stats[0], _stats[1], _stats[2]
 
 
-def _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out) -> tuple[int, int, int]:
+def _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out, qtype) -> tuple[int, int, int]:
     """sparse_ffn_bitmask without the compiled kernel: numpy decoding, the torch path."""
-    from .sparse_ffn import sparse_ffn_torch
-
     T = x.shape[0]
     if packed_mask is None:
         idx, tok, pairs = torch.arange(n), None, T * n
@@ -403,73 +295,39 @@ def _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out) -> tu
     if idx.numel() == 0:
         out.zero_()
     else:
-        out.copy_(sparse_ffn_torch(x.float(), up, gate, down_t, idx, tok, act, up_bias))
+        out.copy_(sparse_ffn_torch(x.float(), up, gate, down_t, idx, tok, act, up_bias, qtype=qtype))
     return pairs, idx.numel(), idx.numel()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-           threads: int | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)`` in float32 for CPU tensors, reading w in its own dtype: x [..., D]
-    any float dtype, w [R, D] fp32 / fp16 / bf16 (rows with unit column stride, else torch),
-    bias [R] or None -> [..., R] float32. The CPU executor's attention
-    projections: every row of w read once by the compiled kernel's threads, no fp32 copy of the
-    weights (torch would widen fp16 weights first). Without a compiler: torch, same values."""
-    if w.dim() != 2 or x.shape[-1] != w.shape[1]:
+           threads: int | None = None, *, qtype: str | None = None) -> torch.Tensor:
+    """``F.linear(x, w, bias)`` in float32 for CPU tensors, reading w in its own format: x [..., D]
+    any float dtype, w [R, D] fp32 / fp16 / bf16 (rows with unit column stride, else torch) or
+    quantized rows uint8 [R, D // 32 * block bytes] of qtype (x quantized to Q8_0 first, as ggml's),
+    bias [R] or None -> [..., R] float32. The CPU executor's attention projections: every row of w
+    read once by the compiled kernel's threads, no fp32 copy of the weights (torch would widen fp16
+    weights first). Without a compiler: torch on the dequantized weights, same values up to rounding."""
+    D = x.shape[-1]
+    if qtype is not None:
+        check_matrix(w, qtype, D, "w", "linear")
+    elif w.dim() != 2 or D != w.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} and w {tuple(w.shape)}: expected x [..., D] and w [R, D]")
-    if w.dtype not in _W_DT or not (w.is_cpu and x.is_cpu):
+    if (w.dtype not in _W_DT and qtype is None) or not (w.is_cpu and x.is_cpu):
         raise ValueError(f"linear: w is {w.dtype} on {w.device}, x on {x.device}: expected CPU tensors, "
-                         "w float32 / float16 / bfloat16")
-    R, D = w.shape
+                         "w float32 / float16 / bfloat16 (or uint8 blocks with a qtype)")
+    R = w.shape[0]
     lib = library()
     if lib is None or (D > 1 and w.stride(1) != 1):
-        y = F.linear(x.float(), w.float())
+        y = F.linear(x.float(), w.float() if qtype is None else dequantize(w, qtype))
     else:
         xs = x.reshape(-1, D).to(torch.float32).contiguous()
         y = torch.empty(xs.shape[0], R, dtype=torch.float32)
         nthreads = int(threads or torch.get_num_threads())
         for t0 in range(0, xs.shape[0], _MAX_T):
             t1 = min(xs.shape[0], t0 + _MAX_T)
-            rc = lib.pi_linear(xs[t0:t1].data_ptr(), t1 - t0, D, w.data_ptr(), _W_DT[w.dtype],
-                               w.stride(0) if R else D, R, y[t0:t1].data_ptr(), nthreads)
+            rc = lib.pi_linear(xs[t0:t1].data_ptr(), t1 - t0, D, w.data_ptr(), _w_code(w, qtype),
+                               w.stride(0) if R else w.shape[1], R, y[t0:t1].data_ptr(), nthreads)
             if rc != 0:
                 raise ValueError(f"linear: bad arguments T={t1 - t0}, D={D}, R={R}, threads={nthreads}")
         y = y.view(*x.shape[:-1], R)
     return y if bias is None else y.add_(bias.float())
-
-
-def read_bandwidth(nbytes: int = 1 << 30, threads: int | None = None, reps: int = 5,
-                   method: str = "sum") -> float:
-    """Multi-threaded DRAM read rate in GB/s (median of reps) with the kernel's threads: the CPU
-    ceiling the benchmark reports fractions of. method 'sum': a sum over an fp32 buffer, each
-    thread a fixed quarter of it in four streams; 'linear': the dense rows of an fp16 matrix
-    through `pi_linear` (x of one token, rows split over the same threads). The
-    sum alone read less on the GPU host (97.9 GB/s) than layer-offload's dense CPU layers in the
-    runtime (~130 GB/s), so the benchmark takes the larger of the two."""
-    import time
-
-    if method not in ("sum", "linear"):
-        raise ValueError(f"method={method!r}: expected 'sum' or 'linear'")
-    lib = library()
-    nthreads = int(threads or torch.get_num_threads())
-    if method == "sum":
-        buf = torch.ones(nbytes // 4, dtype=torch.float32)
-
-        def call() -> None:
-            if lib is not None:
-                lib.pi_read_sum(buf.data_ptr(), buf.numel(), nthreads)
-            else:
-                buf.sum()
-    else:
-        D = 4096
-        w = torch.ones(max(1, nbytes // (2 * D)), D, dtype=torch.float16)
-        x = torch.ones(1, D)
-
-        def call() -> None:
-            linear(x, w, threads=nthreads)
-    times = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    times = sorted(times[1:])
-    return nbytes / times[len(times) // 2] / 1e9

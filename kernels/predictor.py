@@ -29,6 +29,8 @@ from typing import NamedTuple
 
 import torch
 
+from .linear import linear, linear_ref
+
 _triton_failed = False
 _pack_failed = False
 
@@ -45,8 +47,14 @@ class PackedSplit(NamedTuple):
     cpu: torch.Tensor  # [1 + 2 Cc] int32
 
 
-def predictor_logits(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
-    """logits [T, N] = fc2 . relu(fc1 . x): x [T, D], fc1 [r, D], fc2 [N, r]; x's dtype."""
+def predictor_logits(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, qtype: str | None = None) -> torch.Tensor:
+    """logits [T, N] = fc2 . relu(fc1 . x): x [T, D], fc1 [r, D], fc2 [N, r]; x's dtype. With a
+    qtype, fc1 and fc2 are quantized rows (quant.py) and both GEMVs run in `linear.linear`."""
+    if qtype is not None:
+        if x.dim() != 2:
+            raise ValueError(f"predictor_logits: x.shape is {tuple(x.shape)}, expected [T, D]")
+        z = torch.relu(linear(x, fc1, qtype=qtype))  # [T, r] fp32
+        return linear(z, fc2, qtype=qtype).to(x.dtype)  # [T, N]
     if x.dim() != 2 or fc1.dim() != 2 or fc2.dim() != 2 or fc1.shape[1] != x.shape[1] or fc2.shape[1] != fc1.shape[0]:
         raise ValueError(f"predictor_logits: shapes x {tuple(x.shape)}, fc1 {tuple(fc1.shape)}, "
                          f"fc2 {tuple(fc2.shape)}; expected [T, D], [r, D], [N, r]")
@@ -54,9 +62,10 @@ def predictor_logits(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> t
     return z @ fc2.to(x.dtype).T  # [T, N]
 
 
-def predictor_logits_ref(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
-    """float64 reference of `predictor_logits`."""
-    return torch.relu(x.double() @ fc1.double().T) @ fc2.double().T
+def predictor_logits_ref(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
+                         qtype: str | None = None) -> torch.Tensor:
+    """float64 reference of `predictor_logits` (quantized fc1 / fc2 dequantized exactly)."""
+    return linear_ref(torch.relu(linear_ref(x, fc1, qtype=qtype)), fc2, qtype=qtype)
 
 
 def local_index(gpu_mask: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,11 @@ stored transposed, so row j is neuron j's output column). For each token t:
 Partial outputs over disjoint neuron sets add up to the dense FFN output (down bias excluded:
 the merge adds it once). Accumulation is fp32; y has x's dtype.
 
+Weights are fp32 / fp16 / bf16 [N, D], or with `qtype` ('q4_0' | 'q8_0') ggml blocks uint8
+[N, D // 32 * block bytes] (quant.py): the Triton and CPU kernels dequantize the active rows in
+registers (the CPU kernel multiplies a Q8_0-quantized x, as ggml does), the torch path gathers
+and dequantizes them.
+
 Backends (`sparse_ffn` picks): CUDA tensors -> Triton kernels (triton_ffn.py), falling back to
 torch; CPU tensors -> the compiled OpenMP kernel (cpu_ffn.py), falling back to torch. The torch
 path gathers the active rows (index_select) and multiplies: correct everywhere, but it reads the
@@ -31,32 +36,17 @@ captured in CUDA graphs.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-ACTS = ("relu", "reglu", "drelu", "swiglu")
+from . import cpu_ffn
+from .quant import check_matrix, check_qtype, row_bytes
+from .torch_ffn import ACTS, sparse_ffn_torch
+
 BACKENDS = ("auto", "triton", "cpu", "torch")
 
 _triton_failed = False
 
 
-def _activation(act: str, u: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
-    """h = act(g, u) elementwise, in u's dtype."""
-    if act == "relu":
-        return torch.relu(u)
-    if act == "reglu":
-        return torch.relu(g) * u
-    if act == "drelu":
-        return torch.relu(g) * torch.relu(u)
-    return F.silu(g) * u  # swiglu
-
-
-def bits_to_mask(bits: torch.Tensor, T: int) -> torch.Tensor:
-    """int32 token bitmask [K] -> bool [T, K]."""
-    shifts = torch.arange(T, device=bits.device, dtype=torch.int32)[:, None]  # [T, 1]
-    return ((bits.to(torch.int32)[None, :] >> shifts) & 1).bool()  # [T, K]
-
-
-def _check(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active) -> None:
+def _check(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype) -> None:
     """Shape / dtype / device checks that cost no device work (ValueError naming the field)."""
     def bad(what: str, got, expected: str) -> ValueError:
         return ValueError(f"sparse_ffn: {what} is {got}, expected {expected}")
@@ -66,14 +56,18 @@ def _check(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active) -> None:
     T, D = x.shape
     if act not in ACTS:
         raise bad("act", repr(act), f"one of {ACTS}")
-    if up.dim() != 2 or up.shape[1] != D:
+    width = D
+    if qtype is not None:
+        check_matrix(up, check_qtype(qtype, "sparse_ffn"), D, "up", "sparse_ffn")
+        width = row_bytes(qtype, D)
+    if up.dim() != 2 or up.shape[1] != width:
         raise bad("up.shape", tuple(up.shape), f"[N, {D}]")
     N = up.shape[0]
     if (gate is None) != (act == "relu"):
         raise bad("gate", "None" if gate is None else "given", f"{'None' if act == 'relu' else 'a tensor'} for act={act!r}")
     for name, w in (("gate", gate), ("down_t", down_t)):
-        if w is not None and (w.dim() != 2 or w.shape[1] != D or w.shape[0] != N):
-            raise bad(f"{name}.shape", tuple(w.shape), f"[{N}, {D}] like up")
+        if w is not None and (w.dim() != 2 or w.shape[1] != width or w.shape[0] != N):
+            raise bad(f"{name}.shape", tuple(w.shape), f"[{N}, {width}] like up")
         if w is not None and w.dtype != up.dtype:
             raise bad(f"{name}.dtype", w.dtype, f"{up.dtype} like up")
     if idx.dim() != 1 or idx.dtype not in (torch.int32, torch.int64, torch.int16, torch.uint8):
@@ -99,60 +93,15 @@ def _check(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active) -> None:
         raise bad("devices", sorted(map(str, devs)), "one device for every tensor")
 
 
-def sparse_ffn_ref(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
-                   idx: torch.Tensor, mask: torch.Tensor | None = None, act: str = "reglu",
-                   up_bias: torch.Tensor | None = None, n_active: torch.Tensor | None = None) -> torch.Tensor:
-    """The float64 reference of `sparse_ffn`: y [T, D] in float64, loop-free and obvious."""
-    T = x.shape[0]
-    K = idx.shape[0] if n_active is None else int(n_active.reshape(-1)[0])
-    rows = idx[:K].long()  # [K]
-    if mask is not None and mask.dtype != torch.bool:
-        mask = bits_to_mask(mask, T)
-    xd = x.double()  # [T, D]
-    u = xd @ up[rows].double().T  # [T, K]
-    if up_bias is not None:
-        u = u + up_bias[rows].double()[None, :]
-    g = xd @ gate[rows].double().T if gate is not None else None  # [T, K]
-    h = _activation(act, u, g)  # [T, K]
-    if mask is not None:
-        h = h * mask[:, :K].double()
-    return h @ down_t[rows].double()  # [T, D]
-
-
-def sparse_ffn_torch(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
-                     idx: torch.Tensor, mask: torch.Tensor | None = None, act: str = "reglu",
-                     up_bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                     n_active: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch path: gather the active rows, multiply in fp32. Works on any device."""
-    T, D = x.shape
-    if n_active is not None:  # host read of the count: this path syncs
-        K = min(int(n_active.reshape(-1)[0]), idx.shape[0])
-        idx = idx[:K]
-        if mask is not None:
-            mask = mask[:, :K] if mask.dtype == torch.bool else mask[:K]
-    rows = idx.long()  # [K]
-    xf = x.float()  # [T, D]
-    u = xf @ up.index_select(0, rows).float().T  # [T, K]
-    if up_bias is not None:
-        u = u + up_bias.index_select(0, rows).float()[None, :]
-    g = xf @ gate.index_select(0, rows).float().T if gate is not None else None  # [T, K]
-    h = _activation(act, u, g)  # [T, K]
-    if mask is not None:
-        h = h * (mask if mask.dtype == torch.bool else bits_to_mask(mask, T)).float()
-    y = h @ down_t.index_select(0, rows).float()  # [T, D]
-    if out is None:
-        return y.to(x.dtype)
-    return out.copy_(y)
-
-
 def sparse_ffn(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
                idx: torch.Tensor, mask: torch.Tensor | None = None, act: str = "reglu",
                up_bias: torch.Tensor | None = None, out: torch.Tensor | None = None, *,
                n_active: torch.Tensor | None = None, threads: int | None = None,
-               backend: str = "auto") -> torch.Tensor:
+               backend: str = "auto", qtype: str | None = None) -> torch.Tensor:
     """y [T, D] = the shard's FFN output over its active neurons idx (see the module docstring).
 
-    x [T, D]; up, gate (None for act='relu'), down_t [N, D]; idx [K] int, 0 <= idx < N, any
+    x [T, D]; up, gate (None for act='relu'), down_t [N, D] of one float dtype, or uint8
+    [N, D // 32 * block bytes] of qtype ('q4_0' | 'q8_0'); idx [K] int, 0 <= idx < N, any
     order; mask None | bool [T, K] | int32 bits [K]; up_bias [N] or None; out [T, D] (x's dtype,
     contiguous) or None; n_active: one-element int tensor, use only idx[:n_active]; threads: CPU
     kernel threads (default torch.get_num_threads()); backend: 'auto' | 'triton' | 'cpu' | 'torch'.
@@ -160,7 +109,7 @@ def sparse_ffn(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, dow
     (checking would cost a host sync).
     """
     global _triton_failed
-    _check(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active)
+    _check(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype)
     if backend not in BACKENDS:
         raise ValueError(f"sparse_ffn: backend is {backend!r}, expected one of {BACKENDS}")
     T, D = x.shape
@@ -170,8 +119,8 @@ def sparse_ffn(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, dow
         backend = "torch"
         if x.is_cuda and not _triton_failed:
             backend = "triton"
-        elif x.device.type == "cpu" and up.dtype in (torch.float32, torch.float16, torch.bfloat16):
-            from . import cpu_ffn
+        elif x.device.type == "cpu" and (qtype is not None or up.dtype in (torch.float32, torch.float16,
+                                                                           torch.bfloat16)):
             backend = "cpu" if cpu_ffn.available() else "torch"
     if backend == "cpu" and x.device.type != "cpu":
         raise ValueError(f"sparse_ffn: backend 'cpu' needs CPU tensors, got {x.device}")
@@ -182,15 +131,14 @@ def sparse_ffn(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, dow
             from . import triton_ffn
         except ImportError:  # no triton: remember, use torch
             _triton_failed = True
-            return sparse_ffn_torch(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active)
-        return triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active)
+            return sparse_ffn_torch(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype)
+        return triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype=qtype)
     if backend == "cpu":
-        from . import cpu_ffn
         if n_active is not None:
             K = min(int(n_active.reshape(-1)[0]), idx.shape[0])
             idx = idx[:K]
             if mask is not None:
                 mask = mask[:, :K] if mask.dtype == torch.bool else mask[:K]
         y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
-        return cpu_ffn.sparse_ffn_cpu(x, up, gate, down_t, idx, mask, act, up_bias, y, threads)
-    return sparse_ffn_torch(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active)
+        return cpu_ffn.sparse_ffn_cpu(x, up, gate, down_t, idx, mask, act, up_bias, y, threads, qtype=qtype)
+    return sparse_ffn_torch(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype)

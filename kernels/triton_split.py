@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-BN = 4096  # H200, N = 13824: 22.8 us (T = 1) and 26.4 us (T = 8) vs 74 / 57 us at BN = 1024
+BN = 4096  # neurons per step: few long steps (each a cumsum and a running count) beat many short ones
 
 
 @triton.jit

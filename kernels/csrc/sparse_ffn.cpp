@@ -1,5 +1,6 @@
 // Neuron-aware sparse FFN for the CPU executor: gather-free, multi-threaded, each active row of
-// up / gate / down_t read once from memory, fp16 / bf16 converted to fp32 in registers.
+// up / gate / down_t read once from memory, fp16 / bf16 converted to fp32 in registers, ggml
+// Q4_0 / Q8_0 rows multiplied as ggml does (quant.h).
 //
 // Dimension legend: T tokens, D n_embd, N rows of the shard, K active rows (idx), R rows per block.
 //
@@ -11,8 +12,7 @@
 //    phase 2, thread i owns a slice of the D columns (multiples of 32) and adds h * down_t[:, slice]
 //    over all rows with a nonzero activation straight into y (fp32) or an fp32 [T, D] buffer. Every
 //    row is still read once in all, every thread has work at any K, and there is no reduction.
-//  rows (many active rows): threads take chunks of consecutive idx entries dynamically (~3 per
-//    thread, 2 .. 4R entries each); for each
+//  rows (many active rows): threads take chunks of consecutive idx entries dynamically; for each
 //    block of R rows a thread computes h [R, T] (phase 1), then adds h * down_t rows into its
 //    private fp32 accumulator A_i [T, D] (phase 2, R rows interleaved so A_i is loaded and stored
 //    once per R rows); after a barrier the accumulators are summed in parallel over D.
@@ -24,149 +24,26 @@
 // pi_sparse_ffn_bitmask decodes the CPU executor's packed mask (active rows and token bits) and
 // converts x itself, so the executor's exchange is one call.
 //
-// Built at first use by kernels/cpu_ffn.py with `g++ -O3 -march=native -fopenmp`; the vector
-// code is chosen at compile time: AVX-512F, else AVX2 + FMA + F16C, else portable scalar C++.
+// Built at first use by kernels/cpu_library.py with `g++ -O3 -march=native -fopenmp`; the vector
+// code is chosen at compile time (simd.h, quant.h). Macros for A/B builds: PI_ONE_ROW,
+// PI_T1_PAIRS, PI_CHUNKS, PI_NO_NEXT_PF, PI_DENSE_TOKENS (cpu_library.select_build).
 
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <omp.h>
 
-#if defined(__x86_64__) && (defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)))
-#include <immintrin.h>
-#endif
+#include <vector>
+
+#include "simd.h"
+#include "quant.h"
 
 namespace {
 
-enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_Q4_0 = 3, DT_Q8_0 = 4 };  // weights: also quantized
 enum { ACT_RELU = 0, ACT_REGLU = 1, ACT_DRELU = 2, ACT_SWIGLU = 3 };
 enum { MASK_NONE = 0, MASK_BOOL = 1, MASK_BITS = 2, MASK_BITS64 = 3 };
 enum { SPLIT_AUTO = 0, SPLIT_ROWS = 1, SPLIT_COLS = 2 };
 
 constexpr int R = 8;  // rows per block: A_i is touched once per R down rows
 constexpr int PF_LINES = 8;  // cache lines prefetched at the head of a row about to be streamed
-// (An in-row prefetch PI_PF_AHEAD elements ahead of phase 1's dot product was tried and dropped:
-// H200 host, 14 threads, cold exchange over 40 layers, K = 254 178 vs 159 us, K = 1024 456 vs 431,
-// docs/log/kernels-notes.md.)
-
-// ---- scalar conversions (tails and the portable path) ---------------------------------------
-inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else {  // subnormal: renormalise
-            int e = -1;
-            do { ++e; man <<= 1; } while (!(man & 0x400));
-            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
-
-inline uint16_t f32_to_f16(float f) {  // round to nearest even
-#if defined(__F16C__)
-    return (uint16_t)_cvtss_sh(f, 0);
-#else
-    uint32_t x;
-    std::memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7fffffff;
-    if (ax >= 0x7f800000) return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000 ? 0x200 : 0));
-    if (ax >= 0x477ff000) return (uint16_t)(sign | 0x7c00);  // overflow -> inf
-    if (ax < 0x38800000) {  // subnormal or zero
-        float a;
-        std::memcpy(&a, &ax, 4);
-        return (uint16_t)(sign | (uint32_t)std::nearbyint(a * 16777216.0f));
-    }
-    uint32_t r = ax + 0xfff + ((ax >> 13) & 1) - (112u << 23);
-    return (uint16_t)(sign | (r >> 13));
-#endif
-}
-
-inline float bf16_to_f32(uint16_t b) {
-    uint32_t bits = (uint32_t)b << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept NaN
-    uint32_t x;
-    std::memcpy(&x, &f, 4);
-    if ((x & 0x7fffffff) > 0x7f800000) return (uint16_t)((x >> 16) | 0x40);
-    return (uint16_t)((x + 0x7fff + ((x >> 16) & 1)) >> 16);
-}
-
-// ---- vector abstraction: VW fp32 lanes ------------------------------------------------------
-#if defined(__AVX512F__)
-constexpr int VW = 16;
-typedef __m512 vf;
-inline vf vzero() { return _mm512_setzero_ps(); }
-inline vf vset1(float a) { return _mm512_set1_ps(a); }
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
-inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
-inline float vsum(vf v) { return _mm512_reduce_add_ps(v); }
-inline vf vload_f16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-inline vf vload_bf16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-constexpr int VW = 8;
-typedef __m256 vf;
-inline vf vzero() { return _mm256_setzero_ps(); }
-inline vf vset1(float a) { return _mm256_set1_ps(a); }
-inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
-inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
-inline float vsum(vf v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(s);
-}
-inline vf vload_f16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
-inline vf vload_bf16(const uint16_t* p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-#else  // portable: an 8-lane struct the compiler may vectorise
-constexpr int VW = 8;
-struct vf { float v[VW]; };
-inline vf vzero() { vf r; for (int i = 0; i < VW; ++i) r.v[i] = 0.f; return r; }
-inline vf vset1(float a) { vf r; for (int i = 0; i < VW; ++i) r.v[i] = a; return r; }
-inline vf vload(const float* p) { vf r; for (int i = 0; i < VW; ++i) r.v[i] = p[i]; return r; }
-inline void vstore(float* p, vf v) { for (int i = 0; i < VW; ++i) p[i] = v.v[i]; }
-inline vf vfma(vf a, vf b, vf c) { for (int i = 0; i < VW; ++i) c.v[i] += a.v[i] * b.v[i]; return c; }
-inline vf vadd(vf a, vf b) { for (int i = 0; i < VW; ++i) a.v[i] += b.v[i]; return a; }
-inline float vsum(vf v) { float s = 0.f; for (int i = 0; i < VW; ++i) s += v.v[i]; return s; }
-inline vf vload_f16(const uint16_t* p) { vf r; for (int i = 0; i < VW; ++i) r.v[i] = f16_to_f32(p[i]); return r; }
-inline vf vload_bf16(const uint16_t* p) { vf r; for (int i = 0; i < VW; ++i) r.v[i] = bf16_to_f32(p[i]); return r; }
-#endif
-
-// Weight element types: a vector load that widens to fp32, and a scalar one for tails.
-struct WF32 {
-    typedef float T;
-    static vf load(const T* p) { return vload(p); }
-    static float at(const T* p) { return *p; }
-};
-struct WF16 {
-    typedef uint16_t T;
-    static vf load(const T* p) { return vload_f16(p); }
-    static float at(const T* p) { return f16_to_f32(*p); }
-};
-struct WBF16 {
-    typedef uint16_t T;
-    static vf load(const T* p) { return vload_bf16(p); }
-    static float at(const T* p) { return bf16_to_f32(*p); }
-};
 
 // Tokens per register block: accumulators 2*TB (+ weights) must fit the register file.
 #if defined(__AVX512F__)
@@ -177,8 +54,7 @@ constexpr int TBMAX = 4;
 
 // Rows to prefetch while a row's dot products run (T > 1, where the FMAs take longer than the
 // row's bytes): byte pointers to row starts, each prefetched at the offset the dot has reached, so
-// the next row's up / gate and this row's down arrive while the FMAs run (without it a thread
-// computed, then waited for memory, in turn: dev machine, T = 8 cold rows took compute + memory).
+// the next row's up / gate and this row's down arrive while the FMAs run instead of after them.
 struct Pf {
     const char* p[3];
     int n;
@@ -188,6 +64,78 @@ struct Pf {
 inline void prefetch_span(const Pf* pf, int64_t b0, int64_t b1) {
     for (int64_t o = (b0 + 63) & ~(int64_t)63; o < b1; o += 64)
         for (int i = 0; i < pf->n; ++i) __builtin_prefetch(pf->p[i] + o, 0, 2);
+}
+
+// ---- phase 1 on quantized rows (quant.h): NR rows against TB tokens of the Q8_0 activation ------
+// x points at token 0's row of the quantized activation; row t, at x + t * D (the space of D
+// floats), holds q [D] int8 then the D / 32 block scales as fp32.
+inline const int8_t* xq_values(const float* x) { return (const int8_t*)x; }
+inline const float* xq_scales(const float* x, int64_t D) { return (const float*)((const int8_t*)x + D); }
+
+// out[r * TB + t] = rows[r] . x[t], block by block (integer dots, fp32 sums).
+template <class W, int NR, int TB>
+void qdot_core(const uint8_t* const* rows, const float* x, int64_t D, float* out, const Pf* pf) {
+    const int64_t nb = D / QK;
+    qf acc[NR][TB];
+    for (int r = 0; r < NR; ++r)
+        for (int t = 0; t < TB; ++t) acc[r][t] = qf_zero();
+    int64_t b = 0;
+    for (; b + QB <= nb; b += QB) {
+        if (pf) prefetch_span(pf, W::bytes(b * QK), W::bytes((b + QB) * QK));
+        qi xv[TB];
+        qf xs[TB];
+        for (int t = 0; t < TB; ++t) {
+            const float* xt = x + t * D;
+            xv[t] = qi_load(xq_values(xt) + b * QK);
+            xs[t] = qf_scales(xq_scales(xt, D)[b], QB > 1 ? xq_scales(xt, D)[b + 1] : 0.f);
+        }
+        for (int r = 0; r < NR; ++r) {
+            const qi wv = W::unpack(rows[r], b);
+            const qf ws = W::scales(rows[r], b);
+            for (int t = 0; t < TB; ++t) acc[r][t] = qdot_acc(wv, xv[t], qf_mul(ws, xs[t]), acc[r][t]);
+        }
+    }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    if (b < nb)  // an odd number of blocks: the last step's upper half is zero
+        for (int r = 0; r < NR; ++r) {
+            const qi wv = W::unpack_tail(rows[r], b);
+            const float ws = W::scale(rows[r], b);
+            for (int t = 0; t < TB; ++t) {
+                const float* xt = x + t * D;
+                acc[r][t] = qdot_acc(wv, qi_load_tail(xq_values(xt) + b * QK),
+                                     qf_scales(ws * xq_scales(xt, D)[b], 0.f), acc[r][t]);
+            }
+        }
+#endif
+    for (int r = 0; r < NR; ++r)
+        for (int t = 0; t < TB; ++t) out[r * TB + t] = qf_sum(acc[r][t]);
+}
+
+template <class W, bool GATE, int TB>
+inline void qdot_block(const uint8_t* up, const uint8_t* gate, const float* x, int64_t D, float* u, float* g,
+                       const Pf* pf) {
+    const uint8_t* rows[2] = {up, gate};
+    float out[2 * TB];
+    qdot_core<W, GATE ? 2 : 1, TB>(rows, x, D, out, pf);
+    for (int t = 0; t < TB; ++t) {
+        u[t] = out[t];
+        g[t] = GATE ? out[TB + t] : 0.f;
+    }
+}
+
+// dot_all_tokens on quantized rows: token blocks of TBMAX, 4, 2, 1.
+template <class W, bool GATE>
+void qdot_tokens(const uint8_t* up, const uint8_t* gate, const float* x, int64_t T, int64_t D, float* u, float* g,
+                 const Pf* pf) {
+    int64_t t0 = 0;
+    for (; t0 + TBMAX <= T; t0 += TBMAX, pf = nullptr)
+        qdot_block<W, GATE, TBMAX>(up, gate, x + t0 * D, D, u + t0, g + t0, pf);
+    if (TBMAX > 4 && t0 + 4 <= T) {
+        qdot_block<W, GATE, 4>(up, gate, x + t0 * D, D, u + t0, g + t0, pf);
+        t0 += 4, pf = nullptr;
+    }
+    for (; t0 + 2 <= T; t0 += 2, pf = nullptr) qdot_block<W, GATE, 2>(up, gate, x + t0 * D, D, u + t0, g + t0, pf);
+    if (t0 < T) qdot_block<W, GATE, 1>(up, gate, x + t0 * D, D, u + t0, g + t0, pf);
 }
 
 // ---- phase 1: u[t] = up_row . x[t], g[t] = gate_row . x[t] for tokens t0 .. t0+TB-1 ----------
@@ -239,32 +187,32 @@ inline void dot_rows(const typename W::T* up, const typename W::T* gate, const f
 template <class W, bool GATE>
 void dot_all_tokens(const typename W::T* up, const typename W::T* gate, const float* x, int64_t T,
                     int64_t D, float* u, float* g, const Pf* pf = nullptr) {
-    int64_t t0 = 0;
-    for (; t0 + TBMAX <= T; t0 += TBMAX, pf = nullptr)  // prefetches with the first token block
-        dot_rows<W, TBMAX, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf);
-    switch (T - t0) {  // remainder block
-        case 0: break;
-        case 1: dot_rows<W, 1, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
-        case 2: dot_rows<W, 2, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
-        case 3: dot_rows<W, 3, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
+    if constexpr (W::QUANT) {
+        qdot_tokens<W, GATE>(up, gate, x, T, D, u, g, pf);
+        return;
+    } else {
+        int64_t t0 = 0;
+        for (; t0 + TBMAX <= T; t0 += TBMAX, pf = nullptr)  // prefetches with the first token block
+            dot_rows<W, TBMAX, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf);
+        switch (T - t0) {  // remainder block
+            case 0: break;
+            case 1: dot_rows<W, 1, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
+            case 2: dot_rows<W, 2, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
+            case 3: dot_rows<W, 3, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
 #if defined(__AVX512F__)
-        case 4: dot_rows<W, 4, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
-        case 5: dot_rows<W, 5, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
-        case 6: dot_rows<W, 6, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
-        case 7: dot_rows<W, 7, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
+            case 4: dot_rows<W, 4, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
+            case 5: dot_rows<W, 5, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
+            case 6: dot_rows<W, 6, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
+            case 7: dot_rows<W, 7, GATE>(up, gate, x + t0 * D, D, u + t0, g + t0, pf); break;
 #endif
+        }
     }
 }
 
 #ifndef PI_ONE_ROW
-// T == 1, NR rows in one pass over x, so a thread keeps several weight streams in flight. Pairs
-// against one row at a time (dev machine, Zen 4, cold rows, bench kernels --cpu-exchange
-// --exchange-layers 4: 1 thread K = 254 594 -> 528 us, K = 1024 2210 -> 1920 us; -DPI_ONE_ROW
-// builds the one-row loop). Now four rows per pass, gated or not (ReLU models: OPT, Falcon; dense
-// rows of pi_linear): gated quads against pairs in ABBA rounds on the H200 host, 14 threads, 12
-// layers' shards, medians of 3 rounds, K = 254 / 1024: 140 / 400 us vs 152 / 419
-// (bench/results/kernels-exchange-cold-builds-h200-v3.json); -DPI_T1_PAIRS builds pairs.
-// u, g get NR values (g 0 without a gate).
+// T == 1, NR rows in one pass over x, so a thread keeps 2 NR weight streams in flight (NR without
+// a gate): more reads in flight than one row at a time (-DPI_ONE_ROW builds the one-row loop,
+// -DPI_T1_PAIRS pairs instead of quads, for A/B builds). u, g get NR values (g 0 without a gate).
 template <class W, bool GATE, int NR>
 void dotn_t1(const typename W::T* const* up, const typename W::T* const* gate, const float* x, int64_t D,
              float* u, float* g, const Pf* pf = nullptr) {
@@ -301,6 +249,27 @@ void dotn_t1(const typename W::T* const* up, const typename W::T* const* gate, c
         g[r] = sg;
     }
 }
+
+// dotn_t1 on any rows (quantized: qdot_core over the 2 NR rows).
+template <class W, bool GATE, int NR>
+inline void dots_t1(const typename W::T* const* up, const typename W::T* const* gate, const float* x, int64_t D,
+                    float* u, float* g) {
+    if constexpr (W::QUANT) {
+        const uint8_t* rows[2 * NR];
+        for (int r = 0; r < NR; ++r) {
+            rows[r] = up[r];
+            rows[NR + r] = GATE ? gate[r] : nullptr;
+        }
+        float out[2 * NR];
+        qdot_core<W, GATE ? 2 * NR : NR, 1>(rows, x, D, out, nullptr);
+        for (int r = 0; r < NR; ++r) {
+            u[r] = out[r];
+            g[r] = GATE ? out[NR + r] : 0.f;
+        }
+    } else {
+        dotn_t1<W, GATE, NR>(up, gate, x, D, u, g);
+    }
+}
 #endif
 
 inline float activate(int act, float u, float g) {
@@ -314,9 +283,39 @@ inline float activate(int act, float u, float g) {
 
 // ---- phase 2: A[t, d0:d1] += sum_r h[r, t] * rows[r][d0:d1] -----------------------------------
 // h is [nr, T] row-major; A is [T, D] (row stride D). Tokens t0 .. t0+TB-1, columns d0 .. d1-1.
+// One token's A[t0, d0:d1] += sum_r h[r, t0] * rows[r][d0:d1] on quantized rows (d0, d1 multiples
+// of 32): block by block, each row's block unpacked once and its scale folded into h; two
+// accumulator sets (even and odd rows) so FMA latency does not bound the rows.
+template <class W>
+void qaxpy_t1(const uint8_t* const* rows, int nr, const float* h, int64_t T, int64_t t0, float* A, int64_t D,
+              int64_t d0, int64_t d1) {
+    constexpr int QV = QK / VW;
+    for (int64_t b = d0 / QK; b < d1 / QK; ++b) {
+        float* a = A + t0 * D + b * QK;
+        vf acc0[QV], acc1[QV], q[QV];
+        for (int j = 0; j < QV; ++j) {
+            acc0[j] = vload(a + j * VW);
+            acc1[j] = vzero();
+        }
+        for (int r = 0; r < nr; ++r) {
+            W::block_vals(rows[r], b, q);
+            const vf hs = vset1(h[r * T + t0] * W::scale(rows[r], b));
+            for (int j = 0; j < QV; ++j) {
+                if (r % 2) acc1[j] = vfma(hs, q[j], acc1[j]);
+                else acc0[j] = vfma(hs, q[j], acc0[j]);
+            }
+        }
+        for (int j = 0; j < QV; ++j) vstore(a + j * VW, vadd(acc0[j], acc1[j]));
+    }
+}
+
 template <class W, int TB>
 inline void axpy_rows(const typename W::T* const* rows, int nr, const float* h, int64_t T, int64_t t0,
                       float* A, int64_t D, int64_t d0, int64_t d1) {
+    if constexpr (W::QUANT && TB == 1) {
+        qaxpy_t1<W>(rows, nr, h, T, t0, A, D, d0, d1);
+        return;
+    }
     int64_t d = d0;
     if (TB > 1 && TB <= 8)  // two d-vectors per pass: 2 weight loads + TB broadcasts feed 2 * TB FMAs
         for (; d + 2 * VW <= d1; d += 2 * VW) {
@@ -326,7 +325,7 @@ inline void axpy_rows(const typename W::T* const* rows, int nr, const float* h, 
                 acc1[t] = vload(A + (t0 + t) * D + d + VW);
             }
             for (int r = 0; r < nr; ++r) {
-                const vf w0 = W::load(rows[r] + d), w1 = W::load(rows[r] + d + VW);
+                const vf w0 = W::row_load(rows[r], d), w1 = W::row_load(rows[r], d + VW);
                 for (int t = 0; t < TB; ++t) {
                     const vf hv = vset1(h[r * T + t0 + t]);
                     acc0[t] = vfma(hv, w0, acc0[t]);
@@ -343,16 +342,16 @@ inline void axpy_rows(const typename W::T* const* rows, int nr, const float* h, 
             vf a0 = vload(A + t0 * D + d), a1 = vzero();
             int r = 0;
             for (; r + 2 <= nr; r += 2) {
-                a0 = vfma(vset1(h[r * T + t0]), W::load(rows[r] + d), a0);
-                a1 = vfma(vset1(h[(r + 1) * T + t0]), W::load(rows[r + 1] + d), a1);
+                a0 = vfma(vset1(h[r * T + t0]), W::row_load(rows[r], d), a0);
+                a1 = vfma(vset1(h[(r + 1) * T + t0]), W::row_load(rows[r + 1], d), a1);
             }
-            if (r < nr) a0 = vfma(vset1(h[r * T + t0]), W::load(rows[r] + d), a0);
+            if (r < nr) a0 = vfma(vset1(h[r * T + t0]), W::row_load(rows[r], d), a0);
             vstore(A + t0 * D + d, vadd(a0, a1));
         } else {
             vf acc[TB];
             for (int t = 0; t < TB; ++t) acc[t] = vload(A + (t0 + t) * D + d);
             for (int r = 0; r < nr; ++r) {
-                vf w = W::load(rows[r] + d);
+                vf w = W::row_load(rows[r], d);
                 for (int t = 0; t < TB; ++t) acc[t] = vfma(vset1(h[r * T + t0 + t]), w, acc[t]);
             }
             for (int t = 0; t < TB; ++t) vstore(A + (t0 + t) * D + d, acc[t]);
@@ -360,7 +359,7 @@ inline void axpy_rows(const typename W::T* const* rows, int nr, const float* h, 
     }
     for (; d < d1; ++d)  // tail
         for (int r = 0; r < nr; ++r) {
-            float w = W::at(rows[r] + d);
+            float w = W::row_at(rows[r], d);
             for (int t = 0; t < TB; ++t) A[(t0 + t) * D + d] += h[r * T + t0 + t] * w;
         }
 }
@@ -368,8 +367,7 @@ inline void axpy_rows(const typename W::T* const* rows, int nr, const float* h, 
 template <class W>
 void axpy_all_tokens(const typename W::T* const* rows, int nr, const float* h, int64_t T, float* A, int64_t D,
                      int64_t d0, int64_t d1) {
-    // token blocks of TBMAX: axpy_rows keeps 2 x TB accumulators (two d-vectors per pass; dev
-    // machine, T = 32 at 50 %: 45.9 vs 52.3 ms with 16-token blocks of one d-vector, T = 8 equal)
+    // token blocks of TBMAX: axpy_rows keeps 2 x TB accumulators (two d-vectors per pass)
     constexpr int TB2 = TBMAX;
     int64_t t0 = 0;
     for (; t0 + TB2 <= T; t0 += TB2) axpy_rows<W, TB2>(rows, nr, h, T, t0, A, D, d0, d1);
@@ -393,7 +391,12 @@ struct Args {
     // keep_zero: read (and add) a row's down row even where its activation is zero for every
     // token, as a dense FFN does (the layer-offload baseline); n_down (non-null): += down rows read
     int keep_zero = 0; int64_t* n_down = nullptr;
+    float* xq = nullptr;  // quantized weights: the Q8_0 activation [T] rows of D floats' space (qdot_core)
 };
+
+// The activation phase 1 reads: x, or its Q8_0 form for quantized rows.
+template <class W>
+inline const float* xin(const Args& a) { return W::QUANT ? a.xq : a.x; }
 
 inline void count_down(const Args& a, int64_t n) {  // once per thread and call
     if (a.n_down && n) {
@@ -465,7 +468,7 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g,
                                   row_id(a, k0 + j + 3)};
             const WT* ups[4] = {row_up(r[0]), row_up(r[1]), row_up(r[2]), row_up(r[3])};
             const WT* gates[4] = {row_gate(r[0]), row_gate(r[1]), row_gate(r[2]), row_gate(r[3])};
-            dotn_t1<W, GATE, 4>(ups, gates, a.x, D, u + j, g + j);
+            dots_t1<W, GATE, 4>(ups, gates, xin<W>(a), D, u + j, g + j);
         }
 #endif
     if (T == 1)
@@ -473,12 +476,12 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g,
             const int64_t r0 = row_id(a, k0 + j), r1 = row_id(a, k0 + j + 1);
             const WT* ups[2] = {row_up(r0), row_up(r1)};
             const WT* gates[2] = {row_gate(r0), row_gate(r1)};
-            dotn_t1<W, GATE, 2>(ups, gates, a.x, D, u + j, g + j);
+            dots_t1<W, GATE, 2>(ups, gates, xin<W>(a), D, u + j, g + j);
         }
 #endif
     for (; j < m; ++j) {
         prefetch_heads(entry(j + 1));
-        dot_all_tokens<W, GATE>(row_up(row_id(a, k0 + j)), row_gate(row_id(a, k0 + j)), a.x, T, D, u + j * T,
+        dot_all_tokens<W, GATE>(row_up(row_id(a, k0 + j)), row_gate(row_id(a, k0 + j)), xin<W>(a), T, D, u + j * T,
                                 g + j * T, pf);
     }
 }
@@ -506,8 +509,8 @@ template <class W, bool GATE>
 inline float token_act(const Args& a, int64_t row, float b, int t, const Pf* pf = nullptr) {
     typedef typename W::T WT;
     float u, g;
-    dot_rows<W, 1, GATE>((const WT*)a.up + row * a.ld_up, GATE ? (const WT*)a.gate + row * a.ld_gate : nullptr,
-                         a.x + t * a.D, a.D, &u, &g, pf);
+    dot_all_tokens<W, GATE>((const WT*)a.up + row * a.ld_up, GATE ? (const WT*)a.gate + row * a.ld_gate : nullptr,
+                            xin<W>(a) + t * a.D, 1, a.D, &u, &g, pf);
     return activate(a.act, u + b, g);
 }
 
@@ -630,6 +633,25 @@ inline void convert_x_par(const Args& a) {
     }  // implicit barrier
 }
 
+// Inside a parallel region: x (fp32) -> its Q8_0 form xq, in pieces of 1024 columns; ends with a barrier.
+inline void quantize_x_par(const Args& a) {
+    constexpr int64_t C = 1024;  // a multiple of QK
+    const int64_t nc = (a.D + C - 1) / C;
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < a.T * nc; ++j) {
+        const int64_t t = j / nc, d0 = (j % nc) * C, d1 = d0 + C < a.D ? d0 + C : a.D;
+        float* row = a.xq + t * a.D;
+        quantize_row_q8(a.x + t * a.D + d0, d1 - d0, (int8_t*)row + d0, (float*)xq_scales(row, a.D) + d0 / QK);
+    }  // implicit barrier
+}
+
+// Inside a parallel region: the activation phase 1 reads, ready for every thread.
+template <class W>
+inline void prepare_x(const Args& a) {
+    convert_x_par(a);
+    if constexpr (W::QUANT) quantize_x_par(a);
+}
+
 // ---- split over columns: phase 1 (rows over threads), barrier, phase 2 (columns over threads) ----
 // Phase 1: rows k0 .. k1-1 of idx -> h[k, :] (activations of all tokens, 0 where masked) and
 // nz[k] (any of them nonzero, or keep_zero: the down row is read); returns how many nz are set.
@@ -687,12 +709,12 @@ void down_cols(const Args& a, int64_t d0, int64_t d1) {
     const int64_t T = a.T, D = a.D, K = a.K;
     float* A = a.acc;
     for (int64_t t = 0; t < T; ++t) std::memset(A + t * D + d0, 0, (d1 - d0) * sizeof(float));
-    const int64_t seg_lines = ((d1 - d0) * (int64_t)sizeof(WT) + 63) / 64;
+    const int64_t seg_lines = (W::bytes(d1 - d0) + 63) / 64;
     const int pf = seg_lines < PF_LINES ? (int)seg_lines : PF_LINES;
     auto prefetch_block = [&](int64_t q) {
         for (int j = 0; q < K && j < R; ++q)
             if (a.nz[q]) {
-                const char* p = (const char*)(down + row_id(a, q) * a.ld_down + d0);
+                const char* p = (const char*)(down + row_id(a, q) * a.ld_down) + W::bytes(d0);
                 for (int l = 0; l < pf; ++l) __builtin_prefetch(p + 64 * l);
                 ++j;
             }
@@ -730,7 +752,7 @@ void run_cols(const Args& a) {
 #pragma omp parallel num_threads((int)nt)
     {
         const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
-        convert_x_par(a);
+        prepare_x<W>(a);
         // Dynamic chunks of a few rows: balanced to a row (~T x 2 x D elements) and robust to a
         // preempted thread; fewer hand-outs when K is large.
         int64_t ch = K / (8 * n);
@@ -763,13 +785,11 @@ void run_rows(const Args& a) {
         const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
         float* A = scratch + i * TD;
         std::memset(A, 0, TD * sizeof(float));
-        convert_x_par(a);
+        prepare_x<W>(a);
         // Chunks of CH rows handed out dynamically: a thread that the OS preempts (cores shared
         // with other processes) delays the barrier by one chunk, not by a whole slice. ~PI_CHUNKS
         // chunks per thread (2 .. 4R rows each), so few active rows still keep every thread
-        // reading (with a fixed 4R, 254 rows were 8 chunks for 14 threads) and the last chunks
-        // even out. Dev machine, 2 threads, cold, K = 254: 3 per thread 346 / 383 us, 8 per
-        // thread 313 / 319 us, 16 306 / 315 (two repeats); K = 1024 within noise.
+        // reading and the last chunks even out.
 #ifndef PI_CHUNKS
 #define PI_CHUNKS 8
 #endif
@@ -803,45 +823,50 @@ void run_rows(const Args& a) {
 }
 
 // Which split. auto: rows when every thread gets at least two R-row blocks (K >= 16 per thread:
-// its ~3 dynamic chunks per thread keep them all reading), else columns (few rows: every thread
-// still has work, and no reduction). H200 host, 14 threads, cold over 40 layers' shards
-// (bench/results/kernels-exchange-cold-splits-h200.json): K = 254 rows 198 us vs columns 218,
-// K = 1024 523 vs 628. 2 cores: within noise, except K = 16 (columns 52 us, rows 60).
+// its dynamic chunks keep them all reading), else columns (few rows: every thread still has
+// work, and no reduction).
 inline int pick_split(int split, int64_t K, int nthreads) {
     if (split == SPLIT_ROWS || split == SPLIT_COLS) return split;
     return K >= 2 * (int64_t)R * nthreads ? SPLIT_ROWS : SPLIT_COLS;
 }
 
+template <class W>
+void run_split(const Args& a, int split) {
+    if (pick_split(split, a.K, a.nthreads) == SPLIT_ROWS) run_rows<W>(a);
+    else run_cols<W>(a);
+}
+
 void run(const Args& a, int w_dt, int split) {
-    if (pick_split(split, a.K, a.nthreads) == SPLIT_ROWS) {
-        switch (w_dt) {
-            case DT_F32: run_rows<WF32>(a); break;
-            case DT_F16: run_rows<WF16>(a); break;
-            default: run_rows<WBF16>(a); break;
-        }
-    } else {
-        switch (w_dt) {
-            case DT_F32: run_cols<WF32>(a); break;
-            case DT_F16: run_cols<WF16>(a); break;
-            default: run_cols<WBF16>(a); break;
-        }
+    switch (w_dt) {
+        case DT_F32: run_split<WF32>(a, split); break;
+        case DT_F16: run_split<WF16>(a, split); break;
+        case DT_BF16: run_split<WBF16>(a, split); break;
+        case DT_Q4_0: run_split<WQ4_0>(a, split); break;
+        default: run_split<WQ8_0>(a, split); break;
     }
 }
 
+inline bool quantized(int w_dt) { return w_dt == DT_Q4_0 || w_dt == DT_Q8_0; }
+
+// Weight dtype and row length the kernel takes: plain, or quantized with whole blocks per row.
+inline bool weights_ok(int w_dt, int64_t D) { return w_dt >= 0 && w_dt <= DT_Q8_0 && (!quantized(w_dt) || D % QK == 0); }
+
 // Scratch layout (bytes, each part 64-byte aligned): [per-thread accumulators nthreads x T x D
 // fp32 (split rows only)] [h K x T fp32] [nz K] [acc T x D fp32 (y not fp32)] [x T x D fp32
-// (bitmask entry)] [idx K int32 (bitmask entry)] [token bits K uint64 (bitmask entry)].
+// (bitmask entry)] [idx K int32 (bitmask entry)] [token bits K uint64 (bitmask entry)] [xq T x D
+// fp32's space (quantized weights): the Q8_0 activation].
 inline int64_t al64(int64_t b) { return (b + 63) / 64 * 64; }
 
 struct Scratch {
-    float *acc_rows, *h, *acc, *x;
+    float *acc_rows, *h, *acc, *x, *xq;
     uint8_t* nz;
     int32_t* idx;
     uint64_t* tok;
     int64_t bytes;
 };
 
-Scratch carve(void* base, int64_t T, int64_t D, int64_t K, int nthreads, int y_dt, int split, bool bitmask) {
+Scratch carve(void* base, int64_t T, int64_t D, int64_t K, int nthreads, int y_dt, int split, bool bitmask,
+             bool quant) {
     Scratch s{};
     char* p = (char*)base;
     int64_t off = 0;
@@ -857,6 +882,7 @@ Scratch carve(void* base, int64_t T, int64_t D, int64_t K, int nthreads, int y_d
     s.x = (float*)take(bitmask ? T * D * 4 : 0);
     s.idx = (int32_t*)take(bitmask ? K * 4 : 0);
     s.tok = (uint64_t*)take(bitmask && T > 1 ? K * 8 : 0);
+    s.xq = (float*)take(quant ? T * D * 4 : 0);
     s.bytes = off;
     return s;
 }
@@ -887,7 +913,7 @@ void linear_rows(const float* x, int64_t T, int64_t D, const typename W::T* w, i
     if (T == 1)
         for (; r + 4 <= r1; r += 4) {
             const typename W::T* rows4[4] = {w + r * ld_w, w + (r + 1) * ld_w, w + (r + 2) * ld_w, w + (r + 3) * ld_w};
-            dotn_t1<W, false, 4>(rows4, nullptr, x, D, y + r, g);
+            dots_t1<W, false, 4>(rows4, nullptr, x, D, y + r, g);
         }
 #endif
     for (; r < r1; ++r) {
@@ -918,14 +944,15 @@ extern "C" {
 constexpr int64_t BAD_ARGS = -1000000000;
 
 // Bytes of scratch the entry points below need (the same arguments; bitmask: K = n).
-int64_t pi_scratch_bytes(int64_t T, int64_t D, int64_t K, int nthreads, int y_dt, int split, int bitmask) {
+int64_t pi_scratch_bytes(int64_t T, int64_t D, int64_t K, int nthreads, int y_dt, int split, int bitmask, int w_dt) {
     if (T > 64) T = 64;
-    return carve(nullptr, T, D, K, nthreads, y_dt, split, bitmask != 0).bytes;
+    return carve(nullptr, T, D, K, nthreads, y_dt, split, bitmask != 0, quantized(w_dt)).bytes;
 }
 
 // y [T, D] over the rows idx [K] (int32, or int64 when idx64) with mask none / bool [T, K] (row
-// stride ld_mask) / int32 token bits [K]. x fp32 [T, D] dense. split: 0 auto, 1 rows, 2 columns.
-// scratch: pi_scratch_bytes(T, D, K, nthreads, y_dt, split, 0) bytes. T <= 64.
+// stride ld_mask) / int32 token bits [K]. x fp32 [T, D] dense. Weights w_dt: 0 fp32, 1 fp16, 2
+// bf16, 3 Q4_0, 4 Q8_0 (quant.h; row strides ld_* in bytes, D a multiple of 32). split: 0 auto, 1
+// rows, 2 columns. scratch: pi_scratch_bytes(T, D, K, nthreads, y_dt, split, 0, w_dt) bytes. T <= 64.
 // Returns 0, or -(k+1) when idx[k] is outside [0, n_rows), or BAD_ARGS.
 int64_t pi_sparse_ffn(const float* x, int64_t T, int64_t D,
                       const void* up, const void* gate, const void* down, int w_dt,
@@ -934,12 +961,13 @@ int64_t pi_sparse_ffn(const float* x, int64_t T, int64_t D,
                       const void* idx, int idx64, int64_t K,
                       const void* mask, int mask_mode, int64_t ld_mask,
                       int act, void* y, int y_dt, void* scratch, int nthreads, int split) {
-    if (T < 1 || T > 64 || D < 1 || K < 0 || nthreads < 1 || w_dt < 0 || w_dt > 2 || y_dt < 0 || y_dt > 2)
+    if (T < 1 || T > 64 || D < 1 || K < 0 || nthreads < 1 || !weights_ok(w_dt, D) || y_dt < 0 || y_dt > 2)
         return BAD_ARGS;
-    const Scratch s = carve(scratch, T, D, K, nthreads, y_dt, split, false);
+    const Scratch s = carve(scratch, T, D, K, nthreads, y_dt, split, false, quantized(w_dt));
     Args a{x, T, D, up, gate, down, ld_up, ld_gate, ld_down, bias, bias_dt, idx, idx64, K,
            mask, mask_mode, ld_mask, act, y, y_dt, s.acc_rows, nthreads, s.h, s.nz,
            y_dt == DT_F32 ? (float*)y : s.acc, nullptr, DT_F32, D};
+    a.xq = s.xq;
     for (int64_t k = 0; k < K; ++k) {
         int64_t r = row_id(a, k);
         if (r < 0 || r >= n_rows) return -(k + 1);
@@ -955,7 +983,8 @@ int64_t pi_sparse_ffn(const float* x, int64_t T, int64_t D,
 // Any T: tokens are run in blocks of 64. stats[0] = (token, neuron) pairs set, stats[1] = rows
 // active for any of the T tokens (each read from up / gate once), stats[2] = down rows read
 // (summed over the blocks of 64 tokens; rows whose activation is zero for every token of a block
-// are skipped unless keep_zero). scratch: pi_scratch_bytes(T, D, n, nthreads, y_dt, split, 1).
+// are skipped unless keep_zero). Weights as pi_sparse_ffn's. scratch: pi_scratch_bytes(T, D, n,
+// nthreads, y_dt, split, 1, w_dt).
 // Returns 0 or BAD_ARGS.
 int64_t pi_sparse_ffn_bitmask(const void* x, int x_dt, int64_t ld_x, int64_t T, int64_t D,
                               const void* up, const void* gate, const void* down, int w_dt,
@@ -964,7 +993,7 @@ int64_t pi_sparse_ffn_bitmask(const void* x, int x_dt, int64_t ld_x, int64_t T, 
                               const uint8_t* packed, int64_t ld_packed, int64_t n,
                               int act, void* y, int y_dt, void* scratch, int nthreads, int split,
                               int keep_zero, int64_t* stats) {
-    if (T < 0 || D < 1 || n < 0 || n > n_rows || nthreads < 1 || w_dt < 0 || w_dt > 2 || y_dt < 0 ||
+    if (T < 0 || D < 1 || n < 0 || n > n_rows || nthreads < 1 || !weights_ok(w_dt, D) || y_dt < 0 ||
         y_dt > 2 || x_dt < 0 || x_dt > 2 || ld_x < D)
         return BAD_ARGS;
     const int64_t B = (n + 7) / 8, nw = (B + 7) / 8;
@@ -985,7 +1014,7 @@ int64_t pi_sparse_ffn_bitmask(const void* x, int x_dt, int64_t ld_x, int64_t T, 
         const int64_t Tc = T - t0 < 64 ? T - t0 : 64;
         // decode: idx = rows set for any token of the block, tok[k] = their token bits
         int64_t K = 0;
-        const Scratch s = carve(scratch, Tc, D, n, nthreads, y_dt, split, true);  // h, nz, idx, tok: n rows
+        const Scratch s = carve(scratch, Tc, D, n, nthreads, y_dt, split, true, quantized(w_dt));  // n rows
         if (packed) {
             uint64_t m[64];
             for (int64_t w = 0; w < nw; ++w) {
@@ -1018,7 +1047,7 @@ int64_t pi_sparse_ffn_bitmask(const void* x, int x_dt, int64_t ld_x, int64_t T, 
                s.tok, packed && Tc > 1 ? MASK_BITS64 : MASK_NONE, 0, act, yc, y_dt, s.acc_rows, nthreads,
                s.h, s.nz, y_dt == DT_F32 ? (float*)yc : s.acc,
                (const char*)x + t0 * ld_x * (x_dt == DT_F32 ? 4 : 2), x_dt, ld_x,  // x converted in run
-               keep_zero, &n_down};
+               keep_zero, &n_down, s.xq};
         run(a, w_dt, split);
     }
     if (stats) {
@@ -1053,21 +1082,63 @@ double pi_read_sum(const float* p, int64_t n, int nthreads) {
     return total;
 }
 
-// y [T, R] fp32 = x [T, D] fp32 times the rows of W [R, D] (row stride ld_w >= D; fp32 / fp16 /
-// bf16 by w_dt): a dense matrix-vector product, every row read once, rows over threads. T <= 64.
-// Returns 0 or BAD_ARGS.
+// y [T, R] fp32 = x [T, D] fp32 times the rows of W [R, D] (w_dt as pi_sparse_ffn's; row stride
+// ld_w >= a row, in elements, or bytes for quantized rows, whose x is quantized to Q8_0 first): a
+// dense matrix-vector product, every row read once, rows over threads. T <= 64. Returns 0 or BAD_ARGS.
 int64_t pi_linear(const float* x, int64_t T, int64_t D, const void* w, int w_dt, int64_t ld_w, int64_t R,
                   float* y, int nthreads) {
-    if (T < 1 || T > 64 || D < 1 || R < 0 || ld_w < D || nthreads < 1 || w_dt < 0 || w_dt > 2) return BAD_ARGS;
+    if (T < 1 || T > 64 || D < 1 || R < 0 || nthreads < 1 || !weights_ok(w_dt, D)) return BAD_ARGS;
+    if (ld_w < (w_dt == DT_Q4_0 ? WQ4_0::bytes(D) : w_dt == DT_Q8_0 ? WQ8_0::bytes(D) : D)) return BAD_ARGS;
     if (R == 0) return 0;
+    if (quantized(w_dt)) {  // the Q8_0 activation, rows of D floats' space (qdot_core)
+        thread_local std::vector<float> xq;
+        if ((int64_t)xq.size() < T * D) xq.resize(T * D);
+        for (int64_t t = 0; t < T; ++t) {
+            float* row = xq.data() + t * D;
+            quantize_row_q8(x + t * D, D, (int8_t*)row, (float*)xq_scales(row, D));
+        }
+        x = xq.data();
+    }
     switch (w_dt) {
         case DT_F32: linear_par<WF32>(x, T, D, w, ld_w, R, y, nthreads); break;
         case DT_F16: linear_par<WF16>(x, T, D, w, ld_w, R, y, nthreads); break;
-        default: linear_par<WBF16>(x, T, D, w, ld_w, R, y, nthreads); break;
+        case DT_BF16: linear_par<WBF16>(x, T, D, w, ld_w, R, y, nthreads); break;
+        case DT_Q4_0: linear_par<WQ4_0>(x, T, D, w, ld_w, R, y, nthreads); break;
+        default: linear_par<WQ8_0>(x, T, D, w, ld_w, R, y, nthreads); break;
+    }
+    return 0;
+}
+
+// x [n] fp32 (n a multiple of 32) -> n / 32 ggml Q8_0 blocks (f16 d, 32 int8): the activation
+// quantizer the kernels use, for tests against gguf-py. Returns 0 or BAD_ARGS.
+int64_t pi_quantize_q8_0(const float* x, int64_t n, uint8_t* blocks) {
+    if (n < 0 || n % QK) return BAD_ARGS;
+    int8_t q[QK];
+    float d;
+    for (int64_t b = 0; b < n / QK; ++b) {
+        quantize_row_q8(x + b * QK, QK, q, &d);
+        const uint16_t h = f32_to_f16(d);
+        std::memcpy(blocks + b * WQ8_0::BB, &h, 2);
+        std::memcpy(blocks + b * WQ8_0::BB + 2, q, QK);
     }
     return 0;
 }
 
 int pi_simd_width() { return VW; }
+
+// The integer code of the quantized dots (quant.h): 0 scalar, 256 AVX2, 512 AVX-512BW, 513 with VNNI.
+int pi_quant_isa() {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__)
+    return 513;
+#else
+    return 512;
+#endif
+#elif defined(PI_QSIMD)
+    return 256;
+#else
+    return 0;
+#endif
+}
 
 }  // extern "C"

@@ -43,3 +43,14 @@ def open_model(spec: str | Path | WeightSource) -> WeightSource:
 
         return planted_model(text[len(PLANTED_PREFIX):])
     return ModelFile(text)
+
+
+def rows_faster_on(src: WeightSource, device: str | torch.device) -> bool:
+    """Whether ``src`` makes weight rows faster on ``device`` than on the host's CPU: a planted
+    model generates its rows, many times faster on a GPU; a file's rows are read, as fast for any
+    device. The engine then has the primary executor write the CPU executor's rows."""
+    if isinstance(src, ModelFile) or torch.device(device).type != "cuda":
+        return False
+    from .planted import PlantedModel
+
+    return isinstance(src, PlantedModel)

@@ -6,7 +6,9 @@ hidden states, the CPU shard's active mask), bumps ``req_seq``; the CPU executor
 ``req_seq``, computes, writes its partial output, sets ``resp_seq``; the primary spins on
 ``resp_seq``. Both sides spin hot for a short while and then back off to sleeping, so an idle
 engine costs no CPU. On x86 (TSO) a store to the data before the store to the flag is seen in
-that order by the other process; numpy writes are plain stores.
+that order by the other process; numpy writes are plain stores. When both sides are threads of
+one process (the in-process engine) they ring a condition variable instead of spinning: a
+spinning thread holds the interpreter lock that the other side needs to make progress.
 
 Layout (int64 header, then x_attn, x_ffn, out [T_max, D] in the primary's compute dtype (fp16/bf16
 on a GPU: half the bytes to copy; the GPU's own partial outputs have that dtype too; sums are
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -45,6 +48,29 @@ _HDR_FIXED = 16
 
 class PeerDied(RuntimeError):
     """The executor on the other side of a channel is gone (or stopped answering)."""
+
+
+class _Bell:
+    """Wakeups between the two sides of a channel in one process (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.local = False  # set when the peer attaches from this process
+
+    def ring(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def wait(self, ready, timeout_s: float | None, what: str) -> None:  # noqa: ANN001
+        t0 = time.perf_counter()
+        with self.cond:
+            while not ready():
+                self.cond.wait(0.1)
+                if timeout_s is not None and time.perf_counter() - t0 > timeout_s:
+                    raise PeerDied(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+_BELLS: dict[str, _Bell] = {}  # channels created by this process, by name
 
 
 _X_DTYPES = {"f32": (np.float32, torch.float32), "f16": (np.float16, torch.float16),
@@ -126,12 +152,15 @@ class Channel:
         self.start_pos = self.header[_HDR_FIXED + spec.b_max:_HDR_FIXED + 2 * spec.b_max]
         self.peer_pid = 0
         self.pinned = False
+        self._bell: _Bell | None = None
 
     @classmethod
     def create(cls, d: int, t_max: int, b_max: int, n_mask: int, x_dtype: str = "f32") -> "Channel":
         spec = ChannelSpec(f"powerinfer-ray-{os.getpid()}-{uuid.uuid4().hex[:8]}", d, t_max, b_max, max(n_mask, 1),
                            x_dtype)
-        return cls(spec, create=True)
+        ch = cls(spec, create=True)
+        ch._bell = _BELLS[spec.name] = _Bell()
+        return ch
 
     @classmethod
     def attach(cls, spec: ChannelSpec) -> "Channel":
@@ -140,7 +169,15 @@ class Channel:
                                     "executor must create it on the same node)")
         ch = cls(spec, create=False)
         ch.header[_H_PID] = os.getpid()
+        ch._bell = _BELLS.get(spec.name)
+        if ch._bell is not None:  # the creator is a thread of this process
+            ch._bell.local = True
         return ch
+
+    @property
+    def in_process(self) -> bool:
+        """Whether both sides are threads of this process (they wait on a condition variable)."""
+        return self._bell is not None and self._bell.local
 
     def pin_for_cuda(self) -> None:
         """Page-lock the segment (cudaHostRegister) so D2H/H2D copies are true async DMA."""
@@ -160,16 +197,20 @@ class Channel:
         h[_H_OP], h[_H_LAYER], h[_H_NSEQ], h[_H_NTOK], h[_H_NMASK] = op, layer, n_seq, n_tok, n_mask
         seq = int(h[_H_REQ]) + 1
         h[_H_REQ] = seq  # last store: the peer may read everything above once it sees this
+        if self.in_process:
+            self._bell.ring()
         return seq
 
     def wait_response(self, seq: int, timeout_s: float = 60.0, spin_s: float = 0.002) -> tuple[int, int]:
         """Spin until the peer answered request ``seq``; returns the peer's (start, end) times in
         ``time.monotonic_ns`` units, so the caller can split the wait into sync and compute.
-        Past spin_s it sleeps in steps of at most 100 us: answers that take longer than the spin
-        (layer-offload's dense CPU layers, 4-16 ms) were noticed ~600 us late with 500 us steps
-        (Falcon-40B, `per_layer_sync_us` in runtime-falcon40b-24gib-h200-v4.json)."""
-        _wait(lambda: int(self.header[_H_RESP]) >= seq, timeout_s, spin_s, self._peer_alive,
-              what=f"the CPU executor to answer layer {int(self.header[_H_LAYER])}", max_sleep_s=1e-4)
+        Past spin_s it sleeps in steps of at most 100 us, so that answers slower than the spin
+        (dense CPU layers take milliseconds) are still noticed within 100 us."""
+        what = f"the CPU executor to answer layer {int(self.header[_H_LAYER])}"
+        if self.in_process:
+            self._bell.wait(lambda: int(self.header[_H_RESP]) >= seq, timeout_s, what)
+        else:
+            _wait(lambda: int(self.header[_H_RESP]) >= seq, timeout_s, spin_s, self._peer_alive, what, max_sleep_s=1e-4)
         if int(self.header[_H_STATUS]) != STATUS_OK:
             raise RuntimeError(f"CPU executor failed on layer {int(self.header[_H_LAYER])}; see its log")
         return int(self.header[_H_TSTART]), int(self.header[_H_TEND])
@@ -189,8 +230,11 @@ class Channel:
     # --- peer side ------------------------------------------------------------------------------
     def wait_request(self, last_seq: int, spin_s: float = 0.002, idle_sleep_s: float = 0.001) -> int:
         """Block until a request newer than ``last_seq`` arrives; returns its sequence number."""
-        _wait(lambda: int(self.header[_H_REQ]) > last_seq, None, spin_s, None, "a request",
-              max_sleep_s=idle_sleep_s)
+        if self.in_process:
+            self._bell.wait(lambda: int(self.header[_H_REQ]) > last_seq, None, "a request")
+        else:
+            _wait(lambda: int(self.header[_H_REQ]) > last_seq, None, spin_s, None, "a request",
+                  max_sleep_s=idle_sleep_s)
         return int(self.header[_H_REQ])
 
     def request(self) -> tuple[int, int, int, int, int]:
@@ -203,6 +247,8 @@ class Channel:
         h[_H_TSTART], h[_H_TEND] = t_start_ns, time.monotonic_ns()
         h[_H_STATUS] = STATUS_OK if ok else STATUS_ERROR
         self.header[_H_RESP] = seq
+        if self.in_process:
+            self._bell.ring()
 
     def close(self, unlink: bool = False) -> None:
         if self.pinned:  # a later segment mapped at the same address could not be registered
@@ -214,6 +260,7 @@ class Channel:
             pass  # views still alive; the mapping goes with the process
         if unlink:
             self.spec.path.unlink(missing_ok=True)
+            _BELLS.pop(self.spec.name, None)
 
 
 def pin_host(addr: int, nbytes: int, what: str) -> bool:

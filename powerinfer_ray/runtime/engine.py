@@ -1,68 +1,80 @@
-"""The in-process engine.
+"""The executors of an engine, and the in-process engine (its configuration and plan:
+``runtime.config``).
 
-``LocalEngine`` runs the primary executor, the CPU executor (a thread over the same
-shared-memory channel) and the coordinator in one process: the runtime without Ray, for tests
-and for embedding. The Ray engine (``actors.Coordinator``) wires the same classes as actors.
+``executor_spec`` says what an engine's executors are built from; ``LocalEngine`` starts them in
+one process (``group.LocalBackend``: the CPU executor serves the same shared-memory channel from
+a thread) with the scheduler: the runtime without Ray, for tests and for embedding. The Ray
+engine (``actors.coordinator.Coordinator``) runs the same start script on Ray actors.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
-from typing import Any
+import threading
+from typing import Any, Coroutine
 
-import numpy as np
-
-from ..model.source import open_model
+from ..model.source import WeightSource, open_model, rows_faster_on
 from ..model import gguf_keys as K
 from ..model.tokenizer import Tokenizer
 from .config import EngineConfig, engine_n_ctx, resolve_plan, resolve_policy, resolve_prefill_chunk
-from .executor import CPUExecutor, PrimaryExecutor
+from .cpu_executor import CPUExecutor
+from .group import ExecutorGroup, GroupSpec, LocalBackend, start_group
+from .plan import Plan
+from .primary import PrimaryExecutor
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------
-# the in-process engine
+# the executors, and the in-process engine
 # ------------------------------------------------------------------------------------------------
-@dataclass
+def executor_spec(ec: EngineConfig, src: WeightSource, plan: Plan, device: str, *, model: Any = None,  # noqa: ANN401
+                  threads: int | None = None) -> GroupSpec:
+    """The executors of an engine of config ``ec`` over ``src`` with ``plan``, the primary on
+    ``device``; model: what the executors open (default: ``ec.model``)."""
+    cfg = src.config
+    return GroupSpec(model=ec.model if model is None else model, plan=plan, device=device,
+                     policy=resolve_policy(ec, cfg), slots=ec.max_batch, n_ctx=engine_n_ctx(ec, cfg),
+                     t_max=max(resolve_prefill_chunk(ec, device), ec.max_batch), threads=threads,
+                     threshold=ec.threshold, dtype=ec.dtype, timeout_s=ec.timeout_s,
+                     prefill_dense_min=ec.prefill_dense_min, graphs=ec.graphs,
+                     primary_fills=rows_faster_on(src, device))
+
+
 class LocalEngine:
-    """Primary + CPU executor (thread) + coordinator in one process."""
+    """The executors and the scheduler in this process. The scheduler runs in an event loop
+    of the engine's own thread, so any event loop can drive the engine (several, one after
+    another or at once): ``await engine.generate(...)``."""
 
-    config: EngineConfig
-    primary: PrimaryExecutor = field(init=False)
-    cpu: CPUExecutor | None = field(init=False, default=None)
-    coordinator: Scheduler = field(init=False)
-
-    def __post_init__(self) -> None:
-        ec = self.config
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = ec = config
         src = open_model(ec.model)
-        cfg = src.config
         plan = resolve_plan(ec, src)
-        n_ctx, policy = engine_n_ctx(ec, cfg), resolve_policy(ec, cfg)
         device = ec.device or ("cuda" if _cuda() else "cpu")
-        chunk = resolve_prefill_chunk(ec, device)
-        t_max = max(chunk, ec.max_batch)
-        self.primary = PrimaryExecutor(src, plan, device=device, policy=policy, threshold=ec.threshold,
-                                       slots=ec.max_batch, n_ctx=n_ctx, t_max=t_max, dtype=ec.dtype,
-                                       timeout_s=ec.timeout_s, prefill_dense_min=ec.prefill_dense_min,
-                                       graphs=ec.graphs)
-        spec = self.primary.create_channel()
-        if spec is not None:
-            self.cpu = CPUExecutor(src, plan, policy=policy, slots=ec.max_batch, n_ctx=n_ctx, threads=ec.threads)
-            self.cpu.attach(spec)
-            self.cpu.start()
-            self.primary.attach_cold(self.cpu.shard_spec)
-        tok = make_tokenizer(src.fields)
-        self.coordinator = Scheduler(self._step, tok, n_ctx=n_ctx, max_batch=ec.max_batch,
-                                     prefill_chunk=chunk, n_vocab=cfg.n_vocab)
+        self.group: ExecutorGroup = start_group(LocalBackend(), executor_spec(ec, src, plan, device, model=src,
+                                                                              threads=ec.threads))
+        self.primary: PrimaryExecutor = self.group.primary
+        self.cpu: CPUExecutor | None = self.group.cpu
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="local-engine", daemon=True)
+        self._thread.start()
+        tok, n_ctx, chunk = make_tokenizer(src.fields), engine_n_ctx(ec, src.config), resolve_prefill_chunk(ec, device)
 
-    async def _step(self, slots: list[int], tokens: list[list[int]], start: list[int]) -> np.ndarray:
-        return await asyncio.to_thread(self.primary.step, slots, tokens, start)
+        async def make() -> Scheduler:  # its queues belong to the engine's loop
+            return Scheduler(self.group.step, tok, n_ctx=n_ctx, max_batch=ec.max_batch, prefill_chunk=chunk,
+                             n_vocab=src.config.n_vocab)
+        self.coordinator = asyncio.run_coroutine_threadsafe(make(), self._loop).result()
 
-    async def generate(self, prompt: Any = None, **kw: Any) -> dict:
-        return await self.coordinator.generate(prompt, **kw)
+    async def _in_loop(self, coro: Coroutine) -> Any:  # noqa: ANN401
+        """Run coro in the engine's loop; the caller's cancellation cancels it there."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    async def generate(self, prompt: Any = None, **kw: Any) -> dict:  # noqa: ANN401
+        """One completion (``runtime.scheduler.Scheduler.generate``), from any event loop."""
+        if self._loop.is_closed():
+            raise RuntimeError("this LocalEngine is closed")
+        return await self._in_loop(self.coordinator.generate(prompt, **kw))
 
     def stats(self) -> dict:
         s = {"coordinator": self.coordinator.stats()}
@@ -73,13 +85,22 @@ class LocalEngine:
         return s
 
     def close(self) -> None:
-        if self.cpu is not None and self.primary.channel is not None:
-            from .channel import OP_STOP
+        """Stop the request loop (a step in flight finishes first) and the executors."""
+        if not self._loop.is_closed():
+            asyncio.run_coroutine_threadsafe(_cancel_all(), self._loop).result()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+        self.group.close()
 
-            seq = self.primary.channel.post(OP_STOP, 0, 0, 0, 0)
-            self.primary.channel.wait_response(seq, timeout_s=5)
-            self.cpu.stop()
-        self.primary.close()
+
+async def _cancel_all() -> None:
+    """Cancel the loop's other tasks and wait for its worker threads (a step in flight)."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.get_running_loop().shutdown_default_executor()
 
 
 def make_tokenizer(fields: dict[str, Any]) -> Tokenizer | None:

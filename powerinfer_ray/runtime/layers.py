@@ -12,6 +12,8 @@ Predictor policies (the coordinator chooses one per engine):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..kernels.sparse_ffn import sparse_ffn
@@ -20,6 +22,26 @@ from ..model.reference import ffn_activation
 from .shard import AttnShard, FFNShard
 
 POLICIES = ("predictor", "oracle", "dense")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How the primary finds a layer's active neurons: a name of POLICIES and the predictor's
+    threshold (neuron j is active iff its logit >= threshold)."""
+
+    name: str
+    threshold: float = 0.0
+
+    @classmethod
+    def for_model(cls, name: str, threshold: float | None, cfg: ModelConfig) -> "Policy":
+        """The policy for a model; threshold None: the model's own (``powerinfer.sparse_threshold``)."""
+        if name not in POLICIES:
+            raise ValueError(f"predictor policy {name!r}: expected one of {POLICIES}")
+        if name == "predictor" and not cfg.has_predictors:
+            raise ValueError(f"policy 'predictor' needs a model with predictors; {cfg.name or 'this model'} "
+                             "has none: train them (powerinfer-ray train-predictors) or use policy 'dense'")
+        thr = cfg.sparse_threshold if threshold is None else threshold
+        return cls(name, 0.0 if thr is None else float(thr))
 
 
 def active_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

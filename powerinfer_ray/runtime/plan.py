@@ -98,11 +98,7 @@ class Plan:
     def hot_first(self, counts: list[np.ndarray]) -> "Plan":
         """The same split with each layer's CPU neurons ordered by ``counts`` (most active first,
         ties by id): the rows a token activates then cluster at the front of the CPU shard
-        instead of lying anywhere in it. The CPU kernel reads scattered rows slower than adjacent
-        ones (GPU host, Falcon-40B rows: 8-14 % at 400-3200 rows). Dev machine, planted Falcon-40B
-        rows, active sets drawn from the planted statistics, 2 threads: the kernel 5-10 % faster
-        hottest first (`bench/cpu_row_order.py`, docs/log/kernels-notes.md); on the GPU host no measurable
-        difference (x1.00 on Falcon rows; 13B engines within their spread)."""
+        instead of lying anywhere in it, which the CPU kernel reads at least as fast."""
         layers = []
         for l, lp in enumerate(self.layers):
             order = np.argsort(-np.asarray(counts[l])[lp.cpu_neurons], kind="stable")

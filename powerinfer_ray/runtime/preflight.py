@@ -65,7 +65,7 @@ def prepare(ec: EngineConfig, *, local_gpu_check: bool = True) -> Prepared:
 def _prepare_cpu_kernel() -> None:
     """Load the compiled CPU kernel here, saying so when its first-use compile takes a while, so
     that the engine finds it built and its first token does not pay for the compiler."""
-    from ..kernels import cpu_ffn
+    from ..kernels import cpu_library
 
     done = threading.Event()
 
@@ -76,7 +76,7 @@ def _prepare_cpu_kernel() -> None:
     t0 = time.perf_counter()
     th = threading.Thread(target=tell, daemon=True)
     th.start()
-    cpu_ffn.library()
+    cpu_library.library()
     done.set()
     th.join()
     if time.perf_counter() - t0 > 1.0:

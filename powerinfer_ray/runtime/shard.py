@@ -3,7 +3,7 @@
 ``FFNShard``: rows of up / gate / down_t (and up's bias) of the executor's neurons.
 ``AttnShard``: q/k/v rows and the o-projection columns (transposed) of its KV-head groups, with
 their KV cache [slots, Gs, S, hd]. Partial outputs of disjoint shards add up to the dense layer
-(``merge.merge_partials``).
+(``layers.merge_partials``).
 """
 from __future__ import annotations
 

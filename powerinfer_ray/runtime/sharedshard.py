@@ -1,25 +1,21 @@
 """The CPU executor's FFN shard in one shared-memory file that the primary maps too.
 
 For long prompts the primary computes the CPU shard's neurons densely, streaming their rows to
-its device (`PrimaryExecutor._cold_ffn`). It used to load its own host copy of those rows: a
-second copy of the largest thing on the host (10.8 GiB for the 13B shape at 16 GiB, ~50 GB for
-Falcon-40B at 32 GiB, where it was switched off for lack of RAM and prompts fell back to the
-CPU executor's kernel: 10 prompt tok/s, `bench/results/runtime-falcon40b-32gib-h200.json`).
+its device (``cold.ColdRows``). Mapping the CPU executor's pages saves a second host copy of the
+largest thing on the host (the CPU shard of a 13B model at 16 GiB is 10.8 GiB).
 
-Now the CPU executor loads its rows into one file in /dev/shm, reserved up front with
+The CPU executor loads its rows into one file in /dev/shm, reserved up front with
 posix_fallocate (a full tmpfs would otherwise kill the writer with SIGBUS), and hands its layout
-to the primary through Ray; the file's name is removed at once and the primary opens it as
-/proc/<pid>/fd/<fd>, so it lives exactly as long as the two processes map it and nothing is left
-behind in /dev/shm whichever dies first. Where /dev/shm lacks the room, `share` returns None: the
-CPU executor keeps private memory and the primary makes its own copy if RAM allows (as before).
-$POWERINFER_RAY_SHARE_SHARD=0 turns sharing off.
+to the primary through the executor group's start script; the file's name is removed at once
+and the primary opens it as /proc/<pid>/fd/<fd>, so it lives exactly as long as the two
+processes map it and nothing is left behind in /dev/shm whichever dies first. Where /dev/shm
+lacks the room, ``share`` returns None: the CPU executor keeps private memory and the primary
+makes its own copy if RAM allows.
 
-Planted (generated) models on a GPU host: generating the CPU shard's rows on the CPU was most of
-an engine's load time (Falcon-40B: 170-220 s; ~3.4 s per GB of CPU shard, fitted to the load times
-of the host's 13B and Falcon runs against their CPU shards' estimated sizes),
-while the GPU generates the same bits many times faster. `share(..., defer=...)` then only lays
-the file out; the primary generates the rows on its device and writes them in (`fill`), and the
-CPU executor touches its pages once (`prefault`) before serving.
+Sources that make rows faster on the primary's device (planted models on a GPU:
+``model.source.rows_faster_on``) have ``share(..., defer=...)`` only lay the file out; the
+primary makes the rows on its device and writes them in (``fill``), and the CPU executor touches
+its pages once (``prefault``) before serving.
 """
 from __future__ import annotations
 
@@ -71,13 +67,13 @@ def share(n_rows: list[int], gated: bool, d: int, dtype: torch.dtype, load: Call
           ) -> tuple[list[FFNShard], SharedShardSpec] | None:
     """Load layer l's shard with ``load(l)`` (n_rows[l] rows) straight into a new shared file,
     one layer at a time (peak memory: the file plus one layer); the shards over it and its spec,
-    or None without loading anything (nothing to share, sharing off, no room in /dev/shm).
+    or None without loading anything (nothing to share, no room in /dev/shm).
     defer: ``defer(l)`` -> (ids, up_bias or None) of layer l, and the rows are left for `fill`
     (by another process); ``load`` is then not called."""
     per_row = d * (3 if gated else 2)
     numel = sum(n_rows) * per_row
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if numel == 0 or os.environ.get("POWERINFER_RAY_SHARE_SHARD", "1") == "0":
+    if numel == 0:
         return None
     try:
         st = os.statvfs(SHM_DIR)
@@ -146,9 +142,9 @@ def attach(spec: SharedShardSpec) -> tuple[list[FFNShard], torch.Tensor] | None:
 def fill(spec: SharedShardSpec, src: WeightSource, device: torch.device) -> None:
     """Write every layer's rows into a file laid out by ``share(..., defer=...)``, loading them from
     ``src`` on ``device``. The rows go in with pwrite through a file descriptor of our own (from a
-    staging buffer, pinned on CUDA, when they were loaded off the host), not through a mapping: copying into freshly mapped tmpfs pages
-    takes a page fault per 4 KB (dev machine, 2 GiB: 0.5-2.3 GB/s through a mapping, 5-7 GB/s
-    with pwrite). RuntimeError if the file cannot be opened."""
+    staging buffer, pinned on CUDA, when they were loaded off the host), not through a mapping:
+    copying into freshly mapped tmpfs pages takes a page fault per 4 KB, several times slower.
+    RuntimeError if the file cannot be opened."""
     try:
         fd = os.open(spec.path, os.O_WRONLY)
     except OSError as e:

@@ -1,20 +1,19 @@
 """The coordinator's per-step link to the primary executor: a Unix socket instead of a Ray call.
 
-A Ray actor call costs 1.2-1.6 ms on the GPU host (`bench/results/sync-h200-v*.json`,
-ray_call_us_median), about 6 % of a 13B decode step, and a step's logits (4 bytes x vocabulary
-per sequence: 128 KB at 32k) are more than Ray sends inline. The link carries each step's
-request and logits over a Unix socket (no spinning on either side: both block in the kernel).
-Ray still sets it up (the executor opens it and returns its path) and carries everything else.
+A Ray actor call costs over a millisecond (``bench sync``: ray_call_us_median), a noticeable
+share of a decode step, and a step's logits (4 bytes x vocabulary per sequence) are more than
+Ray sends inline. The link carries each step's request and logits over a Unix socket (no
+spinning on either side: both block in the kernel). Ray still sets it up (the executor opens it
+and returns its path) and carries everything else.
 
 Frames: 8-byte little-endian length, then a pickle. Request: (slots, tokens, start_pos).
 Response: ("ok", logits) or ("error", exception). When the executor's process dies the kernel
 closes its end, and the coordinator's pending read raises `LinkClosed` at once (a coordinator
 never reconnects to the same executor: a closed link means a dead one).
 
-The socket has an abstract name (Linux: no file, gone with the process). A file in /dev/shm was
-left behind whenever the executor was killed before the coordinator's first step connected
-(e.g. `ray.shutdown()` right after an engine started). Requests are pickles, so the server
-accepts only peers of its own user (SO_PEERCRED), which the file's 0600 mode used to ensure.
+The socket has an abstract name (Linux: no file, so nothing is left behind when the executor
+is killed before anyone connected). Requests are pickles, so the server accepts only peers of
+its own user (SO_PEERCRED).
 """
 from __future__ import annotations
 

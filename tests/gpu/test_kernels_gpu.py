@@ -1,4 +1,5 @@
-"""The kernels on a CUDA device: Triton sparse FFN and split, attention, CUDA-graph capture."""
+"""The kernels on a CUDA device: Triton sparse FFN (float and ggml Q4_0 / Q8_0 rows) and split,
+the quantized GEMV and predictor, attention, CUDA-graph capture."""
 from __future__ import annotations
 
 import sys
@@ -189,45 +190,13 @@ def test_pack_active_bits_on_gpu_equals_torch(T):
     assert torch.equal(got, pack_active_bits(logits, 0.5, 5000, 8824, backend="torch"))
 
 
-@pytest.mark.parametrize("T", [1, 8])
-def test_triton_split_variant_at_llama13b_shape_and_in_a_graph(T):
-    """The split variant (Config.up_sd / down_sk: atomics into fp32 partial sums; T == 1 the
-    elementwise kernels, T == 8 the tl.dot ones with a packed mask) at the 13B shape against float64,
-    with the device count, and replayed from a CUDA graph for new inputs."""
-    from powerinfer_ray.kernels import triton_ffn
-
-    gen = torch.Generator().manual_seed(11 + T)
-    N, D = 13824, 5120
-    up, gate, down_t, _ = make_shard(N, D, torch.float16, "reglu", False, gen, DEV)
-    if T == 1:
-        cfg = triton_ffn.Config(4, 1024, 4, 64, 32, 4, up_dot=False, down_dot=False, up_sd=5, down_sk=8)
-    else:
-        cfg = triton_ffn.Config(16, 256, 4, 128, 32, 4, up_sd=5, down_sk=4)
-    idx = make_idx(N // 10, N, gen, torch.int32, DEV)
-    mask = None if T == 1 else token_bits((torch.rand(T, idx.numel(), generator=gen) < 0.5).to(DEV))
-    x = torch.randn(T, D, generator=gen).half().to(DEV)
-    nact = torch.tensor([N // 10 - 100], dtype=torch.int32, device=DEV)
-    out = poisoned((T, D), torch.float16, DEV)
-    y = triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, mask, "reglu", None, out, nact, cfg)
-    assert rel_err(y, sparse_ffn_ref(x, up, gate, down_t, idx, mask, n_active=nact)) < GPU_TOL[torch.float16]
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, mask, "reglu", None, out, nact, cfg)
-    for _ in range(2):  # new inputs in place, replay: the zeroing of the partial sums is in the graph
-        x.copy_(torch.randn(T, D, generator=gen).half().to(DEV))
-        g.replay()
-        torch.cuda.synchronize()
-        err = rel_err(out, sparse_ffn_ref(x, up, gate, down_t, idx, mask, n_active=nact))
-        assert err < GPU_TOL[torch.float16], err
-
-
 def test_triton_fused_at_llama13b_shape_and_in_a_graph():
     """The fused variant (Config.fused_r, T == 1: one launch, atomics into an fp32 scratch the last
     program casts and zeroes) at the 13B shape against float64 for the sweep's kinds of configs
     (one block per program, several, lazy down rows), many calls back to back (a missed atomic
     shows as an error), a packed mask with the device count, then replayed from a CUDA graph for
     new inputs (the scratch must come back zero after every replay)."""
-    from powerinfer_ray.kernels import triton_ffn
+    from powerinfer_ray.kernels import triton_ffn, triton_fused
 
     gen = torch.Generator().manual_seed(12)
     N, D = 13824, 5120
@@ -254,5 +223,126 @@ def test_triton_fused_at_llama13b_shape_and_in_a_graph():
         g.replay()
         torch.cuda.synchronize()
         assert rel_err(out, sparse_ffn_ref(x, up, gate, down_t, idx, mask, n_active=nact)) < GPU_TOL[torch.float16]
-    y32, cnt = triton_ffn._fused_scratch(x.device, D)
+    y32, cnt = triton_fused._fused_scratch(x.device, D)
     assert not y32.any() and int(cnt) == 0
+
+
+# ---- quantized rows (ggml Q4_0 / Q8_0, dequantized in registers) ---------------------------------
+# Reference: float64 over the exactly dequantized rows, x as it is (the GPU kernels do not quantize
+# x). fp32 accumulation (tf32x3 dots at T > 1) leaves ~1e-6; fp16 outputs add their rounding.
+Q_TOL = {torch.float32: 1e-4, torch.float16: 3e-3}
+
+
+def q_rows(N: int, D: int, qtype: str, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    """N random rows of D weights as gguf-py's qtype blocks, on the GPU."""
+    from gguf import GGMLQuantizationType as GQ
+    from gguf.quants import quantize
+
+    w = torch.randn(N, D, generator=gen) * scale
+    return torch.from_numpy(quantize(w.numpy(), {"q4_0": GQ.Q4_0, "q8_0": GQ.Q8_0}[qtype])).to(DEV)
+
+
+def what_differs(y: torch.Tensor, ref: torch.Tensor) -> str:
+    """Where y and the float64 reference differ most, for a failure message."""
+    d = (y.double().cpu() - ref.double().cpu()).abs()
+    if not torch.isfinite(y).all():
+        bad = (~torch.isfinite(y.cpu())).nonzero()[:3].tolist()
+        return f"non-finite output at {bad} (of {y.numel()} elements)"
+    at = divmod(int(d.argmax()), d.shape[-1])
+    return (f"rel err {rel_err(y, ref):.2e}; max |diff| {float(d.max()):.3e} at (t, d) = {at}: "
+            f"got {float(y.reshape(-1, d.shape[-1])[at]):.6g}, want {float(ref.reshape(-1, d.shape[-1])[at]):.6g}")
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("act", ["relu", "reglu", "swiglu"])
+def test_sparse_ffn_on_quantized_rows(qtype, act):
+    """sparse_ffn with a qtype (the default configs: fused at T == 1, two stages above), every
+    density and mask form, 1 / 8 / 32 / 40 tokens, fp16 and fp32 x."""
+    gen = torch.Generator().manual_seed(len(act) * 7 + len(qtype))
+    N, D = 1024, 640
+    up, down_t = q_rows(N, D, qtype, gen, D ** -0.5), q_rows(N, D, qtype, gen)
+    gate = None if act == "relu" else q_rows(N, D, qtype, gen, D ** -0.5)
+    b = (torch.randn(N, generator=gen) * 0.5).to(DEV) if act == "relu" else None
+    for i, density in enumerate(DENSITIES):
+        K = n_active(density, N)
+        for T in (1, 8, 32, 40):
+            dt = torch.float16 if (i + T) % 2 else torch.float32
+            x = torch.randn(T, D, generator=gen).to(dt).to(DEV)
+            idx = make_idx(K, N, gen, torch.int32, DEV)
+            mask = None if i % 3 == 0 else (torch.rand(T, K, generator=gen) < 0.6).to(DEV)
+            if mask is not None and i % 3 == 2 and T <= 32:
+                mask = token_bits(mask)
+            y = sparse_ffn(x, up, gate, down_t, idx, mask, act, b, out=poisoned((T, D), dt, DEV), qtype=qtype)
+            ref = sparse_ffn_ref(x, up, gate, down_t, idx, mask, act, b, qtype=qtype)
+            if K == 0:
+                assert torch.equal(y, torch.zeros_like(y)), f"{qtype} {act} T={T}: K = 0 must give zeros"
+                continue
+            assert rel_err(y, ref) < Q_TOL[dt], f"{qtype} {act} T={T} K={K} mask kind {i % 3} x {dt}: " + \
+                what_differs(y, ref)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("T", [1, 8, 64])
+def test_quantized_ffn_at_llama13b_shape_and_in_a_graph(qtype, T):
+    """The 13B shard at 10 % density on quantized rows, then the packed form with the device count
+    replayed from a CUDA graph for new x (T == 1: the fused kernel's scratch must come back zero)."""
+    from powerinfer_ray.kernels import triton_fused
+
+    gen = torch.Generator().manual_seed(T + len(qtype))
+    N, D = 13824, 5120
+    up, gate, down_t = (q_rows(N, D, qtype, gen, s) for s in (D ** -0.5, D ** -0.5, 1.0))
+    idx = make_idx(N // 10, N, gen, torch.int32, DEV)
+    x = torch.randn(T, D, generator=gen).half().to(DEV)
+    y = sparse_ffn(x, up, gate, down_t, idx, out=poisoned((T, D), torch.float16, DEV), qtype=qtype)
+    ref = sparse_ffn_ref(x, up, gate, down_t, idx, qtype=qtype)
+    assert rel_err(y, ref) < Q_TOL[torch.float16], f"{qtype} T={T}: " + what_differs(y, ref)
+    if T > 32:
+        return
+    mask = token_bits((torch.rand(T, idx.numel(), generator=gen) < 0.5).to(DEV))
+    nact = torch.tensor([N // 10 - 100], dtype=torch.int32, device=DEV)
+    out = poisoned((T, D), torch.float16, DEV)
+    sparse_ffn(x, up, gate, down_t, idx, mask, out=out, n_active=nact, qtype=qtype)  # compiled
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        sparse_ffn(x, up, gate, down_t, idx, mask, out=out, n_active=nact, qtype=qtype)
+    for _ in range(3):
+        x.copy_(torch.randn(T, D, generator=gen).half().to(DEV))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = sparse_ffn_ref(x, up, gate, down_t, idx, mask, n_active=nact, qtype=qtype)
+        assert rel_err(out, ref) < Q_TOL[torch.float16], f"{qtype} T={T} graph replay: " + what_differs(out, ref)
+    y32, cnt = triton_fused._fused_scratch(x.device, D)
+    assert not y32.any() and int(cnt) == 0, "the fused kernel left its scratch dirty"
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("R, D", [(5120, 5120), (32000, 5120), (2048, 5120)], ids=["attn", "head", "fc1"])
+def test_quantized_linear_at_real_shapes(qtype, R, D):
+    """kernels.linear on quantized rows (Triton GEMV: attention projection, output head, predictor
+    fc1) at 1, 8 and 40 tokens, with a bias, against float64 computed on the GPU."""
+    from powerinfer_ray.kernels.linear import linear, linear_ref
+
+    gen = torch.Generator().manual_seed(R)
+    w = q_rows(R, D, qtype, gen)
+    b = torch.randn(R, generator=gen).to(DEV)
+    for T in (1, 8, 40):
+        x = torch.randn(T, D, generator=gen).half().to(DEV)
+        y = linear(x, w, b, qtype=qtype)
+        ref = linear_ref(x, w, b, qtype)
+        assert y.shape == (T, R) and rel_err(y, ref) < Q_TOL[torch.float32], f"{qtype} T={T}: " + what_differs(y, ref)
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+def test_quantized_predictor_on_gpu(qtype):
+    """predictor_logits with quantized fc1 [r, D] / fc2 [N, r] (upstream writes both as Q4_0)."""
+    from powerinfer_ray.kernels import predictor_logits, predictor_logits_ref
+
+    gen = torch.Generator().manual_seed(9)
+    D, r, N = 5120, 1024, 13824
+    fc1, fc2 = q_rows(r, D, qtype, gen, D ** -0.5), q_rows(N, r, qtype, gen, r ** -0.5)
+    for T in (1, 8):
+        x = torch.randn(T, D, generator=gen).half().to(DEV)
+        got = predictor_logits(x, fc1, fc2, qtype)
+        ref = predictor_logits_ref(x, fc1, fc2, qtype)
+        assert got.dtype == x.dtype and rel_err(got, ref) < Q_TOL[torch.float16], f"{qtype} T={T}: " + \
+            what_differs(got, ref)

@@ -88,7 +88,7 @@ def test_cuda_graph_decode_equals_eager_and_reference(tmp_path, variant, split):
                 out.append(eng.primary.step([0, 1, 2], [[t] for t in toks], pos))
                 pos = [q + 1 for q in pos]
             out.append(eng.primary.step([1], [[77]], [pos[1]]))
-            assert bool(eng.primary._graphs) == graphs
+            assert bool(eng.primary.graphs) == graphs
             # one capture per batch bucket used (B = 3 -> 4, B = 1), none on replays
             assert eng.primary.stats.graph_captures == (2 if graphs else 0)
             cpu = eng.cpu.stats.neurons if eng.cpu else 0
@@ -120,10 +120,12 @@ def test_cuda_graph_decode_equals_eager_and_reference(tmp_path, variant, split):
 def test_cuda_primary_fills_the_cpu_shard_of_a_planted_model(spec):
     """The primary generates the CPU executor's rows on the GPU and writes them into its shared
     file (defer_fill): bit for bit the rows the CPU executor generates itself on the CPU."""
-    from powerinfer_ray.model.source import open_model
-    from powerinfer_ray.runtime.executor import CPUExecutor, PrimaryExecutor
+    from powerinfer_ray.model.source import open_model, rows_faster_on
+    from powerinfer_ray.runtime.cpu_executor import CPUExecutor
+    from powerinfer_ray.runtime.primary import PrimaryExecutor
 
     src = open_model(f"planted:{spec}")
+    assert rows_faster_on(src, "cuda") and not rows_faster_on(src, "cpu")  # the engine has the primary fill
     cfg = src.config
     rng = np.random.default_rng(1)
     plan = Plan.from_masks([rng.random(cfg.n_ff) < 0.4 for _ in range(cfg.n_layer)], None, cfg)

@@ -19,7 +19,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 triton = pytest.importorskip("triton")
 
 from powerinfer_ray.kernels import local_index, sparse_ffn_ref, split_active, token_bits, unpack_active  # noqa: E402
-from powerinfer_ray.kernels import triton_ffn, triton_split  # noqa: E402
+from powerinfer_ray.kernels import triton_ffn, triton_fused, triton_split  # noqa: E402
 
 from kernel_checks import TOL, make_idx, make_shard, poisoned, rel_err  # noqa: E402
 
@@ -151,61 +151,6 @@ def _check_t1(x, up, gate, down_t, idx, mask, act, b, n_act, cfg, out_dt, what: 
     assert err < TOL[out_dt], f"{what} n_active={n_act} out {out_dt}: {err:.2e}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("act", ["relu", "reglu", "swiglu"])
-def test_triton_split_variant_matches_reference(dtype, act):
-    """Config.up_sd / down_sk (T == 1): D split over programs with atomics into the pre-activations,
-    the activation applied by the down stage, active rows split over programs into an fp32 y;
-    against float64 for several splits (uneven last splits, more splits than tiles), a device
-    count below len(idx), no active row, fp32 and fp16 outputs, and OPT's up bias (relu)."""
-    gen = torch.Generator().manual_seed(len(act) + (dtype == torch.float16))
-    N, D, K = 90, 70, 41
-    up, gate, down_t, b = make_shard(N, D, dtype, act, act == "relu", gen)
-    x = torch.randn(1, D, generator=gen).to(dtype)
-    idx = make_idx(K, N, gen, torch.int32)
-    for sd, sk in ((1, 1), (3, 2), (2, 5), (7, 13)):
-        cfg = triton_ffn.Config(up_bk=8, up_bd=16, up_warps=4, down_bk=8, down_bd=32, down_warps=4,
-                                up_sd=sd, down_sk=sk)
-        assert cfg.split
-        for n_act, out_dt in ((None, torch.float32), (torch.tensor([29], dtype=torch.int32), dtype),
-                              (torch.tensor([0], dtype=torch.int32), dtype)):
-            _check_t1(x, up, gate, down_t, idx, None, act, b, n_act, cfg, out_dt, f"split sd={sd} sk={sk}")
-    out = poisoned((1, D), dtype)  # no active row at all
-    y = triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx[:0], None, act, b, out, None, cfg)
-    assert torch.equal(y, torch.zeros_like(y))
-
-
-@pytest.mark.parametrize("dtype, act", [(torch.float32, "relu"), (torch.float16, "reglu"), (torch.float16, "drelu")],
-                         ids=str)
-def test_triton_split_variant_over_tokens_matches_reference(dtype, act):
-    """The split path at T > 1 (tl.dot kernels: up_sd programs over D add pre-activations with
-    atomics, the down stage applies bias, activation and mask as it loads them, down_sk programs
-    per column block add into an fp32 y): against float64 for uneven splits and more splits than
-    tiles, both mask forms with a device count below len(idx) and of zero, T = 2 and a ragged
-    block of MAX_T + 3 tokens, fp32 and fp16 outputs, and OPT's up bias (relu)."""
-    gen = torch.Generator().manual_seed(7 + len(act))
-    N, D, K = 90, 70, 41
-    up, gate, down_t, b = make_shard(N, D, dtype, act, act == "relu", gen)
-    idx = make_idx(K, N, gen, torch.int32)
-    for T in (2, triton_ffn.MAX_T + 3):
-        x = torch.randn(T, D, generator=gen).to(dtype)
-        bits = torch.rand(T, K, generator=gen) < 0.6
-        cases = [(None, None), (bits, torch.tensor([29], dtype=torch.int32)),
-                 (token_bits(bits) if T <= 32 else bits, None), (None, torch.tensor([0], dtype=torch.int32))]
-        for sd, sk in ((2, 1), (3, 2), (7, 5)):
-            cfg = triton_ffn.Config(up_bk=16, up_bd=16, up_warps=4, down_bk=16, down_bd=32, down_warps=4,
-                                    up_sd=sd, down_sk=sk)
-            for (mask, n_act), out_dt in itertools.product(cases, (torch.float32, dtype)):
-                out, xo = poisoned((T, D), out_dt), x.to(out_dt)  # fp32 x with fp16 weights: the tf32x3 dots
-                y = triton_ffn.sparse_ffn_triton(xo, up, gate, down_t, idx, mask, act, b, out, n_act, cfg)
-                ref = sparse_ffn_ref(xo, up, gate, down_t, idx, mask, act, b, n_active=n_act)
-                what = f"T={T} sd={sd} sk={sk} mask={None if mask is None else mask.dtype} n_act={n_act} out {out_dt}"
-                if n_act is not None and int(n_act) == 0:
-                    assert torch.equal(y, torch.zeros_like(y)), what
-                else:
-                    assert rel_err(y, ref) < TOL[dtype], f"{what}: {rel_err(y, ref):.2e}"
-
-
 @pytest.mark.parametrize("dtype, act", [(torch.float32, "relu"), (torch.float16, "reglu"),
                                        (torch.bfloat16, "drelu"), (torch.float32, "swiglu")], ids=str)
 def test_triton_fused_matches_reference(dtype, act):
@@ -229,5 +174,61 @@ def test_triton_fused_matches_reference(dtype, act):
                 x = torch.randn(1, D, generator=gen).to(dtype)
                 _check_t1(x, up, gate, down_t, idx, mask, act, b, n_act, cfg, dtype,
                           f"D={D} r={r} progs={progs} eager={eager} mask={mask is not None}")
-    y32, cnt = triton_ffn._fused_scratch(x.device, 70)
+    y32, cnt = triton_fused._fused_scratch(x.device, 70)
     assert not y32.any() and int(cnt) == 0  # left zero for the next call
+
+
+def q_rows(N: int, D: int, qtype: str, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    """N random rows of D weights as gguf-py's qtype blocks (uint8 [N, D // 32 * block bytes])."""
+    from gguf import GGMLQuantizationType as GQ
+    from gguf.quants import quantize
+
+    w = torch.randn(N, D, generator=gen) * scale
+    return torch.from_numpy(quantize(w.numpy(), {"q4_0": GQ.Q4_0, "q8_0": GQ.Q8_0}[qtype]))
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("act", ["relu", "reglu", "swiglu"])
+def test_triton_sparse_ffn_on_quantized_rows(qtype, act):
+    """Every FFN kernel (fused, elementwise and tl.dot two-stage at T == 1, tl.dot at T > 1) on
+    ggml blocks dequantized in registers, against float64 over the dequantized rows (x as it is):
+    D with an odd block count and a power-of-two one (the fused kernel's two column pieces), both
+    mask forms, a device count, OPT's up bias, fp32 and fp16 x."""
+    gen = torch.Generator().manual_seed(len(act) + len(qtype))
+    N, K = 60, 23
+    t1 = [triton_ffn.Config(4, 32, 4, 16, 32, 4), triton_ffn.Config(4, 32, 4, 16, 32, 4, up_dot=False, down_dot=False),
+          triton_ffn.Config(4, 32, 4, 16, 32, 4, fused_r=2, fused_warps=2, fused_progs=1, eager_down=False)]
+    for D in (96, 64):
+        up, down_t = q_rows(N, D, qtype, gen, D ** -0.5), q_rows(N, D, qtype, gen)
+        gate = None if act == "relu" else q_rows(N, D, qtype, gen, D ** -0.5)
+        b = torch.randn(N, generator=gen) * 0.5 if act == "relu" else None
+        idx = make_idx(K, N, gen, torch.int32)
+        for T, cfgs in ((1, t1), (3, t1[:1])):
+            cases = [(None, None), (torch.rand(T, K, generator=gen) < 0.6, None),
+                     (token_bits(torch.rand(T, K, generator=gen) < 0.6), torch.tensor([15], dtype=torch.int32))]
+            for cfg, (mask, n_act) in itertools.product(cfgs, cases):
+                for dt in (torch.float32, torch.float16):
+                    x = torch.randn(T, D, generator=gen).to(dt)
+                    out = poisoned((T, D), dt)
+                    y = triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, b, out, n_act, cfg,
+                                                     qtype=qtype)
+                    ref = sparse_ffn_ref(x, up, gate, down_t, idx, mask, act, b, n_act, qtype=qtype)
+                    err = rel_err(y, ref)
+                    assert y is out and err < TOL[dt], f"D={D} T={T} {cfg} mask={mask is not None} {dt}: {err:.2e}"
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+def test_triton_linear_on_quantized_rows(qtype):
+    """The dense GEMV (attention projections, output head, predictor) at T = 1 (elementwise) and
+    T = 5 and MAX_T + 3 (tl.dot, two launches), with a bias, against float64."""
+    from powerinfer_ray.kernels.linear import linear_ref
+    from powerinfer_ray.kernels.triton_linear import linear_triton
+
+    gen = torch.Generator().manual_seed(3)
+    R, D = 45, 160
+    w = q_rows(R, D, qtype, gen)
+    b = torch.randn(R, generator=gen)
+    for T in (1, 5, triton_ffn.MAX_T + 3):
+        x = torch.randn(T, D, generator=gen)
+        y = linear_triton(x, w, qtype, b)
+        assert y.dtype == torch.float32 and rel_err(y, linear_ref(x, w, b, qtype)) < TOL[torch.float32], T

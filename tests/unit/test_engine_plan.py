@@ -14,6 +14,7 @@ from powerinfer_ray.model.source import open_model
 from powerinfer_ray.placement.gpuidx import gpuidx_path, read_gpuidx
 from powerinfer_ray.runtime.config import GIB
 from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine, resolve_plan
+from powerinfer_ray.runtime.plan import Plan
 
 
 @pytest.fixture()
@@ -113,21 +114,21 @@ def test_prefill_chunk_defaults_by_device_and_checks_values():
 
 
 def test_hot_first_cpu_rows_give_the_same_logits():
-    """The resolved plan orders each layer's CPU rows hottest first; the CPU shard, its mask and
-    the predictor's rows follow that order, so every step's logits equal those of the same split
-    in ascending id order (up to fp32 summation order)."""
+    """The engine's plan orders each layer's CPU rows by activation count (``Plan.hot_first``);
+    the CPU shard, its mask and the predictor's rows follow that order, so every step's logits
+    equal those of an engine given the same split in ascending ids (up to fp32 summation order)."""
     from powerinfer_ray.runtime.config import activation_counts
-    from powerinfer_ray.runtime.plan import Plan
 
     spec = "planted:tiny"
     src = open_model(spec)
     counts = activation_counts(src, spec)[0]
-    ec = dict(gpu_fraction=0.3, policy="predictor", max_batch=1, prefill_chunk=8)
-    plans = {"id": Plan.hottest(src.config, 0.3, counts, 0), "hot": resolve_plan(EngineConfig(spec, **ec))}
-    prompt, logits = list(range(3, 19)), {}
-    for order, plan in plans.items():
-        eng = LocalEngine(EngineConfig(spec, **{**ec, "plan": plan}))
+    ec = dict(policy="predictor", max_batch=1, prefill_chunk=8)
+    by_id = Plan.hottest(src.config, 0.3, counts)  # the same split, CPU rows in ascending ids
+    prompt, logits, plans = list(range(3, 19)), {}, {}
+    for order, kw in (("id", dict(plan=by_id)), ("hot", dict(gpu_fraction=0.3))):
+        eng = LocalEngine(EngineConfig(spec, **ec, **kw))
         try:
+            plans[order] = eng.primary.plan
             steps = [eng.primary.step([0], [prompt[i:i + 8]], [i])[0] for i in (0, 8)]
             steps += [eng.primary.step([0], [[t]], [len(prompt) + i])[0] for i, t in enumerate(range(40, 48))]
             logits[order] = np.stack(steps)
@@ -136,6 +137,7 @@ def test_hot_first_cpu_rows_give_the_same_logits():
             eng.close()
     for l, (a, b) in enumerate(zip(plans["id"].layers, plans["hot"].layers)):
         assert np.array_equal(a.gpu_neurons, b.gpu_neurons)
+        assert np.array_equal(a.cpu_neurons, np.sort(a.cpu_neurons))
         assert np.array_equal(np.sort(b.cpu_neurons), a.cpu_neurons)  # the same neurons
         assert np.all(np.diff(counts[l][b.cpu_neurons]) <= 0)  # hottest first
         assert not np.array_equal(a.cpu_neurons, b.cpu_neurons)  # reordered: the test is not vacuous

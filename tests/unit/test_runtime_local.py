@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -148,7 +149,7 @@ def test_graph_decode_segments_equal_dense_reference(models, variant, split):
     try:
         prompts, nxt = [[5, 6, 7], list(range(10, 22)), [200, 1, 2, 3]], [[11, 12, 13], [40, 41, 42]]
         got = _decode_batch(eng, prompts, nxt)
-        assert set(eng.primary._graphs) == {1, 4}  # the segment path, 3 sequences padded to 4
+        assert set(eng.primary.graphs) == {1, 4}  # the segment path, 3 sequences padded to 4
         for slot, p in enumerate(prompts):
             full = ref.forward(p + [t[slot] for t in nxt] + ([8] if slot == 0 else []), ref.new_cache())
             for j in range(len(nxt)):
@@ -162,31 +163,27 @@ def test_graph_decode_segments_equal_dense_reference(models, variant, split):
 
 
 @pytest.mark.parametrize("variant", ["opt", "llama-reglu"])
-def test_dense_policy_reads_every_cpu_row_in_full(models, variant, monkeypatch):
+def test_dense_policy_reads_every_cpu_row_in_full(models, variant):
     """Policy 'dense' (the layer-offload baseline) reads every byte of the CPU executor's rows, as a
     dense FFN does: the down rows of zero activations too (ReLU / ReGLU zero most of them here;
-    the counter is the kernel's, checked against hand counts in tests/kernels/test_cpu_bitmask.py).
-    $POWERINFER_RAY_DENSE_SKIP=1 skips those rows: fewer bytes, the same logits."""
+    the counter is the kernel's, checked against hand counts in tests/kernels/test_cpu_bitmask.py),
+    and its logits are the dense forward's."""
     path = models[variant]
-    cfg = ReferenceModel.from_file(path).cfg
-    plan = _plans(cfg)["mixed"]
-    full = sum(len(lp.cpu_neurons) for lp in plan.layers) * cfg.neuron_bytes  # per step
-    got = {}
-    for skip in ("0", "1"):
-        monkeypatch.setenv("POWERINFER_RAY_DENSE_SKIP", skip)
-        eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="dense", prefill_chunk=16, max_batch=4))
-        try:
-            got[skip] = _run_steps(eng, [3, 4, 5, 6, 7], [9, 10, 11], 16)
-            st = eng.cpu.stats
-            assert st.exchanges == 4 * cfg.n_layer  # one exchange per layer and step
-            if skip == "0":
-                assert st.active_bytes == 4 * full
-            else:
-                assert 0 < st.active_bytes < 4 * full
-        finally:
-            eng.close()
-    for a, b in zip(got["0"], got["1"]):
-        torch.testing.assert_close(torch.from_numpy(b), torch.from_numpy(a), rtol=1e-5, atol=1e-5)
+    ref = ReferenceModel.from_file(path)
+    plan = _plans(ref.cfg)["mixed"]
+    full = sum(len(lp.cpu_neurons) for lp in plan.layers) * ref.cfg.neuron_bytes  # per step
+    eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="dense", prefill_chunk=16, max_batch=4))
+    try:
+        prompt, decode = [3, 4, 5, 6, 7], [9, 10, 11]
+        got = _run_steps(eng, prompt, decode, 16)
+        st = eng.cpu.stats
+        assert st.exchanges == 4 * ref.cfg.n_layer  # one exchange per layer and step
+        assert st.active_bytes == 4 * full
+    finally:
+        eng.close()
+    want = ref.forward(prompt + decode, ref.new_cache())
+    for g, w in zip(got, [want[len(prompt) - 1]] + [want[len(prompt) + j] for j in range(len(decode))]):
+        torch.testing.assert_close(torch.from_numpy(g), w, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("variant", ["llama-reglu", "opt", "falcon-gqa"])
@@ -320,32 +317,71 @@ def test_coordinator_stops_and_limits(models):
         eng.close()
 
 
+def test_local_engine_is_driven_from_any_event_loop(models):
+    """LocalEngine with a CPU executor, driven from two successive asyncio.run() calls (each a new
+    event loop) and then from two loops at once (two threads): every completion equals the dense
+    greedy tokens; a caller that gives up cancels its request and frees its slot."""
+    path = models["llama-gqa"]
+    ref = ReferenceModel.from_file(path)
+    eng = LocalEngine(EngineConfig(str(path), plan=_plans(ref.cfg)["split-heads"], policy="oracle", max_batch=2))
+    prompts = [list(range(7, 19)), [40, 41, 42, 43, 44]]
+    want = [ref.generate_greedy(p, 6) for p in prompts]
+    gen = lambda p: eng.generate(prompt_token_ids=p, max_tokens=6, ignore_eos=True)  # noqa: E731
+    try:
+        for _ in range(2):
+            assert asyncio.run(gen(prompts[0]))["token_ids"] == want[0]
+        other: list[dict] = []
+        th = threading.Thread(target=lambda: other.append(asyncio.run(gen(prompts[1]))))
+        th.start()
+        first = asyncio.run(gen(prompts[0]))
+        th.join(timeout=120)
+        assert first["token_ids"] == want[0] and other[0]["token_ids"] == want[1]
+
+        async def give_up():
+            await asyncio.wait_for(eng.generate(prompt_token_ids=prompts[0], max_tokens=50, ignore_eos=True), 0.05)
+
+        with pytest.raises(asyncio.TimeoutError):
+            asyncio.run(give_up())
+        deadline = time.monotonic() + 60
+        while ((st := eng.coordinator.stats())["aborted"] < 1 or st["running"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        st = eng.coordinator.stats()
+        assert st["aborted"] == 1 and st["running"] == 0 and st["finished"] == 4
+    finally:
+        eng.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        asyncio.run(gen(prompts[0]))
+
+
 def test_primary_maps_the_cpu_executors_rows_instead_of_copying_them(tmp_path, monkeypatch):
     """Dense prefill reads the CPU executor's own pages (runtime/sharedshard.py): a row changed on
-    the CPU executor's side is what the primary sees; nothing is left in /dev/shm; with sharing
-    off the primary makes its own copy and the logits are the same."""
+    the CPU executor's side is what the primary sees; nothing is left in /dev/shm; where /dev/shm
+    has no room for the rows the primary makes its own copy and the logits are the same."""
+    from powerinfer_ray.runtime import sharedshard
     from powerinfer_ray.runtime.channel import SHM_DIR
 
     path = write_tiny_model(tmp_path / "m.gguf", "llama-reglu", seed=4, n_layer=2, n_ctx=64, predictor_rank=16)
     plan = _plans(ReferenceModel.from_file(path).cfg)["mixed"]
     before = set(SHM_DIR.glob("powerinfer-shard-*"))
     prompt, out = list(range(3, 23)), {}
-    for share in ("1", "0"):
-        monkeypatch.setenv("POWERINFER_RAY_SHARE_SHARD", share)
+    for shared in (True, False):
+        if not shared:  # /dev/shm "full": more headroom asked for than any tmpfs has
+            monkeypatch.setattr(sharedshard, "HEADROOM", 1 << 60)
         eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="predictor", threshold=0.3, prefill_chunk=32,
                                        prefill_dense_min=8))
         try:
-            assert eng.primary.cold_source == ("shared" if share == "1" else "copy")
+            assert eng.primary.cold.source == ("shared" if shared else "copy")
+            assert (eng.cpu.shard_spec is not None) == shared
             assert set(SHM_DIR.glob("powerinfer-shard-*")) == before  # no name left behind
-            out[share] = eng.primary.step([0], [prompt], [0])[0]
-            if share == "1":
-                cpu_up, cold_up = eng.cpu.ffn[1].up, eng.primary.cold[1].up
+            out[shared] = eng.primary.step([0], [prompt], [0])[0]
+            if shared:
+                cpu_up, cold_up = eng.cpu.ffn[1].up, eng.primary.cold.rows[1].up
                 assert cpu_up.data_ptr() != cold_up.data_ptr() and torch.equal(cpu_up, cold_up.to(cpu_up.dtype))
                 cpu_up[0, :4] = 7.0  # the same pages, two mappings
                 assert torch.equal(cold_up[0, :4], torch.full((4,), 7.0, dtype=cold_up.dtype))
         finally:
             eng.close()
-    torch.testing.assert_close(torch.from_numpy(out["1"]), torch.from_numpy(out["0"]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.from_numpy(out[True]), torch.from_numpy(out[False]), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("spec", ["tiny", "tiny-opt"])  # gated rows; ReLU rows with an up bias
@@ -354,7 +390,8 @@ def test_primary_fills_the_cpu_executors_rows_of_a_planted_model(spec):
     writes them in (runtime/sharedshard.py fill): the CPU executor's shard then equals the one it
     loads itself, bias included; when the primary cannot, the CPU executor writes them itself."""
     from powerinfer_ray.model.source import open_model
-    from powerinfer_ray.runtime.executor import CPUExecutor, PrimaryExecutor
+    from powerinfer_ray.runtime.cpu_executor import CPUExecutor
+    from powerinfer_ray.runtime.primary import PrimaryExecutor
 
     src = open_model(f"planted:{spec}")
     plan = _plans(src.config)["mixed"]
@@ -408,7 +445,7 @@ def test_share_lays_rows_out_and_rejects_rows_that_do_not_fit():
 
 
 def test_one_thread_runs_in_order_and_passes_results_and_errors():
-    from powerinfer_ray.runtime.executor import OneThread
+    from powerinfer_ray.runtime.cpu_executor import OneThread
 
     r = OneThread("t")
     try:
@@ -429,7 +466,7 @@ def test_cpu_executor_loads_and_computes_in_its_one_thread(models, monkeypatch):
     """Loading (torch) and the per-layer kernels run in the CPU executor's worker thread: one
     thread starting OpenMP regions, so libgomp keeps one pool and keeps its workers spinning
     (two pools outnumbering the cores put them to sleep between regions: OneThread)."""
-    from powerinfer_ray.runtime import executor
+    from powerinfer_ray.runtime import cpu_executor as executor
 
     threads: dict[str, set[int]] = {"load": set(), "kernel": set(), "attention": set()}
 

@@ -1,0 +1,156 @@
+"""The compiled CPU kernels (csrc/sparse_ffn.cpp and its headers): build at first use, load, bind.
+
+The C++ source is compiled once per machine with the system compiler (`g++ -O3 -march=native
+-fopenmp`: the vector code follows the CPU's instruction set, see csrc/simd.h and csrc/quant.h)
+into a cache directory and loaded with ctypes; no torch headers, no build step at install time.
+When no compiler works, `library()` returns None, a warning says so once, and callers fall back
+to the torch path.
+
+Cache directory, the kernels' one environment read: $POWERINFER_RAY_CACHE/kernels, else
+$XDG_CACHE_HOME/powerinfer_ray/kernels, else ~/.cache/powerinfer_ray/kernels. The file name
+hashes the sources, the flags, the compiler and the CPU's feature flags, so a home directory
+shared between different CPUs never loads a foreign build.
+
+A process uses one build: the default one, or a variant that `select_build(cflags)` loads before
+the first kernel call (extra compiler flags: the A/B macros of csrc/sparse_ffn.cpp for benchmarks,
+or e.g. -mno-avx512f for the tests of each vector path).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+CSRC = Path(__file__).with_name("csrc")
+MAIN = CSRC / "sparse_ffn.cpp"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FALLBACK_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")  # compilers without -march=native
+COMPILERS = ("g++", "c++", "clang++")
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_lib_cflags: tuple[str, ...] = ()
+_lib_failed = False
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("POWERINFER_RAY_CACHE")
+    if root:
+        return Path(root) / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg or Path.home() / ".cache") / "powerinfer_ray" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return next((c for c in COMPILERS if shutil.which(c)), None)
+
+
+def _sources() -> bytes:
+    return b"".join(p.name.encode() + p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))
+
+
+def build(cflags: Sequence[str] = (), cxx: str | None = None) -> Path:
+    """The shared library of the kernels built with FLAGS plus `cflags` (compiled unless cached);
+    RuntimeError with the compiler's message if it cannot be built."""
+    cxx = cxx or _compiler()
+    if cxx is None:
+        raise RuntimeError(f"no C++ compiler found (looked for {', '.join(COMPILERS)} on PATH)")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    key = hashlib.sha256(_sources() + " ".join(FLAGS + tuple(cflags)).encode() + version.encode()
+                         + _cpu_flags().encode()).hexdigest()[:16]
+    out = cache_dir() / f"sparse_ffn-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for flags in (FLAGS, FALLBACK_FLAGS):
+        # Build into a temporary file and rename: concurrent processes never load a partial .so.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        proc = subprocess.run([cxx, *flags, *cflags, str(MAIN), "-o", tmp], capture_output=True, text=True)
+        if proc.returncode == 0:
+            os.replace(tmp, out)
+            return out
+        os.unlink(tmp)
+        errors.append(proc.stderr[-2000:])
+    raise RuntimeError(f"{cxx} could not build {MAIN.name}:\n" + "\n".join(errors))
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.pi_sparse_ffn.restype = i64
+    lib.pi_sparse_ffn.argtypes = [p, i64, i64, p, p, p, i32, i64, i64, i64, i64, p, i32,
+                                  p, i32, i64, p, i32, i64, i32, p, i32, p, i32, i32]
+    lib.pi_sparse_ffn_bitmask.restype = i64
+    lib.pi_sparse_ffn_bitmask.argtypes = [p, i32, i64, i64, i64, p, p, p, i32, i64, i64, i64, i64, p, i32,
+                                          p, i64, i64, i32, p, i32, p, i32, i32, i32, p]
+    lib.pi_scratch_bytes.restype = i64
+    lib.pi_scratch_bytes.argtypes = [i64, i64, i64, i32, i32, i32, i32, i32]
+    lib.pi_read_sum.restype = ctypes.c_double
+    lib.pi_read_sum.argtypes = [p, i64, i32]
+    lib.pi_linear.restype = i64
+    lib.pi_linear.argtypes = [p, i64, i64, p, i32, i64, i64, p, i32]
+    lib.pi_quantize_q8_0.restype = i64
+    lib.pi_quantize_q8_0.argtypes = [p, i64, p]
+    lib.pi_simd_width.restype = i32
+    lib.pi_quant_isa.restype = i32
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The process's kernel library, compiled at first use; None (with one warning) if impossible."""
+    global _lib, _lib_failed
+    if _lib is not None or _lib_failed:
+        return _lib
+    with _lock:
+        if _lib is None and not _lib_failed:
+            try:
+                _lib = _bind(ctypes.CDLL(str(build())))
+            except (RuntimeError, OSError) as e:
+                _lib_failed = True
+                warnings.warn(f"powerinfer_ray.kernels: the compiled CPU kernels are unavailable, "
+                              f"using the slower torch path instead ({e})", RuntimeWarning, stacklevel=3)
+    return _lib
+
+
+def select_build(cflags: Sequence[str]) -> ctypes.CDLL:
+    """Load the build with extra compiler flags `cflags` as this process's library (before its first
+    kernel call; the same flags again are a no-op). ValueError if another build is loaded."""
+    global _lib, _lib_cflags
+    cflags = tuple(cflags)
+    with _lock:
+        if _lib is not None:
+            if _lib_cflags != cflags:
+                raise ValueError(f"select_build: cflags {cflags} requested, but this process already loaded "
+                                 f"the build with {_lib_cflags}; select a build before the first kernel call")
+            return _lib
+        _lib, _lib_cflags = _bind(ctypes.CDLL(str(build(cflags)))), cflags
+        return _lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def simd_width() -> int:
+    """fp32 lanes of the build's vector code (16 AVX-512, 8 AVX2 or portable), 0 without a build."""
+    lib = library()
+    return int(lib.pi_simd_width()) if lib is not None else 0

@@ -1,0 +1,85 @@
+"""The sparse FFN in torch ops: its float64 reference and the gather path that runs on any device.
+
+Dimension legend: T tokens, D n_embd, N rows of the shard, K active neurons (idx). See
+sparse_ffn.py for the operation; both forms here take its arguments (already checked). With a
+qtype the weights are quantized rows (quant.py), dequantized exactly after the gather.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .quant import dequantize
+
+ACTS = ("relu", "reglu", "drelu", "swiglu")
+
+
+def _activation(act: str, u: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+    """h = act(g, u) elementwise, in u's dtype."""
+    if act == "relu":
+        return torch.relu(u)
+    if act == "reglu":
+        return torch.relu(g) * u
+    if act == "drelu":
+        return torch.relu(g) * torch.relu(u)
+    return F.silu(g) * u  # swiglu
+
+
+def bits_to_mask(bits: torch.Tensor, T: int) -> torch.Tensor:
+    """int32 token bitmask [K] -> bool [T, K]."""
+    shifts = torch.arange(T, device=bits.device, dtype=torch.int32)[:, None]  # [T, 1]
+    return ((bits.to(torch.int32)[None, :] >> shifts) & 1).bool()  # [T, K]
+
+
+def rows_of(w: torch.Tensor, rows: torch.Tensor, qtype: str | None, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `rows` of w in dtype: [K, D] (quantized rows dequantized)."""
+    r = w.index_select(0, rows)
+    return r.to(dtype) if qtype is None else dequantize(r, qtype, dtype)
+
+
+def sparse_ffn_ref(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
+                   idx: torch.Tensor, mask: torch.Tensor | None = None, act: str = "reglu",
+                   up_bias: torch.Tensor | None = None, n_active: torch.Tensor | None = None,
+                   qtype: str | None = None) -> torch.Tensor:
+    """The float64 reference of `sparse_ffn`: y [T, D] in float64, loop-free and obvious. For the
+    CPU kernels on quantized rows pass x = quant.round_q8_0(x), the activation they multiply."""
+    T = x.shape[0]
+    K = idx.shape[0] if n_active is None else int(n_active.reshape(-1)[0])
+    rows = idx[:K].long()  # [K]
+    if mask is not None and mask.dtype != torch.bool:
+        mask = bits_to_mask(mask, T)
+    xd = x.double()  # [T, D]
+    u = xd @ rows_of(up, rows, qtype, torch.float64).T  # [T, K]
+    if up_bias is not None:
+        u = u + up_bias[rows].double()[None, :]
+    g = xd @ rows_of(gate, rows, qtype, torch.float64).T if gate is not None else None  # [T, K]
+    h = _activation(act, u, g)  # [T, K]
+    if mask is not None:
+        h = h * mask[:, :K].double()
+    return h @ rows_of(down_t, rows, qtype, torch.float64)  # [T, D]
+
+
+def sparse_ffn_torch(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
+                     idx: torch.Tensor, mask: torch.Tensor | None = None, act: str = "reglu",
+                     up_bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                     n_active: torch.Tensor | None = None, qtype: str | None = None) -> torch.Tensor:
+    """The torch path: gather the active rows, multiply in fp32. Works on any device."""
+    T, D = x.shape
+    if n_active is not None:  # host read of the count: this path syncs
+        K = min(int(n_active.reshape(-1)[0]), idx.shape[0])
+        idx = idx[:K]
+        if mask is not None:
+            mask = mask[:, :K] if mask.dtype == torch.bool else mask[:K]
+    rows = idx.long()  # [K]
+    xf = x.float()  # [T, D]
+    u = xf @ rows_of(up, rows, qtype, torch.float32).T  # [T, K]
+    if up_bias is not None:
+        u = u + up_bias.index_select(0, rows).float()[None, :]
+    g = xf @ rows_of(gate, rows, qtype, torch.float32).T if gate is not None else None  # [T, K]
+    h = _activation(act, u, g)  # [T, K]
+    if mask is not None:
+        h = h * (mask if mask.dtype == torch.bool else bits_to_mask(mask, T)).float()
+    y = h @ rows_of(down_t, rows, qtype, torch.float32)  # [T, D]
+    if out is None:
+        return y.to(x.dtype)
+    return out.copy_(y)

@@ -1,0 +1,310 @@
+"""The two-stage Triton kernels of the sparse FFN and what the FFN kernels share (imported lazily:
+triton is optional).
+
+Dimension legend: T tokens, TP = T padded for tl.dot (>= 16), D n_embd, K active rows (idx),
+BK rows per tile, BD columns per tile.
+
+Two launches, no atomics, no memset, fp32 accumulation:
+  1. up stage, grid cdiv(K, BK): a program owns BK active neurons, streams their up (and gate)
+     rows over D once, and writes h [T, K] fp32 = mask * act(gate . x, up . x + b).
+  2. down stage, grid cdiv(D, BD): a program owns BD output columns, streams the BD-wide slices
+     of all active down_t rows, and writes y [T, BD] in y's dtype. A row whose h is zero for every
+     token is not loaded (masked loads issue no memory traffic).
+T == 1 uses elementwise multiply-add kept as [BK, BD] partial sums, reduced once at the end (or
+the tl.dot kernels: Config.up_dot / down_dot); T > 1 uses tl.dot with tokens padded to 16
+(fp16 / bf16 operands when x has the weights' dtype, else fp32 operands under tf32x3). The down
+stage multiplies fp32 h with the weights widened to fp32 under tf32 (fp16 / bf16 weights are exact
+in tf32) or tf32x3 (fp32 and quantized weights).
+
+Weights are plain rows (QT 0) or ggml blocks (QT 1 q4_0, QT 2 q8_0; quant.py): `_w_tile` loads a
+tile of either as values, dequantizing blocks in registers, so every FFN kernel serves both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+ACT_CODE = {"relu": 0, "reglu": 1, "drelu": 2, "swiglu": 3, "none": 4}  # none: h = u (the dense linear)
+QT_CODE = {None: 0, "q4_0": 1, "q8_0": 2}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tile sizes of the FFN kernels (chosen by bench/kernels_bench.py --sweep on the H200).
+    up_dot / down_dot: at T == 1, use the tl.dot kernels (tokens padded to 16) instead of the
+    elementwise ones; tl.dot loops get cp.async software pipelining (num_stages), which keeps
+    more bytes in flight than the elementwise loops. T > 1 always uses tl.dot. fused_r > 0 (T ==
+    1): the fused kernel of triton_fused.py instead of the two stages."""
+
+    up_bk: int
+    up_bd: int
+    up_warps: int
+    down_bk: int
+    down_bd: int
+    down_warps: int
+    up_stages: int = 3
+    down_stages: int = 3
+    up_dot: bool = True
+    down_dot: bool = True
+    # Fused kernel (T == 1; fused_r > 0 selects it): one launch of fused_progs programs per SM,
+    # each walking blocks of fused_r active rows with the next block's whole up, gate and down rows
+    # in flight (eager_down: before the activation is known; else a zero activation skips its down
+    # row), h * down summed in registers, then added into an fp32 scratch with atomics; the last
+    # program to finish casts it into y and zeroes it again (fused_warps warps per program).
+    fused_r: int = 0
+    fused_warps: int = 8
+    fused_progs: int = 2
+    eager_down: bool = True
+
+    @property
+    def fused(self) -> bool:
+        return self.fused_r > 0
+
+
+@triton.jit
+def _w_tile(ptr, rows, stride, cols, mask, QT: tl.constexpr):
+    """[R, C] tile of weight rows `rows` [R] at columns `cols` [C] (mask [R, C]): the stored values
+    (QT 0), or for ggml blocks (QT 1 q4_0, QT 2 q8_0; row stride in bytes) the dequantized fp32
+    values: the block's f16 scale d times (nibble - 8) or the int8 q."""
+    if QT == 0:
+        w = tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+    else:
+        blk = ptr + rows[:, None] * stride + (cols // 32 * (2 + 16 * QT))[None, :]  # [R, C] block starts (18 / 34 B)
+        lo = tl.load(blk, mask=mask, other=0).to(tl.uint16)
+        hi = tl.load(blk + 1, mask=mask, other=0).to(tl.uint16)
+        d = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+        i = cols % 32
+        if QT == 1:  # byte i % 16: element i in the low nibble, i + 16 in the high one
+            byte = tl.load(blk + 2 + (i % 16)[None, :], mask=mask, other=0)
+            q = tl.where((i < 16)[None, :], byte & 15, byte >> 4).to(tl.int32) - 8
+        else:
+            q = tl.load(blk + 2 + i[None, :], mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.int32)
+        w = q.to(tl.float32) * d
+    return w
+
+
+@triton.jit
+def _act(u, g, ACT: tl.constexpr):
+    if ACT == 0:
+        h = tl.maximum(u, 0.0)
+    elif ACT == 1:
+        h = tl.where(g > 0, g * u, 0.0)
+    elif ACT == 2:
+        h = tl.where((g > 0) & (u > 0), g * u, 0.0)
+    elif ACT == 3:
+        h = g / (1.0 + tl.exp(-g)) * u
+    else:  # none: the dense linear
+        h = u
+    return h
+
+
+@triton.jit
+def _block_rows(idx_ptr, b, kc, R: tl.constexpr):
+    """Entries, their mask (< kc) and row ids of block b of R active rows (none past the end)."""
+    offs = b * R + tl.arange(0, R)
+    m = offs < kc
+    return offs, m, tl.load(idx_ptr + offs, mask=m, other=0).to(tl.int64)
+
+
+@triton.jit
+def _rows_dot_x(x_ptr, up_ptr, gate_ptr, rows, kmask, D, s_up, s_gate,
+                HAS_GATE: tl.constexpr, QT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+    """T == 1: (up . x, gate . x) of BK rows, as [BK] fp32 sums."""
+    acc_u = tl.zeros((BK, BD), dtype=tl.float32)
+    acc_g = tl.zeros((BK, BD), dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        offs_d = d0 + tl.arange(0, BD)  # [BD]
+        dmask = offs_d < D
+        xv = tl.load(x_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)  # [BD]
+        wmask = kmask[:, None] & dmask[None, :]
+        wu = _w_tile(up_ptr, rows, s_up, offs_d, wmask, QT)  # [BK, BD]
+        acc_u += wu.to(tl.float32) * xv[None, :]
+        if HAS_GATE:
+            wg = _w_tile(gate_ptr, rows, s_gate, offs_d, wmask, QT)
+            acc_g += wg.to(tl.float32) * xv[None, :]
+    return tl.sum(acc_u, axis=1), tl.sum(acc_g, axis=1)
+
+
+@triton.jit
+def _up_gemv_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_ptr, h_ptr,
+                    D, K, s_up, s_gate,
+                    ACT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    MASK_MODE: tl.constexpr, HAS_NACT: tl.constexpr, QT: tl.constexpr,
+                    BK: tl.constexpr, BD: tl.constexpr):
+    """T == 1: h[k] for BK active rows; x [D], h [K]."""
+    pid = tl.program_id(0)
+    if HAS_NACT:
+        K = tl.minimum(tl.load(nact_ptr), K)
+    offs_k, kmask, rows = _block_rows(idx_ptr, pid, K, BK)  # [BK]
+    u, g = _rows_dot_x(x_ptr, up_ptr, gate_ptr, rows, kmask, D, s_up, s_gate, HAS_GATE, QT, BK, BD)  # [BK]
+    if HAS_BIAS:
+        u += tl.load(bias_ptr + rows, mask=kmask, other=0.0).to(tl.float32)
+    h = _act(u, g, ACT)
+    if MASK_MODE == 1:
+        h = tl.where(tl.load(mask_ptr + offs_k, mask=kmask, other=0) != 0, h, 0.0)
+    elif MASK_MODE == 2:
+        h = tl.where((tl.load(mask_ptr + offs_k, mask=kmask, other=0) & 1) != 0, h, 0.0)
+    tl.store(h_ptr + offs_k, h, mask=kmask)
+
+
+@triton.jit
+def _h_tile(u, g, rows, offs_k, offs_t, kmask, tmask, bias_ptr, mask_ptr, s_mask,
+            ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_MODE: tl.constexpr):
+    """h [BK, TP] = act(g, u + bias) of BK active rows and TP (padded) tokens, zero where the mask,
+    the row count or the token count say inactive."""
+    if HAS_BIAS:
+        u += tl.load(bias_ptr + rows, mask=kmask, other=0.0).to(tl.float32)[:, None]
+    h = _act(u, g, ACT)
+    live = kmask[:, None] & tmask[None, :]
+    if MASK_MODE == 1:
+        live = live & (tl.load(mask_ptr + offs_t[None, :] * s_mask + offs_k[:, None], mask=live, other=0) != 0)
+    elif MASK_MODE == 2:
+        bits = tl.load(mask_ptr + offs_k, mask=kmask, other=0)  # [BK]
+        live = live & (((bits[:, None] >> offs_t[None, :]) & 1) != 0)
+    return tl.where(live, h, 0.0)
+
+
+@triton.jit
+def _up_dot_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_ptr, h_ptr,
+                   T, D, K, s_x, s_up, s_gate, s_mask, s_h,
+                   ACT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   MASK_MODE: tl.constexpr, HAS_NACT: tl.constexpr, DOT_F32: tl.constexpr, QT: tl.constexpr,
+                   TP: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+    """T > 1: h[t, k] for BK active rows and all tokens; x [T, D], h [T, K]."""
+    pid = tl.program_id(0)
+    if HAS_NACT:
+        K = tl.minimum(tl.load(nact_ptr), K)
+    offs_k, kmask, rows = _block_rows(idx_ptr, pid, K, BK)  # [BK]
+    offs_t = tl.arange(0, TP)  # [TP]
+    tmask = offs_t < T
+    acc_u = tl.zeros((BK, TP), dtype=tl.float32)
+    acc_g = tl.zeros((BK, TP), dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        offs_d = d0 + tl.arange(0, BD)
+        dmask = offs_d < D
+        xt = tl.load(x_ptr + offs_t[:, None] * s_x + offs_d[None, :],
+                     mask=tmask[:, None] & dmask[None, :], other=0.0)  # [TP, BD]
+        wmask = kmask[:, None] & dmask[None, :]
+        wu = _w_tile(up_ptr, rows, s_up, offs_d, wmask, QT)  # [BK, BD]
+        if DOT_F32:
+            xf = tl.trans(xt.to(tl.float32))  # [BD, TP]
+            acc_u = tl.dot(wu.to(tl.float32), xf, acc_u, input_precision="tf32x3")
+        else:
+            acc_u = tl.dot(wu, tl.trans(xt), acc_u)
+        if HAS_GATE:
+            wg = _w_tile(gate_ptr, rows, s_gate, offs_d, wmask, QT)
+            if DOT_F32:
+                acc_g = tl.dot(wg.to(tl.float32), tl.trans(xt.to(tl.float32)), acc_g, input_precision="tf32x3")
+            else:
+                acc_g = tl.dot(wg, tl.trans(xt), acc_g)
+    h = _h_tile(acc_u, acc_g, rows, offs_k, offs_t, kmask, tmask, bias_ptr, mask_ptr, s_mask,
+                ACT, HAS_BIAS, MASK_MODE)
+    tl.store(h_ptr + offs_t[None, :] * s_h + offs_k[:, None], h, mask=kmask[:, None] & tmask[None, :])
+
+
+@triton.jit
+def _down_gemv_kernel(h_ptr, down_ptr, idx_ptr, nact_ptr, y_ptr, D, K, s_down,
+                      HAS_NACT: tl.constexpr, QT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+    """T == 1: y[d] = sum_k h[k] down_t[idx[k], d] for BD columns."""
+    pid = tl.program_id(0)
+    if HAS_NACT:
+        K = tl.minimum(tl.load(nact_ptr), K)
+    offs_d = pid * BD + tl.arange(0, BD)  # [BD]
+    dmask = offs_d < D
+    acc = tl.zeros((BK, BD), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)  # [BK]
+        kmask = offs_k < K
+        rows = tl.load(idx_ptr + offs_k, mask=kmask, other=0).to(tl.int64)
+        h = tl.load(h_ptr + offs_k, mask=kmask, other=0.0)  # [BK]
+        live = kmask & (h != 0)  # zero activation: skip the row's bytes
+        w = _w_tile(down_ptr, rows, s_down, offs_d, live[:, None] & dmask[None, :], QT)  # [BK, BD]
+        acc += h[:, None] * w.to(tl.float32)
+    tl.store(y_ptr + offs_d, tl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _down_dot_kernel(h_ptr, down_ptr, idx_ptr, nact_ptr, y_ptr, T, D, K, s_down, s_h, s_y,
+                     HAS_NACT: tl.constexpr, PREC: tl.constexpr, QT: tl.constexpr,
+                     TP: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+    """T > 1: y[t, d] = sum_k h[t, k] down_t[idx[k], d] for all tokens and BD columns."""
+    pid = tl.program_id(0)
+    if HAS_NACT:
+        K = tl.minimum(tl.load(nact_ptr), K)
+    offs_d = pid * BD + tl.arange(0, BD)
+    dmask = offs_d < D
+    offs_t = tl.arange(0, TP)
+    tmask = offs_t < T
+    acc = tl.zeros((TP, BD), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        kmask = offs_k < K
+        rows = tl.load(idx_ptr + offs_k, mask=kmask, other=0).to(tl.int64)
+        h = tl.load(h_ptr + offs_t[:, None] * s_h + offs_k[None, :],
+                    mask=tmask[:, None] & kmask[None, :], other=0.0)  # [TP, BK]
+        live = kmask & (tl.max(tl.abs(h), axis=0) > 0)  # [BK]
+        w = _w_tile(down_ptr, rows, s_down, offs_d, live[:, None] & dmask[None, :], QT)  # [BK, BD]
+        acc = tl.dot(h, w.to(tl.float32), acc, input_precision=PREC)
+    tl.store(y_ptr + offs_t[:, None] * s_y + offs_d[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=tmask[:, None] & dmask[None, :])
+
+
+def mask_args(mask: torch.Tensor | None, dummy: torch.Tensor) -> tuple[int, torch.Tensor, int]:
+    """(MASK_MODE, pointer, row stride): 0 none, 1 bool [T, K] (as uint8: triton has no bool
+    pointers), 2 int32 token bits [K]."""
+    if mask is None:
+        return 0, dummy, 0
+    if mask.dtype == torch.bool:
+        return 1, mask.view(torch.uint8), mask.stride(0)
+    return 2, mask, 0
+
+
+def launch_up(x, up, gate, up_bias, idx, mask, n_active, act, h, cfg: Config, qtype: str | None = None) -> None:
+    """Stage 1: h [T, K] fp32 from x [T, D] and the active rows of up / gate (quantized rows with
+    a qtype)."""
+    T, D = x.shape
+    K = idx.shape[0]
+    if K == 0:
+        return
+    dummy = idx  # any tensor: pointer arguments the kernel never reads
+    mode, mask, s_mask = mask_args(mask, dummy)
+    common = dict(ACT=ACT_CODE[act], HAS_GATE=gate is not None, HAS_BIAS=up_bias is not None,
+                  MASK_MODE=mode, HAS_NACT=n_active is not None, QT=QT_CODE[qtype])
+    ptrs = (x, up, gate if gate is not None else up, up_bias if up_bias is not None else dummy, idx,
+            n_active if n_active is not None else dummy, mask, h)
+    if T == 1 and not cfg.up_dot:
+        grid = (triton.cdiv(K, cfg.up_bk),)
+        _up_gemv_kernel[grid](*ptrs, D, K, up.stride(0), (gate if gate is not None else up).stride(0),
+                              BK=cfg.up_bk, BD=cfg.up_bd, num_warps=cfg.up_warps, num_stages=cfg.up_stages, **common)
+    else:
+        bk = max(16, cfg.up_bk)
+        tp = max(16, triton.next_power_of_2(T))
+        dot_f32 = x.dtype != up.dtype or up.dtype == torch.float32  # (quantized rows: uint8 != x's dtype)
+        bd = min(cfg.up_bd, 64) if dot_f32 else cfg.up_bd  # tf32x3 tiles spill registers beyond 64
+        _up_dot_kernel[(triton.cdiv(K, bk),)](
+            *ptrs, T, D, K, x.stride(0), up.stride(0), (gate if gate is not None else up).stride(0), s_mask,
+            h.stride(0), DOT_F32=dot_f32, TP=tp, BK=bk, BD=bd, num_warps=cfg.up_warps, num_stages=cfg.up_stages,
+            **common)
+
+
+def launch_down(h, down_t, idx, n_active, y, cfg: Config, qtype: str | None = None) -> None:
+    """Stage 2: y [T, D] (y's dtype) from h [T, K] and the active rows of down_t (quantized rows
+    with a qtype)."""
+    T, D = y.shape
+    K = idx.shape[0]
+    nact = n_active if n_active is not None else idx
+    if T == 1 and not cfg.down_dot:
+        _down_gemv_kernel[(triton.cdiv(D, cfg.down_bd),)](
+            h, down_t, idx, nact, y, D, K, down_t.stride(0), HAS_NACT=n_active is not None, QT=QT_CODE[qtype],
+            BK=cfg.down_bk, BD=cfg.down_bd, num_warps=cfg.down_warps, num_stages=cfg.down_stages)
+    else:
+        tp = max(16, triton.next_power_of_2(T))
+        prec = "tf32" if down_t.dtype in (torch.float16, torch.bfloat16) and qtype is None else "tf32x3"
+        bd = max(16, cfg.down_bd)
+        _down_dot_kernel[(triton.cdiv(D, bd),)](
+            h, down_t, idx, nact, y, T, D, K, down_t.stride(0), h.stride(0), y.stride(0),
+            HAS_NACT=n_active is not None, PREC=prec, QT=QT_CODE[qtype], TP=tp, BK=max(16, cfg.down_bk), BD=bd,
+            num_warps=cfg.down_warps, num_stages=cfg.down_stages)

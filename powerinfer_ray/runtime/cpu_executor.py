@@ -1,0 +1,243 @@
+"""The CPU executor: it holds the cold neurons and the CPU-placed attention heads, and answers
+the primary's per-layer requests over the shared-memory channel, in a loop (``serve``).
+
+Dimension legend: N tokens of an exchange, D hidden.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future, wait as futures_wait
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ..kernels.cpu_ffn import linear as cpu_linear, sparse_ffn_bitmask
+from ..model import gguf_keys as K
+from ..model.source import WeightSource, open_model
+from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec
+from .layers import attn_partial, ffn_partial
+from .plan import Plan
+from .shard import load_attn_shard, load_ffn_shard
+from .sharedshard import fill, prefault, release, share
+from .stats import ExecStats
+from .weights import DTYPES
+
+log = logging.getLogger(__name__)
+
+
+class OneThread:
+    """Runs callables one after another in a single daemon thread (``call`` waits for the result,
+    ``submit`` returns a Future; exceptions travel with them). Not ThreadPoolExecutor(1): its
+    worker is joined at interpreter exit, and the serving loop it would run ends only on OP_STOP.
+
+    The CPU executor runs all of its torch and kernel work here because libgomp (the OpenMP
+    runtime of torch and of the compiled kernel) keeps a pool of worker threads per thread that
+    starts parallel regions: with two such threads the pools outnumber the cores, and libgomp then
+    puts its workers to sleep between regions instead of letting them spin."""
+
+    def __init__(self, name: str) -> None:
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001  (the caller gets it)
+                    fut.set_exception(e)
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        fut: Future = Future()
+        self._q.put((fn, fut))
+        return fut
+
+    def call(self, fn: Callable[[], Any]) -> Any:  # noqa: ANN401
+        return self.submit(fn).result()
+
+    def close(self) -> None:
+        """The thread ends after what was submitted before."""
+        self._q.put(None)
+
+
+def _log_failure(fut: Future) -> None:
+    """The serving loop ended with an exception (the primary then times out waiting): say why."""
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("cpu executor: the serving loop failed", exc_info=fut.exception())
+
+
+class CPUExecutor:
+    """Cold neurons and CPU-placed heads; answers the primary's per-layer requests. Everything it
+    computes (loading included) runs in its one worker thread (`OneThread`)."""
+
+    def __init__(self, model: str | WeightSource, plan: Plan, *, policy: str = "predictor",
+                 slots: int = 8, n_ctx: int | None = None, threads: int | None = None,
+                 dtype: str | None = None, defer_fill: bool = False) -> None:
+        """defer_fill: when the FFN rows go to a shared file, lay it out and leave the rows for
+        the primary to write (`PrimaryExecutor.fill_cold`, then `filled`)."""
+        t0 = time.perf_counter()
+        self._omp = OneThread("cpu-executor")
+        self._serving: Future | None = None
+        try:
+            self._omp.call(lambda: self._load(model, plan, policy, slots, n_ctx, threads, dtype, defer_fill))
+        except BaseException:
+            self._omp.close()
+            raise
+        self.load_s = time.perf_counter() - t0  # reading (or generating) its shard
+
+    def _load(self, model, plan, policy, slots, n_ctx, threads, dtype, defer_fill) -> None:  # noqa: ANN001
+        self.src = open_model(model)
+        self.cfg = cfg = self.src.config
+        self.plan, self.policy = plan, policy
+        # policy 'dense' reads every row in full, down rows of zero activations too, as a dense
+        # FFN (llama.cpp) does: it is the layer-offload baseline
+        self.skip_zero = policy != "dense"
+        self.threads = threads or torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        wdt = DTYPES[dtype or cfg.dtype]
+        n_ctx = min(n_ctx or cfg.n_ctx, cfg.n_ctx)
+        dev = torch.device("cpu")
+        # the FFN rows go into one shared-memory file when /dev/shm has room: the primary maps the
+        # same pages for dense prefill instead of holding a second copy (runtime/sharedshard.py)
+        load = lambda l: load_ffn_shard(self.src, l, plan[l].cpu_neurons, wdt, dev)  # noqa: E731
+        shared = share([len(plan[l].cpu_neurons) for l in range(cfg.n_layer)], cfg.gated, cfg.n_embd, wdt, load,
+                       defer=self._ids_and_bias if defer_fill else None)
+        self.ffn, self.shard_spec = shared if shared is not None else ([load(l) for l in range(cfg.n_layer)], None)
+        self.needs_fill = defer_fill and shared is not None
+        # attention weights in the model's dtype, read in place by the compiled kernel's linear
+        # (fp32 weights read twice the bytes; torch would widen them per call); KV cache in fp32
+        self.attn = [load_attn_shard(self.src, l, plan[l].cpu_groups, wdt, dev, slots + 1, n_ctx,
+                                     cache_dtype=torch.float32, out_rows=True) for l in range(cfg.n_layer)]
+        self.stats = ExecStats()
+        self.channel: Channel | None = None
+        self.error: str | None = None
+
+    def ready(self) -> dict:
+        """What the group's start script reads: the shared rows' layout, and whether they await
+        their rows (``defer_fill``)."""
+        return {"device": "cpu", "weight_bytes": self.weight_bytes(), "threads": self.threads,
+                "load_s": self.load_s, "needs_fill": self.needs_fill, "shard_spec": self.shard_spec}
+
+    def weight_bytes(self) -> int:
+        return sum(s.nbytes for s in self.ffn) + sum(a.weight_bytes + a.cache_bytes for a in self.attn)
+
+    def set_threads(self, n: int) -> int:
+        """Threads of the next requests' kernels and torch ops (live: the serving loop applies it
+        per request); for tuning against the other processes spinning on the host's cores."""
+        if not isinstance(n, int) or not 1 <= n <= (os.cpu_count() or 1):
+            raise ValueError(f"threads={n!r}: expected an int in [1, {os.cpu_count()}] (this host's cores)")
+        self.threads = n
+        if self._serving is None:
+            self._omp.call(lambda: torch.set_num_threads(n))
+        return n
+
+    def _ids_and_bias(self, l: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Layer l's CPU neurons and their up bias (float32, models with biases): the shared
+        file's layout without the rows."""
+        ids = np.asarray(self.plan[l].cpu_neurons, np.int64)
+        if not self.cfg.bias or not len(ids):
+            return ids, None
+        return ids, self.src.layer(K.FFN_UP, l, rows=ids, dtype=torch.float32, bias=True).numpy()
+
+    def filled(self, by_primary: bool = True) -> None:
+        """The primary has written the rows (`needs_fill`): touch every page once before serving.
+        by_primary False: it could not, so write them here."""
+        def run() -> None:
+            if not by_primary:
+                fill(self.shard_spec, self.src, torch.device("cpu"))
+            prefault(self.ffn)
+        self._omp.call(run)
+        self.needs_fill = False
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """The attention projections: fp32 x, weights read in place by the kernel's threads."""
+        return cpu_linear(x, w, b, self.threads)
+
+    def attach(self, spec: ChannelSpec) -> int:
+        """Map the primary's channel and serve it in the worker thread until OP_STOP (the caller
+        stays responsive); every request posted after this call is served. Returns our pid."""
+        self.channel = Channel.attach(spec)
+        last = int(self.channel.header[0])  # read here, not when the worker gets to it
+        self._serving = self._omp.submit(lambda: self.serve(last))
+        self._serving.add_done_callback(_log_failure)
+        return os.getpid()
+
+    def serve(self, last: int) -> None:
+        ch = self.channel
+        applied = torch.get_num_threads()
+        while True:
+            last = ch.wait_request(last, spin_s=0.02)  # hot while generating, asleep when idle
+            t_start = time.monotonic_ns()
+            if self.threads != applied:  # set_threads while serving
+                torch.set_num_threads(self.threads)
+                applied = self.threads
+            op, l, n_seq, n_tok, n_mask = ch.request()
+            if op == OP_STOP:
+                ch.respond(last, t_start)
+                return
+            ok = True
+            try:
+                if op != OP_PING:
+                    self._compute(op, l, n_seq, n_tok, n_mask)
+            except Exception:  # report to the primary, keep serving  # noqa: BLE001
+                log.exception("cpu executor: layer %d failed", l)
+                self.error, ok = f"layer {l} failed", False
+            ch.respond(last, t_start, ok)
+            self.stats.busy_s += (time.monotonic_ns() - t_start) * 1e-9
+
+    @torch.no_grad()
+    def _compute(self, op: int, l: int, n_seq: int, n_tok: int, n_mask: int) -> None:
+        ch, cfg = self.channel, self.cfg
+        out = ch.out[:n_tok]  # [N, D] (x's dtype): the partial outputs are written (and summed) in place
+        wrote = False
+        if op in (OP_FFN, OP_ATTN_FFN) and self.ffn[l].n:
+            self._ffn(l, n_tok, n_mask, out)
+            wrote = True
+        if op in (OP_ATTN, OP_ATTN_FFN) and self.attn[l].n_groups:
+            x = ch.x_attn[:n_tok].float().view(n_seq, n_tok // n_seq, cfg.n_embd)
+            slots, start = ch.slots[:n_seq].tolist(), ch.start_pos[:n_seq].tolist()
+            t_a = time.monotonic_ns()
+            a = attn_partial(x, self.attn[l], cfg, slots, start, self._linear).view(n_tok, cfg.n_embd)
+            self.stats.attn_s += (time.monotonic_ns() - t_a) * 1e-9
+            out.add_(a) if wrote else out.copy_(a)
+            self.stats.active_bytes += self.attn[l].weight_bytes  # read in full by every step
+            wrote = True
+        if not wrote:
+            out.zero_()
+        self.stats.exchanges += 1
+        self.stats.tokens += n_tok if l == 0 else 0
+
+    def _ffn(self, l: int, n_tok: int, n_mask: int, out: torch.Tensor) -> None:
+        """Layer l's FFN share of the channel's x_ffn, written to out [N, D]."""
+        ch, cfg, sh = self.channel, self.cfg, self.ffn[l]
+        if self.policy == "oracle":  # finds its own active set: the general path
+            y, pairs, rows = ffn_partial(ch.x_ffn[:n_tok].float(), sh, cfg.ffn_act, self.policy, None,
+                                         threads=self.threads)
+            out.copy_(y)
+            nbytes = rows * cfg.neuron_bytes
+        else:  # one compiled call from the channel's packed mask and x to out
+            packed = ch.mask_rows(n_tok, n_mask) if self.policy == "predictor" else None
+            t_k = time.monotonic_ns()
+            pairs, rows, down_rows = sparse_ffn_bitmask(
+                ch.x_ffn[:n_tok], sh.up, sh.gate, sh.down_t, packed, n_mask if packed is not None else sh.n,
+                cfg.ffn_act, sh.up_bias, out, self.threads, skip_zero=self.skip_zero)
+            self.stats.kernel_s += (time.monotonic_ns() - t_k) * 1e-9
+            row_bytes = cfg.n_embd * cfg.dtype_bytes  # bytes read: the up (+ gate) rows, the down rows read
+            nbytes = rows * (cfg.neuron_bytes - row_bytes) + down_rows * row_bytes
+        self.stats.neurons += pairs
+        self.stats.active_bytes += nbytes
+
+    def stop(self) -> None:
+        """After the serving loop answered OP_STOP (or never started): end the worker thread and
+        let go of the shared rows (their pages stay while the primary maps them)."""
+        if self._serving is not None:
+            futures_wait([self._serving], timeout=5)
+        self._omp.close()
+        release(self.shard_spec)

@@ -1,0 +1,93 @@
+"""The layer schedule's steps over any shapes: B sequences of T new tokens each (prefill chunks,
+and decode steps where they do not run as graphs). Active sets and counts come back to the host
+as they are found; the CPU shard's neurons can run densely here (``cold.ColdRows``).
+
+Dimension legend: B sequences, T tokens per sequence, N = B*T, D hidden, V vocab.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .channel import pack_mask
+from .cold import ColdRows
+from .exchange import Exchange
+from .layers import attn_partial, ffn_partial, merge_partials
+from .schedule import Step
+from .stats import ExecStats
+from .weights import PrimaryWeights
+
+
+class EagerStep:
+    """One step's state and steps (the names ``schedule.py`` lists); ``logits`` [B, V] after ``head``."""
+
+    def __init__(self, w: PrimaryWeights, exchange: Exchange | None, cold: ColdRows, stats: ExecStats,
+                 slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> None:
+        self.w, self.ex, self.cold_rows, self.stats = w, exchange, cold, stats
+        self.B, self.T = len(tokens), len(tokens[0])
+        self.n_seq, self.n_tok = self.B, self.B * self.T
+        self.tok = torch.tensor(tokens, dtype=torch.long, device=w.device).reshape(-1)  # [N]
+        # host lists: the attention kernel slices the cache without a sync
+        self.slots, self.start = list(slots), list(start_pos)
+        self.h = self.x_a = self.x_f = self.a = self.f = self.c = None  # [N, D] each
+        self.gmask = self.cmask = None  # predicted activity [N, n_gpu], [N, n_cpu] (bool)
+        self.logits: np.ndarray | None = None
+
+    def embed(self, s: Step) -> None:
+        w = self.w
+        h = w.embd[self.tok].float()  # [N, D]: the residual stream stays fp32
+        if w.pos_embd is not None:
+            pos = torch.tensor([[p + t for t in range(self.T)] for p in self.start], device=w.device).reshape(-1)
+            h = h + w.pos_embd[pos + w.cfg.pos_offset].float()
+        self.h = h
+
+    def attn_in(self, s: Step) -> None:
+        self.x_a = self.w.norm(self.h, self.w.layers[s.l].norm_attn)
+
+    def stage_attn(self, s: Step) -> None:
+        self.ex.stage_attn(self.x_a)
+
+    def attention(self, s: Step) -> None:
+        sh, D = self.w.layers[s.l].attn, self.w.cfg.n_embd
+        self.a = None
+        if sh.n_groups:
+            x = self.x_a.view(self.B, self.T, D)
+            self.a = attn_partial(x, sh, self.w.cfg, self.slots, self.start).view(self.n_tok, D)
+
+    def attn_out(self, s: Step) -> None:
+        cpu = self.ex.collect(self.n_tok) if s.cpu else None
+        self.h = self.h + merge_partials([self.a, cpu], self.w.layers[s.l].attn_bias)
+
+    def ffn_in(self, s: Step) -> None:
+        """FFN norm, and the predictor's split: the primary's active neurons and the CPU's."""
+        w, lw = self.w, self.w.layers[s.l]
+        self.x_f = w.norm(self.h, lw.norm_ffn) if lw.norm_ffn else self.x_a
+        self.gmask = self.cmask = None
+        if w.policy.name == "predictor":
+            active = w.predict(s.l, self.h) >= w.policy.threshold  # [N, n_gpu + n_cpu]
+            ng = lw.ffn.n
+            self.gmask, self.cmask = active[:, :ng], (active[:, ng:] if active.shape[1] > ng else None)
+
+    def stage_ffn(self, s: Step) -> None:
+        self.ex.stage_ffn(self.x_f)
+        if self.cmask is not None:
+            self.ex.stage_mask(pack_mask(self.cmask), self.cmask.shape[1])  # an eighth of the bytes
+
+    def ffn(self, s: Step) -> None:
+        w = self.w
+        self.f, pairs, rows = ffn_partial(self.x_f, w.layers[s.l].ffn, w.cfg.ffn_act, w.policy.name, self.gmask)
+        self.stats.neurons += pairs
+        self.stats.active_bytes += rows * w.cfg.neuron_bytes  # a row is read once per step
+
+    def cold(self, s: Step) -> None:
+        self.c = self.cold_rows.ffn(s.l, self.x_f, self.cmask)
+
+    def ffn_out(self, s: Step) -> None:
+        a = self.a if self.w.cfg.parallel_attn else None
+        cpu = self.ex.collect(self.n_tok) if s.cpu else None
+        self.h = self.h + merge_partials([a, self.f, self.c, cpu], self.w.layers[s.l].ffn_bias)
+        self.c = None
+
+    def head(self, s: Step) -> None:
+        last = self.h.view(self.B, self.T, -1)[:, -1]  # [B, D]
+        self.logits = self.w.head(last).cpu().numpy()

@@ -1,0 +1,83 @@
+"""The primary's side of the per-layer exchange with the CPU executor, over the shared-memory
+channel (``channel.py``): stage a layer's inputs in the channel, post the request, await the
+answer, collect the CPU's partial output.
+
+Staging copies are asynchronous on a GPU: the runner makes sure they are done (a stream sync,
+or an event after a graph) before it posts. Both runners of the layer schedule share this.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .channel import OP_STOP, Channel, ChannelSpec
+from .stats import ExecStats
+
+_X_DTYPE = {torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+class Exchange:
+    """One channel to one CPU executor, created by the primary (``spec`` goes to the peer)."""
+
+    def __init__(self, d: int, t_max: int, slots: int, n_mask: int, dtype: torch.dtype,
+                 device: torch.device, stats: ExecStats, timeout_s: float) -> None:
+        self.channel = Channel.create(d, t_max, slots, n_mask, _X_DTYPE.get(dtype, "f32"))
+        if device.type == "cuda":
+            self.channel.pin_for_cuda()
+        self.device, self.stats, self.timeout_s = device, stats, timeout_s
+
+    @property
+    def spec(self) -> ChannelSpec:
+        return self.channel.spec
+
+    # --- a step's inputs -------------------------------------------------------------------------
+    def set_positions(self, slots: list[int], start_pos: list[int]) -> None:
+        """The step's sequences (the CPU executor's heads read their KV slots and positions)."""
+        ch, B = self.channel, len(slots)
+        ch.slots[:B] = slots
+        ch.start_pos[:B] = start_pos
+
+    def stage_attn(self, x: torch.Tensor) -> None:
+        """The attention input x [N, D] of the CPU's heads."""
+        self.channel.x_attn[: x.shape[0]].copy_(x, non_blocking=True)
+
+    def stage_ffn(self, x: torch.Tensor) -> None:
+        """The FFN input x [N, D] of the CPU's neurons."""
+        self.channel.x_ffn[: x.shape[0]].copy_(x, non_blocking=True)
+
+    def stage_mask(self, packed: torch.Tensor, n_mask: int) -> None:
+        """The CPU's active neurons, packed eight to a byte [N, ceil(n_mask / 8)] (``pack_mask``)."""
+        torch.from_numpy(self.channel.mask_rows(packed.shape[0], n_mask)).copy_(packed, non_blocking=True)
+
+    # --- the exchange ----------------------------------------------------------------------------
+    def post(self, op: int, l: int, n_seq: int, n_tok: int, n_mask: int) -> tuple[int, int]:
+        """Publish a request whose inputs are staged (and their copies done); (seq, t_post_ns)."""
+        t_post = time.monotonic_ns()
+        return self.channel.post(op, l, n_seq, n_tok, n_mask), t_post
+
+    def await_(self, seq: int, t_post: int) -> int:
+        """Wait for the answer to request ``seq`` (posted at ``t_post``) and count the exchange:
+        the peer's compute, the sync (notify + return latency) and the host's wait. Returns when
+        the answer was seen (``time.monotonic_ns``)."""
+        t_start, t_end = self.channel.wait_response(seq, self.timeout_s, spin_s=0.05)
+        t_seen = time.monotonic_ns()
+        st = self.stats
+        st.exchanges += 1
+        st.peer_compute_s += (t_end - t_start) * 1e-9
+        st.sync_s += ((t_start - t_post) + (t_seen - t_end)) * 1e-9
+        st.layer_s["wait"] += (t_seen - t_post) * 1e-9
+        return t_seen
+
+    def collect(self, n_tok: int) -> torch.Tensor:
+        """The CPU's partial output [N, D] of the last answered request, on the primary's device."""
+        return self.channel.out[:n_tok].to(self.device, non_blocking=True)
+
+    def stop_peer(self, timeout_s: float = 5.0) -> None:
+        """Ask the CPU executor to stop serving, and wait for it to say so."""
+        ch = self.channel
+        ch.wait_response(ch.post(OP_STOP, 0, 0, 0, 0), timeout_s=timeout_s)
+
+    def close(self) -> None:
+        self.channel.close(unlink=True)
+

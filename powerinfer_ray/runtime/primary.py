@@ -1,0 +1,172 @@
+"""The primary executor: the one process that drives its GPU (or, on a host without one, the CPU
+primary: one code path, placed by device). It holds its weights (``weights.py``) and runs every
+layer of every step by the layer schedule (``schedule.py``), exchanging with the CPU executor
+over the shared-memory channel (``exchange.py``).
+
+A step is dispatched by its shape: decode steps (one token per sequence) of a CUDA primary run
+as captured CUDA graphs (``graphs.DecodeGraphs``, one set per batch-size bucket); prefill chunks,
+and everything on a CPU primary, run the schedule eagerly (``eager.EagerStep``), long prompts
+with the CPU shard's neurons computed here (``cold.ColdRows``).
+
+Dimension legend: B sequences, T tokens per sequence in a step, V vocab.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from ..model.config import ModelConfig
+from ..model.source import WeightSource, open_model
+from .channel import ChannelSpec
+from .cold import ColdRows
+from .eager import EagerStep
+from .exchange import Exchange
+from .graphs import GRAPH_POLICIES, DecodeGraphs, GraphCaptureError
+from .layers import Policy
+from .plan import Plan
+from .schedule import Item, run_eager, step_schedule
+from .sharedshard import SharedShardSpec, fill
+from .stats import ExecStats
+from .weights import DTYPES, PrimaryWeights
+
+log = logging.getLogger(__name__)
+
+
+class PrimaryExecutor:
+    """Runs the whole per-layer pipeline on its device, with the CPU executor as its partner."""
+
+    def __init__(self, model: str | WeightSource, plan: Plan, *, device: str = "cpu",
+                 policy: str = "predictor", threshold: float | None = None, slots: int = 8,
+                 n_ctx: int | None = None, t_max: int = 128, dtype: str | None = None,
+                 timeout_s: float = 60.0, prefill_dense_min: int | None = None,
+                 graphs: bool | None = None) -> None:
+        """slots: sequences of the KV caches; t_max: tokens per step; prefill_dense_min: prompts
+        of at least this many tokens compute the CPU shard here (``ColdRows``); graphs: decode
+        steps as captured CUDA graphs (None: on CUDA; on the CPU True runs the same fixed-shape
+        segments eagerly, which is what the CPU tests check)."""
+        t0 = time.perf_counter()
+        self.src = open_model(model)
+        cfg = self.src.config
+        plan.verify(cfg)
+        self.policy = Policy.for_model(policy, threshold, cfg)
+        self.device = torch.device(device)
+        dt = DTYPES[dtype or (cfg.dtype if self.device.type == "cuda" else "f32")]
+        self.t_max, self.timeout_s = t_max, timeout_s
+        self.stats = ExecStats()
+        if self.device.type == "cuda":
+            # cuDNN's SDPA plans per shape: every decode step has a new key length, and each
+            # re-plan costs milliseconds of host time
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        self.weights = PrimaryWeights(self.src, plan, self.policy, self.device, dt, slots,
+                                      min(n_ctx or cfg.n_ctx, cfg.n_ctx))
+        self.cold = ColdRows(self.src, plan, dt, self.device, self.stats, prefill_dense_min)
+        self.exchange: Exchange | None = None
+        self.use_graphs = ((self.device.type == "cuda") if graphs is None else bool(graphs)) \
+            and self.policy.name in GRAPH_POLICIES
+        self.graphs: dict[int, DecodeGraphs] = {}  # by batch-size bucket
+        self._schedules: dict[bool, list[Item]] = {}  # eager steps, by whether the CPU shard runs here
+        self.load_s = time.perf_counter() - t0  # reading (or generating) its shard
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.weights.cfg
+
+    @property
+    def plan(self) -> Plan:
+        return self.weights.plan
+
+    # --- setup (the executor group calls these) --------------------------------------------------
+    def ready(self) -> dict:
+        return {"device": str(self.device), "weight_bytes": self.weight_bytes(), "load_s": self.load_s}
+
+    def create_channel(self) -> ChannelSpec | None:
+        """Create the shared-memory channel to the CPU executor (None: the plan needs no CPU)."""
+        if not self.plan.needs_cpu_executor:
+            return None
+        w = self.weights
+        self.exchange = Exchange(self.cfg.n_embd, self.t_max, w.slots, self.plan.max_cpu_neurons, w.dtype,
+                                 self.device, self.stats, self.timeout_s)
+        return self.exchange.spec
+
+    def fill_cold(self, spec: SharedShardSpec) -> None:
+        """Make the CPU executor's rows here and write them into its shared file (laid out with
+        ``defer_fill``): for sources that make rows faster on this device (``rows_faster_on``)."""
+        fill(spec, self.src, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the layers' rows passed through: give their blocks back
+
+    def attach_cold(self, spec: SharedShardSpec | None) -> str | None:
+        """The CPU shard's rows for dense prefill of long prompts (``ColdRows.attach``)."""
+        return self.cold.attach(spec)
+
+    def weight_bytes(self) -> int:
+        return self.weights.weight_bytes()
+
+    def read_bytes_per_step(self) -> int:
+        return self.weights.read_bytes_per_step()
+
+    # --- the step --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> np.ndarray:
+        """Run B sequences of T new tokens each (same T for all) from positions start_pos;
+        returns the logits of each sequence's last token [B, V] (float32)."""
+        B, T = len(tokens), len(tokens[0])
+        assert all(len(t) == T for t in tokens), "a step runs sequences of equal token counts"
+        if B * T > self.t_max and self.exchange is not None:
+            raise ValueError(f"step of {B}x{T} tokens exceeds the channel's {self.t_max}")
+        end = max(start_pos) + T
+        if end > self.weights.n_ctx:
+            raise ValueError(f"sequence reaches {end} tokens, beyond the context n_ctx={self.weights.n_ctx}")
+        t0 = time.perf_counter()
+        out = self._graph_step(slots, tokens, start_pos) if T == 1 and self.use_graphs else None
+        if out is None:
+            out = self._eager_step(slots, tokens, start_pos)
+        st = self.stats
+        st.steps += 1
+        st.tokens += B * T
+        st.busy_s += time.perf_counter() - t0
+        return out
+
+    def _graph_step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> np.ndarray | None:
+        # batch sizes padded to powers of two (capped at the slots): few graph sets to capture
+        bucket = min(1 << (len(tokens) - 1).bit_length(), self.weights.slots)
+        g = self.graphs.get(bucket)
+        if g is None:
+            g = self.graphs[bucket] = DecodeGraphs(self.weights, self.exchange, self.stats, bucket)
+        try:
+            return g.run(list(slots), [t[0] for t in tokens], list(start_pos))
+        except GraphCaptureError as e:  # before any exchange or replay: the eager step is safe
+            log.warning("primary: decode graphs unavailable, running eager steps (%s)", e)
+            self.use_graphs = False
+            self.graphs.clear()
+            return None
+
+    def _eager_step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> np.ndarray:
+        cold = self.cold.dense_for(len(tokens) * len(tokens[0]))
+        items = self._schedules.get(cold)
+        if items is None:
+            items = self._schedules[cold] = step_schedule(self.cfg, self.plan, self.policy.name, cold)
+        steps = EagerStep(self.weights, self.exchange, self.cold, self.stats, slots, tokens, start_pos)
+        if self.exchange is not None:
+            self.exchange.set_positions(list(slots), list(start_pos))
+        run_eager(items, steps, self.exchange, self.stats, self._sync)
+        return steps.logits
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # --- teardown --------------------------------------------------------------------------------
+    def stop_peer(self) -> None:
+        """Ask the CPU executor to stop serving (it answers before it stops)."""
+        if self.exchange is not None:
+            self.exchange.stop_peer()
+
+    def close(self) -> None:
+        if self.exchange is not None:
+            self.exchange.close()
+            self.exchange = None
+        self.cold.close()

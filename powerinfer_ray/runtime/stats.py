@@ -1,0 +1,42 @@
+"""The counters an executor keeps: ``stats()`` reports them and the actors export them as metrics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ExecStats:
+    """Load of one executor since it started."""
+
+    steps: int = 0
+    tokens: int = 0
+    neurons: int = 0  # (token, neuron) pairs computed
+    # weight bytes read: active rows once per step (the CPU executor's kernel: without the down rows it
+    # skipped, zero activations; the GPU's counts them), attention in full
+    active_bytes: int = 0
+    busy_s: float = 0.0
+    exchanges: int = 0
+    sync_s: float = 0.0  # notify + return latency + host copies, summed over exchanges
+    peer_compute_s: float = 0.0
+    peer_neurons: int = 0
+    # the CPU shard's neurons this device computed densely (long prompts): placed on the CPU,
+    # so the GPU share of activations counts them with the CPU's
+    cold_neurons: int = 0
+    gpu_compute_s: float = 0.0  # GPU time of the decode graphs (CUDA events), on sampled steps
+    gpu_sampled_steps: int = 0
+    graph_captures: int = 0  # decode graph sets captured (a new batch bucket; Triton compiles included)
+    capture_s: float = 0.0  # and the host seconds they took
+    kernel_s: float = 0.0  # CPU executor: inside the FFN kernel call (the rest of an answer is Python)
+    attn_s: float = 0.0  # CPU executor: in the attention of its KV-head groups
+    # host seconds: attn / ffn of eager steps, wait for the CPU's answers, gpu_wait of graph
+    # steps (for the GPU's segment to finish before a post), launch (inside graph replay calls)
+    layer_s: dict[str, float] = field(default_factory=lambda: {"attn": 0.0, "ffn": 0.0, "wait": 0.0, "gpu_wait": 0.0,
+                                                               "launch": 0.0})
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["layer_s"] = dict(self.layer_s)
+        d["per_exchange_sync_us"] = 1e6 * self.sync_s / self.exchanges if self.exchanges else 0.0
+        tot = self.neurons + self.peer_neurons + self.cold_neurons
+        d["gpu_activation_share"] = self.neurons / tot if tot else 0.0
+        return d
