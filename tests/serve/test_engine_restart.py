@@ -44,7 +44,7 @@ def test_a_killed_engine_is_replaced_and_its_channel_removed(ray_cluster, serve_
         str(path), policy="dense", gpu_fraction=0.5, threads=1)
     try:
         old_pid = ray.get(engine.ready.remote())["pid"]
-        channel = Path(ray.get(engine.__ray_call__.remote(lambda self: str(self.spec.path))))
+        channel = Path(ray.get(engine.__ray_call__.remote(lambda self: str(self.group.channel.path))))
         assert channel.exists()
         serve.run(build_app(engine), name="restart", route_prefix="/")
         url = serve_url
