@@ -108,7 +108,7 @@ def engine_kwargs(mode: str, a: argparse.Namespace, n_ctx: int, batch: int,
     if mode == "hybrid" and a.gpu_fraction is not None:  # the hottest fraction per layer, no solver
         kw.update(gpu_fraction=a.gpu_fraction, policy="predictor")
     elif mode == "hybrid":
-        kw.update(vram_budget=budget, policy="predictor", method=a.method)
+        kw.update(vram_budget_gib=budget, policy="predictor", method=a.method)
     elif mode == "layer-offload":
         plan, k = layer_offload_plan(a.model, budget, n_ctx, batch)
         kw.update(plan=plan, policy="dense")
