@@ -1,20 +1,22 @@
 """The engine users hold: a plain named (optionally detached) Ray actor.
 
-    engine = Coordinator.options(name="powerinfer-engine").remote("model.gguf", vram_budget=16)
+    engine = Coordinator.options(name="powerinfer-engine").remote("model.gguf", vram_budget_gib=16)
     ray.get(engine.generate.remote("Hello", max_tokens=32, temperature=0.8))
     for chunk in engine.generate_stream.remote("Hello"): print(ray.get(chunk)["text"], end="")
 
-It starts the executor group for its plan on Ray actors (``runtime.group.start_group`` with
-``executors.RayBackend``: one primary executor per GPU, one CPU executor, their shared-memory
-channel) and runs the request loop (``runtime.coordinator.Coordinator``), talking to the primary
-once per step over the step link (a Unix socket the primary opens, ``runtime.steplink``). When
-an executor dies, in-flight requests fail with a clear error, the executors are rebuilt and the
-next request is served.
+Its keyword options are the fields of ``runtime.config.EngineConfig``. It starts the executor
+group for its plan on Ray actors (``runtime.group.start_group`` with ``executors.RayBackend``: one
+primary executor per GPU, one CPU executor, their shared-memory channel) and runs the request
+loop (``runtime.scheduler.Scheduler``), talking to the primary once per step over the step link
+(a Unix socket the primary opens, ``runtime.steplink``). When an executor dies, in-flight
+requests fail with a clear error, the executors are rebuilt and the next request is served.
+When the engine itself dies, Ray restarts it (``max_restarts=-1``) under the same name and handle.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Any, AsyncIterator
 
@@ -22,52 +24,90 @@ import ray
 from ray.util import metrics
 
 from ..model.source import open_model
-from ..runtime import coordinator as core
-from ..runtime.engine import (GIB, EngineConfig, engine_n_ctx, executor_spec, make_tokenizer, resolve_plan,
-                              resolve_policy, resolve_prefill_chunk)
+from ..runtime.config import EngineConfig, engine_n_ctx, resolve_plan, resolve_policy, resolve_prefill_chunk
+from ..runtime.engine import executor_spec, make_tokenizer
 from ..runtime.group import ExecutorGroup, start_group
 from ..runtime.hostmem import process_memory
+from ..runtime.scheduler import Request, Scheduler
+from ..runtime.shmfiles import sweep_stale
 from .executors import RayBackend
 
 log = logging.getLogger(__name__)
 DEFAULT_NAME = "powerinfer-engine"
 
 
-@ray.remote
+# seconds: histogram buckets of time to first token / in the queue, and of time per output token
+LATENCY_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+
+
+@ray.remote(max_restarts=-1)
 class Coordinator:
-    def __init__(self, model: str | None = None, vram_budget: float | None = None, *,
-                 name: str | None = None, max_ongoing: int = 256, **engine_kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, *, name: str | None = None, **options: Any) -> None:
         logging.basicConfig(level=logging.INFO)
         if model is None:
             from ..model.default import default_model_path
 
             model = str(default_model_path())
-        if "vram_budget_gib" in engine_kwargs:
-            vram_budget = engine_kwargs.pop("vram_budget_gib")
+        self.ec = EngineConfig.from_options(str(model), **options)
         # the executors are named after the engine: its own actor name unless given, so two
         # engines in one cluster never collide
         self.name = name or ray.get_runtime_context().get_actor_name() or DEFAULT_NAME
-        self.ec = EngineConfig(model=str(model), vram_budget_gib=vram_budget, **engine_kwargs)
         src = open_model(self.ec.model)
         self.cfg = src.config
         self.model_name = self.cfg.name or str(model)
         self.n_ctx = engine_n_ctx(self.ec, self.cfg)
         self.policy = resolve_policy(self.ec, self.cfg)
+        self._check_device()
         t0 = time.perf_counter()
         self.plan = resolve_plan(self.ec, src)
         self.plan_s = time.perf_counter() - t0
         self.tokenizer = make_tokenizer(src.fields)
         self.group: ExecutorGroup | None = None
         self.restarts = 0
-        self.prefill_chunk = resolve_prefill_chunk(self.ec, self._device())
-        self.spec = executor_spec(self.ec, src, self.plan, self._device(), threads=self._cpu_threads())
-        self._start_executors()
-        self.core = core.Coordinator(self._step, self.tokenizer, n_ctx=self.n_ctx, max_batch=self.ec.max_batch,
-                                     prefill_chunk=self.prefill_chunk, max_waiting=max_ongoing,
-                                     on_failure=self._recover)
+        self.device = self._device()
+        self.prefill_chunk = resolve_prefill_chunk(self.ec, self.device)
+        self.spec = executor_spec(self.ec, src, self.plan, self.device, threads=self._cpu_threads())
+        self._start_named_executors()
+        self.core = Scheduler(self._step, self.tokenizer, n_ctx=self.n_ctx, max_batch=self.ec.max_batch,
+                              prefill_chunk=self.prefill_chunk, max_waiting=self.ec.max_waiting,
+                              n_vocab=self.cfg.n_vocab, on_failure=self._recover, on_finish=self._observe)
+        self._metrics()
+
+    def _check_device(self) -> None:
+        """A CUDA primary needs a GPU in the cluster: without one its actor would wait forever."""
+        if self.ec.device == "cuda" and ray.cluster_resources().get("GPU", 0) < 1:
+            raise ValueError("device='cuda': the Ray cluster has no GPU; use device='cpu' (or leave it out)")
+
+    def _start_named_executors(self) -> None:
+        """Start the executors; after a restart of this actor the dead executors' names are
+        released asynchronously: wait for them. Their channel files are swept afterwards."""
+        for attempt in range(100):
+            try:
+                self._start_executors()
+                break
+            except ValueError as e:  # "actor name already taken"
+                if "already" not in str(e) or attempt == 99:
+                    raise
+                time.sleep(0.2)
+        sweep_stale()
+
+    def _metrics(self) -> None:
         tags = ("engine",)
         self.m_tokens = metrics.Counter("powerinfer_generated_tokens", "tokens generated", tags)
         self.m_requests = metrics.Gauge("powerinfer_running_requests", "requests being decoded", tags)
+        self.m_ttft = metrics.Histogram("powerinfer_time_to_first_token_seconds", "time to first token",
+                                        LATENCY_BUCKETS, tags)
+        self.m_tpot = metrics.Histogram("powerinfer_time_per_output_token_seconds",
+                                        "time per output token after the first", TPOT_BUCKETS, tags)
+        self.m_queue = metrics.Histogram("powerinfer_queue_time_seconds", "time from arrival to a batch slot",
+                                         LATENCY_BUCKETS, tags)
+
+    def _observe(self, req: Request) -> None:
+        t, tags = req.timings(), {"engine": self.name}
+        for metric, key in ((self.m_ttft, "ttft_s"), (self.m_tpot, "tpot_s"), (self.m_queue, "queue_s")):
+            if t[key] is not None:
+                metric.observe(t[key], tags=tags)
 
     # --- executors ---------------------------------------------------------------------------
     def _device(self) -> str:
@@ -87,8 +127,7 @@ class Coordinator:
         return threads
 
     def _start_executors(self) -> None:
-        budget = int(self.ec.vram_budget_gib * GIB) if self.ec.vram_budget_gib else None
-        self.group = start_group(RayBackend(self.name, budget), self.spec)
+        self.group = start_group(RayBackend(self.name, self.ec.vram_budget_bytes), self.spec)
 
     def _kill_executors(self) -> None:
         if self.group is not None:
@@ -128,9 +167,10 @@ class Coordinator:
 
     def ready(self) -> dict[str, Any]:
         g = self.group
-        return {"model": self.model_name, "n_ctx": self.n_ctx, "policy": self.policy,
+        return {"model": self.model_name, "n_ctx": self.n_ctx, "policy": self.policy, "device": self.device,
                 "executors": ["gpu"] + (["cpu"] if g and g.cpu else []), "plan_s": self.plan_s,
                 "load_s": g.load_s if g else {}, "dense_prefill": g.dense_prefill if g else None,
+                "pid": os.getpid(),
                 # each executor's load phases and memory at its start (its ready() without the shard layout)
                 "executors_ready": [{k: v for k, v in i.items() if k != "shard_spec"} for i in g.ready] if g else []}
 
@@ -147,15 +187,24 @@ class Coordinator:
         bos, eos = (None if i is None else tok.tok.id_to_token(i) for i in (tok.bos_id, tok.eos_id))
         return {"bos_token": bos, "eos_token": eos, "add_bos": tok.add_bos}
 
-    def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (with BOS when the model adds it and add_special_tokens), in a worker
+        thread; text longer than the context could hold is refused, as a prompt is."""
+        text = self.core.prompts.check_text(text)
+        return await asyncio.to_thread(self.tokenizer.encode, text, None if add_special_tokens else False)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        """The text of token ids (special tokens skipped), in a worker thread."""
+        ids = self.core.prompts.check_ids(token_ids)
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer")
-        return self.tokenizer.encode(text)
+            raise ValueError("token_ids: this model has no tokenizer")
+        return await asyncio.to_thread(self.tokenizer.decode, ids)
 
     async def stats(self) -> dict[str, Any]:
-        """Coordinator counters and each executor's load (neurons, bytes, busy s, sync, memory)."""
-        out: dict[str, Any] = {"coordinator": {**self.core.stats(), "memory": process_memory()}, "restarts": self.restarts,
-                               "policy": self.policy, "n_ctx": self.n_ctx}
+        """Scheduler counters and each executor's load (neurons, bytes, busy s, sync, memory)."""
+        out: dict[str, Any] = {"coordinator": {**self.core.stats(), "memory": process_memory()},
+                               "restarts": self.restarts, "policy": self.policy, "n_ctx": self.n_ctx,
+                               "device": self.device}
         peer, g = None, self._running()
         if g.cpu is not None:
             out["cpu_executor"] = await g.cpu.stats.remote()

@@ -24,7 +24,7 @@ from model_bench import write_results  # noqa: E402
 from powerinfer_ray.kernels import cpu_ffn  # noqa: E402
 from powerinfer_ray.model.source import open_model  # noqa: E402
 from powerinfer_ray.runtime.channel import pack_mask  # noqa: E402
-from powerinfer_ray.runtime.engine import activation_counts  # noqa: E402
+from powerinfer_ray.runtime.config import activation_counts  # noqa: E402
 from powerinfer_ray.runtime.plan import Plan  # noqa: E402
 from powerinfer_ray.runtime.shard import load_ffn_shard  # noqa: E402
 

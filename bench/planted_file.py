@@ -18,17 +18,16 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from powerinfer_ray.model import gguf_keys as K
 from powerinfer_ray.model.gguf_file import ModelFileError
 from powerinfer_ray.model.planted import PlantedModel, parse_spec
+from powerinfer_ray.model.quants import tensor_bytes
 from powerinfer_ray.model.source import PLANTED_PREFIX
 
 N_TOKENS = 100_000  # the statistics' token count: what the engine uses for a planted model
 HEADER_BYTES = 16 << 20  # room for the metadata (the tokenizer) and alignment padding
-_DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "i32": 4}
 
 
 def canonical(spec: str) -> str:
@@ -59,9 +58,8 @@ class _OnDevice(PlantedModel):
 
 
 def file_bytes(model: PlantedModel) -> int:
-    """The file's size, near enough: every tensor at its storage dtype, plus the header's room."""
-    return HEADER_BYTES + sum(int(np.prod(shape)) * _DTYPE_BYTES.get(model.storage_dtype(name), 2)
-                              for name, shape in model.shapes.items())
+    """The file's size, near enough: every tensor as it is stored, plus the header's room."""
+    return HEADER_BYTES + sum(tensor_bytes(model.dtype_of(name), shape) for name, shape in model.shapes.items())
 
 
 def matches(path: Path, spec: str) -> bool:

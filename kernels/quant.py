@@ -61,14 +61,15 @@ def check_matrix(w: torch.Tensor, qtype: str, cols: int | None, name: str, where
 def dequantize(w: torch.Tensor, qtype: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """w uint8 [..., k * block_bytes] -> [..., k * 32] in dtype (fp32 and wider: exact). Any device."""
     bb = BLOCK_BYTES[check_qtype(qtype, "dequantize")]
-    blocks = w.reshape(*w.shape[:-1], -1, bb)  # [..., k, bb]
+    k = w.shape[-1] // bb  # explicit: no rows (an empty gather) leaves -1 ambiguous
+    blocks = w.reshape(*w.shape[:-1], k, bb)  # [..., k, bb]
     d = blocks[..., :2].contiguous().view(torch.float16).to(dtype)  # [..., k, 1]
     if qtype == "q8_0":
         q = blocks[..., 2:].contiguous().view(torch.int8)  # [..., k, 32]
     else:
         nib = blocks[..., 2:]  # [..., k, 16]
         q = torch.cat([nib & 15, nib >> 4], dim=-1).to(torch.int8) - 8  # [..., k, 32]
-    return (q.to(dtype) * d).reshape(*w.shape[:-1], -1)
+    return (q.to(dtype) * d).reshape(*w.shape[:-1], k * 32)
 
 
 def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:

@@ -151,7 +151,7 @@ class ModelCosts:
         batch: int,
         *,
         kv_dtype_bytes: float = 2.0,
-        predictor_dtype_bytes: float = 2.0,
+        predictor_dtype_bytes: float | None = None,
         tied_embeddings: bool = False,
         bias: bool = False,
         workspace_bytes: int | None = None,
@@ -161,7 +161,8 @@ class ModelCosts:
 
         dtype_bytes may be fractional for block-quantised types (q4_0: 18/32); a row of D
         elements costs ceil(D * dtype_bytes). predictor_ranks: [L] widths r (0 = no predictor);
-        a predictor is fc1 [D -> r] + fc2 [r -> F]. KV cache: K and V, hd each, n_ctx x batch
+        a predictor is fc1 [D -> r] + fc2 [r -> F], stored at predictor_dtype_bytes (default:
+        dtype_bytes, as the rest of the model). KV cache: K and V, hd each, n_ctx x batch
         tokens per group. Norms are counted as weight + bias at f32 (an upper bound: a few KB).
         workspace_bytes=None estimates fp32 buffers for one prefill chunk of n_ubatch tokens:
         hidden/residual (4 D), FFN outputs (2 F), logits (V), attention scores (n_head n_ctx).
@@ -188,7 +189,8 @@ class ModelCosts:
         # q rows + o columns for q_per_group heads, k and v rows for the one KV head
         attn_group = (2 * q_per_group + 2) * hd * row + (q_per_group + 2) * hd * bias_el
         kv_group = math.ceil(2 * hd * n_ctx * batch * kv_dtype_bytes)
-        predictor = [math.ceil((n_embd * r + r * f) * predictor_dtype_bytes) for r, f in zip(ranks, ff)]
+        pred_b = dtype_bytes if predictor_dtype_bytes is None else predictor_dtype_bytes
+        predictor = [math.ceil((n_embd * r + r * f) * pred_b) for r, f in zip(ranks, ff)]
         embd = math.ceil(n_vocab * n_embd * dtype_bytes)
         norms = (2 * n_layer + 1) * 2 * n_embd * NORM_BYTES
         dense = embd * (1 if tied_embeddings else 2) + norms + 2 * n_layer * n_embd * bias_el

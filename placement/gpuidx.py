@@ -10,7 +10,9 @@ powerinfer-py's export_split writes it and llama.cpp's load_gpu_idx_for_model re
           "better to save the actual capacity that split neurons require");
           generic.gpu_index.block_count (uint32): layers, as export_split's add_block_count.
 Upstream overwrites the magic with "PWRI"; its loader accepts "GGUF" and "PWRI" alike, so we
-write plain GGUF (readable by gguf.GGUFReader) and read both.
+write plain GGUF and read both. Upstream's ggml predates the IQ quant types: its I32 is type id
+18 (which gguf-py today calls IQ3_XXS, writing I32 as 26). Upstream's files carry 18: we write
+18 and read 18 and 26.
 
 These names belong to this file format only; placement may not import powerinfer_ray.model
 (where gguf_keys.py holds the model file's names), so they are the constants below, and no other
@@ -43,6 +45,7 @@ VRAM_CAPACITY_KEY = "split.vram_capacity"  # uint64 bytes
 BLOCK_COUNT_KEY = SPLIT_ARCH + ".block_count"  # uint32 layers
 ARCH_KEY = "general.architecture"
 MAGICS = (b"GGUF", b"PWRI")
+UPSTREAM_I32 = gguf.GGMLQuantizationType(18)  # upstream ggml's GGML_TYPE_I32 (gguf-py: IQ3_XXS)
 
 PLACEMENT_FORMAT = "powerinfer-ray.placement"
 PLACEMENT_VERSION = 1
@@ -76,9 +79,10 @@ def write_gpuidx(path: str | Path, gpu_neurons: Sequence[np.ndarray], vram_capac
         if mask.ndim != 1 or not np.isin(mask, (0, 1)).all():
             raise GpuIndexError(f"gpu_neurons[{layer}]: expected a 1-D 0/1 mask, got shape "
                                 f"{mask.shape} with values {np.unique(mask)[:4]}")
-        writer.add_tensor(GPU_IDX_TENSOR.format(layer=layer), mask.astype(np.int32))  # tensor 2l
+        writer.add_tensor(GPU_IDX_TENSOR.format(layer=layer), mask.astype(np.int32),  # tensor 2l
+                          raw_dtype=UPSTREAM_I32)
         bucket = np.flatnonzero(mask).astype(np.int32)  # sorted ids
-        writer.add_tensor(GPU_BUCKET_TENSOR.format(layer=layer), bucket)  # tensor 2l+1
+        writer.add_tensor(GPU_BUCKET_TENSOR.format(layer=layer), bucket, raw_dtype=UPSTREAM_I32)  # tensor 2l+1
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -155,9 +159,19 @@ def _open_gguf(path: Path) -> Iterator[gguf.GGUFReader]:
         yield _reader(copy, path)
 
 
+class _SplitReader(gguf.GGUFReader):
+    """gguf's reader, reading tensor type id 18 as upstream's I32."""
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        for f in fields:  # parts: name length, name, n_dims, dims, type, offset
+            if int(f.parts[4][0]) == UPSTREAM_I32:
+                f.parts[4] = np.array([gguf.GGMLQuantizationType.I32], dtype=np.uint32)
+        super()._build_tensors(start_offs, fields)
+
+
 def _reader(real: Path, shown: Path) -> gguf.GGUFReader:
     try:
-        return gguf.GGUFReader(str(real))
+        return _SplitReader(str(real))
     except (ValueError, IndexError, OSError) as e:
         raise GpuIndexError(f"{shown}: cannot read as GGUF: {e}") from e
 

@@ -1,13 +1,27 @@
 """The ``powerinfer-ray`` command line: each subcommand parses flags and calls one function.
 
-Flags follow llama.cpp / upstream PowerInfer where they exist (-m, -p, -n, -t, --vram-budget,
---reset-gpu-index, --disable-gpu-index).
+Flags follow llama.cpp / upstream PowerInfer where they exist (-m, -p, -n, -t, -c, --vram-budget,
+--reset-gpu-index, --disable-gpu-index). The engine's flags are made from its config fields
+(``runtime.config``): ``--vram-budget-gib`` is the field ``vram_budget_gib``. A user error prints
+one line and exits with status 2 (``--debug``: the traceback).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from typing import Any
+
+
+
+class HelpFormat(argparse.ArgumentDefaultsHelpFormatter):
+    """Help with each flag's default, where it has one worth printing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 def _model_arg(p: argparse.ArgumentParser, required: bool = False) -> None:
@@ -15,93 +29,134 @@ def _model_arg(p: argparse.ArgumentParser, required: bool = False) -> None:
                    help="GGUF model path or planted:<shape> spec (default: the embedded tiny model)")
 
 
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    _model_arg(p)
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU executor threads")
-    p.add_argument("--vram-budget", type=float, default=None,
-                   help="GPU memory budget in GiB (default: everything on the GPU executor)")
-    p.add_argument("--reset-gpu-index", action="store_true", help="re-solve the placement, ignore a cached split")
-    p.add_argument("--disable-gpu-index", action="store_true", help="do not read or write a split file")
-    p.add_argument("--device", default=None, help="device of the primary executor (cuda or cpu; default: cuda if present)")
-    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context length (default: the model's)")
-    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together")
-    p.add_argument("--no-graphs", action="store_true",
-                   help="decode with eager PyTorch instead of CUDA graphs (debugging; slower)")
+def add_config_flags(p: argparse.ArgumentParser, cls: type, title: str) -> None:
+    """One flag per exposed field of config class ``cls``: ``--field-name`` (and the field's
+    llama.cpp spellings), typed, with the field's help and default."""
+    from .runtime.config import exposed_fields
+
+    group = p.add_argument_group(title)
+    for f in exposed_fields(cls):
+        meta = f.metadata
+        short = [s for s in meta["flags"] if not s.startswith("--")]
+        flags = [*short, f"--{f.name.replace('_', '-')}", *(s for s in meta["flags"] if s.startswith("--"))]
+        kw: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"]}
+        if meta["kind"] is bool:
+            kw["action"] = argparse.BooleanOptionalAction if f.default is None else "store_true"
+        else:
+            kw.update(type=meta["kind"], choices=meta["choices"], metavar=None if meta["choices"] else f.name.upper())
+        group.add_argument(*flags, **kw)
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", "--temp", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    g = p.add_argument_group("sampling")
+    g.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate")
+    g.add_argument("--temperature", "--temp", type=float, default=0.0,
+                   help="0 is greedy (the HTTP API follows OpenAI's default of 1)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of this mass")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's presence penalty, [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's frequency penalty, [-2, 2]")
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    from .runtime.config import ExecutorConfig, PlanConfig, SchedulerConfig
+
+    _model_arg(p)
+    add_config_flags(p, PlanConfig, "placement")
+    add_config_flags(p, ExecutorConfig, "executors")
+    add_config_flags(p, SchedulerConfig, "scheduler")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="powerinfer-ray", description=__doc__)
+    from .bench import DRIVERS, MODEL_MODES
+    from .serve.config import IngressConfig
+
+    ap = argparse.ArgumentParser(prog="powerinfer-ray", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--debug", action="store_true", help="print tracebacks of errors")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    p = sub.add_parser("generate", help="generate text with the hybrid engine")
-    _add_engine_flags(p)
-    _sampling_flags(p)
-    p.add_argument("-p", "--prompt", default="The meaning of")
-    p.add_argument("-n", "--n-predict", type=int, default=64)
+    def cmd(name: str, func: Any, help: str) -> argparse.ArgumentParser:  # noqa: A002, ANN401
+        sp = sub.add_parser(name, help=help, description=help, formatter_class=HelpFormat)
+        sp.set_defaults(func=func)
+        return sp
+
+    p = cmd("generate", cmd_generate, "generate text with the hybrid engine")
+    p.add_argument("-p", "--prompt", default="The meaning of", help="prompt text")
     p.add_argument("--stream", action="store_true", help="print tokens as they come")
-    p.set_defaults(func=cmd_generate)
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, stats")
+    p.add_argument("--print-token-ids", action="store_true", help="print the generated token ids after the text")
+    _sampling_flags(p)
+    _engine_flags(p)
 
-    p = sub.add_parser("serve", help="start the OpenAI-compatible Ray Serve app")
-    _add_engine_flags(p)
-    p.add_argument("--host", default="127.0.0.1")
+    p = cmd("serve", cmd_serve, "start the OpenAI-compatible Ray Serve app")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all; then set --api-key)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    p.set_defaults(func=cmd_serve)
+    add_config_flags(p, IngressConfig, "HTTP")
+    _engine_flags(p)
 
-    p = sub.add_parser("convert", help="HF checkpoint -> PowerInfer-compatible GGUF")
+    p = cmd("convert", cmd_convert, "HF checkpoint -> PowerInfer-compatible GGUF")
     p.add_argument("hf_dir")
     p.add_argument("-o", "--outfile", required=True)
-    p.add_argument("--outtype", choices=("f16", "bf16", "f32"), default="f16")
+    p.add_argument("--outtype", choices=("f16", "bf16", "f32", "q8_0", "q4_0"), default="f16")
     p.add_argument("--predictors", default=None, help="folder of upstream model_{l}.pt predictors")
     p.add_argument("--no-pwri", action="store_true", help="keep the plain GGUF magic for sparse models")
-    p.set_defaults(func=cmd_convert)
 
-    p = sub.add_parser("inspect", help="print a model file's metadata, config and tensors")
+    p = cmd("quantize", cmd_quantize, "re-store a GGUF/PWRI model's matrices as q8_0 or q4_0 blocks")
+    p.add_argument("infile")
+    p.add_argument("outfile")
+    p.add_argument("type", choices=("q8_0", "q4_0"))
+
+    p = cmd("inspect", cmd_inspect, "print a model file's metadata, config and tensors")
     p.add_argument("model")
     p.add_argument("--tensors", action="store_true")
-    p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("profile", help="count per-neuron activations over a corpus")
+    p = cmd("profile", cmd_profile, "count per-neuron activations over a corpus")
     _model_arg(p)
     p.add_argument("corpus", help="text file, JSONL (text field) or Parquet (text column)")
     p.add_argument("-o", "--out-dir", required=True)
     p.add_argument("--max-tokens", type=int, default=200_000)
     p.add_argument("--seq-len", type=int, default=256)
-    p.set_defaults(func=cmd_profile)
 
-    p = sub.add_parser("train-predictors", help="train per-layer activation predictors")
+    p = cmd("sparsify", cmd_sparsify, "calibrate per-layer activation thresholds of a SwiGLU model")
+    _model_arg(p, required=True)
+    p.add_argument("corpus", nargs="?", default=None,
+                   help="calibration text: text file, JSONL (text field), Parquet (text column) or builtin")
+    p.add_argument("-o", "--outfile", required=True)
+    p.add_argument("--target-sparsity", nargs="+", default=["0.5"],
+                   help="share of FFN neurons to skip: one value, or one per layer (0.3,0.4,0.5 ...)")
+    p.add_argument("--on", choices=("gate", "h"), default="gate",
+                   help="threshold |SiLU(gate)| (computes up/down only for active neurons) or |h|")
+    p.add_argument("--thresholds", default=None,
+                   help="take the thresholds from this sparsified file of the same model (no corpus)")
+    p.add_argument("--max-tokens", type=int, default=16384)
+    p.add_argument("--seq-len", type=int, default=256)
+
+    p = cmd("train-predictors", cmd_train_predictors, "train per-layer activation predictors")
     _model_arg(p)
     p.add_argument("corpus")
     p.add_argument("-o", "--outfile", required=True)
     p.add_argument("--recall", type=float, default=0.95, help="recall target at threshold 0")
     p.add_argument("--max-tokens", type=int, default=100_000)
-    p.set_defaults(func=cmd_train_predictors)
 
-    p = sub.add_parser("calibrate", help="measure this host's bandwidths and sync cost")
+    p = cmd("calibrate", cmd_calibrate, "measure this host's bandwidths and sync cost")
     p.add_argument("-o", "--outfile", default="host-profile.json")
-    p.set_defaults(func=cmd_calibrate)
 
-    p = sub.add_parser("solve", help="solve the GPU/CPU neuron placement (ILP, cvxpy + HiGHS)")
+    p = cmd("solve", cmd_solve, "solve the GPU/CPU neuron placement (ILP, cvxpy + HiGHS)")
     _model_arg(p)
     p.add_argument("--activation", required=True, help="activation stats: folder of activation_{l}.pt or a Parquet file")
-    p.add_argument("--vram-budget", type=float, required=True, help="GiB")
+    p.add_argument("--vram-budget-gib", "--vram-budget", dest="vram_budget_gib", type=float, required=True,
+                   help="GPU memory for the model, GiB")
     p.add_argument("--host-profile", default=None)
     p.add_argument("--method", choices=("ilp", "greedy"), default="ilp")
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("-o", "--outfile", default=None, help="default: <model>.generated.gpuidx")
-    p.set_defaults(func=cmd_solve)
 
-    p = sub.add_parser("bench", help="benchmarks: kernels | runtime | hybrid | layer-offload | dense-gpu | cpu-only | sweep")
-    p.add_argument("mode")
+    modes = sorted(DRIVERS) + list(MODEL_MODES)
+    p = cmd("bench", cmd_bench, "benchmarks (from a source checkout): " + " | ".join(modes))
+    p.add_argument("mode", choices=modes)
     p.add_argument("rest", nargs=argparse.REMAINDER, help="flags of the benchmark driver")
-    p.set_defaults(func=cmd_bench)
     return ap
 
 
@@ -114,24 +169,39 @@ def _resolve_model(spec: str | None) -> str:
     return str(default_model_path())
 
 
-def _engine_kwargs(a: argparse.Namespace) -> dict:
-    return dict(vram_budget_gib=a.vram_budget, threads=a.threads, reset_gpu_index=a.reset_gpu_index,
-                disable_gpu_index=a.disable_gpu_index, device=a.device, n_ctx=a.ctx_size,
-                max_batch=a.max_batch, graphs=False if a.no_graphs else None)
+def _prepared(a: argparse.Namespace):  # noqa: ANN202  (runtime.preflight.Prepared)
+    """The engine's config from the flags, checked against the model and this host before Ray."""
+    from .runtime.config import EngineConfig, exposed_fields
+    from .runtime.preflight import prepare
+    from .serve.launcher import joins_cluster
+
+    ec = EngineConfig(_resolve_model(a.model), **{f.name: getattr(a, f.name) for f in exposed_fields(EngineConfig)})
+    prep = prepare(ec, local_gpu_check=not joins_cluster())
+    for note in prep.notes:
+        print(note, file=sys.stderr)
+    return prep
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from .generate import generate_cli
+    from .runtime.sampling import SamplingParams
 
-    return generate_cli(_resolve_model(a.model), a.prompt, a.n_predict, stream=a.stream,
-                        sampling=dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed),
-                        **_engine_kwargs(a))
+    if a.n_predict < 1:
+        raise ValueError(f"-n/--n-predict={a.n_predict}: expected an integer >= 1 (tokens to generate)")
+    sampling = dict(max_tokens=a.n_predict, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                    presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty)
+    SamplingParams.from_kwargs(**sampling)  # its checks, before Ray
+    prep = _prepared(a)
+    prep.prompt_ids(a.prompt, a.n_predict)
+    return generate_cli(prep, a.prompt, sampling, stream=a.stream, as_json=a.json, print_token_ids=a.print_token_ids)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from .serve import serve_cli
+    from .serve.config import IngressConfig
+    from .serve.launcher import serve_cli
 
-    return serve_cli(_resolve_model(a.model), host=a.host, port=a.port, api_key=a.api_key, **_engine_kwargs(a))
+    ingress = IngressConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(IngressConfig)})
+    return serve_cli(_prepared(a).config, host=a.host, port=a.port, **dataclasses.asdict(ingress))
 
 
 def cmd_convert(a: argparse.Namespace) -> int:
@@ -140,6 +210,13 @@ def cmd_convert(a: argparse.Namespace) -> int:
     out = convert_hf(a.hf_dir, a.outfile, outtype=a.outtype, predictors_dir=a.predictors,
                      sparse=False if a.no_pwri else None)
     print(f"wrote {out}")
+    return 0
+
+
+def cmd_quantize(a: argparse.Namespace) -> int:
+    from .offline.quantize import quantize_file
+
+    print(f"wrote {quantize_file(a.infile, a.outfile, a.type)}")
     return 0
 
 
@@ -154,6 +231,14 @@ def cmd_profile(a: argparse.Namespace) -> int:
     from .offline.profile import run_profile
 
     run_profile(_resolve_model(a.model), a.corpus, a.out_dir, max_tokens=a.max_tokens, seq_len=a.seq_len)
+    return 0
+
+
+def cmd_sparsify(a: argparse.Namespace) -> int:
+    from .offline.sparsify import parse_targets, sparsify
+
+    sparsify(a.model, a.corpus, a.outfile, parse_targets(a.target_sparsity), on=a.on,
+             max_tokens=a.max_tokens, seq_len=a.seq_len, thresholds_from=a.thresholds)
     return 0
 
 
@@ -175,7 +260,7 @@ def cmd_calibrate(a: argparse.Namespace) -> int:
 def cmd_solve(a: argparse.Namespace) -> int:
     from .offline.solve import solve_for_model
 
-    solve_for_model(_resolve_model(a.model), a.activation, a.vram_budget, host_profile=a.host_profile,
+    solve_for_model(_resolve_model(a.model), a.activation, a.vram_budget_gib, host_profile=a.host_profile,
                     method=a.method, group_size=a.group_size, out=a.outfile)
     return 0
 
@@ -186,12 +271,28 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return run_bench(a.mode, a.rest)
 
 
+def user_error(exc: BaseException) -> str | None:
+    """The one line a user error prints (bad input, a missing file, inside a Ray error too);
+    None for anything else (a bug: its traceback is worth more)."""
+    from .serve.launcher import actor_cause
+
+    cause = actor_cause(exc)
+    if not isinstance(cause, (ValueError, OSError)):
+        return None
+    return " ".join(line.strip() for line in str(cause).splitlines() if line.strip()) or type(cause).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, OSError) as exc:  # bad input, missing or unwritable files: one clear line
-        print(f"powerinfer-ray {args.cmd}: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001  (user errors: one line; anything else re-raised)
+        line = None if args.debug else user_error(exc)
+        if line is None:
+            raise
+        print(f"powerinfer-ray {args.cmd}: error: {line}", file=sys.stderr)
         return 2
 
 

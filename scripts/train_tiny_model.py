@@ -1,15 +1,20 @@
 #!/usr/bin/env python3
-"""Train the embedded tiny ReGLU model from the frozen built-in corpus, reproducibly.
+"""Train an embedded tiny model from the frozen built-in corpus, reproducibly.
 
     PYTHONPATH=. python3 scripts/train_tiny_model.py --out OUT --predictors
+    OMP_NUM_THREADS=1 PYTHONPATH=. python3 scripts/train_tiny_model.py --out OUT --ffn-act swiglu
 
-(the defaults are the settings of the shipped model; it was made on one H200 in two calls: this
-training run, then ``--from-dense OUT/tiny-reglu.dense.gguf`` for the final predictors, see
-bench/results/tiny-model-*.json).
+ReGLU (the default model): the defaults are the settings of the shipped model; it was made on one
+H200 in two calls: this training run, then ``--from-dense OUT/tiny-reglu.dense.gguf`` for the final
+predictors, see bench/results/tiny-model-*.json.
+SwiGLU (``--ffn-act swiglu``): a smaller shape and shorter run whose defaults train on a CPU in
+minutes (15 on one thread of a loaded 2-core machine: on shared cores one thread is several times
+faster than two); the dense file is shipped as powerinfer_ray/data/tiny-swiglu.gguf
+(``powerinfer-ray sparsify`` adds thresholds), see bench/results/tiny-swiglu-train.json.
 
 Steps: byte-level BPE vocabulary on the train split -> one training run per L1 coefficient
 (in parallel processes when several are given) -> pick the sparsest run whose held-out loss is
-within ``--select-tolerance`` nats of the best -> export GGUF fp16 (OUT/tiny-reglu.dense.gguf)
+within ``--select-tolerance`` nats of the best -> export GGUF fp16 (OUT/tiny-<act>.dense.gguf)
 -> check that ReferenceModel reproduces the training model's held-out loss -> optionally
 profile activations and train predictors (OUT/tiny-reglu.powerinfer.gguf).
 Everything it measured goes to OUT/train_report.json.
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -32,22 +38,33 @@ import torch
 from powerinfer_ray.model.tokenizer import Tokenizer
 from powerinfer_ray.offline import corpus
 from powerinfer_ray.offline.train_tiny import (TrainSettings, check_export, encode_stream,
-                                               eval_windows, export, tiny_reglu_config, train,
+                                               eval_windows, export, tiny_trained_config, train,
                                                train_tokenizer)
 
-DENSE_FILE = "tiny-reglu.dense.gguf"
+DENSE_FILE = "tiny-{act}.dense.gguf"
 SPARSE_FILE = "tiny-reglu.powerinfer.gguf"
+# defaults per FFN activation (flags left unset take these): the shipped models' settings
+ACT_DEFAULTS = {
+    "reglu": dict(steps=2000, batch=16, seq_len=512, lr=2e-3, warmup=100, l1=[0.0, 0.5, 2.0, 8.0],
+                  n_embd=192, n_layer=6, n_ff=768, eval_windows=64),
+    "swiglu": dict(steps=400, batch=16, seq_len=128, lr=3e-3, warmup=40, l1=[0.0],
+                   n_embd=128, n_layer=4, n_ff=384, eval_windows=32),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=Path, help="output folder")
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--ffn-act", choices=sorted(ACT_DEFAULTS), default="reglu",
+                   help="FFN activation; picks the defaults of the flags below (ACT_DEFAULTS)")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--batch", type=int)
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--warmup", type=int)
+    p.add_argument("--eval-windows", type=int)
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--l1", type=float, nargs="+", default=[0.0, 0.5, 2.0, 8.0],
+    p.add_argument("--l1", type=float, nargs="+",
                    help="L1 coefficients on the FFN activations, one training run each")
     p.add_argument("--select-tolerance", type=float, default=0.02,
                    help="pick the sparsest run within this many nats of the best held-out loss")
@@ -55,10 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-seconds", type=float, help="stop each training run after this long")
     p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--n-embd", type=int, default=192)
-    p.add_argument("--n-layer", type=int, default=6)
+    p.add_argument("--n-embd", type=int)
+    p.add_argument("--n-layer", type=int)
     p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--n-ff", type=int, default=768)
+    p.add_argument("--n-ff", type=int)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--sequential", action="store_true", help="train the L1 runs one after another")
     p.add_argument("--predictors", action="store_true", help="also profile and train predictors")
@@ -73,13 +90,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tag", default="", help="prefix of the output names (with --from-dense)")
     p.add_argument("--no-profile", action="store_true", help="skip the activation profile")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # internal: one run -> this file
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for k, v in ACT_DEFAULTS[args.ffn_act].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
 
 
 def settings_for(args: argparse.Namespace, l1: float) -> TrainSettings:
     return TrainSettings(steps=args.steps, batch=args.batch, seq_len=args.seq_len, lr=args.lr,
-                         dropout=args.dropout, l1=l1, eval_every=args.eval_every, seed=args.seed,
-                         max_seconds=args.max_seconds)
+                         warmup=args.warmup, dropout=args.dropout, l1=l1, eval_every=args.eval_every,
+                         eval_windows=args.eval_windows, seed=args.seed, max_seconds=args.max_seconds)
+
+
+def model_config(args: argparse.Namespace):  # noqa: ANN201
+    return tiny_trained_config(args.ffn_act, args.vocab, args.n_embd, args.n_layer, args.n_head,
+                               args.n_ff, args.seq_len)
 
 
 def load_data(args: argparse.Namespace, tok_file: Path | None = None):  # noqa: ANN201
@@ -94,7 +120,7 @@ def load_data(args: argparse.Namespace, tok_file: Path | None = None):  # noqa: 
 
 
 def run_worker(args: argparse.Namespace, l1: float, tok_file: Path, out_file: Path) -> None:
-    cfg = tiny_reglu_config(args.vocab, args.n_embd, args.n_layer, args.n_head, args.n_ff, args.seq_len)
+    cfg = model_config(args)
     _, train_ids, held_ids = load_data(args, tok_file)
     tag = f"[l1={l1:g}] "
     res = train(cfg, train_ids, held_ids, settings_for(args, l1), args.device,
@@ -152,8 +178,8 @@ def main(argv: list[str] | None = None) -> None:
               f"vocabulary {len(fields['tokenizer.ggml.tokens'])}", flush=True)
         runs = run_all(args, tok_file, tmp)
     chosen = select(runs, args.select_tolerance)
-    cfg = tiny_reglu_config(args.vocab, args.n_embd, args.n_layer, args.n_head, args.n_ff, args.seq_len)
-    dense = export(args.out / DENSE_FILE, cfg, chosen["weights"], fields)
+    cfg = model_config(args)
+    dense = export(args.out / DENSE_FILE.format(act=args.ffn_act), cfg, chosen["weights"], fields)
     windows = eval_windows(held_ids, args.seq_len)
     check = check_export(dense, windows, args.device)
     print(f"export check: reference {check['reference_loss']:.5f} vs training model "
@@ -178,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def command_line() -> str:
-    return "PYTHONPATH=. python3 scripts/train_tiny_model.py " + " ".join(sys.argv[1:])
+    threads = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
+    return threads + "PYTHONPATH=. python3 scripts/train_tiny_model.py " + " ".join(sys.argv[1:])
 
 
 def device_name(args: argparse.Namespace) -> str:

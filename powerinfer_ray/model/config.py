@@ -9,8 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-ARCHS = ("llama", "opt", "falcon")
+from .quants import BLOCK_BYTES, QK, QTYPES, row_bytes
+
+ARCHS = ("llama", "qwen2", "opt", "falcon")
 FFN_ACTS = ("relu", "reglu", "drelu", "swiglu")
+THRESHOLD_ON = ("gate", "h")  # what a SwiGLU threshold compares: |SiLU(gate_j)| or |h_j|
 DTYPES = ("f32", "f16", "bf16")
 DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
 
@@ -21,7 +24,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # llama | opt | falcon
+    arch: str  # llama | qwen2 | opt | falcon
     ffn_act: str  # relu | reglu | drelu | swiglu
     n_vocab: int
     n_embd: int
@@ -32,13 +35,18 @@ class ModelConfig:
     n_ctx: int
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    n_rot: int = 0  # rotary dims; 0 -> head_dim (ignored without rope)
+    n_rot: int = 0  # rotary dims; 0 -> head_dim (set in __post_init__; 0 without rope)
     parallel_attn: bool = False  # falcon: x + attn(ln(x)) + ffn(ln'(x))
     two_norms: bool = False  # falcon new decoder architecture: separate ln_attn / ln_mlp
     bias: bool = False  # q/k/v/o and up/down biases (opt)
+    qkv_bias: bool = False  # q/k/v biases only (qwen2)
     tied_output: bool = False  # output head is token_embd
     sparse_threshold: float | None = None  # neuron skipped iff predictor logit < threshold
     predictor_ranks: tuple[int, ...] = ()  # per-layer predictor width r (empty: no predictors)
+    # SwiGLU activation sparsity: per layer l, neuron j is active iff its criterion exceeds
+    # ffn_thresholds[l] (empty: dense); the criterion is |SiLU(gate_j)| or |h_j| (ffn_threshold_on)
+    ffn_thresholds: tuple[float, ...] = ()
+    ffn_threshold_on: str = "gate"
     dtype: str = "f32"  # storage dtype of the big matrices
     name: str = ""
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
@@ -51,8 +59,10 @@ class ModelConfig:
             raise bad("architecture", self.arch, f"one of {ARCHS}")
         if self.ffn_act not in FFN_ACTS:
             raise bad("ffn_act", self.ffn_act, f"one of {FFN_ACTS}")
-        if self.dtype not in DTYPES:
-            raise bad("dtype", self.dtype, f"one of {DTYPES}")
+        if self.dtype not in DTYPES + QTYPES:
+            raise bad("dtype", self.dtype, f"one of {DTYPES + QTYPES}")
+        if self.dtype in QTYPES and self.n_embd % QK:
+            raise bad("n_embd", self.n_embd, f"a multiple of {QK} (the {self.dtype} block) for dtype {self.dtype}")
         for name in ("n_vocab", "n_embd", "n_layer", "n_head", "n_head_kv", "n_ff", "n_ctx"):
             if int(getattr(self, name)) <= 0:
                 raise bad(name, getattr(self, name), "a positive integer")
@@ -62,6 +72,28 @@ class ModelConfig:
             raise bad("n_head_kv", self.n_head_kv, f"a divisor of n_head={self.n_head}")
         if self.predictor_ranks and len(self.predictor_ranks) != self.n_layer:
             raise bad("predictor_ranks", len(self.predictor_ranks), f"{self.n_layer} entries")
+        self._check_thresholds(bad)
+        if self.rope_style is None:
+            object.__setattr__(self, "n_rot", 0)
+        elif self.n_rot == 0:
+            object.__setattr__(self, "n_rot", self.head_dim)
+        elif not (0 < self.n_rot <= self.head_dim and self.n_rot % 2 == 0):
+            raise bad("n_rot", self.n_rot, f"an even number of rotary dims <= head_dim={self.head_dim}")
+
+    def _check_thresholds(self, bad) -> None:  # noqa: ANN001
+        object.__setattr__(self, "ffn_thresholds", tuple(float(t) for t in self.ffn_thresholds))
+        if not self.ffn_thresholds:
+            return
+        if self.ffn_act != "swiglu":
+            raise bad("ffn_thresholds", "present", f"none for ffn_act={self.ffn_act} (its zeros are "
+                      "already sparse; thresholds are for SwiGLU)")
+        if len(self.ffn_thresholds) != self.n_layer:
+            raise bad("ffn_thresholds", f"{len(self.ffn_thresholds)} values",
+                      f"one per layer: n_layer={self.n_layer}")
+        if any(not t >= 0.0 for t in self.ffn_thresholds):  # rejects NaN too
+            raise bad("ffn_thresholds", list(self.ffn_thresholds), "values >= 0")
+        if self.ffn_threshold_on not in THRESHOLD_ON:
+            raise bad("ffn_threshold_on", self.ffn_threshold_on, f"one of {THRESHOLD_ON}")
 
     # --- derived sizes ------------------------------------------------------------------------
     @property
@@ -75,7 +107,7 @@ class ModelConfig:
 
     @property
     def rot_dims(self) -> int:
-        return self.n_rot or self.head_dim
+        return self.n_rot
 
     @property
     def gated(self) -> bool:
@@ -85,12 +117,22 @@ class ModelConfig:
     @property
     def rope_style(self) -> str | None:
         """'norm' = GGML mode 0 (adjacent pairs; llama GGUF stores Q/K permuted for it),
-        'neox' = rotate halves (falcon), None = learned absolute positions (opt)."""
-        return {"llama": "norm", "falcon": "neox", "opt": None}[self.arch]
+        'neox' = rotate halves (falcon, qwen2), None = learned absolute positions (opt)."""
+        return {"llama": "norm", "qwen2": "neox", "falcon": "neox", "opt": None}[self.arch]
 
     @property
     def norm(self) -> str:
-        return "rms" if self.arch == "llama" else "layer"
+        return "rms" if self.arch in ("llama", "qwen2") else "layer"
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        """q/k/v carry biases (opt: with all others; qwen2: alone)."""
+        return self.bias or self.qkv_bias
+
+    @property
+    def thresholded(self) -> bool:
+        """SwiGLU with per-layer activation thresholds (``sparsify``)."""
+        return bool(self.ffn_thresholds)
 
     @property
     def pos_offset(self) -> int:
@@ -102,19 +144,25 @@ class ModelConfig:
         return bool(self.predictor_ranks)
 
     @property
-    def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+    def dtype_bytes(self) -> float:
+        """Bytes per weight of the big matrices (block types: the block's bytes / 32)."""
+        return DTYPE_BYTES.get(self.dtype) or BLOCK_BYTES[self.dtype] / QK
+
+    @property
+    def float_dtype(self) -> str:
+        """The float type of what a block-quantized model keeps in float (its own dtype otherwise)."""
+        return "f16" if self.dtype in QTYPES else self.dtype
 
     @property
     def neuron_bytes(self) -> int:
         """Bytes of one FFN neuron: its rows of up, gate (if any) and down_t."""
-        return (3 if self.gated else 2) * self.n_embd * self.dtype_bytes
+        return (3 if self.gated else 2) * row_bytes(self.dtype, self.n_embd)
 
     @property
     def attn_bytes(self) -> int:
         """Bytes of one layer's q/k/v/o matrices."""
         hd = self.head_dim
-        return (2 * self.n_head * hd + 2 * self.n_head_kv * hd) * self.n_embd * self.dtype_bytes
+        return (2 * self.n_head * hd + 2 * self.n_head_kv * hd) * row_bytes(self.dtype, self.n_embd)
 
     @property
     def kv_bytes_per_token(self) -> int:

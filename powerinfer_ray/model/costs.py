@@ -1,15 +1,89 @@
 """A model's byte costs for the placement solver (placement may not import the model package,
-so the model side builds them)."""
+so the model side builds them), from the size of every tensor as the primary executor holds it.
+
+What the primary holds, and so what it costs: a matrix stored in Q8_0 / Q4_0 blocks as its
+blocks; any other matrix (and a Q6_K ``output.weight``, dequantized at load) in the model's
+float type (``ModelConfig.float_dtype``), or in ``dtype`` when the executor is given one (a CPU
+primary converts to f32); the KV cache in that same float type; 1-D tensors (norms, biases)
+in f32 (an upper bound for the q/k/v biases the executor keeps in the float type).
+"""
 from __future__ import annotations
 
+import math
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from . import gguf_keys as K
 from .config import ModelConfig
+from .gguf_config import expected_shapes
+from .quants import BLOCK_BYTES, ELEMENT_BYTES, QK, QTYPES, storage_kind
+
+if TYPE_CHECKING:
+    from ..placement.costs import ModelCosts
+    from .source import WeightSource
 
 
-def model_costs(cfg: ModelConfig, n_ctx: int, batch: int):  # noqa: ANN201  (placement.ModelCosts)
-    """ModelCosts of ``cfg`` with a KV cache for ``n_ctx`` tokens x ``batch`` sequences, plus the
-    executors' scratch slot (the cache row that padded decode rows write)."""
+def model_costs(model: WeightSource | ModelConfig, n_ctx: int, batch: int,
+                dtype: str | None = None) -> ModelCosts:
+    """ModelCosts of ``model`` (a source, whose tensors' storage types are read, or a config,
+    whose file would store them as ``quants.storage_kind`` says) with a KV cache for ``n_ctx``
+    tokens x ``batch`` sequences, plus the executors' scratch slot (the cache row that padded
+    decode rows write). ``dtype``: the float type the primary converts every weight to (None:
+    as stored, see the module docstring)."""
     from ..placement.costs import ModelCosts
 
-    return ModelCosts.from_shape(cfg.n_layer, cfg.n_embd, cfg.n_ff, cfg.n_head, cfg.n_head_kv, cfg.n_vocab,
-                                 cfg.gated, cfg.dtype_bytes, list(cfg.predictor_ranks) or [0] * cfg.n_layer,
-                                 n_ctx, batch + 1, tied_embeddings=cfg.tied_output, bias=cfg.bias)
+    cfg = model if isinstance(model, ModelConfig) else model.config
+    shapes = expected_shapes(cfg)
+    float_kind = dtype or cfg.float_dtype
+
+    def nbytes(name: str) -> int:
+        """Bytes of tensor ``name`` as the primary holds it (0 when the model has none)."""
+        if name not in shapes:
+            return 0
+        shape = shapes[name]
+        if len(shape) == 1:
+            return shape[0] * ELEMENT_BYTES["f32"]
+        kind = _stored(model, cfg, name, shape)
+        return _bytes(kind if dtype is None and kind in QTYPES else float_kind, *shape)
+
+    base = ModelCosts.from_shape(cfg.n_layer, cfg.n_embd, cfg.n_ff, cfg.n_head, cfg.n_head_kv, cfg.n_vocab,
+                                 cfg.gated, ELEMENT_BYTES[float_kind],
+                                 list(cfg.predictor_ranks) or [0] * cfg.n_layer, n_ctx, batch + 1,
+                                 kv_dtype_bytes=ELEMENT_BYTES[float_kind], tied_embeddings=cfg.tied_output,
+                                 bias=cfg.bias)
+    L, F, G = cfg.n_layer, cfg.n_ff, cfg.n_head_kv
+    neuron_t = [(K.FFN_UP, False), (K.FFN_GATE, False), (K.FFN_DOWN_T, False), (K.FFN_UP, True)]
+    attn_t = [(t, b) for t in (K.ATTN_Q, K.ATTN_K, K.ATTN_V) for b in (False, True)]
+    pred_t = [(K.FC1, False), (K.FC2, False)]
+    neuron = [sum(nbytes(K.tensor(t, l, b)) for t, b in neuron_t) // F for l in range(L)]
+    attn = [sum(nbytes(K.tensor(t, l, b)) for t, b in attn_t) // G + _o_cols(cfg, model, l, float_kind, dtype)
+            for l in range(L)]
+    predictor = [sum(nbytes(K.tensor(t, l, b)) for t, b in pred_t) for l in range(L)]
+    units = {K.tensor(t, l, b) for l in range(L) for t, b in neuron_t + attn_t + pred_t + [(K.ATTN_OUT, False)]}
+    dense = sum(nbytes(n) for n in shapes if n not in units)  # embeddings, output head, norms, o/down biases
+    return replace(base, neuron_bytes=tuple(neuron), attn_group_bytes=tuple(attn),
+                   predictor_bytes=tuple(predictor), dense_bytes=dense)
+
+
+def _stored(model: WeightSource | ModelConfig, cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> str:
+    """How the model stores tensor ``name``; a tensor a file holds in another layout (fused
+    qkv, untransposed ffn_down) counts as float."""
+    if isinstance(model, ModelConfig):
+        return storage_kind(cfg.dtype, name, shape)
+    return model.dtype_of(name) if model.has(name) else cfg.float_dtype
+
+
+def _bytes(kind: str, rows: int, cols: int) -> int:
+    """Bytes of rows x cols weights held as ``kind`` (block types: their share of the blocks
+    when a slice of columns does not end on a block boundary)."""
+    if kind in QTYPES:
+        return math.ceil(rows * cols * BLOCK_BYTES[kind] / QK)
+    return rows * cols * ELEMENT_BYTES[kind]
+
+
+def _o_cols(cfg: ModelConfig, model: WeightSource | ModelConfig, l: int, float_kind: str,
+            dtype: str | None) -> int:
+    """The o-projection columns [D, n_gqa hd] of one KV-head group's heads."""
+    name = K.tensor(K.ATTN_OUT, l)
+    kind = _stored(model, cfg, name, (cfg.n_embd, cfg.n_head * cfg.head_dim))
+    return _bytes(kind if dtype is None and kind in QTYPES else float_kind, cfg.n_embd, cfg.n_gqa * cfg.head_dim)

@@ -38,6 +38,18 @@ PARALLEL_ATTN = "powerinfer_ray.parallel_attn"  # falcon: attention and FFN read
 FALCON_NEW_ARCH = "powerinfer_ray.falcon_new_decoder_architecture"  # separate ln_attn / ln_mlp
 POS_OFFSET = "powerinfer_ray.position_offset"  # OPT's learned positions start at index 2
 PLANTED_SPEC = "powerinfer_ray.planted_spec"  # a planted model written to a file: its spec (bench/planted_file.py)
+# SwiGLU activation sparsity (``powerinfer-ray sparsify``): in layer l, FFN neuron j is active iff
+# its criterion exceeds FFN_THRESHOLDS[l]; the criterion is |SiLU(gate_j)| (FFN_THRESHOLD_ON "gate")
+# or |h_j| = |SiLU(gate_j) * up_j| ("h"). Inactive neurons contribute nothing (h_j := 0).
+FFN_THRESHOLDS = "powerinfer_ray.ffn_thresholds"  # float32 array [n_layer]
+FFN_THRESHOLD_ON = "powerinfer_ray.ffn_threshold_on"  # gate | h
+FFN_TARGET_SPARSITY = "powerinfer_ray.ffn_target_sparsity"  # float32 [n_layer]: what was asked
+FFN_CALIBRATION_SPARSITY = "powerinfer_ray.ffn_calibration_sparsity"  # float32 [n_layer]: measured
+FFN_CALIBRATION_TOKENS = "powerinfer_ray.ffn_calibration_tokens"  # uint32
+# which model the thresholds were calibrated on: per layer, the sums of the first
+# FINGERPRINT_ROWS rows of ffn_gate (float32 [n_layer * FINGERPRINT_ROWS]; survives dtype changes)
+FFN_THRESHOLD_FINGERPRINT = "powerinfer_ray.ffn_thresholds_fingerprint"
+FINGERPRINT_ROWS = 16
 
 # --- PowerInfer ---------------------------------------------------------------------------------
 SPARSE_THRESHOLD = "powerinfer.sparse_threshold"

@@ -1,9 +1,14 @@
 """Dense reference forward in plain torch: the oracle of every test and the dense baseline.
 
 One sequence at a time, prefill and cached decode, for llama (ReGLU / dReLU / ReLU / SwiGLU,
-GQA, RoPE), opt (ReLU, biases, learned positions, LayerNorm) and falcon (ReLU, parallel
-attention, MQA/GQA, LayerNorm). Written for clarity, not speed: the runtime's sparse operators
-are checked against it.
+GQA, RoPE), qwen2 (llama with q/k/v biases and NeoX RoPE), opt (ReLU, biases, learned positions,
+LayerNorm) and falcon (ReLU, parallel attention, MQA/GQA, LayerNorm). Written for clarity, not
+speed: the runtime's sparse operators are checked against it.
+
+A SwiGLU model with per-layer thresholds (``ModelConfig.ffn_thresholds``) runs *thresholded* by
+default: h_j is zeroed where its criterion (|SiLU(gate_j)| or |h_j|) is not above t_l, and every
+hook sees the thresholded h, so profiling, predictor training and oracle masks treat it as they
+treat ReLU's zeros. ``thresholded=False`` runs it dense.
 
 Hooks let offline tools look inside the FFN without a second implementation:
 ``FFNHooks.mask(l, pred_in)`` returns a [T, F] bool mask of neurons to keep (None: keep all),
@@ -16,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.nn.functional as Fn
@@ -73,6 +78,15 @@ def apply_rope(x: torch.Tensor, pos: torch.Tensor, n_rot: int, theta: float, sty
     return torch.cat((out.to(x.dtype), rest), dim=-1)
 
 
+def threshold_criterion(on: str, gate: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """What a SwiGLU threshold compares, [T, F]: |SiLU(gate)| (on='gate') or |h| (on='h')."""
+    if on == "gate":
+        return Fn.silu(gate).abs()
+    if on == "h":
+        return h.abs()
+    raise ValueError(f"threshold criterion {on!r}: expected 'gate' or 'h'")
+
+
 def ffn_activation(act: str, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
     """The FFN's per-neuron activation h [T, F] from up (and gate) projections [T, F]."""
     if act == "relu":
@@ -106,14 +120,30 @@ class ReferenceModel:
     """The dense model, holding every weight as a torch tensor (keyed by GGUF tensor name)."""
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor],
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 thresholded: bool = True) -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.w = {n: t.to(device=self.device, dtype=dtype) for n, t in weights.items()}
         self.w.setdefault(K.global_tensor(K.OUTPUT), self.w[K.global_tensor(K.TOKEN_EMBD)])  # tied head
+        self.thresholds: tuple[float, ...] | None = None
+        self.threshold_on = cfg.ffn_threshold_on
+        if thresholded and cfg.thresholded:
+            self.set_thresholds(cfg.ffn_thresholds, cfg.ffn_threshold_on)
+
+    def set_thresholds(self, thresholds: Sequence[float] | None, on: str = "gate") -> None:
+        """Run thresholded with per-layer ``thresholds`` on criterion ``on`` (None: dense)."""
+        if thresholds is None:
+            self.thresholds = None
+            return
+        if self.cfg.ffn_act != "swiglu" or len(thresholds) != self.cfg.n_layer:
+            raise ValueError(f"thresholds: {len(thresholds)} values for a {self.cfg.ffn_act} model of "
+                             f"{self.cfg.n_layer} layers; expected one per layer of a SwiGLU model")
+        threshold_criterion(on, torch.zeros(1), torch.zeros(1))  # validates ``on``
+        self.thresholds, self.threshold_on = tuple(float(t) for t in thresholds), on
 
     @classmethod
     def from_file(cls, path: str | Path | ModelFile, dtype: torch.dtype = torch.float32,
-                  device: str | torch.device = "cpu") -> "ReferenceModel":
+                  device: str | torch.device = "cpu", thresholded: bool = True) -> "ReferenceModel":
         mf = path if isinstance(path, ModelFile) else ModelFile(path)
         cfg = mf.config
         weights: dict[str, torch.Tensor] = {}
@@ -127,7 +157,7 @@ class ReferenceModel:
         for name in mf.tensors:
             if not name.startswith("blk."):
                 weights[name] = mf.get(name)
-        return cls(cfg, weights, dtype, device)
+        return cls(cfg, weights, dtype, device, thresholded)
 
     def new_cache(self) -> KVCache:
         return KVCache()
@@ -171,12 +201,33 @@ class ReferenceModel:
         out = torch.einsum("hts,shd->thd", scores.softmax(-1), vs).reshape(T, -1)  # [T, H*hd]
         return self._linear(out, K.ATTN_OUT, l)
 
+    def ffn_pre(self, l: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """x [T, D] normed -> up [T, F], gate [T, F] (None without one), dense h [T, F]."""
+        up = self._linear(x, K.FFN_UP, l)  # [T, F]
+        gate = x @ self._t(K.FFN_GATE, l).T if self.cfg.gated else None  # [T, F]
+        return up, gate, ffn_activation(self.cfg.ffn_act, up, gate)
+
+    def ffn_input(self, l: int, pred_in: torch.Tensor) -> torch.Tensor:
+        """The normed FFN input [T, D] of layer l from its predictor input [T, D]."""
+        c = self.cfg
+        if not c.parallel_attn:
+            return self._norm(pred_in, K.FFN_NORM, l)
+        return self._norm(pred_in, K.ATTN_NORM_2 if c.two_norms else K.ATTN_NORM, l)
+
+    def criterion(self, l: int, pred_in: torch.Tensor, on: str = "gate") -> torch.Tensor:
+        """The dense threshold criterion [T, F] of layer l (for calibration), from the predictor
+        input [T, D] that hooks see."""
+        _, gate, h = self.ffn_pre(l, self.ffn_input(l, pred_in))
+        assert gate is not None, f"ffn_act={self.cfg.ffn_act}: thresholds need a gate"
+        return threshold_criterion(on, gate, h)
+
     def ffn(self, l: int, x: torch.Tensor, mask: torch.Tensor | None = None,
             observe: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """x [T, D] normed -> [T, D]; ``mask`` [T, F] keeps only the listed neurons."""
-        up = self._linear(x, K.FFN_UP, l)  # [T, F]
-        gate = x @ self._t(K.FFN_GATE, l).T if self.cfg.gated else None  # [T, F]
-        h = ffn_activation(self.cfg.ffn_act, up, gate)  # [T, F]
+        _, gate, h = self.ffn_pre(l, x)  # h [T, F]
+        if self.thresholds is not None:
+            keep = threshold_criterion(self.threshold_on, gate, h) > self.thresholds[l]  # [T, F]
+            h = torch.where(keep, h, torch.zeros((), dtype=h.dtype, device=h.device))
         if observe is not None:
             observe(h)
         if mask is not None:
@@ -187,19 +238,14 @@ class ReferenceModel:
 
     def block(self, l: int, x: torch.Tensor, pos: torch.Tensor, cache: KVCache,
               hooks: FFNHooks | None = None) -> torch.Tensor:
-        c = self.cfg
-        ln_a = self._norm(x, K.ATTN_NORM, l)
-        if c.parallel_attn:
-            pred_in = x
-            ln_m = self._norm(x, K.ATTN_NORM_2, l) if c.two_norms else ln_a
-            a = self.attention(l, ln_a, pos, cache)
-        else:
-            x = x + self.attention(l, ln_a, pos, cache)
-            pred_in, ln_m = x, self._norm(x, K.FFN_NORM, l)
+        a = self.attention(l, self._norm(x, K.ATTN_NORM, l), pos, cache)
+        if not self.cfg.parallel_attn:
+            x = x + a
+        pred_in = x  # the layer input (parallel attention) or the residual after attention
         mask = hooks.mask(l, pred_in) if hooks is not None else None
         observe = (lambda h: hooks.observe(l, pred_in, h)) if hooks is not None else None
-        f = self.ffn(l, ln_m, mask, observe)
-        return x + a + f if c.parallel_attn else x + f
+        f = self.ffn(l, self.ffn_input(l, pred_in), mask, observe)
+        return x + a + f if self.cfg.parallel_attn else x + f
 
     def embed(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         x = self.w[K.global_tensor(K.TOKEN_EMBD)][tokens]  # [T, D]

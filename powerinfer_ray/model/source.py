@@ -1,7 +1,10 @@
 """Where weights come from: a GGUF file on disk, or a planted synthetic model generated on demand.
 
 Executors never see the difference: both satisfy ``WeightSource`` and hand out only the rows an
-executor asks for. ``open_model`` turns a user's model argument into a source:
+executor asks for: in float (``layer``, ``global_``; block-quantized matrices dequantized), and
+for the matrices ``qtype`` names as Q8_0 / Q4_0 blocks (``layer_blocks``, ``global_blocks``: a
+``quants.QuantRows`` of uint8 [n_rows, n_cols / 32 * block_bytes], ggml blocks row by row, what
+the quantized kernels take). ``open_model`` turns a user's model argument into a source:
 a path -> ``ModelFile``; ``planted:<shape>[?key=value&...]`` -> ``bench.planted`` generator
 (e.g. ``planted:llama2-13b?dtype=f16&seed=0``).
 """
@@ -17,6 +20,7 @@ import torch
 from . import gguf_keys as K
 from .config import ModelConfig
 from .gguf_file import ModelFile
+from .quants import QuantRows
 
 PLANTED_PREFIX = "planted:"
 
@@ -34,6 +38,15 @@ class WeightSource(Protocol):
     def global_(self, name: str, dtype: torch.dtype | None = None, bias: bool = False) -> torch.Tensor: ...
 
     def output_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor: ...
+
+    def dtype_of(self, name: str) -> str: ...  # storage: f32 | f16 | bf16 | q8_0 | q4_0 | q6_k
+
+    def qtype(self, template: str, bid: int | None = None, bias: bool = False) -> str | None: ...
+
+    def layer_blocks(self, template: str, bid: int, rows: Any = None,
+                     device: str | torch.device = "cpu") -> QuantRows: ...
+
+    def global_blocks(self, name: str, rows: Any = None, device: str | torch.device = "cpu") -> QuantRows: ...
 
 
 def open_model(spec: str | Path | WeightSource) -> WeightSource:

@@ -12,7 +12,8 @@ import torch
 
 from . import gguf_keys as K
 from .config import ModelConfig
-from .gguf_file import expected_shapes, write_model
+from .gguf_config import expected_shapes
+from .gguf_writer import write_model
 from .tokenizer import BYTE_VOCAB_SIZE, byte_level_fields
 
 VARIANTS = {
@@ -20,6 +21,7 @@ VARIANTS = {
     "llama-drelu": dict(arch="llama", ffn_act="drelu"),
     "llama-relu": dict(arch="llama", ffn_act="relu"),
     "llama-swiglu": dict(arch="llama", ffn_act="swiglu"),
+    "qwen2": dict(arch="qwen2", ffn_act="swiglu", qkv_bias=True, n_head=4, n_head_kv=2),
     "llama-gqa": dict(arch="llama", ffn_act="reglu", n_head=4, n_head_kv=2),
     "opt": dict(arch="opt", ffn_act="relu", bias=True, tied_output=True),
     "falcon": dict(arch="falcon", ffn_act="relu", parallel_attn=True, n_head=4, n_head_kv=1,

@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as Fn
 
 from ..model import gguf_keys as K
-from ..model.gguf_file import LazyTensor, ModelFile, write_model
+from ..model.gguf_file import ModelFile
+from ..model.gguf_writer import LazyTensor, write_model
 from ..model.reference import ReferenceModel
 from ..model.tokenizer import Tokenizer
 from .corpus import Corpus, iter_texts, token_windows

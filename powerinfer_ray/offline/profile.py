@@ -2,7 +2,8 @@
 
 ``profile_activations`` runs the dense reference over token windows of a corpus and counts,
 per layer and neuron, the tokens on which the neuron is active (its activation h is nonzero:
-ReLU h > 0, ReGLU/dReLU the product nonzero), seen through ``FFNHooks.observe``.
+ReLU h > 0, ReGLU/dReLU the product nonzero; a SwiGLU model with thresholds runs thresholded,
+so its counts are those of the thresholded mask), seen through ``FFNHooks.observe``.
 ``ActivationStats`` holds the counts and the token count and stores them as Parquet (columns
 layer, neuron, count; metadata n_tokens and model) and as upstream PowerInfer's
 ``activation/activation_{l}.pt`` files (one 1-D tensor of counts per layer).

@@ -1,4 +1,5 @@
-"""Train the embedded default model: a small Llama-style ReGLU model on the built-in corpus.
+"""Train the embedded tiny models on the built-in corpus: the Llama-style ReGLU default model
+and a Llama-style SwiGLU model (the fixture of training-free threshold sparsity).
 
 The training model is written with the dense reference's own building blocks (``rms_norm``,
 ``apply_rope`` in GGML mode 0, ``ffn_activation``) and keeps its weights under their GGUF
@@ -22,23 +23,29 @@ import torch.nn.functional as Fn
 
 from ..model import gguf_keys as K
 from ..model.config import ModelConfig
-from ..model.gguf_file import expected_shapes, write_model
+from ..model.gguf_config import expected_shapes
+from ..model.gguf_writer import write_model
 from ..model.reference import ReferenceModel, apply_rope, ffn_activation, rms_norm
 from ..model.tokenizer import BYTE_VOCAB_SIZE, Tokenizer, byte_level_fields
 from .corpus import DATA_DIR
 
 DEFAULT_MODEL_FILE = "tiny-reglu.powerinfer.gguf"  # the name model.default looks for
 DEFAULT_STATS_FILE = "tiny-reglu.activation.parquet"
+SWIGLU_MODEL_FILE = "tiny-swiglu.gguf"  # dense; `sparsify` adds thresholds
+
+
+def _shipped(name: str, flags: str = "") -> Path:
+    path = DATA_DIR / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: the embedded model is missing; train it with "
+                                f"scripts/train_tiny_model.py{flags}")
+    return path
 
 
 def trained_model_path() -> Path:
     """The trained tiny ReGLU model with its predictors, as shipped in package data
     (``powerinfer_ray.model.default.default_model_path()`` returns it when present)."""
-    path = DATA_DIR / DEFAULT_MODEL_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: the embedded model is missing; train it with "
-                                "scripts/train_tiny_model.py")
-    return path
+    return _shipped(DEFAULT_MODEL_FILE)
 
 
 def trained_stats_path() -> Path:
@@ -46,13 +53,32 @@ def trained_stats_path() -> Path:
     return DATA_DIR / DEFAULT_STATS_FILE
 
 
-def tiny_reglu_config(n_vocab: int = 1024, n_embd: int = 192, n_layer: int = 6, n_head: int = 4,
-                      n_ff: int = 768, n_ctx: int = 512) -> ModelConfig:
-    """The shape of the embedded model: ~3.7 M dense parameters (fp16: 7.5 MB), tied output."""
-    return ModelConfig(arch="llama", ffn_act="reglu", n_vocab=n_vocab, n_embd=n_embd,
+def trained_swiglu_path() -> Path:
+    """The trained tiny SwiGLU model (dense, no thresholds), as shipped in package data."""
+    return _shipped(SWIGLU_MODEL_FILE, " --ffn-act swiglu")
+
+
+def tiny_trained_config(ffn_act: str = "reglu", n_vocab: int = 1024, n_embd: int = 192,
+                        n_layer: int = 6, n_head: int = 4, n_ff: int = 768,
+                        n_ctx: int = 512) -> ModelConfig:
+    """The shape of an embedded tiny model (Llama-style, tied output, fp16)."""
+    return ModelConfig(arch="llama", ffn_act=ffn_act, n_vocab=n_vocab, n_embd=n_embd,
                        n_layer=n_layer, n_head=n_head, n_head_kv=n_head, n_ff=n_ff, n_ctx=n_ctx,
                        norm_eps=1e-5, rope_theta=10000.0, tied_output=True, dtype="f16",
-                       name="powerinfer-ray-tiny-reglu")
+                       name=f"powerinfer-ray-tiny-{ffn_act}")
+
+
+def tiny_reglu_config(n_vocab: int = 1024, n_embd: int = 192, n_layer: int = 6, n_head: int = 4,
+                      n_ff: int = 768, n_ctx: int = 512) -> ModelConfig:
+    """The shape of the embedded default model: ~3.7 M dense parameters (fp16: 7.5 MB)."""
+    return tiny_trained_config("reglu", n_vocab, n_embd, n_layer, n_head, n_ff, n_ctx)
+
+
+def tiny_swiglu_config(n_vocab: int = 1024, n_embd: int = 128, n_layer: int = 4, n_head: int = 4,
+                       n_ff: int = 384, n_ctx: int = 256) -> ModelConfig:
+    """The shape of the embedded SwiGLU model: ~1 M parameters (fp16: 2 MB), n_ff = 3 n_embd
+    (Llama's 8/3, rounded up to a multiple of 128), small enough to train on two CPU cores."""
+    return tiny_trained_config("swiglu", n_vocab, n_embd, n_layer, n_head, n_ff, n_ctx)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -101,7 +127,7 @@ def eval_windows(stream: torch.Tensor, seq_len: int, max_windows: int | None = N
 # the training model
 # ------------------------------------------------------------------------------------------------
 class TinyLM(nn.Module):
-    """The llama/ReGLU forward of ``ReferenceModel`` for batches, with dropout and the FFN
+    """The llama forward (gated FFN) of ``ReferenceModel`` for batches, with dropout and the FFN
     activations exposed for an L1 penalty; parameters are named and shaped as in GGUF."""
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, dropout: float = 0.0) -> None:

@@ -1,4 +1,5 @@
-"""Sampling parameters (validated at the edge) and the sampler: greedy, temperature, top-k, top-p."""
+"""Sampling parameters (validated at the edge), the sampler (penalties, greedy, temperature,
+top-k, top-p) and the log-probabilities a request may ask for."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -7,10 +8,13 @@ from typing import Any
 import numpy as np
 import torch
 
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI
+
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 64
+    max_tokens: int | None = 64  # None: until the context is full
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -18,6 +22,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already generated
+    frequency_penalty: float = 0.0  # subtracted once per time a token was generated
+    logprobs: int | None = None  # the chosen token's log-probability and this many alternatives
+    prompt_logprobs: int | None = None  # the same for each prompt token (prefills one token per step)
 
     @classmethod
     def from_kwargs(cls, **kw: Any) -> "SamplingParams":
@@ -26,7 +34,7 @@ class SamplingParams:
         unknown = sorted(set(kw) - known)
         if unknown:
             raise ValueError(f"unknown sampling parameter(s) {unknown}; expected some of {sorted(known)}")
-        kw = {k: v for k, v in kw.items() if v is not None or k == "seed"}
+        kw = {k: v for k, v in kw.items() if v is not None or k in ("seed", "max_tokens")}
         if isinstance(kw.get("stop"), str):
             kw["stop"] = [kw["stop"]]
         p = cls(**kw)
@@ -37,24 +45,41 @@ class SamplingParams:
         def bad(name: str, expected: str) -> ValueError:
             return ValueError(f"{name} is {getattr(self, name)!r}, expected {expected}")
 
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise bad("max_tokens", "an integer >= 1")
+        if self.max_tokens is not None and not (_is_int(self.max_tokens) and self.max_tokens >= 1):
+            raise bad("max_tokens", "an integer >= 1 (or None: until the context is full)")
         if not _is_num(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise bad("temperature", "a number in [0, 100]")
         if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "a number in (0, 1]")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", "an integer >= 0")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad("seed", "an integer or null")
+        if self.seed is not None and not (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", f"an integer in [{SEED_MIN}, {SEED_MAX}] or null")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", "a string or a list of non-empty strings")
-        if not all(isinstance(t, int) for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of integers")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "true or false")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_num(getattr(self, name)) or not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, "a number in [-2, 2]")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not (_is_int(v) and 0 <= v <= MAX_LOGPROBS):
+                raise bad(name, f"an integer in [0, {MAX_LOGPROBS}] or null")
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and np.isfinite(v)
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and bool(np.isfinite(v))
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -63,9 +88,18 @@ def make_generator(seed: int | None) -> torch.Generator:
     return g
 
 
-def sample(logits: np.ndarray | torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-    """One token id from logits [V] under p."""
-    x = torch.as_tensor(logits, dtype=torch.float32)
+def penalize(x: torch.Tensor, p: SamplingParams, counts: torch.Tensor | None) -> torch.Tensor:
+    """OpenAI's presence and frequency penalties on logits x [V], from the generated tokens'
+    counts [V]: x - frequency_penalty * count - presence_penalty * (count > 0)."""
+    if counts is None or not p.penalized:
+        return x
+    return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(x.dtype)
+
+
+def sample(logits: np.ndarray | torch.Tensor, p: SamplingParams, gen: torch.Generator,
+           counts: torch.Tensor | None = None) -> int:
+    """One token id from logits [V] under p (counts [V]: the tokens generated so far)."""
+    x = penalize(torch.as_tensor(logits, dtype=torch.float32), p, counts)
     if p.temperature == 0.0:
         return int(x.argmax())
     x = x / p.temperature
@@ -79,3 +113,15 @@ def sample(logits: np.ndarray | torch.Tensor, p: SamplingParams, gen: torch.Gene
         sp = sp * keep
         probs = torch.zeros_like(probs).scatter_(0, si, sp)
     return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+
+
+def logprobs_of(logits: np.ndarray | torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log-probability of ``token`` under the model's distribution (log-softmax of the raw
+    logits [V], before penalties and temperature, as vLLM reports them) and the ``top`` most
+    likely tokens with theirs, most likely first."""
+    lp = torch.log_softmax(torch.as_tensor(logits, dtype=torch.float32), dim=-1)
+    alts: list[tuple[int, float]] = []
+    if top:
+        vals, ids = torch.topk(lp, min(top, lp.numel()))
+        alts = [(int(i), float(v)) for i, v in zip(ids, vals)]
+    return float(lp[token]), alts

@@ -167,7 +167,7 @@ def load_attn_shard(src: WeightSource, l: int, groups: np.ndarray, dtype: torch.
     q_rows, kv_rows = head_rows(cfg, np.asarray(groups, np.int64))
 
     def rows(tmpl: str, r: np.ndarray, bias: bool = False) -> torch.Tensor | None:
-        if bias and not cfg.bias:
+        if bias and not cfg.has_qkv_bias:
             return None
         t = layer_rows(src, tmpl, l, rows=r, dtype=dtype, bias=bias, device=device)  # F.linear wants one dtype
         return t.contiguous()
@@ -182,7 +182,7 @@ def load_attn_shard(src: WeightSource, l: int, groups: np.ndarray, dtype: torch.
     nq, nkv = len(q_rows), len(kv_rows)
     wqkv = torch.cat([rows(K.ATTN_Q, q_rows), rows(K.ATTN_K, kv_rows), rows(K.ATTN_V, kv_rows)])
     bqkv = torch.cat([rows(K.ATTN_Q, q_rows, True), rows(K.ATTN_K, kv_rows, True),
-                      rows(K.ATTN_V, kv_rows, True)]) if cfg.bias else None
+                      rows(K.ATTN_V, kv_rows, True)]) if cfg.has_qkv_bias else None
     part = lambda t, a, b: None if t is None else t[a:b]  # noqa: E731
     return AttnShard(groups=np.asarray(groups, np.int64), wqkv=wqkv, bqkv=bqkv,
                      wq=wqkv[:nq], wk=wqkv[nq:nq + nkv], wv=wqkv[nq + nkv:], wo_t=wo_t,

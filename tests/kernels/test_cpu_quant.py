@@ -64,6 +64,8 @@ def test_dequantize_equals_gguf(qtype):
         got = quant.dequantize(blocks, qtype)
         want = torch.from_numpy(gguf_dequantize(blocks.numpy(), QTYPES[qtype]))
         assert got.shape == (6, 160) and torch.equal(got, want)
+    empty = quant.dequantize(w[:0], qtype, torch.float64)  # an empty gather (no active rows)
+    assert empty.shape == (0, 160) and empty.dtype == torch.float64
 
 
 @needs_compiler

@@ -1,5 +1,6 @@
 """Split file (upstream .gpuidx), our placement file, activation statistics, run_solve."""
 import json
+import struct
 
 import gguf
 import numpy as np
@@ -17,22 +18,69 @@ from powerinfer_ray.placement.gpuidx import GpuIndexError
 MASKS = [np.array([1, 0, 1, 1, 0], dtype=bool), np.zeros(5, dtype=bool), np.array([0, 1, 0, 0, 1], dtype=bool)]
 
 
-def test_gpuidx_positional_order_read_by_gguf(tmp_path):
+def _hand_gpuidx(masks, capacity: int, type_id: int, magic: bytes = b"GGUF") -> bytes:
+    """Upstream's split file assembled byte by byte (GGUF v3, alignment 32, little endian):
+    keys general.architecture, generic.gpu_index.block_count, split.vram_capacity; per layer
+    blk.l.gpu_idx then blk.l.gpu_bucket, int32 data stored with tensor type ``type_id``."""
+    def string(s: str) -> bytes:
+        return struct.pack("<Q", len(s)) + s.encode()
+
+    pad = lambda n: (-n) % 32  # noqa: E731
+    kv = (string("general.architecture") + struct.pack("<I", 8) + string("generic.gpu_index")
+          + string("generic.gpu_index.block_count") + struct.pack("<II", 4, len(masks))
+          + string("split.vram_capacity") + struct.pack("<IQ", 10, capacity))
+    datas = []
+    for l, m in enumerate(masks):
+        datas += [(f"blk.{l}.gpu_idx", np.asarray(m, "<i4")), (f"blk.{l}.gpu_bucket", np.flatnonzero(m).astype("<i4"))]
+    infos, blobs, offset = b"", b"", 0
+    for name, d in datas:
+        infos += string(name) + struct.pack("<IQIQ", 1, d.size, type_id, offset)
+        blob = d.tobytes()
+        blobs += blob + bytes(pad(len(blob)))
+        offset += len(blob) + pad(len(blob))
+    head = magic + struct.pack("<IQQ", 3, len(datas), 3) + kv + infos
+    return head + bytes(pad(len(head))) + blobs
+
+
+def test_gpuidx_is_upstreams_file_byte_for_byte(tmp_path):
+    """We write what upstream writes (I32 as type id 18, tensors 2l, 2l+1), and read upstream's
+    files: type 18 or gguf-py's I32 (26), magic GGUF or PWRI."""
     path = tmp_path / "m.gguf.generated.gpuidx"
     write_gpuidx(path, MASKS, vram_capacity=12345)
-    reader = gguf.GGUFReader(str(path))  # upstream's view: tensors by position
-    assert len(reader.tensors) == 2 * len(MASKS)
-    for l, mask in enumerate(MASKS):
-        idx, bucket = reader.tensors[2 * l], reader.tensors[2 * l + 1]
-        assert (idx.name, bucket.name) == (f"blk.{l}.gpu_idx", f"blk.{l}.gpu_bucket")
-        assert idx.tensor_type == bucket.tensor_type == gguf.GGMLQuantizationType.I32
-        assert idx.data.tolist() == mask.astype(int).tolist()
-        assert bucket.data.tolist() == np.flatnonzero(mask).tolist()  # sorted GPU neuron ids
-    cap = reader.fields["split.vram_capacity"]
-    assert cap.types == [gguf.GGUFValueType.UINT64] and cap.parts[cap.data[0]].tolist() == [12345]
-    arch = reader.fields["general.architecture"]
-    assert bytes(arch.parts[arch.data[0]]).decode() == "generic.gpu_index"
-    assert open(path, "rb").read(4) == b"GGUF"
+    assert path.read_bytes() == _hand_gpuidx(MASKS, 12345, 18)
+    for type_id, magic in ((18, b"GGUF"), (18, b"PWRI"), (26, b"GGUF"), (26, b"PWRI")):
+        hand = tmp_path / f"hand-{type_id}-{magic.decode()}.gpuidx"
+        hand.write_bytes(_hand_gpuidx(MASKS, 777, type_id, magic))
+        index = read_gpuidx(hand, n_ff=[5, 5, 5])
+        assert index.vram_capacity == 777, (type_id, magic)
+        assert [m.tolist() for m in index.gpu_neurons] == [m.tolist() for m in MASKS], (type_id, magic)
+
+
+def test_gpuidx_of_an_upstream_sized_layer(tmp_path):
+    """n_ff = 13824 (Llama-2-13B): gguf-py would read type 18 as IQ3_XXS blocks of 256; we read
+    upstream's int32 data."""
+    rng = np.random.default_rng(0)
+    masks = [rng.random(13824) < 0.3 for _ in range(2)]
+    path = tmp_path / "u.gpuidx"
+    path.write_bytes(_hand_gpuidx(masks, 5 << 30, 18, b"PWRI"))
+    index = read_gpuidx(path, n_ff=[13824, 13824])
+    assert index.vram_capacity == 5 << 30
+    assert all(np.array_equal(a, b) for a, b in zip(index.gpu_neurons, masks))
+    write_gpuidx(tmp_path / "ours.gpuidx", masks, 5 << 30)
+    assert (tmp_path / "ours.gpuidx").read_bytes()[4:] == path.read_bytes()[4:]  # all but the magic
+
+
+def test_cached_split_written_by_upstream_is_used(tmp_path):
+    """A split file beside the model, in upstream's bytes (type 18), whose vram_capacity fits the
+    budget, is the plan (upstream's rule), not re-solved."""
+    from powerinfer_ray.model.tiny import write_tiny_model
+    from powerinfer_ray.runtime.config import GIB, EngineConfig, resolve_plan
+
+    model = write_tiny_model(tmp_path / "m.gguf", predictor_rank=8)  # n_ff 256, 2 layers
+    masks = [np.arange(256) % 3 == 0, np.arange(256) >= 200]
+    gpuidx_path(model).write_bytes(_hand_gpuidx(masks, 1000, 18))
+    plan = resolve_plan(EngineConfig(str(model), vram_budget_gib=4096 / GIB))
+    assert [lp.gpu_neurons.tolist() for lp in plan.layers] == [np.flatnonzero(m).tolist() for m in masks]
 
 
 def test_gpuidx_round_trip_and_pwri_magic(tmp_path):

@@ -5,6 +5,7 @@ import time
 
 import pytest
 import ray
+import torch
 
 from powerinfer_ray.actors.coordinator import Coordinator
 from powerinfer_ray.model.reference import ReferenceModel
@@ -136,3 +137,41 @@ def test_cpu_threads_are_set_live_and_checked(engine, model):
                                                                                  threads=8)
     with pytest.raises(ray.exceptions.RayActorError, match="threads=8"):
         ray.get(too_many.ready.remote(), timeout=120)
+
+
+def test_latency_histograms_show_on_the_metrics_endpoint(engine, ray_cluster):
+    """Time to first token, time per output token and time in the queue, per request, as Ray
+    histograms of the engine: their counts reach the requests that finished."""
+    import urllib.request
+
+    n = 3
+    ray.get([engine.generate.remote(prompt_token_ids=[5, 6, 7 + i], max_tokens=4, ignore_eos=True) for i in range(n)])
+    url = f"http://127.0.0.1:{ray_cluster.metrics_port}/metrics"
+    names = ("time_to_first_token_seconds", "time_per_output_token_seconds", "queue_time_seconds")
+
+    def counts() -> dict[str, float]:
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        out = {}
+        for name in names:
+            lines = [l for l in text.splitlines() if l.startswith(f"ray_powerinfer_{name}_count")]
+            out[name] = sum(float(l.rsplit(" ", 1)[1]) for l in lines)
+        return out
+
+    deadline, got = time.time() + 60, {}
+    while time.time() < deadline:
+        got = counts()
+        if all(v >= n for v in got.values()):
+            break
+        time.sleep(2)
+    assert all(v >= n for v in got.values()), got
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the cluster has a GPU")
+def test_cuda_on_a_cluster_without_a_gpu_fails_at_once(engine, model):
+    """The engine checks what the cluster has: without the check its GPU executor waited forever
+    for a GPU. The failure is final (a constructor's error is not restarted)."""
+    eng = Coordinator.options(name="test-engine-cuda", num_cpus=0).remote(str(model[0]), device="cuda")
+    with pytest.raises(ray.exceptions.RayActorError, match="device='cuda': the Ray cluster has no GPU"):
+        ray.get(eng.ready.remote(), timeout=120)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(eng.ready.remote(), timeout=60)

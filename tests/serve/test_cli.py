@@ -2,14 +2,8 @@
 a banner with the URL once the app answers, a clean exit on Ctrl-C or SIGTERM."""
 from __future__ import annotations
 
-import os
-import re
 import signal
-import socket
 import subprocess
-import sys
-import threading
-import time
 
 import pytest
 import requests
@@ -17,35 +11,16 @@ import requests
 from powerinfer_ray.model.tiny import write_tiny_model
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_serve_cli_serves_until_interrupted(tmp_path, sig):
+def test_serve_cli_serves_until_interrupted(tmp_path, sig, free_port, serve_process):
     """Ctrl-C and SIGTERM (kill, docker stop) both end in the same clean stop: each step printed,
     exit status 0."""
     model = write_tiny_model(tmp_path / "m.gguf", "llama-reglu", seed=2, n_layer=2, n_ctx=128)
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a fresh local Ray, not the tests'
-    cmd = [sys.executable, "-m", "powerinfer_ray.cli", "serve", "-m", str(model), "--port", str(port),
-           "--device", "cpu", "-t", "1", "--api-key", "sk-cli"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=tmp_path)
+    port = free_port()
+    server = serve_process(["-m", str(model), "--port", str(port), "--device", "cpu", "-t", "1", "--api-key",
+                            "sk-cli"], cwd=str(tmp_path), timeout=120)
+    proc, lines, url = server.proc, server.lines, server.url
     try:
-        lines, deadline = [], time.time() + 120
-        while time.time() < deadline:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "".join(lines[-30:])
-            lines.append(line)
-            if line.startswith("serving "):
-                break
-        url = re.search(r"at (http://\S+)/v1", lines[-1]).group(1)
-        # keep draining its output: a full pipe would block the server's logging (and its exit)
-        drain = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-        drain.start()
         assert url == f"http://127.0.0.1:{port}"
         auth = {"Authorization": "Bearer sk-cli"}
         assert requests.get(f"{url}/v1/models", timeout=30).status_code == 401
@@ -60,10 +35,8 @@ def test_serve_cli_serves_until_interrupted(tmp_path, sig):
             proc.kill()
             proc.wait()
             raise AssertionError(f"no exit within 90 s of {sig.name}; its last lines:\n" + "".join(lines[-30:])) from None
-        drain.join(timeout=10)  # the last lines, up to EOF
+        server.drain.join(timeout=10)  # the last lines, up to EOF
         assert rc == 0, "".join(lines[-30:])
         assert any(line.startswith("stopped (") for line in lines), "".join(lines[-30:])
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        server.stop()

@@ -3,7 +3,6 @@ session's 2-CPU cluster). The same engine is reachable both ways: through the ap
 ``ray.get(engine.generate.remote(...))``; greedy outputs must agree token for token."""
 from __future__ import annotations
 
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,10 +12,9 @@ import ray
 import requests
 from ray import serve
 
-from powerinfer_ray.actors.coordinator import Coordinator
 from powerinfer_ray.model.tiny import write_tiny_model
-from powerinfer_ray.runtime.coordinator import EngineOverloaded
-from powerinfer_ray.serve import build_app
+from powerinfer_ray.runtime.scheduler import EngineOverloaded
+from powerinfer_ray.serve.app import build_app
 
 KEY = "sk-test-key"
 MODEL = "tiny-llama-gqa"  # the tiny model's general.name
@@ -26,32 +24,18 @@ MAX_BATCH, MAX_WAITING = 8, 16
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def engine(ray_cluster, tmp_path_factory):
+def engine(engines, tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp("serve") / "m.gguf", "llama-gqa", seed=5, n_layer=2,
                             n_ctx=N_CTX)
-    eng = Coordinator.options(name=ENGINE, max_concurrency=1000).remote(
-        str(path), policy="dense", threads=1, max_batch=MAX_BATCH, max_ongoing=MAX_WAITING)
-    ray.get(eng.ready.remote())
-    yield eng
-    ray.get(eng.shutdown.remote())
-    ray.kill(eng)
+    return engines(ENGINE, path, policy="dense", threads=1, max_batch=MAX_BATCH, max_waiting=MAX_WAITING)
 
 
 @pytest.fixture(scope="module")
-def url(engine):
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+def url(engine, serve_url):
     serve.run(build_app(ENGINE, api_key=KEY), name="main", route_prefix="/")  # engine by name
     serve.run(build_app(engine, max_in_flight=1), name="tight", route_prefix="/tight")  # by handle
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    return serve_url
 
 
 @pytest.fixture(scope="module")
@@ -190,9 +174,9 @@ BAD = [
     ("completions", {**GOOD, "max_tokens": 0}, "max_tokens"),
     ("completions", {**GOOD, "max_tokens": "ten"}, "max_tokens"),
     ("completions", {**GOOD, "top_k": -3}, "top_k"),
-    ("completions", {**GOOD, "n": 2}, "n"),
+    ("completions", {**GOOD, "n": 17}, "n"),
     ("completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ("completions", {**GOOD, "logprobs": 3}, "logprobs"),
+    ("completions", {**GOOD, "logprobs": 30}, "logprobs"),
     ("completions", {**GOOD, "prompt": "x" * (N_CTX + 10)}, "prompt"),  # beyond the context
     ("completions", {**GOOD, "prompt": list(range(1, 200)) * 6}, "prompt"),  # beyond, as token ids
     ("completions", {**GOOD, "prompt": [1, 2, 100000]}, "prompt"),  # outside the vocabulary

@@ -17,7 +17,7 @@ from ray import serve
 from ray.serve.schema import ServeDeploySchema
 
 from powerinfer_ray.model import gguf_keys as K
-from powerinfer_ray.model.gguf_file import write_model
+from powerinfer_ray.model.gguf_writer import write_model
 from powerinfer_ray.model.tiny import tiny_config, tiny_weights
 from powerinfer_ray.model.tokenizer import byte_level_fields
 from powerinfer_ray.serve import ENGINE_NAMESPACE

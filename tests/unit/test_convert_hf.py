@@ -21,16 +21,18 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 transformers = pytest.importorskip("transformers")
 from transformers import (AutoTokenizer, FalconConfig, FalconForCausalLM, LlamaConfig,  # noqa: E402
-                          LlamaForCausalLM, OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast)
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, OPTConfig, OPTForCausalLM,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
 from powerinfer_ray.model import gguf_keys as K  # noqa: E402
 from powerinfer_ray.model.gguf_file import ModelFile  # noqa: E402
 from powerinfer_ray.model.reference import ReferenceModel  # noqa: E402
 from powerinfer_ray.model.tokenizer import SPM, Tokenizer  # noqa: E402
-from powerinfer_ray.model.gguf_file import LazyTensor  # noqa: E402
-from powerinfer_ray.offline.convert import (Checkpoint, ConvertError, HFConfig, convert_hf,  # noqa: E402
-                                            falcon_qkv_layout, permute_qk, planner_for,
-                                            predictor_files, rope_theta)
+from powerinfer_ray.model.gguf_writer import LazyTensor  # noqa: E402
+from powerinfer_ray.offline.convert import convert_hf, predictor_files  # noqa: E402
+from powerinfer_ray.offline.hf_archs import (_context_length, falcon_qkv_layout, permute_qk,  # noqa: E402
+                                             planner_for, rope_theta)
+from powerinfer_ray.offline.hf_checkpoint import Checkpoint, ConvertError, HFConfig  # noqa: E402
 
 D, L, F, CTX = 64, 2, 128, 128
 N_DECODE = 16
@@ -103,6 +105,20 @@ def llama(act: str = "relu", **kw) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg)
 
 
+def qwen2(**kw) -> Qwen2ForCausalLM:
+    cfg = Qwen2Config(hidden_size=D, intermediate_size=F, num_hidden_layers=L, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=CTX, rms_norm_eps=1e-6,
+                      rope_parameters={"rope_type": "default", "rope_theta": 5000.0}, **kw)
+    return Qwen2ForCausalLM(cfg)
+
+
+def mistral(**kw) -> MistralForCausalLM:
+    cfg = MistralConfig(hidden_size=D, intermediate_size=F, num_hidden_layers=L, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=CTX, rms_norm_eps=1e-6,
+                        sliding_window=None, **kw)
+    return MistralForCausalLM(cfg)
+
+
 def opt(**kw) -> OPTForCausalLM:
     cfg = OPTConfig(hidden_size=D, ffn_dim=F, num_hidden_layers=L, num_attention_heads=4,
                     max_position_embeddings=CTX, word_embed_proj_dim=D, activation_function="relu",
@@ -120,6 +136,9 @@ MODELS = {
     "llama-relu": lambda v: llama("relu", vocab_size=v),
     "llama-gqa-tied": lambda v: llama("relu", vocab_size=v, num_key_value_heads=2, tie_word_embeddings=True),
     "llama-silu": lambda v: llama("silu", vocab_size=v, num_key_value_heads=1),
+    "qwen2": lambda v: qwen2(vocab_size=v),
+    "qwen2-tied": lambda v: qwen2(vocab_size=v, tie_word_embeddings=True),
+    "mistral": lambda v: mistral(vocab_size=v),
     "opt": lambda v: opt(vocab_size=v),
     "falcon-new-gqa": lambda v: falcon(vocab_size=v, new_decoder_architecture=True, num_kv_heads=2),
     "falcon-multi-query": lambda v: falcon(vocab_size=v, new_decoder_architecture=False, multi_query=True),
@@ -183,6 +202,10 @@ EXPECTED_CONFIG = {
     "llama-relu": dict(arch="llama", ffn_act="reglu", n_head_kv=4, tied_output=False, rope_theta=5000.0),
     "llama-gqa-tied": dict(arch="llama", ffn_act="reglu", n_head_kv=2, tied_output=True),
     "llama-silu": dict(arch="llama", ffn_act="swiglu", n_head_kv=1),
+    "qwen2": dict(arch="qwen2", ffn_act="swiglu", n_head_kv=2, qkv_bias=True, bias=False, tied_output=False,
+                  rope_theta=5000.0, n_rot=D // 4),
+    "qwen2-tied": dict(arch="qwen2", ffn_act="swiglu", qkv_bias=True, tied_output=True),
+    "mistral": dict(arch="llama", ffn_act="swiglu", n_head_kv=2, n_ctx=CTX),
     "opt": dict(arch="opt", ffn_act="relu", bias=True, tied_output=True, n_ctx=CTX),
     "falcon-new-gqa": dict(arch="falcon", n_head_kv=2, parallel_attn=True, two_norms=True, bias=False),
     "falcon-multi-query": dict(arch="falcon", n_head_kv=1, parallel_attn=True, two_norms=False),
@@ -390,3 +413,16 @@ def test_no_safetensors_is_a_clear_error(tmp_path):
     (tmp_path / "hf" / "model.safetensors").unlink()
     with pytest.raises(ConvertError, match="no model.safetensors"):
         convert_hf(tmp_path / "hf", tmp_path / "m.gguf", progress=False)
+
+
+@pytest.mark.parametrize("fields, n_ctx", [
+    ({"model_type": "mistral", "sliding_window": 64}, 64),  # Mistral-7B-v0.1: attention within 4096
+    ({"model_type": "mistral", "sliding_window": None}, CTX),
+    ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 64}, CTX),  # set but unused
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64}, 64),
+    ({"model_type": "llama"}, CTX),
+])
+def test_sliding_window_caps_the_context(tmp_path, fields, n_ctx):
+    """Within the window sliding-window attention is full attention: the context stops there."""
+    hf = HFConfig(tmp_path / "config.json", {"max_position_embeddings": CTX, **fields})
+    assert _context_length(hf) == n_ctx

@@ -12,7 +12,8 @@ from powerinfer_ray.model.costs import model_costs
 from powerinfer_ray.model.default import default_model_path
 from powerinfer_ray.model.source import open_model
 from powerinfer_ray.placement.gpuidx import gpuidx_path, read_gpuidx
-from powerinfer_ray.runtime.engine import GIB, EngineConfig, LocalEngine, resolve_plan
+from powerinfer_ray.runtime.config import GIB
+from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine, resolve_plan
 from powerinfer_ray.runtime.plan import Plan
 
 
@@ -116,7 +117,7 @@ def test_hot_first_cpu_rows_give_the_same_logits():
     """The engine's plan orders each layer's CPU rows by activation count (``Plan.hot_first``);
     the CPU shard, its mask and the predictor's rows follow that order, so every step's logits
     equal those of an engine given the same split in ascending ids (up to fp32 summation order)."""
-    from powerinfer_ray.runtime.engine import activation_counts
+    from powerinfer_ray.runtime.config import activation_counts
 
     spec = "planted:tiny"
     src = open_model(spec)

@@ -8,7 +8,8 @@ from gguf import GGUFReader, GGUFWriter
 
 from powerinfer_ray.model import gguf_keys as K
 from powerinfer_ray.model.config import ModelConfig
-from powerinfer_ray.model.gguf_file import ModelFile, ModelFileError, write_model
+from powerinfer_ray.model.gguf_file import ModelFile, ModelFileError
+from powerinfer_ray.model.gguf_writer import write_model
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import VARIANTS, tiny_config, tiny_weights, write_tiny_model
 from powerinfer_ray.model.tokenizer import Tokenizer, byte_level_fields
@@ -174,17 +175,25 @@ def test_unknown_architecture(tmp_path):
     _assert_clear(exc, path, "unknown architecture", "mamba")
 
 
-def test_quantized_tensor_rejected(tmp_path):
-    from gguf import GGMLQuantizationType
+@pytest.mark.parametrize("type_name, name", [("Q4_K", "blk.0.ffn_up.weight"), ("IQ2_XXS", "token_embd.weight"),
+                                             ("Q6_K", "blk.0.attn_q.weight")])
+def test_unsupported_tensor_type_is_one_line_naming_tensor_type_and_conversion(tmp_path, type_name, name):
+    """K-quants (but Q6_K for output.weight) and IQ types: one line naming the tensor and the
+    type, and the command that converts the file."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+    qt = GGMLQuantizationType[type_name]
+    block, size = GGML_QUANT_SIZES[qt]
     path = tmp_path / "q.gguf"
     w = GGUFWriter(path, "llama")
     w.add_uint32("llama.block_count", 1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 34), np.uint8), raw_dtype=GGMLQuantizationType.Q8_0)
+    w.add_tensor("output_norm.weight", np.ones(256, np.float32))
+    w.add_tensor(name, np.zeros((4, size), np.uint8), raw_dtype=qt)  # 4 rows of 256 weights
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     with pytest.raises(ModelFileError) as exc:
         ModelFile(path)
-    _assert_clear(exc, path, "Q8_0", "F32, F16, BF16")
+    _assert_clear(exc, path, name, type_name, "powerinfer-ray quantize", "q4_0")
+    assert "\n" not in str(exc.value)
 
 
 def test_missing_file(tmp_path):

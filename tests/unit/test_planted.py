@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from powerinfer_ray.model import gguf_keys as K
-from powerinfer_ray.model.gguf_file import ModelFile, expected_shapes
-from powerinfer_ray.model.planted import (BLOCK_ROWS, PRESETS, PlantedModel, PlantedSpecError, calibrate,
-                                          parse_spec, planted_model, preset_config, splitmix64, stream_key,
-                                          top_share, write_planted_gguf)
+from powerinfer_ray.model.gguf_config import expected_shapes
+from powerinfer_ray.model.gguf_file import ModelFile
+from powerinfer_ray.model.planted import PlantedModel, planted_model, write_planted_gguf
+from powerinfer_ray.model.planted_random import BLOCK_ROWS, splitmix64, stream_key
+from powerinfer_ray.model.planted_spec import PRESETS, PlantedSpecError, parse_spec, preset_config
+from powerinfer_ray.model.planted_stats import calibrate, top_share
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.source import WeightSource, open_model
 from powerinfer_ray.model.tokenizer import Tokenizer

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from powerinfer_ray.model import gguf_keys as K
-from powerinfer_ray.model.gguf_file import ModelFile, write_model
+from powerinfer_ray.model.gguf_file import ModelFile
+from powerinfer_ray.model.gguf_writer import write_model
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import tiny_config, tiny_weights
 from powerinfer_ray.model.tokenizer import byte_level_fields

@@ -20,7 +20,7 @@ from powerinfer_ray.runtime.layers import merge_partials
 from powerinfer_ray.runtime.plan import Plan
 from powerinfer_ray.runtime.shard import load_attn_shard, load_ffn_shard
 
-VARIANTS = ["llama-reglu", "llama-gqa", "llama-drelu", "llama-swiglu", "opt", "falcon", "falcon-gqa"]
+VARIANTS = ["llama-reglu", "llama-gqa", "llama-drelu", "llama-swiglu", "qwen2", "opt", "falcon", "falcon-gqa"]
 
 
 def _plans(cfg):

@@ -16,7 +16,8 @@ transformers = pytest.importorskip("transformers")
 from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: E402
 
 from powerinfer_ray.model import gguf_keys as K  # noqa: E402
-from powerinfer_ray.model.gguf_file import ModelFile, write_model  # noqa: E402
+from powerinfer_ray.model.gguf_file import ModelFile  # noqa: E402
+from powerinfer_ray.model.gguf_writer import write_model  # noqa: E402
 from powerinfer_ray.model.tiny import tiny_config, tiny_weights  # noqa: E402
 from powerinfer_ray.model.tokenizer import (  # noqa: E402
     SPM, TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_UNUSED, Tokenizer,

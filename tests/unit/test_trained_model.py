@@ -36,7 +36,7 @@ def test_file_and_config(model):
     dense = sum(t.data.size for n, t in model.tensors.items() if ".fc" not in n)
     assert 3.5e6 < dense < 5e6  # parameters without predictors
     assert model.path.stat().st_size <= 9.2e6
-    assert sum(p.stat().st_size for p in DATA_DIR.iterdir() if p.is_file()) <= 10e6
+    assert sum(p.stat().st_size for p in DATA_DIR.iterdir() if p.is_file()) <= 12e6  # with tiny-swiglu.gguf
 
 
 def test_default_model_is_the_trained_one():

@@ -1,9 +1,10 @@
-"""The coordinator: the request loop of the engine, as a plain asyncio class.
+"""The scheduler: the request loop of the engine, as a plain asyncio class.
 
-It owns the tokenizer, the request queue, continuous batching (a prefill chunk of one request,
-then one decode step of every running request, in turn), sampling, stop conditions, streaming
-and per-request statistics. It talks to the primary executor once per step through ``step_fn``
-(a Ray call in the actor, a direct call in tests). Executors do the per-layer work.
+It owns the request queue, continuous batching (a prefill chunk of one request, then one decode
+step of every running request, in turn), sampling, stop conditions, log-probabilities,
+streaming and per-request statistics; prompts are checked and tokenized off its event loop
+(``runtime.prompt``). It talks to the primary executor once per step through ``step_fn`` (the
+step link in the actor, a direct call in tests). Executors do the per-layer work.
 
 ``step()`` reads like its docstring: schedule, execute, make output.
 """
@@ -22,7 +23,8 @@ import numpy as np
 import torch
 
 from ..model.tokenizer import Tokenizer
-from .sampling import SamplingParams, make_generator, sample
+from .prompt import PromptChecker
+from .sampling import SamplingParams, logprobs_of, make_generator, sample
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +45,21 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     gen: torch.Generator
+    max_new: int  # tokens it may generate: max_tokens, or what the context leaves
     slot: int = -1
     pos: int = 0  # tokens already in the KV cache
     output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)  # per output token, when params.logprobs is set
+    prompt_logprobs: list[dict] = field(default_factory=list)  # per prompt token (the first's logprob: None)
+    prompt_logprobs_sent: bool = False  # streamed with the first event
+    counts: torch.Tensor | None = None  # [V] times each token was generated (penalties)
     text: str = ""
     emitted: int = 0  # characters of text already streamed
     finish_reason: str | None = None
     error: str | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     t_submit: float = field(default_factory=time.perf_counter)
+    t_admit: float | None = None
     t_first: float | None = None
     t_end: float | None = None
 
@@ -63,28 +71,39 @@ class Request:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def result(self) -> dict[str, Any]:
-        n = len(self.output_ids)
-        end = self.t_end or time.perf_counter()
+    def timings(self) -> dict[str, float | None]:
+        """Seconds in the queue, to the first token, per output token after it (TPOT), in all."""
+        n, end = len(self.output_ids), self.t_end or time.perf_counter()
         decode_s = end - self.t_first if self.t_first and n > 1 else 0.0
-        return {
-            "id": self.id, "text": self.text, "token_ids": list(self.output_ids),
-            "prompt_token_ids": list(self.prompt_ids), "finish_reason": self.finish_reason,
-            "stats": {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n,
-                      "ttft_s": (self.t_first - self.t_submit) if self.t_first else None,
-                      "total_s": end - self.t_submit,
-                      "decode_tok_s": (n - 1) / decode_s if decode_s > 0 else None},
-        }
+        return {"queue_s": (self.t_admit - self.t_submit) if self.t_admit else None,
+                "ttft_s": (self.t_first - self.t_submit) if self.t_first else None,
+                "tpot_s": decode_s / (n - 1) if decode_s > 0 else None, "total_s": end - self.t_submit}
+
+    def result(self) -> dict[str, Any]:
+        n, t = len(self.output_ids), self.timings()
+        out = {"id": self.id, "text": self.text, "token_ids": list(self.output_ids),
+               "prompt_token_ids": list(self.prompt_ids), "finish_reason": self.finish_reason,
+               "stats": {"prompt_tokens": len(self.prompt_ids), "completion_tokens": n, **t,
+                         "decode_tok_s": 1.0 / t["tpot_s"] if t["tpot_s"] else None}}
+        if self.params.logprobs is not None:
+            out["logprobs"] = list(self.logprobs)
+        if self.params.prompt_logprobs is not None:
+            out["prompt_logprobs"] = list(self.prompt_logprobs)
+        return out
 
 
-class Coordinator:
-    """Request loop over one primary executor (see the module docstring)."""
+class Scheduler:
+    """Request loop over one primary executor (see the module docstring). ``on_finish(request)``
+    is called once per request that ends (metrics)."""
 
     def __init__(self, step_fn: StepFn, tokenizer: Tokenizer | None, *, n_ctx: int, max_batch: int = 8,
                  prefill_chunk: int = 128, max_waiting: int = 256, eos_id: int | None = None,
-                 on_failure: Callable[[BaseException], Awaitable[None]] | None = None) -> None:
-        self.step_fn, self.tok, self.on_failure = step_fn, tokenizer, on_failure
+                 n_vocab: int | None = None, on_failure: Callable[[BaseException], Awaitable[None]] | None = None,
+                 on_finish: Callable[[Request], None] | None = None) -> None:
+        assert max_batch >= 1 and prefill_chunk >= 1 and n_ctx >= 2, (max_batch, prefill_chunk, n_ctx)
+        self.step_fn, self.tok, self.on_failure, self.on_finish = step_fn, tokenizer, on_failure, on_finish
         self.n_ctx, self.max_batch, self.prefill_chunk, self.max_waiting = n_ctx, max_batch, prefill_chunk, max_waiting
+        self.prompts = PromptChecker(tokenizer, n_ctx, n_vocab)
         self.eos_id = eos_id if eos_id is not None else (tokenizer.eos_id if tokenizer else None)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -98,17 +117,17 @@ class Coordinator:
                          "decode_tokens": 0, "prefill_s": 0.0}
 
     # --- public --------------------------------------------------------------------------------
-    def submit(self, prompt: str | list[int] | None = None, *, prompt_token_ids: list[int] | None = None,
-               request_id: str | None = None, **sampling: Any) -> Request:
+    async def submit(self, prompt: str | list[int] | None = None, *, prompt_token_ids: list[int] | None = None,
+                     request_id: str | None = None, **sampling: Any) -> Request:
         """Validate and queue a request (raises ValueError on bad input, EngineOverloaded when full)."""
         params = SamplingParams.from_kwargs(**sampling)
-        ids = self._prompt_ids(prompt, prompt_token_ids)
-        if len(ids) >= self.n_ctx:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context holds {self.n_ctx} "
-                             f"(at most {self.n_ctx - 1} prompt tokens): shorten the prompt")
-        if len(self.waiting) >= self.max_waiting:
-            raise EngineOverloaded(f"{len(self.waiting)} requests are waiting (limit {self.max_waiting}); retry later")
-        req = Request(request_id or f"req-{next(self._ids)}", ids, params, make_generator(params.seed))
+        if request_id is not None and (not isinstance(request_id, str) or not request_id):
+            raise ValueError(f"request_id is {request_id!r}, expected a non-empty string")
+        self._check_room()
+        ids = await self.prompts.ids(prompt, prompt_token_ids)
+        max_new = self.prompts.check_budget(len(ids), params.max_tokens)
+        self._check_room()  # again: others may have queued while this prompt was tokenized
+        req = Request(request_id or f"req-{next(self._ids)}", ids, params, make_generator(params.seed), max_new)
         if req.id in self.requests:
             raise ValueError(f"request id {req.id!r} is already in use")
         self.requests[req.id] = req
@@ -119,7 +138,7 @@ class Coordinator:
         return req
 
     async def generate(self, prompt: str | list[int] | None = None, **kw: Any) -> dict[str, Any]:
-        req = self.submit(prompt, **kw)
+        req = await self.submit(prompt, **kw)
         try:
             async for _ in self._events(req):
                 pass
@@ -129,8 +148,9 @@ class Coordinator:
         return req.result()
 
     async def generate_stream(self, prompt: str | list[int] | None = None, **kw: Any) -> AsyncIterator[dict]:
-        """Yields {"id", "text" (delta), "token_ids" (new), "finish_reason"} chunks."""
-        req = self.submit(prompt, **kw)
+        """Yields {"id", "text" (delta), "token_ids" (new), "finish_reason"} chunks, with "logprobs"
+        of the new tokens when asked; the first carries "prompt_logprobs" when asked, the last "stats"."""
+        req = await self.submit(prompt, **kw)
         try:
             async for ev in self._events(req):
                 yield ev
@@ -153,21 +173,9 @@ class Coordinator:
         return c
 
     # --- helpers -------------------------------------------------------------------------------
-    def _prompt_ids(self, prompt: str | list[int] | None, ids: list[int] | None) -> list[int]:
-        if ids is None and isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-        if ids is not None:
-            if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise ValueError("prompt_token_ids must be a non-empty list of integers")
-            return list(ids)
-        if not isinstance(prompt, str):
-            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if self.tok is None:
-            raise ValueError("this model has no tokenizer: pass prompt_token_ids")
-        ids = self.tok.encode(prompt)
-        if not ids:
-            raise ValueError("prompt is empty")
-        return ids
+    def _check_room(self) -> None:
+        if len(self.waiting) >= self.max_waiting:
+            raise EngineOverloaded(f"{len(self.waiting)} requests are waiting (limit {self.max_waiting}); retry later")
 
     async def _events(self, req: Request) -> AsyncIterator[dict]:
         while True:
@@ -216,14 +224,7 @@ class Coordinator:
         self._admit()
         pre = next((r for r in self.running if r.prefilling), None)
         if pre is not None:
-            chunk = pre.prompt_ids[pre.pos: pre.pos + self.prefill_chunk]
-            t0 = time.perf_counter()
-            logits = await self._execute([pre], [chunk])
-            self.counters["prefill_s"] += time.perf_counter() - t0
-            pre.pos += len(chunk)
-            self.counters["prompt_tokens"] += len(chunk)
-            if not pre.prefilling and not pre.done:
-                self._emit(pre, logits[0])
+            await self._prefill(pre)
         dec = [r for r in self.running if not r.prefilling and not r.done][: self.max_batch]
         if dec:
             t0 = time.perf_counter()
@@ -237,6 +238,26 @@ class Coordinator:
                     self._emit(r, lg)
         self.running = [r for r in self.running if not r.done]
 
+    async def _prefill(self, req: Request) -> None:
+        """One prompt chunk of ``req``: one token when it asks for prompt log-probabilities (the
+        executor returns the last position's logits, which score the next prompt token)."""
+        size = 1 if req.params.prompt_logprobs is not None else self.prefill_chunk
+        chunk = req.prompt_ids[req.pos: req.pos + size]
+        t0 = time.perf_counter()
+        logits = await self._execute([req], [chunk])
+        self.counters["prefill_s"] += time.perf_counter() - t0
+        if req.params.prompt_logprobs is not None:
+            if req.pos == 0:  # nothing scores the first token
+                first = req.prompt_ids[0]
+                req.prompt_logprobs.append({"token_id": first, "token": self._piece(first), "logprob": None, "top": []})
+            if req.pos + 1 < len(req.prompt_ids):
+                req.prompt_logprobs.append(self._logprob_entry(logits[0], req.prompt_ids[req.pos + 1],
+                                                               req.params.prompt_logprobs))
+        req.pos += len(chunk)
+        self.counters["prompt_tokens"] += len(chunk)
+        if not req.prefilling and not req.done:
+            self._emit(req, logits[0])
+
     def _admit(self) -> None:
         self.running = [r for r in self.running if not r.done]
         while self.waiting and self.free_slots:
@@ -244,6 +265,7 @@ class Coordinator:
             if req.done:
                 continue
             req.slot = self.free_slots.pop(0)
+            req.t_admit = time.perf_counter()
             self.running.append(req)
 
     async def _execute(self, reqs: list[Request], tokens: list[list[int]]) -> np.ndarray:
@@ -254,29 +276,42 @@ class Coordinator:
         return logits
 
     def _emit(self, req: Request, logits: np.ndarray) -> None:
-        tok = sample(logits, req.params, req.gen)
+        p = req.params
+        tok = sample(logits, p, req.gen, req.counts)
         if req.t_first is None:
             req.t_first = time.perf_counter()
         req.output_ids.append(tok)
+        if p.penalized:
+            if req.counts is None:
+                req.counts = torch.zeros(len(logits), dtype=torch.float32)
+            req.counts[tok] += 1
+        new_lp = [self._logprob_entry(logits, tok, p.logprobs)] if p.logprobs is not None else []
         self.counters["tokens"] += 1
-        p = req.params
         reason, new_ids = None, [tok]
         if (tok == self.eos_id and not p.ignore_eos) or tok in p.stop_token_ids:
-            reason, new_ids = "stop", []
+            reason, new_ids, new_lp = "stop", [], []
             req.output_ids.pop()  # the stop token is not part of the output
+        req.logprobs.extend(new_lp)
         self._detokenize(req)
         if reason is None and p.stop:
             cut = min((i for i in (req.text.find(s) for s in p.stop) if i >= 0), default=-1)
             if cut >= 0:
                 req.text, reason = req.text[:cut], "stop"
-        if reason is None and len(req.output_ids) >= p.max_tokens:
+        if reason is None and len(req.output_ids) >= req.max_new:
             reason = "length"
-        if reason is None and req.pos + 1 >= self.n_ctx:
-            reason = "length"  # the next token would not fit in the context
         hold = 0 if reason else max((len(s) - 1 for s in p.stop), default=0)
-        self._push(req, hold, new_ids)
+        self._push(req, hold, new_ids, new_lp)
         if reason:
             self._finish(req, reason)
+
+    def _logprob_entry(self, logits: np.ndarray, token: int, top: int) -> dict[str, Any]:
+        """{"token_id", "token" (its text), "logprob", "top": [{"token_id", "token", "logprob"}]}."""
+        lp, alts = logprobs_of(logits, token, top)
+        return {"token_id": token, "token": self._piece(token), "logprob": lp,
+                "top": [{"token_id": i, "token": self._piece(i), "logprob": v} for i, v in alts]}
+
+    def _piece(self, token: int) -> str:
+        return self.tok.decode([token], skip_special=False) if self.tok is not None else ""
 
     def _detokenize(self, req: Request) -> None:
         if self.tok is None:
@@ -284,12 +319,22 @@ class Coordinator:
         text = self.tok.decode(req.output_ids)
         req.text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence waits for its next bytes
 
-    def _push(self, req: Request, hold: int, new_ids: list[int]) -> None:
+    def _push(self, req: Request, hold: int, new_ids: list[int], new_lp: list[dict]) -> None:
         upto = max(req.emitted, len(req.text) - hold)
         delta = req.text[req.emitted: upto]
         req.emitted = upto
         if delta or new_ids:
-            req.events.put_nowait({"id": req.id, "text": delta, "token_ids": new_ids, "finish_reason": None})
+            req.events.put_nowait(self._event(req, text=delta, token_ids=new_ids, finish_reason=None, logprobs=new_lp))
+
+    def _event(self, req: Request, **ev: Any) -> dict[str, Any]:
+        """A stream event; the first one of a request that asked for them carries the prompt's
+        log-probabilities, and "logprobs" is there (maybe empty) whenever they were asked for."""
+        out = {"id": req.id, **ev}
+        if req.params.logprobs is None:
+            out.pop("logprobs", None)
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            out["prompt_logprobs"], req.prompt_logprobs_sent = list(req.prompt_logprobs), True
+        return out
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason, req.t_end = reason, time.perf_counter()
@@ -301,8 +346,10 @@ class Coordinator:
         else:
             delta = req.text[req.emitted:]
             req.emitted = len(req.text)
-            req.events.put_nowait({"id": req.id, "text": delta, "token_ids": [], "finish_reason": reason,
-                                   "stats": req.result()["stats"]})
+            req.events.put_nowait(self._event(req, text=delta, token_ids=[], finish_reason=reason, logprobs=[],
+                                              stats=req.result()["stats"]))
             self.counters["finished"] += reason != "abort"
         self.requests.pop(req.id, None)
+        if self.on_finish is not None:
+            self.on_finish(req)
         self._wake.set()

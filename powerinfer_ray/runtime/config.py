@@ -1,0 +1,352 @@
+"""The engine's configuration as data: frozen, validated dataclasses for the plan, the executors
+and the scheduler, and the metadata from which the CLI's flags and Serve's arguments are made.
+
+One name per idea, end to end: a field's name is the actor's keyword, the Serve argument and
+(with dashes) the CLI flag, e.g. ``vram_budget_gib`` / ``--vram-budget-gib``. A bad value raises
+a ValueError naming the field, the value and what is expected, when the config is built: at the
+edge, before Ray starts or an actor is created.
+
+``EngineConfig`` is all three parts at once (``PlanConfig``, ``ExecutorConfig``,
+``SchedulerConfig``) plus the model; ``part(cls)`` narrows it to one of them.
+"""
+from __future__ import annotations
+
+import difflib
+import logging
+import math
+import os
+from dataclasses import MISSING, Field, dataclass, field, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from .plan import Plan
+
+if TYPE_CHECKING:  # the command line builds its flags from this module: it stays light (no torch)
+    import numpy as np
+
+    from ..model.config import ModelConfig
+    from ..model.source import WeightSource
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+DEVICES = ("cuda", "cpu")
+POLICIES = ("predictor", "oracle", "dense")
+DTYPES = ("f32", "f16", "bf16")
+METHODS = ("ilp", "greedy")
+
+
+def option(default: Any, help: str, *, kind: type = str, choices: tuple[str, ...] | None = None,  # noqa: A002, ANN401
+           flags: tuple[str, ...] = (), exposed: bool = True) -> Any:  # noqa: ANN401
+    """A config field with what the CLI and Serve need to offer it: help text, the value's kind
+    (str, int, float, bool), its choices, extra CLI flags (llama.cpp's spellings) and whether it
+    is offered at all (``exposed``; a Plan object is not)."""
+    meta = {"help": help, "kind": kind, "choices": choices, "flags": flags, "exposed": exposed}
+    return field(default=default, metadata=meta)
+
+
+def exposed_fields(cls: type) -> Iterator[Field]:
+    """The fields of a config class that the CLI and Serve offer, in declaration order."""
+    return (f for f in fields(cls) if f.metadata.get("exposed"))
+
+
+# ------------------------------------------------------------------------------------------------
+# checks (messages name the field, the value and what is expected)
+# ------------------------------------------------------------------------------------------------
+def _bad(name: str, value: Any, expected: str, fix: str = "") -> ValueError:  # noqa: ANN401
+    return ValueError(f"{name}={value!r}: expected {expected}" + (f" ({fix})" if fix else ""))
+
+
+def _is_int(v: Any) -> bool:  # noqa: ANN401
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:  # noqa: ANN401
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_int(name: str, v: Any, lo: int, *, optional: bool = False, fix: str = "") -> None:  # noqa: ANN401
+    if v is None and optional:
+        return
+    if not _is_int(v) or v < lo:
+        raise _bad(name, v, f"an integer >= {lo}", fix)
+
+
+def check_number(name: str, v: Any, lo: float, hi: float = math.inf, *, lo_open: bool = False,  # noqa: ANN401
+                 optional: bool = False, fix: str = "") -> None:
+    if v is None and optional:
+        return
+    ok = _is_num(v) and (v > lo if lo_open else v >= lo) and v <= hi
+    if not ok:
+        span = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if hi != math.inf else f"{'>' if lo_open else '>='} {lo:g}"
+        raise _bad(name, v, f"a finite number {span}", fix)
+
+
+def check_choice(name: str, v: Any, choices: tuple[str, ...], *, optional: bool = True) -> None:  # noqa: ANN401
+    if v is None and optional:
+        return
+    if v not in choices:
+        raise _bad(name, v, "one of " + ", ".join(choices))
+
+
+def _check_flag(name: str, v: Any, optional: bool = False) -> None:  # noqa: ANN401
+    if not (isinstance(v, bool) or (optional and v is None)):
+        raise _bad(name, v, "true or false" + (" (or null for the default)" if optional else ""))
+
+
+# ------------------------------------------------------------------------------------------------
+# the three parts
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelChoice:
+    model: str  # GGUF model path or planted:<shape> spec
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """How the model is split between the primary executor and the CPU executor."""
+
+    vram_budget_gib: float | None = option(
+        None, "GPU memory for the model, GiB: the placement is solved for it (default: the whole model on the "
+        "primary executor)", kind=float, flags=("--vram-budget",))
+    reset_gpu_index: bool = option(False, "re-solve the placement; ignore a cached split file", kind=bool)
+    disable_gpu_index: bool = option(False, "neither read nor write the split file <model>.generated.gpuidx",
+                                     kind=bool)
+    host_profile: str | None = option(None, "host profile JSON written by `calibrate` (default: built in)")
+    method: str = option("ilp", "placement solver", choices=METHODS)
+    gpu_fraction: float | None = option(
+        None, "instead of solving: this fraction of each layer's hottest neurons on the primary (baselines)",
+        kind=float)
+    cpu_groups: int = option(0, "with gpu_fraction: KV-head groups of each layer on the CPU executor", kind=int)
+    plan: Plan | None = option(None, "an explicit plan (wins over everything above)", exposed=False)
+
+    def check_plan(self) -> None:
+        check_number("vram_budget_gib", self.vram_budget_gib, 0.0, lo_open=True, optional=True,
+                     fix="GiB of GPU memory for the model; leave it out to put the whole model on the primary")
+        _check_flag("reset_gpu_index", self.reset_gpu_index)
+        _check_flag("disable_gpu_index", self.disable_gpu_index)
+        check_choice("method", self.method, METHODS, optional=False)
+        check_number("gpu_fraction", self.gpu_fraction, 0.0, 1.0, optional=True)
+        check_int("cpu_groups", self.cpu_groups, 0)
+        if self.plan is not None and not isinstance(self.plan, Plan):
+            raise _bad("plan", type(self.plan).__name__, "a runtime.plan.Plan")
+
+    @property
+    def vram_budget_bytes(self) -> int | None:
+        """The budget in bytes (the one GiB -> bytes conversion)."""
+        return None if self.vram_budget_gib is None else int(self.vram_budget_gib * GIB)
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """How the executors compute: device, threads, predictor policy, weights' dtype, graphs."""
+
+    device: str | None = option(None, "device of the primary executor (default: cuda when there is a GPU)",
+                                choices=DEVICES)
+    threads: int | None = option(None, "CPU executor threads (default: all cores but two)", kind=int,
+                                 flags=("-t",))
+    policy: str | None = option(
+        None, "which FFN neurons are computed: the predictors' choice, the truly active ones (oracle), or all "
+        "(dense) (default: predictor when the model has predictors)", choices=POLICIES)
+    threshold: float | None = option(None, "predictor threshold (default: the model's sparse_threshold)",
+                                     kind=float)
+    dtype: str | None = option(None, "weights' dtype on the primary (default: the file's on CUDA, f32 on the CPU)",
+                               choices=DTYPES)
+    timeout_s: float = option(120.0, "seconds an executor waits for its peer before failing the step",
+                              kind=float)
+    prefill_dense_min: int | None = option(
+        None, "prompt chunks of at least this many tokens run every neuron on the primary (default: 32 on "
+        "CUDA, off on the CPU; 0: off)", kind=int)
+    graphs: bool | None = option(None, "decode steps as CUDA graphs (default: on CUDA); --no-graphs runs them "
+                                 "eagerly (debugging; slower)", kind=bool)
+
+    def check_executors(self) -> None:
+        check_choice("device", self.device, DEVICES)
+        check_int("threads", self.threads, 1, optional=True)
+        check_choice("policy", self.policy, POLICIES)
+        check_number("threshold", self.threshold, -math.inf, optional=True)
+        check_choice("dtype", self.dtype, DTYPES)
+        check_number("timeout_s", self.timeout_s, 0.0, lo_open=True)
+        check_int("prefill_dense_min", self.prefill_dense_min, 0, optional=True)
+        _check_flag("graphs", self.graphs, optional=True)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How requests are batched: context length, batch size, prompt chunk, queue length."""
+
+    n_ctx: int | None = option(None, "context length in tokens (default: the model's, at most 4096)", kind=int,
+                               flags=("-c", "--ctx-size"))
+    max_batch: int = option(8, "sequences decoded together", kind=int)
+    prefill_chunk: int | None = option(None, "prompt tokens per step (default: 256 on CUDA, 64 on the CPU)",
+                                       kind=int)
+    max_waiting: int = option(256, "requests the engine queues beyond the running batch (more: overloaded, "
+                              "HTTP 429)", kind=int)
+
+    def check_scheduler(self) -> None:
+        check_int("n_ctx", self.n_ctx, 2, optional=True)
+        check_int("max_batch", self.max_batch, 1, fix="sequences decoded together")
+        check_int("prefill_chunk", self.prefill_chunk, 1, optional=True)
+        check_int("max_waiting", self.max_waiting, 0)
+
+
+@dataclass(frozen=True)
+class EngineConfig(SchedulerConfig, ExecutorConfig, PlanConfig, ModelChoice):
+    """The whole engine: the model, its plan, its executors and its scheduler (fields in that
+    order, so ``EngineConfig("m.gguf", vram_budget_gib=8)`` reads naturally)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise _bad("model", self.model, "a GGUF path or planted:<shape> spec")
+        self.check_plan()
+        self.check_executors()
+        self.check_scheduler()
+
+    @classmethod
+    def from_options(cls, model: str, **options: Any) -> "EngineConfig":  # noqa: ANN401
+        """Build from keyword options (the actor's and Serve's); an unknown name raises a ValueError
+        that suggests the nearest known one."""
+        known = [f.name for f in fields(cls) if f.name != "model"]
+        for name in options:
+            if name not in known:
+                near = difflib.get_close_matches(name, known, n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else f"; expected some of {sorted(known)}"
+                raise ValueError(f"unknown engine option {name!r}{hint}")
+        return cls(model=model, **options)
+
+    def part(self, cls: type) -> Any:  # noqa: ANN401
+        """This config narrowed to one of its parts (PlanConfig, ExecutorConfig, SchedulerConfig)."""
+        return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
+
+
+def coerce(cls: type, name: str, value: Any) -> Any:  # noqa: ANN401
+    """A field's value from text (``serve run module:app k=v`` passes strings) or as given; the
+    config's own checks then judge the range."""
+    f = {f.name: f for f in fields(cls)}[name]
+    kind = f.metadata.get("kind", str)
+    if value is None or (isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))):
+        return value
+    if kind is float and _is_int(value):
+        return float(value)
+    text = str(value).strip().lower()
+    if kind is bool and text in ("true", "false", "1", "0", "yes", "no"):
+        return text in ("true", "1", "yes")
+    if kind in (int, float) and isinstance(value, str):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    raise _bad(name, value, {bool: "true or false", int: "an integer", float: "a number"}.get(kind, "a string"))
+
+
+def field_default(f: Field) -> Any:  # noqa: ANN401
+    return None if f.default is MISSING else f.default
+
+
+# ------------------------------------------------------------------------------------------------
+# resolution against the model: the defaults that depend on it, and the plan
+# ------------------------------------------------------------------------------------------------
+def engine_n_ctx(ec: SchedulerConfig, cfg: ModelConfig) -> int:
+    n = ec.n_ctx or min(cfg.n_ctx, 4096)
+    if n > cfg.n_ctx:
+        raise ValueError(f"n_ctx={n}: the model's context holds {cfg.n_ctx} tokens; use n_ctx <= {cfg.n_ctx}")
+    return n
+
+
+def resolve_prefill_chunk(ec: SchedulerConfig, device: str) -> int:
+    """Prompt tokens per step: 256 on a CUDA primary, whose dense prefill streams the CPU shard's
+    rows from host memory once per chunk (the copy, not the token count, sets the cost); 64 on
+    the CPU, where cost grows with tokens and a long prompt's chunk delays the other sequences'
+    decode steps."""
+    if ec.prefill_chunk is not None:
+        return ec.prefill_chunk
+    return 256 if device == "cuda" else 64
+
+
+def resolve_policy(ec: ExecutorConfig, cfg: ModelConfig) -> str:
+    if ec.policy == "predictor" and not cfg.has_predictors:
+        raise ValueError(f"policy='predictor': {cfg.name or 'this model'} has no predictors; use policy "
+                         "'dense' or 'oracle', or train them (powerinfer-ray train-predictors)")
+    return ec.policy or ("predictor" if cfg.has_predictors else "dense")
+
+
+def activation_counts(src: WeightSource, model_path: str) -> tuple[list[np.ndarray], int] | None:
+    """The model's activation statistics: planted ones, or a profile saved next to the file."""
+    if hasattr(src, "activation_counts"):
+        return src.activation_counts(100_000)
+    from ..offline.solve import load_counts
+
+    base = Path(model_path)
+    stem = base.name.split(".")[0]
+    for cand in (base.parent / f"{stem}.activation.parquet", base.parent / "activation.parquet",
+                 base.parent / "activation"):
+        if cand.exists():
+            return load_counts(cand)
+    return None
+
+
+def resolve_plan(ec: EngineConfig, src: WeightSource | None = None) -> Plan:
+    """The plan an engine runs with: an explicit plan as given; everything on the primary without
+    a budget; else the hottest fraction (``gpu_fraction``) or the placement solved for the VRAM
+    budget, reusing the cached split file ``<model>.generated.gpuidx`` the way upstream PowerInfer
+    does. The CPU shard's rows go hottest first when the model has activation statistics."""
+    from ..model.source import open_model
+
+    src = src or open_model(ec.model)
+    cfg = src.config
+    if ec.plan is not None:
+        ec.plan.verify(cfg)
+        return ec.plan
+    if ec.gpu_fraction is None and ec.vram_budget_gib is None:
+        return Plan.all_gpu(cfg)
+    stats = activation_counts(src, ec.model)  # read once: the split and the CPU rows' order
+    if ec.gpu_fraction is not None:
+        plan = Plan.hottest(cfg, ec.gpu_fraction, stats[0] if stats else None, ec.cpu_groups)
+    else:
+        plan = _budget_plan(ec, src, stats)
+    return plan.hot_first(stats[0]) if stats is not None else plan
+
+
+def split_cache_path(model: str) -> Path:
+    """Where the solved split of a model file is cached: next to the file as upstream does, or in
+    the user's cache folder when that folder is the package's own data or is not writable."""
+    from ..model.default import DATA_DIR, cache_dir
+    from ..placement import gpuidx
+
+    path = gpuidx.gpuidx_path(model)
+    folder = path.resolve().parent
+    if folder == DATA_DIR.resolve() or not os.access(folder, os.W_OK):
+        return cache_dir() / path.name
+    return path
+
+
+def _budget_plan(ec: EngineConfig, src: WeightSource, stats: tuple[list[np.ndarray], int] | None) -> Plan:
+    """The ILP's split for the VRAM budget (or the cached one); stats: `activation_counts`."""
+    import numpy as np
+
+    from ..model.costs import model_costs
+    from ..model.source import PLANTED_PREFIX
+    from ..placement import gpuidx
+    from ..placement.host import HostProfile
+    from ..placement.solve import solve_placement
+
+    cfg = src.config
+    budget = ec.vram_budget_bytes
+    is_file = not str(ec.model).startswith(PLANTED_PREFIX)
+    cache = split_cache_path(ec.model) if is_file and not ec.disable_gpu_index else None
+    if cache is not None and cache.exists() and not ec.reset_gpu_index:
+        split = gpuidx.read_gpuidx(cache)
+        if len(split.gpu_neurons) == cfg.n_layer and split.vram_capacity <= budget:  # upstream's rule
+            log.info("using cached split %s", cache)
+            return Plan.from_masks([np.asarray(m, bool) for m in split.gpu_neurons], None, cfg)
+        log.warning("cached split %s was solved for another model or budget: re-solving", cache)
+    costs = model_costs(cfg, engine_n_ctx(ec, cfg), ec.max_batch)
+    if stats is None:
+        log.warning("no activation statistics for %s: placing with uniform frequencies "
+                    "(run powerinfer-ray profile for a better split)", ec.model)
+        stats = ([np.ones(cfg.n_ff, np.int64)] * cfg.n_layer, 1)
+    placement = solve_placement(stats[0], stats[1], costs, budget, HostProfile.load(ec.host_profile),
+                                method=ec.method)
+    if cache is not None:
+        gpuidx.write_gpuidx(cache, placement.gpu_neurons, budget)
+    return Plan.from_masks(placement.gpu_neurons, list(placement.gpu_attention), cfg)

@@ -1,0 +1,32 @@
+"""The HTTP front end's settings as data: ``powerinfer-ray serve`` flags and serve_config args
+are made from these fields, as the engine's are from ``runtime.config``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..runtime.config import check_int, check_number, option
+
+DEFAULT_ENGINE = "powerinfer-engine"
+DEFAULT_MAX_IN_FLIGHT = 256  # generations admitted by one ingress replica (more: 429)
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # request bodies beyond this get 413
+DEFAULT_BODY_TIMEOUT_S = 10.0  # request bodies slower than this get 408
+
+
+@dataclass(frozen=True)
+class IngressConfig:
+    """The ingress's settings."""
+
+    engine_name: str = option(DEFAULT_ENGINE, "name of the engine actor (Ray namespace 'powerinfer')")
+    model_name: str | None = option(None, "the model name clients send (default: the file's general.name)")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' (serve_config default: "
+                                 "$POWERINFER_API_KEY, or no key)")
+    max_in_flight: int = option(DEFAULT_MAX_IN_FLIGHT, "generations the ingress admits at once (more: 429)",
+                                kind=int)
+    max_body_bytes: int = option(DEFAULT_MAX_BODY_BYTES, "largest request body accepted (more: 413)", kind=int)
+    body_timeout_s: float = option(DEFAULT_BODY_TIMEOUT_S, "seconds a request body may take to arrive (more: 408)",
+                                   kind=float)
+
+    def __post_init__(self) -> None:
+        check_int("max_in_flight", self.max_in_flight, 1)
+        check_int("max_body_bytes", self.max_body_bytes, 1024)
+        check_number("body_timeout_s", self.body_timeout_s, 0.0, lo_open=True)

@@ -1,0 +1,77 @@
+"""Placement byte costs are the bytes the primary executor holds: for every float dtype the VRAM
+budget holds when measured, and for Q8_0 / Q4_0 the costs are the file's compressed sizes."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_quants import write_upstream_int4
+
+from powerinfer_ray.model import gguf_keys as K
+from powerinfer_ray.model.costs import model_costs
+from powerinfer_ray.model.gguf_file import ModelFile
+from powerinfer_ray.model.gguf_writer import write_model
+from powerinfer_ray.model.tiny import tiny_config, tiny_weights
+from powerinfer_ray.placement.problem import InfeasibleBudgetError
+from powerinfer_ray.runtime.config import GIB, EngineConfig, engine_n_ctx, resolve_plan
+from powerinfer_ray.runtime.engine import LocalEngine
+
+
+def _tiny(path, dtype: str):
+    """A tiny sparse model whose predictors are a large share of its bytes (rank 128 for n_ff 256)."""
+    cfg = tiny_config("llama-reglu", dtype=dtype, predictor_rank=128, tied_output=False)
+    return write_model(path, cfg, tiny_weights(cfg, seed=1))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+def test_budget_just_above_the_minimum_holds_measured(tmp_path, dtype):
+    """At 1 % over the minimum budget the solver reports, the primary (holding the model's own
+    dtype, as a GPU primary does) holds exactly what the costs say it holds (all but the norms,
+    which it keeps outside its shards), and with the workspace the costs reserve, stays within
+    the budget + 2 %."""
+    path = _tiny(tmp_path / f"m.{dtype}.gguf", dtype)
+    ec = dict(disable_gpu_index=True, device="cpu", dtype=dtype, max_batch=2)
+    with pytest.raises(InfeasibleBudgetError) as exc:
+        resolve_plan(EngineConfig(str(path), vram_budget_gib=1e-6, **ec))
+    budget = exc.value.min_budget_bytes * 1.01
+    engine = LocalEngine(EngineConfig(str(path), vram_budget_gib=budget / GIB, **ec))
+    try:
+        held = engine.primary.weight_bytes()
+        plan = engine.primary.plan
+    finally:
+        engine.close()
+    cfg = ModelFile(path).config
+    c = model_costs(cfg, engine_n_ctx(EngineConfig(str(path)), cfg), 2)
+    placed = sum(len(lp.gpu_neurons) * c.neuron_bytes[l] + len(lp.gpu_groups) * c.attn_unit_bytes[l]
+                 for l, lp in enumerate(plan.layers))
+    norms = (2 * cfg.n_layer + 1) * cfg.n_embd * 4
+    assert held == c.dense_bytes + sum(c.predictor_bytes) + placed - norms
+    assert held + c.workspace_bytes <= 1.02 * budget, (held, c.workspace_bytes, budget)
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+def test_quantized_costs_are_the_files_tensor_sizes(tmp_path, qtype):
+    cfg = tiny_config("llama-reglu", dtype=qtype, predictor_rank=32, tied_output=False)
+    mf = ModelFile(write_model(tmp_path / "m.gguf", cfg, tiny_weights(cfg)))
+    c = model_costs(mf, 128, 2)
+    assert c == model_costs(cfg, 128, 2)  # the config alone gives the same costs
+    _assert_file_sizes(mf, c, output_bytes=mf.tensors["output.weight"].n_bytes)
+    assert c.kv_group_bytes[0] == 2 * cfg.head_dim * 128 * 3 * 2  # f16 cache, 2 + 1 sequences
+
+
+def test_upstream_int4_costs(tmp_path):
+    """Upstream's INT4 file: Q4_0 blocks, and the Q6_K output head in f16 (dequantized at load)."""
+    cfg = tiny_config("llama-reglu", n_embd=256, n_ff=256, predictor_rank=64, tied_output=False, dtype="q4_0")
+    write_upstream_int4(tmp_path / "u.gguf", cfg, np.random.default_rng(0))
+    mf = ModelFile(tmp_path / "u.gguf")
+    _assert_file_sizes(mf, model_costs(mf, 128, 2), output_bytes=cfg.n_vocab * cfg.n_embd * 2)
+
+
+def _assert_file_sizes(mf: ModelFile, c, output_bytes: int) -> None:
+    cfg, nb = mf.config, lambda n: int(mf.tensors[n].n_bytes)  # noqa: E731
+    for l in range(cfg.n_layer):
+        t = lambda tmpl: nb(K.tensor(tmpl, l))  # noqa: E731
+        assert c.neuron_bytes[l] * cfg.n_ff == t(K.FFN_UP) + t(K.FFN_GATE) + t(K.FFN_DOWN_T)
+        assert c.attn_group_bytes[l] * cfg.n_head_kv == t(K.ATTN_Q) + t(K.ATTN_K) + t(K.ATTN_V) + t(K.ATTN_OUT)
+        assert c.predictor_bytes[l] == t(K.FC1) + t(K.FC2)
+    norms = sum(nb(n) for n in mf.tensors if n.endswith("norm.weight"))
+    assert c.dense_bytes == nb(K.global_tensor(K.TOKEN_EMBD)) + output_bytes + norms
