@@ -136,8 +136,9 @@ def attn_views(src: WeightSource, l: int, groups: np.ndarray, dtype: torch.dtype
     t = {tmpl: mapped_tensor(src, K.tensor(tmpl, l)) for tmpl in (K.ATTN_Q, K.ATTN_K, K.ATTN_V, K.ATTN_OUT)}
     if any(v is None or v.dtype != dtype or v.dim() != 2 or v.stride(1) != 1 for v in t.values()):
         return None
-    b = {tmpl: mapped_tensor(src, K.tensor(tmpl, l, True)) if cfg.bias else None for tmpl in (K.ATTN_Q, K.ATTN_K, K.ATTN_V)}
-    if cfg.bias and any(v is None for v in b.values()):
+    qkv_bias = cfg.has_qkv_bias  # (qwen2: q/k/v biases without the others)
+    b = {tmpl: mapped_tensor(src, K.tensor(tmpl, l, True)) if qkv_bias else None for tmpl in (K.ATTN_Q, K.ATTN_K, K.ATTN_V)}
+    if qkv_bias and any(v is None for v in b.values()):
         return None
     part = lambda v, a, z: None if v is None else v[a:z]  # noqa: E731
     return dict(wq=t[K.ATTN_Q][q0:q1], wk=t[K.ATTN_K][k0:k1], wv=t[K.ATTN_V][k0:k1], wo_t=t[K.ATTN_OUT][:, q0:q1].T,
