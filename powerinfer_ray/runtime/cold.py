@@ -5,6 +5,7 @@ does the few active ones per token, and the exchange with the CPU executor drops
 
 The rows are the CPU executor's own pages (``sharedshard``: one shared file, pinned here for
 DMA), or, where they could not be shared, a host copy of the primary's own when it fits.
+Quantized rows stream as their blocks and go through the quantized sparse FFN kernel.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import logging
 
 import torch
 
+from ..kernels.sparse_ffn import sparse_ffn
 from ..model.reference import ffn_activation
 from ..model.source import WeightSource
 from .channel import pin_host
@@ -80,6 +82,9 @@ class ColdRows:
         y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=dev)
         for a in range(0, cold.n, rows):
             b = min(a + rows, cold.n)
+            if cold.qtype is not None:
+                y += self._quantized(cold, a, b, x, None if mask is None else mask[:, a:b])
+                continue
             up = cold.up[a:b].to(dev, x.dtype, non_blocking=True)  # shared rows keep the CPU executor's dtype
             gate = cold.gate[a:b].to(dev, x.dtype, non_blocking=True) if cold.gate is not None else None
             u = x @ up.T  # [N, b-a]
@@ -92,6 +97,15 @@ class ColdRows:
         self.stats.cold_neurons += int(mask.sum()) if mask is not None else x.shape[0] * cold.n
         self.stats.active_bytes += cold.n * self.cfg.neuron_bytes
         return y
+
+    def _quantized(self, cold: FFNShard, a: int, b: int, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Rows a..b of a quantized shard [N, D] (fp32): their blocks streamed to the device and
+        computed by the quantized sparse FFN kernel over every row (masked: the predictor's)."""
+        dev = self.device
+        blocks = [None if t is None else t[a:b].to(dev, non_blocking=True) for t in (cold.up, cold.gate, cold.down_t)]
+        bias = None if cold.up_bias is None else cold.up_bias[a:b].to(dev, non_blocking=True)
+        idx = torch.arange(b - a, device=dev)
+        return sparse_ffn(x, *blocks, idx, mask, self.cfg.ffn_act, bias, qtype=cold.qtype).float()
 
     def close(self) -> None:
         if self._pinned:

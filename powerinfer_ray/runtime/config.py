@@ -340,7 +340,7 @@ def _budget_plan(ec: EngineConfig, src: WeightSource, stats: tuple[list[np.ndarr
             log.info("using cached split %s", cache)
             return Plan.from_masks([np.asarray(m, bool) for m in split.gpu_neurons], None, cfg)
         log.warning("cached split %s was solved for another model or budget: re-solving", cache)
-    costs = model_costs(cfg, engine_n_ctx(ec, cfg), ec.max_batch)
+    costs = model_costs(src, engine_n_ctx(ec, cfg), ec.max_batch)  # as stored: a Q6_K head is f16
     if stats is None:
         log.warning("no activation statistics for %s: placing with uniform frequencies "
                     "(run powerinfer-ray profile for a better split)", ec.model)

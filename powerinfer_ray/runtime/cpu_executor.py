@@ -18,11 +18,12 @@ import torch
 
 from ..kernels.cpu_ffn import linear as cpu_linear, sparse_ffn_bitmask
 from ..model import gguf_keys as K
+from ..model.quants import row_bytes
 from ..model.source import WeightSource, open_model
 from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec
 from .layers import attn_partial, ffn_partial
 from .plan import Plan
-from .shard import load_attn_shard, load_ffn_shard
+from .shard import load_attn_shard, load_ffn_shard, ffn_qtype
 from .sharedshard import fill, prefault, release, share
 from .stats import ExecStats
 from .weights import DTYPES
@@ -101,14 +102,17 @@ class CPUExecutor:
         self.skip_zero = policy != "dense"
         self.threads = threads or torch.get_num_threads()
         torch.set_num_threads(self.threads)
-        wdt = DTYPES[dtype or cfg.dtype]
+        wdt = DTYPES[dtype or cfg.float_dtype]
+        qtype = ffn_qtype(self.src)  # quantized FFN rows: blocks, shared as bytes
         n_ctx = min(n_ctx or cfg.n_ctx, cfg.n_ctx)
         dev = torch.device("cpu")
         # the FFN rows go into one shared-memory file when /dev/shm has room: the primary maps the
         # same pages for dense prefill instead of holding a second copy (runtime/sharedshard.py)
         load = lambda l: load_ffn_shard(self.src, l, plan[l].cpu_neurons, wdt, dev)  # noqa: E731
-        shared = share([len(plan[l].cpu_neurons) for l in range(cfg.n_layer)], cfg.gated, cfg.n_embd, wdt, load,
-                       defer=self._ids_and_bias if defer_fill else None)
+        shared = share([len(plan[l].cpu_neurons) for l in range(cfg.n_layer)], cfg.gated,
+                       cfg.n_embd if qtype is None else row_bytes(qtype, cfg.n_embd),
+                       wdt if qtype is None else torch.uint8, load,
+                       defer=self._ids_and_bias if defer_fill else None, qtype=qtype)
         self.ffn, self.shard_spec = shared if shared is not None else ([load(l) for l in range(cfg.n_layer)], None)
         self.needs_fill = defer_fill and shared is not None
         # attention weights in the model's dtype, read in place by the compiled kernel's linear
@@ -156,9 +160,10 @@ class CPUExecutor:
         self._omp.call(run)
         self.needs_fill = False
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                qtype: str | None = None) -> torch.Tensor:
         """The attention projections: fp32 x, weights read in place by the kernel's threads."""
-        return cpu_linear(x, w, b, self.threads)
+        return cpu_linear(x, w, b, self.threads, qtype=qtype)
 
     def attach(self, spec: ChannelSpec) -> int:
         """Map the primary's channel and serve it in the worker thread until OP_STOP (the caller
@@ -227,10 +232,12 @@ class CPUExecutor:
             t_k = time.monotonic_ns()
             pairs, rows, down_rows = sparse_ffn_bitmask(
                 ch.x_ffn[:n_tok], sh.up, sh.gate, sh.down_t, packed, n_mask if packed is not None else sh.n,
-                cfg.ffn_act, sh.up_bias, out, self.threads, skip_zero=self.skip_zero)
+                cfg.ffn_act, sh.up_bias, out, self.threads, skip_zero=self.skip_zero, qtype=sh.qtype)
             self.stats.kernel_s += (time.monotonic_ns() - t_k) * 1e-9
-            row_bytes = cfg.n_embd * cfg.dtype_bytes  # bytes read: the up (+ gate) rows, the down rows read
-            nbytes = rows * (cfg.neuron_bytes - row_bytes) + down_rows * row_bytes
+            # bytes read (as stored: blocks of a quantized model): the up (+ gate) rows, the down rows read
+            one = cfg.neuron_bytes // (3 if cfg.gated else 2)
+            nbytes = rows * (cfg.neuron_bytes - one) + down_rows * one
+            self.stats.kernel_bytes += nbytes
         self.stats.neurons += pairs
         self.stats.active_bytes += nbytes
 

@@ -2,6 +2,10 @@
 output head, predictors, and its shard of each layer's neurons and heads (with their KV cache).
 
 Both runners of the layer schedule (``schedule.py``) read these, and nothing else of the model.
+Matrices the source stores as Q8_0 / Q4_0 blocks stay blocks (with their qtype beside them) and
+go to the quantized kernels; the token embedding too, its rows dequantized as a step gathers them
+(3.6x fewer bytes than f16 at Q4_0, for a gather of a few rows per step). Everything else is in
+the float ``dtype``; norms and biases in f32.
 Dimension legend: N tokens of a step, D hidden, V vocab, r predictor width.
 """
 from __future__ import annotations
@@ -12,7 +16,9 @@ import numpy as np
 import torch
 import torch.nn.functional as Fn
 
+from ..kernels.linear import linear
 from ..kernels.predictor import predictor_logits
+from ..kernels.quant import dequantize
 from ..model import gguf_keys as K
 from ..model.reference import layer_norm, rms_norm
 from ..model.source import WeightSource
@@ -30,8 +36,9 @@ class LayerWeights:
 
     norm_attn: Norm
     norm_ffn: Norm | None  # None: falcon's single norm
-    fc1: torch.Tensor | None  # [r, D]
+    fc1: torch.Tensor | None  # [r, D] (quantized: blocks [r, D / 32 * block bytes])
     fc2: torch.Tensor | None  # [n_gpu + n_cpu, r]: the primary's neurons' rows, then the CPU's
+    fc_qtypes: tuple[str | None, str | None]  # fc1's and fc2's (None: float)
     ffn: FFNShard
     attn: AttnShard
     # the layer-wide biases, added once where the partial outputs merge: after the attention
@@ -49,11 +56,12 @@ class PrimaryWeights:
                  dtype: torch.dtype, slots: int, n_ctx: int) -> None:
         self.src, self.cfg, self.plan, self.policy = src, src.config, plan, policy
         self.device, self.dtype, self.slots, self.n_ctx = device, dtype, slots, n_ctx
-        cfg, dev, dt = self.cfg, device, dtype
-        self.embd = src.global_(K.TOKEN_EMBD, dt).to(dev)  # [V, D]
-        self.pos_embd = src.global_(K.POS_EMBD, dt).to(dev) if cfg.arch == "opt" else None
+        cfg, dev = self.cfg, device
+        self.embd, self.embd_q = self._global(K.TOKEN_EMBD)  # [V, D]
+        self.pos_embd, self.pos_q = self._global(K.POS_EMBD) if cfg.arch == "opt" else (None, None)
         self.out_norm = self._norm_pair(K.OUTPUT_NORM, None)
-        self.out_w = self.embd if cfg.tied_output else src.output_weight(dt).to(dev)  # [V, D]
+        untied = src.has(K.global_tensor(K.OUTPUT)) and not cfg.tied_output
+        self.out_w, self.out_q = self._global(K.OUTPUT) if untied else (self.embd, self.embd_q)  # [V, D]
         self.layers = [self._layer(l) for l in range(cfg.n_layer)]
         # what the fixed-shape decode step reads: rotary rows of every position, the predictor's
         # GPU rows (they come first in fc2), every GPU row (policy 'dense')
@@ -67,6 +75,21 @@ class PrimaryWeights:
         self.all_rows = [torch.arange(lw.ffn.n, dtype=torch.int32, device=dev) for lw in self.layers]
 
     # --- loading ---------------------------------------------------------------------------------
+    def _global(self, name: str) -> tuple[torch.Tensor, str | None]:
+        """A model-level matrix on the device: its blocks and qtype, or floats in dtype and None
+        (a Q6_K output head comes dequantized)."""
+        q = self.src.qtype(name)
+        if q is not None:
+            return self.src.global_blocks(name, device=self.device).blocks, q
+        return self.src.global_(name, self.dtype).to(self.device), None
+
+    def _matrix(self, tmpl: str, l: int, rows: np.ndarray | None = None) -> tuple[torch.Tensor, str | None]:
+        """Rows of a layer's matrix on the device, as ``_global``."""
+        q = self.src.qtype(tmpl, l)
+        if q is not None:
+            return self.src.layer_blocks(tmpl, l, rows=rows, device=self.device).blocks, q
+        return self.src.layer(tmpl, l, rows=rows, dtype=self.dtype, device=self.device), None
+
     def _vec(self, tmpl: str, l: int | None, bias: bool = False) -> torch.Tensor | None:
         name = K.global_tensor(tmpl, bias) if l is None else K.tensor(tmpl, l, bias)
         if not self.src.has(name):
@@ -81,11 +104,10 @@ class PrimaryWeights:
     def _layer(self, l: int) -> LayerWeights:
         cfg, lp, dev, dt = self.cfg, self.plan[l], self.device, self.dtype
         norm_ffn_t = K.ATTN_NORM_2 if cfg.two_norms else (None if cfg.parallel_attn else K.FFN_NORM)
-        fc1 = fc2 = None
+        fc1 = fc2 = q1 = q2 = None
         if self.policy.name == "predictor":
-            fc1 = self.src.layer(K.FC1, l, dtype=dt, device=dev)
-            rows = np.concatenate([lp.gpu_neurons, lp.cpu_neurons])
-            fc2 = self.src.layer(K.FC2, l, rows=rows, dtype=dt, device=dev)
+            fc1, q1 = self._matrix(K.FC1, l)
+            fc2, q2 = self._matrix(K.FC2, l, np.concatenate([lp.gpu_neurons, lp.cpu_neurons]))
         attn = load_attn_shard(self.src, l, lp.gpu_groups, dt, dev, self.slots + 1, self.n_ctx)
         attn_out_b, down_b = self._vec(K.ATTN_OUT, l, bias=True), self._vec(K.FFN_DOWN_T, l, bias=True)
         if cfg.parallel_attn:
@@ -94,7 +116,7 @@ class PrimaryWeights:
             attn_bias, ffn_bias = attn_out_b, down_b
         nbytes = attn.weight_bytes + sum(t.numel() * t.element_size() for t in (fc1, fc2) if t is not None)
         return LayerWeights(self._norm_pair(K.ATTN_NORM, l), self._norm_pair(norm_ffn_t, l) if norm_ffn_t else None,
-                            fc1, fc2, load_ffn_shard(self.src, l, lp.gpu_neurons, dt, dev), attn,
+                            fc1, fc2, (q1, q2), load_ffn_shard(self.src, l, lp.gpu_neurons, dt, dev), attn,
                             attn_bias, ffn_bias, nbytes)
 
     # --- what the layer schedule computes with ---------------------------------------------------
@@ -107,14 +129,27 @@ class PrimaryWeights:
             y = layer_norm(x, pair[0], pair[1], self.cfg.norm_eps)
         return y.to(self.dtype)
 
+    def embed(self, tok: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream's start [N, D] (fp32) for tokens tok [N] (at positions pos [N]
+        with learned positions: OPT)."""
+        h = _rows(self.embd, self.embd_q, tok)
+        if self.pos_embd is not None:
+            h = h + _rows(self.pos_embd, self.pos_q, pos + self.cfg.pos_offset)
+        return h
+
     def predict(self, l: int, pred_in: torch.Tensor) -> torch.Tensor:
         """The predictor's logits [N, n_gpu + n_cpu] of layer l (the primary's neurons first)."""
-        lw = self.layers[l]
-        return predictor_logits(pred_in.to(self.dtype), lw.fc1, lw.fc2)
+        lw, x = self.layers[l], pred_in.to(self.dtype)
+        q1, q2 = lw.fc_qtypes
+        if q1 is None and q2 is None:
+            return predictor_logits(x, lw.fc1, lw.fc2)
+        z = torch.relu(linear(x, lw.fc1, qtype=q1))  # [N, r] fp32
+        return linear(z, lw.fc2, qtype=q2).to(x.dtype)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] (fp32) of the last residual rows h [B, D]."""
-        return (self.norm(h, self.out_norm) @ self.out_w.T).float()
+        x = self.norm(h, self.out_norm)
+        return (x @ self.out_w.T).float() if self.out_q is None else linear(x, self.out_w, qtype=self.out_q)
 
     # --- accounting ------------------------------------------------------------------------------
     def weight_bytes(self) -> int:
@@ -127,6 +162,11 @@ class PrimaryWeights:
         """Weight bytes every step reads besides the active FFN rows: attention of its heads,
         predictors, output head (the roofline numerator of the dense parts)."""
         return self.out_w.numel() * self.out_w.element_size() + sum(lw.weight_bytes for lw in self.layers)
+
+
+def _rows(w: torch.Tensor, qtype: str | None, idx: torch.Tensor) -> torch.Tensor:
+    """Rows idx of a float or quantized matrix, as fp32 [len(idx), cols]."""
+    return w[idx].float() if qtype is None else dequantize(w[idx], qtype)
 
 
 def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
