@@ -103,15 +103,16 @@ def _under(margin: torch.Tensor, tie: float) -> list[tuple[tuple[int, ...], floa
 
 
 def match_rounding(ref: KernelReference, tokens: list[int], got: list, at: list[int], tol: float = 1e-5,
-                   max_flips: int = 6) -> tuple[list[float], frozenset]:
+                   max_flips: int = 6, hooks=None) -> tuple[list[float], frozenset]:  # noqa: ANN001
     """Relative errors of the runtime's logits ``got`` (one [V] per position in ``at``, ascending)
     against ``ref`` over ``tokens``, once the reference has taken the other side of the rounding
     ties the runtime took: while a step is off by more than tol, the ties of that step's tokens
     are flipped one at a time, closest first, and the first that brings the step 10x closer is
-    kept (at most max_flips). An error the ties cannot explain stays in the result."""
+    kept (at most max_flips). An error the ties cannot explain stays in the result. hooks: the
+    reference forward's (``FFNHooks``)."""
     def errors(flips: frozenset, upto: int) -> list[float]:
         ref.flips = flips
-        full = ref.forward(tokens[:upto + 1], ref.new_cache())
+        full = ref.forward(tokens[:upto + 1], ref.new_cache(), hooks)
         return [float((torch.as_tensor(g).double() - full[i]).abs().max() / full[i].abs().max())
                 for g, i in zip(got, at) if i <= upto]
 
