@@ -116,7 +116,7 @@ def test_cuda_graph_decode_equals_eager_and_reference(tmp_path, variant, split):
     assert abs(graph[2] - eager[2]) <= 0.03 * max(eager[2], 1)
 
 
-@pytest.mark.parametrize("spec", ["tiny", "tiny-falcon"])
+@pytest.mark.parametrize("spec", ["tiny", "tiny-falcon", "tiny?dtype=q4_0"])
 def test_cuda_primary_fills_the_cpu_shard_of_a_planted_model(spec):
     """The primary generates the CPU executor's rows on the GPU and writes them into its shared
     file (defer_fill): bit for bit the rows the CPU executor generates itself on the CPU."""
