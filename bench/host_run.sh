@@ -121,6 +121,13 @@ falcon24id)  # the A/B of the CPU shard's row order: hybrid alone with rows by n
     POWERINFER_RAY_CPU_ORDER=id suite runtime-falcon40b-24gib-rowid-h200 300 -m "planted:falcon-40b?dtype=f16" \
         --vram-budget 24 --modes hybrid --shapes 64x32 -t "$THREADS"
     ;;
+q4)  # quantized (issue 19): the Q4_0 13B at 4 GiB, hybrid and its own layer-offload (cpu_kernel_gbps: the
+    # CPU kernel's rate on compressed bytes), then the Q8_0 13B at 8 GiB
+    suite runtime-13b-q4-4gib-h200 300 -m "planted:llama2-13b?dtype=q4_0" --vram-budget 4 \
+        --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
+    suite runtime-13b-q8-8gib-h200 270 -m "planted:llama2-13b?dtype=q8_0" --vram-budget 8 \
+        --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
+    ;;
 *)
     echo "unknown stage $stage: expected verify|gpukern|t8ab|t8ab2|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id" >&2
     exit 2
