@@ -147,8 +147,9 @@ def load_attn_shard(src: WeightSource, l: int, groups: np.ndarray, dtype: torch.
     def rows(tmpl: str, r: np.ndarray, bias: bool = False) -> torch.Tensor | None:
         if bias and not cfg.has_qkv_bias:
             return None
-        if qtype is not None and not bias:
-            return src.layer_blocks(tmpl, l, rows=r, device=device).blocks.contiguous()
+        if qtype is not None:  # blocks; the biases in f32 (the quantized GEMV adds them in f32)
+            return src.layer(tmpl, l, rows=r, dtype=torch.float32, bias=True, device=device) if bias \
+                else src.layer_blocks(tmpl, l, rows=r, device=device).blocks.contiguous()
         t = src.layer(tmpl, l, rows=r, dtype=dtype, bias=bias, device=device)  # F.linear wants one dtype
         return t.contiguous()
 
