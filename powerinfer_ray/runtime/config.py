@@ -150,8 +150,9 @@ class ExecutorConfig:
         "(dense) (default: predictor when the model has predictors)", choices=POLICIES)
     threshold: float | None = option(None, "predictor threshold (default: the model's sparse_threshold)",
                                      kind=float)
-    dtype: str | None = option(None, "weights' dtype on the primary (default: the file's on CUDA, f32 on the CPU)",
-                               choices=DTYPES)
+    dtype: str | None = option(None, "weights' dtype on the primary (default: the file's on CUDA, f32 on the CPU); "
+                               "a Q8_0 / Q4_0 file's matrices stay quantized, this is then the type of the rest "
+                               "(default f16 on CUDA)", choices=DTYPES)
     timeout_s: float = option(120.0, "seconds an executor waits for its peer before failing the step",
                               kind=float)
     prefill_dense_min: int | None = option(

@@ -98,23 +98,25 @@ class _Predictor:
         pass
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("qtype, rank", [("q8_0", 32), ("q4_0", 32), ("q4_0", 16)])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "segments"])
-def test_predictor_policy_computes_the_predicted_neurons(tmp_path, qtype, graphs):
-    """Quantized fc1 / fc2 (rank 32: whole blocks), the predictor's split over both executors,
-    decode steps eager or as the graph segments: the forward masked by the reference's own
-    predictor decisions, and far fewer neurons than dense."""
+def test_predictor_policy_computes_the_predicted_neurons(tmp_path, qtype, rank, graphs):
+    """Quantized fc1 / fc2 (rank 32: whole blocks; rank 16: fc2's rows are half a block, so it is
+    stored in f16), the predictor's split over both executors, decode steps eager or as the graph
+    segments: the forward masked by the reference's own predictor decisions, and far fewer
+    neurons than dense."""
     path = write_tiny_model(tmp_path / "p.gguf", "llama-reglu", seed=2, n_layer=2, n_ctx=64, n_embd=128,
-                            predictor_rank=32, dtype=qtype)
+                            predictor_rank=rank, dtype=qtype)
     ref = KernelReference.from_file(path)
-    assert {K.tensor(K.FC1, 1), K.tensor(K.FC2, 1)} <= ref.quantized
+    fc_qtypes = (qtype, qtype if rank % 32 == 0 else None)
+    assert (K.tensor(K.FC2, 1) in ref.quantized) == (fc_qtypes[1] is not None)
     thr = 0.5
     eng = LocalEngine(EngineConfig(str(path), plan=_plan(ref.cfg, "split-heads"), policy="predictor", threshold=thr,
                                    prefill_chunk=16, max_batch=2, graphs=graphs))
     try:
         prompt, decode = list(range(30, 42)), [5, 77, 130]
         got, at = _steps(eng, prompt, decode, 16)
-        assert eng.primary.weights.layers[0].fc_qtypes == (qtype, qtype)
+        assert eng.primary.weights.layers[0].fc_qtypes == fc_qtypes
         total = eng.primary.stats.neurons + eng.cpu.stats.neurons
         assert 0 < total < (len(prompt) + len(decode)) * ref.cfg.n_ff * ref.cfg.n_layer // 2
         assert eng.cpu.stats.neurons > 0
