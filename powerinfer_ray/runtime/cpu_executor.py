@@ -23,7 +23,7 @@ from ..model.source import WeightSource, open_model
 from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec
 from .layers import attn_partial, ffn_partial
 from .plan import Plan
-from .shard import load_attn_shard, load_ffn_shard, ffn_qtype
+from .shard import ffn_qtype, load_attn_shard, load_ffn_shard
 from .sharedshard import fill, prefault, release, share
 from .stats import ExecStats
 from .weights import DTYPES
