@@ -38,6 +38,12 @@ PARALLEL_ATTN = "powerinfer_ray.parallel_attn"  # falcon: attention and FFN read
 FALCON_NEW_ARCH = "powerinfer_ray.falcon_new_decoder_architecture"  # separate ln_attn / ln_mlp
 POS_OFFSET = "powerinfer_ray.position_offset"  # OPT's learned positions start at index 2
 
+# how the model's training text was fed (offline.stream): the separator between documents (bos |
+# eos | eos+bos | blank-line | none) and whether each training window started with BOS; absent:
+# as the tokenizer adds BOS (HF's convention)
+STREAM_DOC_SEP = "powerinfer_ray.stream.doc_sep"
+STREAM_WINDOW_BOS = "powerinfer_ray.stream.window_bos"
+
 # --- PowerInfer ---------------------------------------------------------------------------------
 SPARSE_THRESHOLD = "powerinfer.sparse_threshold"
 
