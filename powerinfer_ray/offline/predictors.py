@@ -30,9 +30,9 @@ from ..model.tokenizer import Tokenizer
 from .corpus import Corpus, iter_texts
 from .predictor_fit import (FitSettings, LayerFit, fit_layer, fit_summary, layer_width, predictor_bytes,
                             selector_matrix, svd_start)
-from .quality import Evaluator, PredictorHooks
+from .quality import Evaluator, PredictorHooks, Score
 from .samples import DEFAULT_MEMORY_CAP, CollectHooks, LayerData, SampleStore, collect_samples
-from .stream import StreamFormat, split_heldout, stream_array, windows_of
+from .stream import StreamFormat, array_pieces, split_heldout, stream_array, windows_of
 from .thresholds import QualityTarget, choose_threshold, per_layer_quality
 
 DEFAULT_SHARE = 0.2  # predictors' default cap, as a share of the model's bytes
@@ -135,9 +135,9 @@ def train_predictors(model_path: str | Path, corpus: Corpus, out_path: str | Pat
     try:
         log(f"{len(train_ids)} training and {len(held_ids)} held-out tokens ({fmt.describe()}); "
             f"predictor width {width}")
-        n_train = collect_samples(ref, windows_of([train_ids.tolist()], seq_len, bos), store, len(train_ids),
+        n_train = collect_samples(ref, windows_of(array_pieces(train_ids), seq_len, bos), store, len(train_ids),
                                   "collecting activations" if progress else None)
-        ev = Evaluator(ref, windows_of([held_ids.tolist()], seq_len, bos), dense_hooks=CollectHooks(held, ref))
+        ev = Evaluator(ref, windows_of(array_pieces(held_ids), seq_len, bos), dense_hooks=CollectHooks(held, ref))
         fits = _fit_all(ref, store, held, width, s, dev, progress, log)
     finally:
         store.close()
@@ -150,7 +150,20 @@ def train_predictors(model_path: str | Path, corpus: Corpus, out_path: str | Pat
         threshold, met = cal.threshold, cal.met
     else:
         threshold, met = min(f.threshold for f in fits), True
-    write_with_predictors(mf, out_path, [w.cpu() for w in fc1], [w.cpu() for w in fc2], threshold)
+    write_with_predictors(mf, out_path, [w.cpu() for w in fc1], [w.cpu() for w in fc2], threshold, fmt)
+    reports, sparse = _heldout_report(ev, fits, fc1, fc2, threshold, per_layer)
+    result = PredictorResult(Path(out_path), reports, sum(r.bytes for r in reports), model_bytes, threshold,
+                             target.describe() if target is not None else f"recall {recall_target}", met,
+                             ev.dense.ppl, sparse.ppl, sparse.top1, n_train, ev.dense.tokens, time.time() - t0)
+    log(result.table())
+    return result
+
+
+def _heldout_report(ev: Evaluator, fits: list[LayerFit], fc1: list[torch.Tensor], fc2: list[torch.Tensor],
+                    threshold: float, per_layer: bool) -> tuple[list[LayerReport], Score]:
+    """Per layer on the held-out text: recall, precision, kept share with every layer sparse,
+    and (``per_layer``) the perplexity and top-1 cost of this layer alone; the all-sparse score."""
+    cfg = ev.ref.cfg
     hooks = PredictorHooks(fc1, fc2, threshold, down_norms=ev.down_norms())
     sparse = ev.score(hooks)
     single = per_layer_quality(ev, fc1, fc2, threshold) if per_layer else [{}] * cfg.n_layer
@@ -158,11 +171,7 @@ def train_predictors(model_path: str | Path, corpus: Corpus, out_path: str | Pat
                            st["mass_recall"], st["kept"], st["active"], one.get("ppl_increase"), one.get("top1"),
                            fit_summary(f))
                for l, (f, st, one) in enumerate(zip(fits, hooks.stats(cfg.n_ff), single))]
-    result = PredictorResult(Path(out_path), reports, sum(r.bytes for r in reports), model_bytes, threshold,
-                             target.describe() if target is not None else f"recall {recall_target}", met,
-                             ev.dense.ppl, sparse.ppl, sparse.top1, n_train, ev.dense.tokens, time.time() - t0)
-    log(result.table())
-    return result
+    return reports, sparse
 
 
 def _token_split(tok: Tokenizer, corpus: Corpus, heldout: Corpus | None, fmt: StreamFormat, max_tokens: int,
@@ -214,9 +223,10 @@ def _is_predictor(name: str) -> bool:
 
 
 def write_with_predictors(mf: ModelFile, out_path: str | Path, fc1: list[torch.Tensor],
-                          fc2: list[torch.Tensor], threshold: float) -> Path:
+                          fc2: list[torch.Tensor], threshold: float, fmt: StreamFormat | None = None) -> Path:
     """Copy every tensor (lazily, at its stored dtype) and all metadata of ``mf``, replace the
-    predictors by fc1 [r_l, D] / fc2 [F, r_l] and set the threshold; stamps PWRI."""
+    predictors by fc1 [r_l, D] / fc2 [F, r_l] and set the threshold; stamps PWRI. A resolved
+    ``fmt`` is recorded as the stream the predictors were trained and calibrated on."""
     if Path(out_path).resolve() == mf.path.resolve():
         raise ValueError(f"out_path {out_path}: must differ from the input model (it is read lazily)")
     cfg = mf.config.with_(predictor_ranks=tuple(int(w.shape[0]) for w in fc1), sparse_threshold=threshold)
@@ -230,6 +240,8 @@ def write_with_predictors(mf: ModelFile, out_path: str | Path, fc1: list[torch.T
         tensors[K.tensor(K.FC2, l)] = fc2[l]
     meta = {k: v for k, v in mf.fields.items() if k != K.ARCH}
     meta[K.SPARSE_THRESHOLD] = float(threshold)
+    if fmt is not None:
+        meta.update({K.STREAM_DOC_SEP: fmt.doc_sep, K.STREAM_WINDOW_BOS: bool(fmt.window_bos)})
     tmp = Path(str(out_path) + ".tmp")
     write_model(tmp, cfg, tensors, metadata=meta, sparse=True)
     shutil.move(tmp, out_path)

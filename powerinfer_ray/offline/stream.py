@@ -141,6 +141,12 @@ def stream_array(tok: Tokenizer, texts: Iterable[str], fmt: StreamFormat, max_to
     return arr, np.asarray(starts, dtype=np.int64)
 
 
+def array_pieces(arr: np.ndarray, piece: int = 1 << 16) -> Iterator[list[int]]:
+    """A token array as ``windows_of`` pieces, a few at a time (not one list of the whole)."""
+    for i in range(0, len(arr), piece):
+        yield arr[i:i + piece].tolist()
+
+
 def split_heldout(arr: np.ndarray, starts: np.ndarray, heldout_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """(training part, held-out part) of a stream: the held-out part is its last documents,
     at least ``heldout_tokens`` tokens, cut at the last document start that gives that many
