@@ -15,7 +15,10 @@ Evaluation sets: ``in`` = the rest of the held-out split (of the same sources as
 corpus), ``shifted`` = the pydoc topics (``stdlib`` only) and vim's help files (a source the
 model itself never saw; /usr/share/vim/vim90/doc when present). Records: model, predictors,
 heldout, domain, ppl_delta_pct, top1, sparsity, kl, margin, threshold. Also writes a margin
-sweep (sparsity against quality) and its plot, ``<out>.png``.
+sweep (sparsity against quality) and its plot, ``<out>.png``. ``--allocation-of FILE`` compares
+one threshold for all layers with per-layer thresholds for an equal miss of activation mass or
+count; ``--safety-of FILE`` (the stdlib predictors) compares choosing the threshold on stdlib
+held-out text alone with choosing it on stdlib + pydoc text, measured on vim's help.
 """
 from __future__ import annotations
 
@@ -38,6 +41,8 @@ VIM_DOCS = Path("/usr/share/vim/vim90/doc")
 SCENARIOS = {"mixed": ("builtin:train", None), "stdlib": ("builtin:stdlib:train", "stdlib"),
              "mixed-share10": ("builtin:train", None)}
 MARGINS = (-1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 4.0)
+MISSES = (0.1, 0.05, 0.02, 0.01, 0.003, 0.001)  # per-layer allocations: share of activations missed
+GLOBALS = (1.0, 0.0, -1.0, -2.0, -3.0, -4.5)  # one threshold for all layers
 
 
 def split_docs(tok: Tokenizer, docs: list[str], n_tokens: int) -> tuple[list[str], list[str]]:
@@ -64,6 +69,80 @@ def evaluate(path: Path, name: str, docs: list[str], domain: str, scenario: str,
            "recall_per_layer": [round(s["recall"], 4) for s in r["layers"]]}
     print(json.dumps({k: v for k, v in rec.items() if k != "recall_per_layer"}), flush=True)
     return rec
+
+
+def allocation(path: Path, docs: list[str], n_tokens: int) -> list[dict]:
+    """Held-out perplexity, top-1 and sparsity of three ways to set the layers' thresholds: one
+    threshold for all (what the file holds), or per layer the threshold that misses an equal
+    share of each layer's activation mass or count (an option measured, not kept)."""
+    import torch
+
+    from powerinfer_ray.model import gguf_keys as K
+    from powerinfer_ray.model.reference import ReferenceModel
+    from powerinfer_ray.offline.quality import Evaluator, PredictorHooks
+    from powerinfer_ray.offline.samples import CollectHooks, SampleStore, decode_magnitude
+    from powerinfer_ray.offline.stream import token_windows
+
+    mf = ModelFile(path)
+    cfg, ref = mf.config, ReferenceModel.from_file(mf)
+    fc1 = [mf.layer(K.FC1, l, dtype=torch.float32) for l in range(cfg.n_layer)]
+    fc2 = [mf.layer(K.FC2, l, dtype=torch.float32) for l in range(cfg.n_layer)]
+    store = SampleStore(cfg.n_layer, cfg.n_embd, cfg.n_ff, 1 << 40)
+    ev = Evaluator(ref, token_windows(Tokenizer(mf.fields), docs, 256, n_tokens, FMT), CollectHooks(store, ref))
+    curves = []  # per layer: positives' logits, highest first, with cumulative count and mass shares
+    for l in range(cfg.n_layer):
+        x, q = (torch.from_numpy(a) for a in store.all(l))
+        logits = (torch.relu(x @ fc1[l].T) @ fc2[l].T)[q > 0]
+        order = torch.argsort(logits, descending=True)
+        mass = torch.cumsum(decode_magnitude(q[q > 0])[order].double(), 0)
+        curves.append((logits[order], mass / mass[-1], torch.arange(1, len(order) + 1).double() / len(order)))
+
+    def at(miss: float, kind: int) -> list[float]:  # kind 1: mass, 2: count
+        out = []
+        for c in curves:
+            k = int(torch.searchsorted(c[kind], torch.tensor(1 - miss, dtype=torch.float64)))
+            out.append(float(c[0][min(k, len(c[0]) - 1)]))
+        return out
+
+    rows = []
+    for kind, level, ts in ([("global", t, [t] * cfg.n_layer) for t in GLOBALS]
+                            + [("mass", m, at(m, 1)) for m in MISSES] + [("count", m, at(m, 2)) for m in MISSES]):
+        h = PredictorHooks(fc1, fc2, ts)
+        sc = ev.score(h)
+        rows.append({"allocation": kind, "level": level, "ppl_delta_pct": 100 * (sc.ppl / ev.dense.ppl - 1),
+                     "top1": sc.top1, "sparsity": 1 - sum(st["kept"] for st in h.stats(cfg.n_ff)) / cfg.n_layer,
+                     "thresholds": [round(t, 3) for t in ts]})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def safety(path: Path, args: argparse.Namespace) -> list[dict]:
+    """The stdlib-trained predictors with the threshold chosen on held-out text that mixes in a
+    shifted source (stdlib calibration documents + the pydoc held-out split), against the
+    threshold chosen on stdlib alone; both measured on vim's help (shifted for both)."""
+    import torch
+
+    from powerinfer_ray.model import gguf_keys as K
+    from powerinfer_ray.model.reference import ReferenceModel
+    from powerinfer_ray.offline.quality import Evaluator
+    from powerinfer_ray.offline.stream import token_windows
+    from powerinfer_ray.offline.thresholds import QualityTarget, choose_threshold
+
+    mf = ModelFile(path)
+    tok, ref = Tokenizer(mf.fields), ReferenceModel.from_file(mf)
+    fc1 = [mf.layer(K.FC1, l, dtype=torch.float32) for l in range(mf.config.n_layer)]
+    fc2 = [mf.layer(K.FC2, l, dtype=torch.float32) for l in range(mf.config.n_layer)]
+    calib, _ = split_docs(tok, list(iter_texts("builtin:stdlib:heldout")), args.calibration_tokens)
+    pydoc = list(iter_texts("builtin:pydoc:heldout"))
+    mixed = [d for pair in zip(calib, pydoc) for d in pair] + calib[len(pydoc):]
+    out = []
+    for name, docs in (("stdlib held-out", calib), ("stdlib + pydoc held-out", mixed)):
+        ev = Evaluator(ref, token_windows(tok, docs, 256, None, FMT))
+        t = choose_threshold(ev, fc1, fc2, QualityTarget()).threshold
+        margin = float(mf.config.sparse_threshold) - t
+        rec = evaluate(path, f"{VIM_DOCS}/*.txt (shuffled files)", vim_docs(), "shifted", "stdlib", args, margin)
+        out.append({"calibrated_on": name, "threshold": t, **rec})
+    return out
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -103,24 +182,24 @@ def plot(out: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = out["margin_sweep"] + [r for r in out["records"] if r["predictors"] == "mixed"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=100)
+    panels = (("ppl_delta_pct", 1, "perplexity increase over dense (%)"),
+              ("top1", 100, "top-1 agreement with dense (%)"), ("kl", 1, "KL(dense || sparse), nats/token"))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4), dpi=100)
     for name in sorted({r["heldout"] for r in rows}):
         pts = sorted((r for r in rows if r["heldout"] == name), key=lambda r: r["sparsity"])
-        label = name.split(" ")[0].replace("/usr/share/vim/vim90/doc/*.txt", "vim help (shifted)")
-        for ax, key in zip(axes, ("ppl_delta_pct", "top1")):
-            ax.plot([100 * r["sparsity"] for r in pts], [r[key] * (1 if key != "top1" else 100) for r in pts],
-                    "o-", label=label)
-            for r in pts:
-                if r["margin"] == 0.0:
-                    ax.plot(100 * r["sparsity"], r[key] * (1 if key != "top1" else 100), "k*", markersize=10)
-    axes[0].set_ylabel("perplexity increase over dense (%)")
-    axes[1].set_ylabel("top-1 agreement with dense (%)")
-    for ax in axes:
+        label = "vim help (shifted)" if name.startswith(str(VIM_DOCS)) else "built-in held-out (in-domain)"
+        for ax, (key, scale, _) in zip(axes, panels):
+            ax.plot([100 * r["sparsity"] for r in pts], [scale * r[key] for r in pts], "o-", label=label)
+            ax.plot([100 * r["sparsity"] for r in pts if r["margin"] == 0.0],
+                    [scale * r[key] for r in pts if r["margin"] == 0.0], "k*", markersize=11)
+    for ax, (_, _, ylabel) in zip(axes, panels):
         ax.set_xlabel("FFN sparsity (% of neurons skipped)")
-        ax.grid(True, alpha=0.3)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[2].set_yscale("log")
     axes[0].legend(fontsize=8)
-    fig.suptitle("tiny ReGLU model, predictors trained on the built-in corpus: serve-time margin sweep "
-                 "(* = default threshold)", fontsize=9)
+    fig.suptitle("tiny ReGLU model, predictors trained on the built-in corpus: serve-time margins "
+                 f"{', '.join(f'{m:+g}' for m in MARGINS)} (* = the threshold chosen for the default target)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
 
@@ -133,8 +212,23 @@ def main() -> None:
     p.add_argument("--calibration-tokens", type=int, default=8192)
     p.add_argument("--eval-tokens", type=int, default=16384)
     p.add_argument("--workdir", default="/tmp")
+    p.add_argument("--safety-of", default=None,
+                   help="only compare calibrating this stdlib-trained file with and without shifted text")
+    p.add_argument("--plot-only", action="store_true", help="redraw <out>.png from <out>.json")
+    p.add_argument("--allocation-of", default=None,
+                   help="only compare threshold allocations for this trained file (-> <out>.json)")
     args = p.parse_args()
-    out = run(args)
+    if args.allocation_of:
+        tok = Tokenizer(ModelFile(trained_model_path()).fields)
+        _, rest = split_docs(tok, list(iter_texts("builtin:heldout")), args.calibration_tokens)
+        rows = allocation(Path(args.allocation_of), rest, args.eval_tokens)
+        Path(args.out + ".json").write_text(json.dumps({"model": args.allocation_of, "heldout": "builtin:heldout "
+                                                        "(after the calibration part)", "rows": rows}, indent=1))
+        return
+    if args.safety_of:
+        Path(args.out + ".json").write_text(json.dumps({"rows": safety(Path(args.safety_of), args)}, indent=1))
+        return
+    out = json.loads(Path(args.out + ".json").read_text()) if args.plot_only else run(args)
     if out["margin_sweep"]:
         plot(out, args.out + ".png")
 

@@ -31,7 +31,7 @@ from .corpus import Corpus, iter_texts
 from .predictor_fit import (FitSettings, LayerFit, fit_layer, fit_summary, layer_width, predictor_bytes,
                             selector_matrix, svd_start)
 from .quality import Evaluator, PredictorHooks, Score
-from .samples import DEFAULT_MEMORY_CAP, CollectHooks, LayerData, SampleStore, collect_samples
+from .samples import DEFAULT_MEMORY_CAP, CollectHooks, LayerData, SampleStore, collect_samples, down_norms
 from .stream import StreamFormat, array_pieces, split_heldout, stream_array, windows_of
 from .thresholds import QualityTarget, choose_threshold, per_layer_quality
 
@@ -164,7 +164,7 @@ def _heldout_report(ev: Evaluator, fits: list[LayerFit], fc1: list[torch.Tensor]
     """Per layer on the held-out text: recall, precision, kept share with every layer sparse,
     and (``per_layer``) the perplexity and top-1 cost of this layer alone; the all-sparse score."""
     cfg = ev.ref.cfg
-    hooks = PredictorHooks(fc1, fc2, threshold, down_norms=ev.down_norms())
+    hooks = PredictorHooks(fc1, fc2, threshold, down_norms=down_norms(ev.ref))
     sparse = ev.score(hooks)
     single = per_layer_quality(ev, fc1, fc2, threshold) if per_layer else [{}] * cfg.n_layer
     reports = [LayerReport(l, f.width, predictor_bytes(cfg, [f.width]), st["recall"], st["precision"],

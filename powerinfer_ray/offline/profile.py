@@ -21,7 +21,7 @@ from ..model.gguf_file import ModelFile
 from ..model.reference import ReferenceModel
 from ..model.tokenizer import Tokenizer
 from .corpus import Corpus, iter_texts
-from .stream import StreamFormat, token_windows
+from .stream import StreamFormat, run_windows, token_windows
 
 PARQUET_FILE = "activation.parquet"
 PT_DIR = "activation"
@@ -227,15 +227,8 @@ def profile_activations(model: str | Path | ReferenceModel, corpus: Corpus, max_
         raise ValueError(f"model {getattr(ref.cfg, 'name', '')!r} has no tokenizer: pass tokenizer=")
     seq_len = min(seq_len, ref.cfg.n_ctx)
     hooks = CountingHooks(ref.cfg.n_layer, ref.cfg.n_ff, ref.device)
-    n = 0
-    bar = _bar(progress, max_tokens, "profiling")
-    for window in token_windows(tok, iter_texts(corpus), seq_len, max_tokens, fmt):
-        ref.forward(window, ref.new_cache(), hooks)
-        n += len(window)
-        if bar is not None:
-            bar.update(len(window))
-    if bar is not None:
-        bar.close()
+    n = run_windows(ref, token_windows(tok, iter_texts(corpus), seq_len, max_tokens, fmt), hooks, max_tokens,
+                    "profiling" if progress else None)
     if n == 0:
         raise ValueError(f"corpus {corpus!r} gave no window of {seq_len} tokens")
     return ActivationStats(hooks.counts.cpu().numpy(), n, ref.cfg.name)
@@ -258,10 +251,3 @@ def run_profile(model: str | Path | ReferenceModel, corpus: Corpus, out_dir: str
         stats.plot(out / PLOT_FILE)
     return stats
 
-
-def _bar(enabled: bool, total: int, desc: str):  # noqa: ANN202
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="tok", unit_scale=True)

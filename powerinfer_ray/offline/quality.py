@@ -25,6 +25,7 @@ from ..model.gguf_file import ModelFile
 from ..model.reference import ReferenceModel
 from ..model.tokenizer import Tokenizer
 from .corpus import Corpus, iter_texts
+from .samples import down_norms
 from .stream import StreamFormat, token_windows
 
 THRESHOLD = 0.0  # the decision threshold of a file that names none (upstream's default)
@@ -179,9 +180,6 @@ class Evaluator:
             agree += int((logits.argmax(-1) == dense).sum())
         return Score(self.dense.tokens, nll, agree / self.dense.tokens)
 
-    def down_norms(self) -> list[torch.Tensor]:
-        return [self.ref.w[K.tensor(K.FFN_DOWN_T, l)].float().norm(dim=1) for l in range(self.ref.cfg.n_layer)]
-
 
 def _nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
     return float(Fn.cross_entropy(logits.float(), targets, reduction="sum"))
@@ -214,7 +212,7 @@ def quality_report(model_path: str | Path, text: Corpus, seq_len: int = 256, max
     sparse = mf.config.has_predictors
     hooks = PredictorHooks.from_file(mf, device=device, threshold=threshold, margin=margin) if sparse else None
     if hooks is not None:
-        hooks.down_norms = [ref.w[K.tensor(K.FFN_DOWN_T, l)].float().norm(dim=1) for l in range(ref.cfg.n_layer)]
+        hooks.down_norms = down_norms(ref)
     names = ["dense"] + (["sparse"] + (["oracle"] if oracle else []) if sparse else [])
     nll, agree = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
     n, kl, oracle_diff = 0, 0.0, 0.0

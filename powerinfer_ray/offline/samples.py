@@ -21,6 +21,7 @@ import torch
 
 from ..model import gguf_keys as K
 from ..model.reference import ReferenceModel
+from .stream import run_windows
 
 _CODE_STEPS, _CODE_ZERO = 8.0, 128.0
 DEFAULT_MEMORY_CAP = 256 << 20
@@ -177,12 +178,17 @@ class LayerData:
         return torch.from_numpy(x[:n]).to(self.device)
 
 
+def down_norms(ref: ReferenceModel) -> list[torch.Tensor]:
+    """Per layer, ||down_t[j]|| [F]: an activation h_j contributes |h_j| times this."""
+    return [ref.w[K.tensor(K.FFN_DOWN_T, l)].float().norm(dim=1) for l in range(ref.cfg.n_layer)]
+
+
 class CollectHooks:
     """FFNHooks that observe (predictor input, activation codes) into a store."""
 
     def __init__(self, store: SampleStore, ref: ReferenceModel) -> None:
         self.store = store
-        self.down_norms = [ref.w[K.tensor(K.FFN_DOWN_T, l)].float().norm(dim=1) for l in range(ref.cfg.n_layer)]
+        self.down_norms = down_norms(ref)
 
     def mask(self, layer: int, pred_in: torch.Tensor) -> None:
         return None
@@ -195,18 +201,4 @@ def collect_samples(ref: ReferenceModel, windows: Iterable[list[int]], store: Sa
                     total: int | None = None, desc: str | None = None) -> int:
     """Run the dense reference over ``windows`` and store every position's samples; a progress
     bar titled ``desc`` (over ``total`` tokens) when given. Returns the tokens seen."""
-    hooks = CollectHooks(store, ref)
-    bar = None
-    if desc is not None:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, desc=desc, unit="tok", unit_scale=True)
-    n = 0
-    for window in windows:
-        ref.forward(window, ref.new_cache(), hooks)
-        n += len(window)
-        if bar is not None:
-            bar.update(len(window))
-    if bar is not None:
-        bar.close()
-    return n
+    return run_windows(ref, windows, CollectHooks(store, ref), total, desc)

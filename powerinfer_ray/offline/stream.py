@@ -24,6 +24,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from ..model import gguf_keys as K
+from ..model.reference import FFNHooks, ReferenceModel
 from ..model.tokenizer import Tokenizer
 from .corpus import Piece
 
@@ -159,3 +160,23 @@ def split_heldout(arr: np.ndarray, starts: np.ndarray, heldout_tokens: int) -> t
     ok = starts[(starts > 0) & (starts <= n - heldout_tokens)]
     cut = int(ok.max()) if ok.size and n - int(ok.max()) <= 2 * heldout_tokens else n - heldout_tokens
     return arr[:cut], arr[cut:]
+
+
+def run_windows(ref: ReferenceModel, windows: Iterable[list[int]], hooks: FFNHooks | None,
+                total: int | None = None, desc: str | None = None) -> int:
+    """The dense reference over every window (a fresh cache each), ``hooks`` looking in; a
+    progress bar titled ``desc`` over ``total`` tokens when given. Returns the tokens run."""
+    bar = None
+    if desc is not None:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc=desc, unit="tok", unit_scale=True)
+    n = 0
+    for window in windows:
+        ref.forward(window, ref.new_cache(), hooks)
+        n += len(window)
+        if bar is not None:
+            bar.update(len(window))
+    if bar is not None:
+        bar.close()
+    return n
