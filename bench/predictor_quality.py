@@ -147,8 +147,8 @@ def safety(path: Path, args: argparse.Namespace) -> list[dict]:
 
 def run(args: argparse.Namespace) -> dict:
     tok = Tokenizer(ModelFile(trained_model_path()).fields)
-    out: dict = {"what": __doc__.split("\n")[0], "command": "OMP_NUM_THREADS=1 python bench/predictor_quality.py "
-                 + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "scenarios"),
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v not in (None, False))
+    out: dict = {"what": __doc__.split("\n")[0], "command": f"OMP_NUM_THREADS=1 python bench/predictor_quality.py {flags}",
                  "train_tokens": args.train_tokens, "calibration_tokens": args.calibration_tokens,
                  "eval_tokens": args.eval_tokens, "runs": [], "records": [], "margin_sweep": []}
     for scenario in args.scenarios.split(","):
