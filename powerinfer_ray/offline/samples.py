@@ -40,19 +40,22 @@ def decode_magnitude(q: torch.Tensor) -> torch.Tensor:
 
 
 class SampleStore:
-    """Per-layer samples (x [D] float32, activation code [F] uint8). Buffers in memory while all
-    layers together stay within ``memory_cap`` bytes; before an addition would pass it, writes
-    the largest layer's buffer as an Arrow IPC shard (columns x, code) under ``spill_dir`` (a
-    temporary folder by default)."""
+    """Per-layer samples (x [D] float32, activation code [F] uint8) in one preallocated block per
+    layer of ``memory_cap / n_layer`` bytes (a few rows at least); a full block is written as
+    an Arrow IPC shard (columns x, code) under ``spill_dir`` (a temporary folder by default)
+    and refilled. Fixed blocks, not many small arrays: the process's memory stays at the cap
+    instead of growing with allocator fragmentation."""
 
     def __init__(self, n_layer: int, n_embd: int, n_ff: int, memory_cap: int = DEFAULT_MEMORY_CAP,
                  spill_dir: str | Path | None = None) -> None:
         self.n_layer, self.D, self.F = n_layer, n_embd, n_ff
         self.memory_cap = memory_cap
+        self.rows = max(16, memory_cap // (n_layer * (4 * n_embd + n_ff)))  # rows per block
         self._spill_root = Path(spill_dir) if spill_dir is not None else None
         self._tmp: tempfile.TemporaryDirectory | None = None
-        self.buf: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(n_layer)]
-        self.buf_bytes = [0] * n_layer
+        self._x: list[np.ndarray | None] = [None] * n_layer  # [rows, D], allocated on first use
+        self._q: list[np.ndarray | None] = [None] * n_layer  # [rows, F]
+        self.fill = [0] * n_layer
         self.shards: list[list[Path]] = [[] for _ in range(n_layer)]
         self.counts = [0] * n_layer
         self.active = np.zeros((n_layer, n_ff), dtype=np.int64)
@@ -67,11 +70,20 @@ class SampleStore:
         qa = code.detach().cpu().numpy()
         self.active[layer] += (qa > 0).sum(0)
         self.mass[layer] += float(decode_magnitude(code.detach()).sum())
-        while sum(self.buf_bytes) and sum(self.buf_bytes) + xa.nbytes + qa.nbytes > self.memory_cap:
-            self._spill(int(np.argmax(self.buf_bytes)))
-        self.buf[layer].append((xa, qa))
-        self.buf_bytes[layer] += xa.nbytes + qa.nbytes
         self.counts[layer] += xa.shape[0]
+        if self._x[layer] is None:
+            self._x[layer] = np.empty((self.rows, self.D), np.float32)
+            self._q[layer] = np.empty((self.rows, self.F), np.uint8)
+        done = 0
+        while done < xa.shape[0]:
+            f = self.fill[layer]
+            n = min(self.rows - f, xa.shape[0] - done)
+            self._x[layer][f:f + n] = xa[done:done + n]
+            self._q[layer][f:f + n] = qa[done:done + n]
+            self.fill[layer] += n
+            done += n
+            if self.fill[layer] == self.rows:
+                self._spill(layer)
 
     def mean_magnitude(self, layer: int) -> float:
         return float(self.mass[layer] / max(self.active[layer].sum(), 1))
@@ -91,21 +103,22 @@ class SampleStore:
     def _spill(self, layer: int) -> None:
         import pyarrow as pa
 
-        x, q = self._concat(layer)
+        x, q = self._buffer(layer)
         path = self.spill_dir / f"layer{layer}_shard{len(self.shards[layer])}.arrow"
         batch = pa.record_batch([pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), self.D),
                                  pa.FixedSizeListArray.from_arrays(pa.array(q.reshape(-1)), self.F)],
-                                names=["x", "code"])
+                                names=["x", "code"])  # zero-copy views of the block
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as writer:
             writer.write_batch(batch)
         self.shards[layer].append(path)
-        self.buf[layer], self.buf_bytes[layer] = [], 0
+        self.fill[layer] = 0
 
-    def _concat(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        parts = self.buf[layer]
-        if not parts:
+    def _buffer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The filled rows of the layer's block (views)."""
+        f = self.fill[layer]
+        if f == 0:
             return np.zeros((0, self.D), np.float32), np.zeros((0, self.F), np.uint8)
-        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        return self._x[layer][:f], self._q[layer][:f]
 
     def _read_shard(self, path: Path) -> tuple[np.ndarray, np.ndarray]:
         import pyarrow as pa
@@ -121,19 +134,19 @@ class SampleStore:
         return bool(self.shards[layer])
 
     def chunks(self, layer: int, rng: np.random.Generator | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(x [N, D], code [N, F]) chunks, each at most ``memory_cap`` bytes: each shard, then
-        the memory buffer; shard order shuffled when ``rng`` is given."""
+        """(x [N, D], code [N, F]) chunks of at most one block each: each shard, then the
+        block's filled rows (views); shard order shuffled when ``rng`` is given."""
         order = list(range(len(self.shards[layer])))
         if rng is not None:
             rng.shuffle(order)
         for i in order:
             yield self._read_shard(self.shards[layer][i])
-        if self.buf[layer]:
-            yield self._concat(layer)
+        if self.fill[layer]:
+            yield self._buffer(layer)
 
     def all(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """Every sample of a layer: x [N, D] float32, code [N, F] uint8 (loads shards)."""
-        parts = list(self.chunks(layer)) or [self._concat(layer)]
+        parts = list(self.chunks(layer)) or [self._buffer(layer)]
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def close(self) -> None:

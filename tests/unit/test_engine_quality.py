@@ -3,6 +3,7 @@ the offline quality report says (same windows, same predictor decisions)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from powerinfer_ray.model.default import default_model_path
 from powerinfer_ray.model.gguf_file import ModelFile
@@ -16,14 +17,17 @@ from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
 SEQ, MAX = 64, 128
 
 
-def test_runtime_top1_agreement_matches_the_quality_report():
+@pytest.mark.parametrize("margin", [0.0, 1.5])
+def test_runtime_top1_agreement_matches_the_quality_report(margin):
+    """At the file's threshold and at a serve-time margin (the runtime's threshold lowered by
+    it): the margin the quality report measures is the one the engine applies."""
     path = default_model_path()
-    report = quality_report(path, "builtin:heldout", seq_len=SEQ, max_tokens=MAX, oracle=False)
+    report = quality_report(path, "builtin:heldout", seq_len=SEQ, max_tokens=MAX, oracle=False, margin=margin)
     mf = ModelFile(path)
     ref = ReferenceModel.from_file(mf)
     tok = Tokenizer(mf.fields)
     eng = LocalEngine(EngineConfig(str(path), gpu_fraction=0.3, policy="predictor", max_batch=1,
-                                   prefill_chunk=8))
+                                   prefill_chunk=8, threshold=mf.config.sparse_threshold - margin))
     agree = n = 0
     try:
         for window in token_windows(tok, iter_texts("builtin:heldout"), SEQ, MAX):
