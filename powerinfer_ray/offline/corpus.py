@@ -8,8 +8,8 @@ line) so that every host trains on the same bytes whatever its Python version.
 
 Readers stream documents: a text file (any name, optionally ``.gz``) is ONE document, read in
 pieces of about 4 MB cut at a line end (``Piece``: the stream continues it without a
-separator); a folder holds one document per text file, in name order; JSONL records (field
-``text``, one per line) and Parquet rows (column ``text``) are documents. ``stream`` joins
+separator); JSONL records (field ``text``, one per line) and Parquet rows (column ``text``)
+are documents; a folder holds the documents of its files, in name order. ``stream`` joins
 documents into the token stream a model reads.
 """
 from __future__ import annotations
@@ -141,7 +141,7 @@ def frozen_documents(split: str | None = None, shuffle_seed: int | None = None,
 # ------------------------------------------------------------------------------------------------
 def iter_texts(corpus: Corpus, text_column: str = "text", split: str | None = None) -> Iterator[str]:
     """Stream the documents of ``corpus``: a path (a text file: one document, read in
-    ``Piece``s; a folder: one document per file; .jsonl[.gz] by line with field
+    ``Piece``s; a folder: each file's documents, files in name order; .jsonl[.gz] by line with field
     ``text_column``; .parquet by batch with column ``text_column``), a built-in spec
     ``builtin[:pydoc|:stdlib][:train|:heldout]`` (the frozen corpus in a fixed shuffled order,
     so that any prefix samples all of it; ``split`` picks the part when the spec names none),
@@ -162,7 +162,7 @@ def iter_texts(corpus: Corpus, text_column: str = "text", split: str | None = No
         if not files:
             raise ValueError(f"corpus {str(path)!r}: the folder holds no files")
         for f in files:
-            yield from _text_pieces(f)
+            yield from iter_texts(f, text_column, split)
         return
     name = path.name.lower().removesuffix(".gz")
     if name.endswith(".parquet"):
