@@ -2,10 +2,9 @@
 
 Every layer's predictor is trained the same way (weighted BCE, so its logits are weighted
 log-odds of activity), and one threshold for all layers is the rule the file, the runtime and
-upstream PowerInfer read (``powerinfer.sparse_threshold``). On the embedded tiny model it also
-allocates the error best: at equal held-out perplexity it keeps fewer neurons than per-layer
-thresholds that miss an equal share of each layer's activation mass or count (measured in
-bench/results/predictor-quality-*.json).
+upstream PowerInfer read (``powerinfer.sparse_threshold``). Per-layer thresholds that miss an
+equal share of each layer's activation count did no better, and of its activation mass worse
+(bench/results/predictor-quality-tiny-allocation.json), so there is one.
 
 ``choose_threshold`` bisects the threshold with sparse forwards of the held-out windows until
 the perplexity increase and top-1 agreement against dense meet the target: the highest

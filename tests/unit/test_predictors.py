@@ -14,8 +14,8 @@ from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import tiny_config, tiny_weights, write_tiny_model
 from powerinfer_ray.model.tokenizer import byte_level_fields
 from powerinfer_ray.offline.corpus import frozen_documents
-from powerinfer_ray.offline.predictor_fit import (FitSettings, fit_layer, layer_width, selector_matrix,
-                                                  svd_start)
+from powerinfer_ray.offline.predictor_fit import (FitSettings, fit_layer, kept_at_recall, layer_width,
+                                                  selector_matrix, svd_start)
 from powerinfer_ray.offline.predictors import train_predictors
 from powerinfer_ray.offline.profile import profile_activations
 from powerinfer_ray.offline.quality import PredictorHooks, quality_report
@@ -120,6 +120,14 @@ def test_output_file(planted, trained):
     assert all(r.ppl_increase is not None for r in result.layers)  # each layer's own cost
 
 
+def test_kept_at_recall_hand_solved():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0], [2.5, -1.0, -2.0, -3.0]])
+    code = torch.tensor([[9, 9, 0, 9], [9, 0, 0, 0]], dtype=torch.uint8)  # positives at 3, 2, 0, 2.5
+    assert kept_at_recall(logits, code, 0.5) == (2 / 8, 2.5)  # 2 of 4 positives: logit >= 2.5
+    assert kept_at_recall(logits, code, 0.75) == (3 / 8, 2.0)
+    assert kept_at_recall(logits, code, 1.0) == (5 / 8, 0.0)  # the last positive drags in the 1.0
+
+
 def test_layer_width_from_the_budget():
     cfg = tiny_config("llama-reglu", n_embd=64, n_ff=256, n_layer=2, dtype="f16")
     # a width-r predictor of this model costs 2 layers * 2 bytes * r * (64 + 256) = 1280 r bytes
@@ -134,16 +142,16 @@ def test_the_perplexity_limit_holds_on_the_heldout_text(tmp_path):
     """Asking for +1 % perplexity gives at most +1 % on that held-out text, as the written
     file's quality report measures it too."""
     out = tmp_path / "tiny.powerinfer.gguf"
-    held = "builtin:pydoc:heldout"  # ~4000 tokens, all of them used
-    fmt = StreamFormat("bos", False)
+    held = "builtin:pydoc:heldout"
+    fmt = StreamFormat("bos", window_bos=False)  # windows of 128 stream tokens: the first 1024 are 8
     result = train_predictors(trained_model_path(), "builtin:stdlib:train", out, heldout=held,
-                              target=QualityTarget(max_ppl_increase=0.01, min_top1=None), max_tokens=8192,
-                              heldout_tokens=1 << 20, seq_len=256, fmt=fmt, max_width=64,
+                              target=QualityTarget(max_ppl_increase=0.01, min_top1=None), max_tokens=4096,
+                              heldout_tokens=1024, seq_len=128, fmt=fmt, max_width=64,
                               settings=FitSettings(epochs=1), device="cpu", per_layer=False, progress=False,
                               log=lambda m: None)
     assert result.target_met and result.ppl_sparse <= 1.01 * result.ppl_dense
     assert result.ppl_sparse > result.ppl_dense  # the limit was used, not dodged by keeping everything
-    r = quality_report(out, held, seq_len=256, fmt=fmt, oracle=False)
+    r = quality_report(out, held, seq_len=128, max_tokens=1024, fmt=fmt, oracle=False)
     assert r["tokens"] == result.n_heldout_tokens
     assert r["ppl_ratio"] <= 1.01 and r["ppl_sparse"] == pytest.approx(result.ppl_sparse, rel=1e-4)
     assert r["sparsity"] == pytest.approx(result.sparsity, abs=1e-6) and r["sparsity"] > 0.5
