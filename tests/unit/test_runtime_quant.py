@@ -187,3 +187,20 @@ def test_a_head_split_across_blocks_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"layer 0: .*16 o-projection columns are not whole q4_0 blocks"):
         LocalEngine(EngineConfig(str(path), plan=_plan(cfg, "split-heads"), policy="oracle"))
     LocalEngine(EngineConfig(str(path), plan=_plan(cfg, "mixed"), policy="oracle")).close()  # whole layers' heads: fine
+
+
+def test_a_layer_whose_ffn_matrices_differ_in_type_is_refused(tmp_path):
+    """The kernels take a layer's up / gate / down_t in one type: a file that stores one of them
+    otherwise gets one error naming the layer, each matrix's type and how to convert."""
+    from powerinfer_ray.model.gguf_writer import LazyTensor, write_model
+    from powerinfer_ray.model.tiny import tiny_weights
+
+    cfg = tiny_config("llama-reglu", n_layer=2, n_embd=64, dtype="q4_0")
+    weights = tiny_weights(cfg, seed=1)
+    gate = K.tensor(K.FFN_GATE, 1)
+    weights[gate] = LazyTensor(tuple(weights[gate].shape), "f16", lambda w=weights[gate]: w)
+    path = write_model(tmp_path / "m.gguf", cfg, weights)
+    with pytest.raises(ValueError, match=r"layer 1's FFN matrices are stored in different types \("
+                                         r"blk.1.ffn_up.weight: q4_0, blk.1.ffn_gate.weight: float, "
+                                         r"blk.1.ffn_down_t.weight: q4_0\).*powerinfer-ray quantize"):
+        LocalEngine(EngineConfig(str(path), plan=_plan(cfg, "mixed"), policy="oracle"))
