@@ -159,6 +159,13 @@ falconfile)  # Falcon-40B from the file at 24 GiB (issue 22): hybrid and layer-o
     grep -E "does not fit" "$log" | tail -n 1 | cut -c1-600
     summary "$OUT"/runtime-falcon40b-${BF}gib-file-h200.json | cut -c1-400
     ;;
+q4)  # quantized (issue 19): the Q4_0 13B at 4 GiB, hybrid and its own layer-offload (cpu_kernel_gbps: the
+    # CPU kernel's rate on compressed bytes), then the Q8_0 13B at 8 GiB
+    suite runtime-13b-q4-4gib-h200 300 -m "planted:llama2-13b?dtype=q4_0" --vram-budget 4 \
+        --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
+    suite runtime-13b-q8-8gib-h200 270 -m "planted:llama2-13b?dtype=q8_0" --vram-budget 8 \
+        --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
+    ;;
 *)
     echo "unknown stage $stage: expected $stages" >&2
     exit 2

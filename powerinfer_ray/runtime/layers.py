@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.quant import dequantize, round_q8_0
 from ..kernels.sparse_ffn import sparse_ffn
 from ..model.config import ModelConfig
 from ..model.reference import ffn_activation
@@ -52,14 +53,18 @@ def active_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def oracle_mask(x: torch.Tensor, shard: FFNShard, act: str) -> torch.Tensor:
-    """The true activity [T, n] of the shard's neurons for inputs x [T, D] (h != 0)."""
-    xf = x.float()
+    """The true activity [T, n] of the shard's neurons for inputs x [T, D] (h != 0), as the
+    kernels compute it: on quantized rows of a CPU shard, of x rounded to Q8_0 (what the CPU
+    kernel multiplies)."""
+    q = shard.qtype
+    xf = x.float() if q is None or x.is_cuda else round_q8_0(x).float()
     sel = None if shard.rows is None else shard.rows.long()
-    rows = lambda t: t if sel is None else t[sel]  # noqa: E731  (the shard's neurons' rows, in order)
-    up = xf @ rows(shard.up).float().T  # [T, n]
+    pick = lambda t: t if sel is None else t[sel]  # noqa: E731  (the shard's neurons' rows, in order)
+    rows = lambda w: pick(w).float() if q is None else dequantize(pick(w), q)  # noqa: E731
+    up = xf @ rows(shard.up).T  # [T, n]
     if shard.up_bias is not None:
-        up = up + rows(shard.up_bias)
-    gate = xf @ rows(shard.gate).float().T if shard.gate is not None else None  # [T, n]
+        up = up + pick(shard.up_bias)
+    gate = xf @ rows(shard.gate).T if shard.gate is not None else None  # [T, n]
     return ffn_activation(act, up, gate) != 0
 
 
@@ -82,7 +87,7 @@ def ffn_partial(x: torch.Tensor, shard: FFNShard, act: str, policy: str,
         idx, tok_mask = active_rows(mask)
         computed = int(mask.sum()) if tok_mask is not None else idx.numel()
     y = sparse_ffn(x, shard.up, shard.gate, shard.down_t, shard.row_index(idx), tok_mask, act, shard.up_bias,
-                   out, threads=threads)
+                   out, threads=threads, qtype=shard.qtype)
     return y, computed, idx.numel()
 
 
@@ -90,13 +95,14 @@ def attn_partial(x: torch.Tensor, shard: AttnShard, cfg: ModelConfig, slots: lis
                  start_pos: list[int], linear=None) -> torch.Tensor:  # noqa: ANN001
     """The shard's heads' share of the attention output y [B, T, D] for normed x [B, T, D];
     writes this step's K/V into the shard's cache at start_pos of each sequence's slot.
-    linear: the projections' F.linear (see kernels.head_attention)."""
+    linear: the projections' F.linear (see kernels.head_attention; on quantized weights it takes
+    ``qtype=``)."""
     from ..kernels.attention import head_attention
 
     return head_attention(x, shard.wq, shard.wk, shard.wv, shard.wo_t, shard.k_cache, shard.v_cache,
                           slots, start_pos, cfg.rope_theta, cfg.rope_style, cfg.rot_dims,
                           bq=shard.bq, bk=shard.bk, bv=shard.bv, wqkv=shard.wqkv, bqkv=shard.bqkv,
-                          linear=linear)
+                          linear=linear, qtype=shard.qtype)
 
 
 def merge_partials(parts: list[torch.Tensor | None], bias: torch.Tensor | None = None) -> torch.Tensor:

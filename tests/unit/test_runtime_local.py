@@ -459,11 +459,13 @@ def test_rows_without_a_file_go_to_shared_memory_or_a_copy(monkeypatch):
         torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("spec", ["tiny", "tiny-opt"])  # gated rows; ReLU rows with an up bias
+# gated rows; ReLU rows with an up bias; either as Q4_0 / Q8_0 blocks
+@pytest.mark.parametrize("spec", ["tiny", "tiny-opt", "tiny?dtype=q4_0", "tiny-opt?dtype=q8_0"])
 def test_primary_fills_the_cpu_executors_rows_of_a_planted_model(spec):
     """defer_fill: the CPU executor lays its shared file out and the primary generates the rows and
     writes them in (runtime/sharedshard.py fill): the CPU executor's shard then equals the one it
-    loads itself, bias included; when the primary cannot, the CPU executor writes them itself."""
+    loads itself, bias included (quantized: the same blocks); when the primary cannot, the CPU
+    executor writes them itself."""
     from powerinfer_ray.model.source import open_model
     from powerinfer_ray.runtime.cpu_executor import CPUExecutor
     from powerinfer_ray.runtime.primary import PrimaryExecutor
@@ -482,7 +484,7 @@ def test_primary_fills_the_cpu_executors_rows_of_a_planted_model(spec):
         fallback.filled(by_primary=False)
         assert not deferred.needs_fill and not fallback.needs_fill
         for a, b, c in zip(own.ffn, deferred.ffn, fallback.ffn):
-            assert np.array_equal(a.ids, b.ids)
+            assert np.array_equal(a.ids, b.ids) and a.qtype == b.qtype == c.qtype == src.qtype(K.FFN_UP, 0)
             for t in ("up", "gate", "down_t", "up_bias"):
                 x, y, z = getattr(a, t), getattr(b, t), getattr(c, t)
                 assert (x is None) == (y is None) == (z is None), t
