@@ -19,7 +19,7 @@ from powerinfer_ray.serve.app import build_app
 KEY = "sk-test-key"
 MODEL = "tiny-llama-gqa"  # the tiny model's general.name
 ENGINE = "serve-test-engine"
-N_CTX = 1024  # long enough that held generations outlive the overload checks
+N_CTX = 4096  # long enough that held generations outlive the overload checks on busy cores
 MAX_BATCH, MAX_WAITING = 8, 16
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -178,7 +178,7 @@ BAD = [
     ("completions", {**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("completions", {**GOOD, "logprobs": 30}, "logprobs"),
     ("completions", {**GOOD, "prompt": "x" * (N_CTX + 10)}, "prompt"),  # beyond the context
-    ("completions", {**GOOD, "prompt": list(range(1, 200)) * 6}, "prompt"),  # beyond, as token ids
+    ("completions", {**GOOD, "prompt": list(range(1, 200)) * (N_CTX // 190)}, "prompt"),  # beyond, as token ids
     ("completions", {**GOOD, "prompt": [1, 2, 100000]}, "prompt"),  # outside the vocabulary
     ("completions", {**GOOD, "prompt": ["one", "two"]}, "prompt"),  # batches are not served
     ("completions", {**GOOD, "prompt": 42}, "prompt"),
