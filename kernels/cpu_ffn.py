@@ -57,14 +57,18 @@ def _rows_ok(w: torch.Tensor, width: int) -> bool:
 def sparse_ffn_cpu(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
                    idx: torch.Tensor, mask: torch.Tensor | None, act: str, up_bias: torch.Tensor | None,
                    y: torch.Tensor, threads: int | None = None, split: str = "auto",
-                   qtype: str | None = None) -> torch.Tensor:
+                   qtype: str | None = None, act_threshold: float | None = None, act_on: str = "gate") -> torch.Tensor:
     """Run the compiled kernel; inputs already validated by `sparse_ffn` (CPU tensors).
 
     x [T, D] any float dtype; up, gate, down_t [N, D] rows with unit column stride, one of
     fp32 / fp16 / bf16, or quantized rows uint8 [N, row_bytes] of qtype; idx [K] int32 or int64;
     mask None, bool [T, K] or int32 bits [K]; y [T, D] contiguous, x's dtype. split: the
-    kernel's work split, 'auto' | 'rows' | 'cols' (benchmarks compare them). Returns y.
+    kernel's work split, 'auto' | 'rows' | 'cols' (benchmarks compare them); act_threshold,
+    act_on: the SwiGLU activation threshold (sparse_ffn.py). Returns y.
     """
+    if act_threshold is not None:  # TODO(s-swiglurt): the compiled kernel's threshold option
+        return y.copy_(sparse_ffn_torch(x, up, gate, down_t, idx, mask, act, up_bias, qtype=qtype,
+                                        act_threshold=act_threshold, act_on=act_on))
     lib = library()
     assert lib is not None, "sparse_ffn_cpu called without a compiled kernel"
     T, D = x.shape
@@ -215,7 +219,8 @@ def _check_weights(up, gate, down_t, up_bias, act, qtype) -> None:
 def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
                        packed_mask, n: int, act: str, up_bias: torch.Tensor | None, out: torch.Tensor,
                        threads: int | None = None, *, split: str = "auto", skip_zero: bool = True,
-                       qtype: str | None = None) -> tuple[int, int, int]:
+                       qtype: str | None = None, act_threshold: float | None = None,
+                       act_on: str = "gate") -> tuple[int, int, int]:
     """The CPU executor's FFN answer in one call, from the mask as the channel holds it.
 
     x [T, D] fp32 / fp16 / bf16 (rows with unit column stride, e.g. the channel's x view);
@@ -265,8 +270,8 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
     if T == 0:
         return 0, 0, 0
     lib = library()
-    if lib is None:
-        return _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out, qtype)
+    if lib is None or act_threshold is not None:  # TODO(s-swiglurt): the compiled kernel's threshold option
+        return _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out, qtype, act_threshold, act_on)
     nthreads = int(threads or torch.get_num_threads())
     with _lock:
         key = (T, D, n, nthreads, y_dt, sp, sh.args[3])
@@ -282,20 +287,27 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
         return _stats[0], _stats[1], _stats[2]
 
 
-def _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out, qtype) -> tuple[int, int, int]:
-    """sparse_ffn_bitmask without the compiled kernel: numpy decoding, the torch path."""
+def _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out, qtype, act_threshold=None,
+                   act_on="gate") -> tuple[int, int, int]:
+    """sparse_ffn_bitmask without the compiled kernel: numpy decoding, the torch path (with an
+    activation threshold on the gate, the pairs and rows counted are those above it, as the
+    kernel's gate-first counts them)."""
     T = x.shape[0]
     if packed_mask is None:
-        idx, tok, pairs = torch.arange(n), None, T * n
+        act_tn = torch.ones(T, n, dtype=torch.bool)  # [T, n]
     else:
         m = packed_mask if isinstance(packed_mask, np.ndarray) else packed_mask.numpy()
         act_tn = torch.from_numpy(np.unpackbits(m, axis=1, count=n, bitorder="little").view(np.bool_))  # [T, n]
-        idx = act_tn.any(0).nonzero().reshape(-1)
-        tok, pairs = act_tn.index_select(1, idx), int(act_tn.sum())
+    if act_threshold is not None and act_on == "gate":
+        g = x.float() @ (gate[:n].float() if qtype is None else dequantize(gate[:n], qtype)).T  # [T, n]
+        act_tn = act_tn & (F.silu(g).abs() > act_threshold)
+    idx = act_tn.any(0).nonzero().reshape(-1)
+    tok, pairs = act_tn.index_select(1, idx), int(act_tn.sum())
     if idx.numel() == 0:
         out.zero_()
     else:
-        out.copy_(sparse_ffn_torch(x.float(), up, gate, down_t, idx, tok, act, up_bias, qtype=qtype))
+        out.copy_(sparse_ffn_torch(x.float(), up, gate, down_t, idx, tok, act, up_bias, qtype=qtype,
+                                   act_threshold=act_threshold, act_on=act_on))
     return pairs, idx.numel(), idx.numel()
 
 
