@@ -289,25 +289,26 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
 
 def _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out, qtype, act_threshold=None,
                    act_on="gate") -> tuple[int, int, int]:
-    """sparse_ffn_bitmask without the compiled kernel: numpy decoding, the torch path (with an
-    activation threshold on the gate, the pairs and rows counted are those above it, as the
-    kernel's gate-first counts them)."""
+    """sparse_ffn_bitmask without the compiled kernel: numpy decoding, the torch path. With an
+    activation threshold on the gate, the counts are the kernel's gate-first ones: pairs of the
+    mask (without one: pairs above the threshold), rows whose gate passes for some token."""
     T = x.shape[0]
     if packed_mask is None:
         act_tn = torch.ones(T, n, dtype=torch.bool)  # [T, n]
     else:
         m = packed_mask if isinstance(packed_mask, np.ndarray) else packed_mask.numpy()
         act_tn = torch.from_numpy(np.unpackbits(m, axis=1, count=n, bitorder="little").view(np.bool_))  # [T, n]
+    pairs = int(act_tn.sum())
     if act_threshold is not None and act_on == "gate":
         g = x.float() @ (gate[:n].float() if qtype is None else dequantize(gate[:n], qtype)).T  # [T, n]
         act_tn = act_tn & (F.silu(g).abs() > act_threshold)
+        pairs = int(act_tn.sum()) if packed_mask is None else pairs
     idx = act_tn.any(0).nonzero().reshape(-1)
-    tok, pairs = act_tn.index_select(1, idx), int(act_tn.sum())
     if idx.numel() == 0:
         out.zero_()
     else:
-        out.copy_(sparse_ffn_torch(x.float(), up, gate, down_t, idx, tok, act, up_bias, qtype=qtype,
-                                   act_threshold=act_threshold, act_on=act_on))
+        out.copy_(sparse_ffn_torch(x.float(), up, gate, down_t, idx, act_tn.index_select(1, idx), act, up_bias,
+                                   qtype=qtype, act_threshold=act_threshold, act_on=act_on))
     return pairs, idx.numel(), idx.numel()
 
 

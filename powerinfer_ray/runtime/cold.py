@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from ..kernels.torch_ffn import apply_act_threshold
 from ..model.reference import ffn_activation
 from ..model.source import WeightSource
 from .channel import pin_host
@@ -73,9 +74,11 @@ class ColdRows:
         """Whether a step of n_tok tokens computes the CPU shard here."""
         return self.rows is not None and n_tok >= self.min_tokens
 
-    def ffn(self, l: int, x: torch.Tensor, mask: torch.Tensor | None, rows: int = 4096) -> torch.Tensor:
+    def ffn(self, l: int, x: torch.Tensor, mask: torch.Tensor | None, act_threshold: float | None = None,
+            act_on: str = "gate", rows: int = 4096) -> torch.Tensor:
         """The CPU shard's FFN output [N, D] (fp32) for x [N, D], masked by the predictor's
-        mask [N, n_cpu] when given; rows stream in chunks of ``rows`` (its device memory cost)."""
+        mask [N, n_cpu] when given and by a sparsified SwiGLU model's activation threshold;
+        rows stream in chunks of ``rows`` (its device memory cost)."""
         cold, dev = self.rows[l], self.device
         y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=dev)
         for a in range(0, cold.n, rows):
@@ -85,7 +88,10 @@ class ColdRows:
             u = x @ up.T  # [N, b-a]
             if cold.up_bias is not None:
                 u = u + cold.up_bias[a:b].to(dev, u.dtype, non_blocking=True)  # fp32 bias: keep u's dtype
-            hid = ffn_activation(self.cfg.ffn_act, u, x @ gate.T if gate is not None else None)
+            g = x @ gate.T if gate is not None else None
+            hid = ffn_activation(self.cfg.ffn_act, u, g)
+            if act_threshold is not None:
+                hid = apply_act_threshold(hid, g.float(), act_threshold, act_on)  # the criterion in fp32
             if mask is not None:
                 hid = hid * mask[:, a:b]
             y += (hid @ cold.down_t[a:b].to(dev, hid.dtype, non_blocking=True)).float()

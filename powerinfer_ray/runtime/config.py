@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 DEVICES = ("cuda", "cpu")
-POLICIES = ("predictor", "oracle", "dense")
+POLICIES = ("predictor", "gate-first", "oracle", "dense")  # runtime/layers.py says what each computes
 DTYPES = ("f32", "f16", "bf16")
 METHODS = ("ilp", "greedy")
 
@@ -146,8 +146,11 @@ class ExecutorConfig:
     threads: int | None = option(None, "CPU executor threads (default: all cores but two)", kind=int,
                                  flags=("-t",))
     policy: str | None = option(
-        None, "which FFN neurons are computed: the predictors' choice, the truly active ones (oracle), or all "
-        "(dense) (default: predictor when the model has predictors)", choices=POLICIES)
+        None, "which FFN neurons are computed: the predictors' choice (on a sparsified SwiGLU model: the predicted "
+        "mode, thresholds applied to their h), those whose |SiLU(gate)| passes the sparsified model's threshold "
+        "(gate-first: each device computes its gate rows first; no predictor), the truly active ones (oracle), or "
+        "all (dense, thresholds unused) (default: predictor when the model has predictors, else gate-first when "
+        "it is sparsified, else dense)", choices=POLICIES)
     threshold: float | None = option(None, "predictor threshold (default: the model's sparse_threshold)",
                                      kind=float)
     dtype: str | None = option(None, "weights' dtype on the primary (default: the file's on CUDA, f32 on the CPU)",
@@ -264,10 +267,18 @@ def resolve_prefill_chunk(ec: SchedulerConfig, device: str) -> int:
 
 
 def resolve_policy(ec: ExecutorConfig, cfg: ModelConfig) -> str:
-    if ec.policy == "predictor" and not cfg.has_predictors:
-        raise ValueError(f"policy='predictor': {cfg.name or 'this model'} has no predictors; use policy "
-                         "'dense' or 'oracle', or train them (powerinfer-ray train-predictors)")
-    return ec.policy or ("predictor" if cfg.has_predictors else "dense")
+    """The policy given (checked against the model), else the one its metadata selects
+    (``layers.default_policy``)."""
+    from .layers import check_policy, default_policy
+
+    if ec.policy is None:
+        name = default_policy(cfg)
+        if name == "oracle":
+            log.warning("%s is sparsified on |h| and has no predictors: running policy 'oracle' (exact, computes "
+                        "every gate and up row); train predictors for the predicted mode", cfg.name or "the model")
+        return name
+    check_policy(ec.policy, cfg)
+    return ec.policy
 
 
 def activation_counts(src: WeightSource, model_path: str) -> tuple[list[np.ndarray], int] | None:

@@ -20,7 +20,7 @@ from ..kernels.cpu_ffn import linear as cpu_linear, sparse_ffn_bitmask
 from ..model import gguf_keys as K
 from ..model.source import WeightSource, open_model
 from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec
-from .layers import attn_partial, ffn_partial
+from .layers import Policy, attn_partial, ffn_bytes, ffn_partial
 from .plan import Plan
 from .shard import load_attn_shard, load_ffn_shard
 from .sharedshard import fill, prefault, release, share
@@ -96,6 +96,7 @@ class CPUExecutor:
         self.src = open_model(model)
         self.cfg = cfg = self.src.config
         self.plan, self.policy = plan, policy
+        self.pol = Policy.for_model(policy, None, cfg)  # the SwiGLU activation thresholds it applies
         # policy 'dense' reads every row in full, down rows of zero activations too, as a dense
         # FFN (llama.cpp) does: it is the layer-offload baseline
         self.skip_zero = policy != "dense"
@@ -217,20 +218,20 @@ class CPUExecutor:
     def _ffn(self, l: int, n_tok: int, n_mask: int, out: torch.Tensor) -> None:
         """Layer l's FFN share of the channel's x_ffn, written to out [N, D]."""
         ch, cfg, sh = self.channel, self.cfg, self.ffn[l]
+        t, on = self.pol.act_threshold(l), self.pol.act_on
         if self.policy == "oracle":  # finds its own active set: the general path
             y, pairs, rows = ffn_partial(ch.x_ffn[:n_tok].float(), sh, cfg.ffn_act, self.policy, None,
-                                         threads=self.threads)
+                                         threads=self.threads, act_threshold=t, act_on=on)
             out.copy_(y)
             nbytes = rows * cfg.neuron_bytes
-        else:  # one compiled call from the channel's packed mask and x to out
+        else:  # one compiled call from the channel's packed mask and x to out (gate-first: every row, gate first)
             packed = ch.mask_rows(n_tok, n_mask) if self.policy == "predictor" else None
             t_k = time.monotonic_ns()
             pairs, rows, down_rows = sparse_ffn_bitmask(
                 ch.x_ffn[:n_tok], sh.up, sh.gate, sh.down_t, packed, n_mask if packed is not None else sh.n,
-                cfg.ffn_act, sh.up_bias, out, self.threads, skip_zero=self.skip_zero)
+                cfg.ffn_act, sh.up_bias, out, self.threads, skip_zero=self.skip_zero, act_threshold=t, act_on=on)
             self.stats.kernel_s += (time.monotonic_ns() - t_k) * 1e-9
-            row_bytes = cfg.n_embd * cfg.dtype_bytes  # bytes read: the up (+ gate) rows, the down rows read
-            nbytes = rows * (cfg.neuron_bytes - row_bytes) + down_rows * row_bytes
+            nbytes = ffn_bytes(cfg, self.policy, sh.n, rows, down_rows)  # the down rows it skipped are not read
         self.stats.neurons += pairs
         self.stats.active_bytes += nbytes
 
