@@ -22,6 +22,11 @@ How the sparsity is planted (dimension legend of ``config.py``; c = the bias cha
   token, ``g_j . norm(x)`` is (up to the positive 1/rms factor both parts share)
   ``g_j . x_rest + m_j |g_j| r_l``; with x_rest ~ isotropic of per-dim variance r_l^2 the first
   term is ~N(0, |g_j|^2 r_l^2), so P(neuron j fires) = Phi(m_j) = p_j.
+* SwiGLU presets are thresholded on |SiLU(gate)| at SiLU(1) (planted_spec.SWIGLU_THRESHOLD): a
+  neuron is active iff its gate value, ~N(m_j, 1) at unit scale, exceeds 1, so the bias channel
+  carries ``(Phi^-1(p_j) + 1) |g_j|``: P(active) = p_j again, and the predictor below marks the
+  same event as for ReGLU. (Unlike ReGLU's zero, this threshold depends on the gate's scale,
+  which the plan holds to ~1 %.)
 * The residual's growth is planned so r_l is known: the attention and FFN outputs of each
   layer add variance ATTN_VAR / L and FFN_VAR / L per dim. The down projection's scale comes
   from the planted probabilities (Var(h_j) summed over neurons); for plain ReLU the mean output
@@ -62,7 +67,7 @@ from .gguf_config import config_to_fields, expected_shapes
 from .gguf_writer import LazyTensor, write_model
 from .planted_random import splitmix64, std_normal, stream_key
 from .planted_rows import RowGenerators, assemble, row_ids, zeros
-from .planted_spec import PRESETS, TORCH_DT, PlantedSpec, PlantedSpecError, parse_spec, preset_config
+from .planted_spec import PRESETS, SWIGLU_GATE, TORCH_DT, PlantedSpec, PlantedSpecError, parse_spec, preset_config
 from .planted_stats import ATTN_VAR, FFN_VAR, P_MAX, POS_VAR, LayerPlan, calibrate, down_plan
 from .quants import QTYPES, QuantRows, dequantize, storage_kind
 from .tokenizer import BYTE_VOCAB_SIZE, byte_level_fields
@@ -114,8 +119,9 @@ class PlantedModel:
         L = self.full_layers
         var_in = (1.0 + (POS_VAR if c.arch == "opt" else 0.0)) + l * (ATTN_VAR + FFN_VAR) / L
         var_ffn = var_in if c.parallel_attn else var_in + ATTN_VAR / L
-        relu_mean, down_scale = down_plan(p, c.gated, FFN_VAR / L)
-        return LayerPlan(p, q, b, math.sqrt(var_in), math.sqrt(var_ffn), down_scale, relu_mean)
+        shift = SWIGLU_GATE if c.thresholded else 0.0
+        relu_mean, down_scale = down_plan(p, c.gated, FFN_VAR / L, shift)
+        return LayerPlan(p, q, b, math.sqrt(var_in), math.sqrt(var_ffn), down_scale, relu_mean, shift)
 
     def _layer_targets(self, l: int) -> tuple[float, float, float]:
         """(active, marked, top share) of layer l: the targets with a seeded per-layer variation,
