@@ -3,17 +3,19 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gpukern|t8ab|t8ab2|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id
+#       bash bench/host_run.sh verify|gpukern|t8ab|t8ab2|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id|swiglu
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stage=${1:?usage: host_run.sh verify|gpukern|t8ab|t8ab2|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id}
+stage=${1:?usage: host_run.sh verify|gpukern|t8ab|t8ab2|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id|swiglu}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
 export RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1 POWERINFER_COMMIT
 M13=${M13:-"planted:llama2-13b?dtype=f16"}  # a small model for a dry run elsewhere
+M8=${M8:-"planted:llama3-8b?dtype=f16"}  # the SwiGLU stage's (dry run: planted:tiny-swiglu?layers=2, B8=0.0115)
+B8=${B8:-8}
 THREADS=${THREADS:-14}  # CPU executor threads (the H200 host: 14 of 16 cores)
 log=$OUT/$stage.log
 suite() {  # name timeout args...: one bench suite into $OUT/<name>.json, its lines into the stage log
@@ -121,8 +123,13 @@ falcon24id)  # the A/B of the CPU shard's row order: hybrid alone with rows by n
     POWERINFER_RAY_CPU_ORDER=id suite runtime-falcon40b-24gib-rowid-h200 300 -m "planted:falcon-40b?dtype=f16" \
         --vram-budget 24 --modes hybrid --shapes 64x32 -t "$THREADS"
     ;;
+swiglu)  # issue 20: planted:llama3-8b (SwiGLU sparsified at 50 %) at 8 GiB, prompt 64, 128 generated, one
+    # engine each: hybrid in the predicted mode, hybrid gate-first, the dense hybrid, layer-offload
+    suite runtime-llama3-8b-8gib-h200 580 -m "$M8" --vram-budget "$B8" \
+        --modes hybrid,hybrid-gate-first,hybrid-dense,layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
+    ;;
 *)
-    echo "unknown stage $stage: expected verify|gpukern|t8ab|t8ab2|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id" >&2
+    echo "unknown stage $stage: expected verify|gpukern|t8ab|t8ab2|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id|swiglu" >&2
     exit 2
     ;;
 esac
