@@ -74,7 +74,7 @@ def test_cached_split_written_by_upstream_is_used(tmp_path):
     """A split file beside the model, in upstream's bytes (type 18), whose vram_capacity fits the
     budget, is the plan (upstream's rule), not re-solved."""
     from powerinfer_ray.model.tiny import write_tiny_model
-    from powerinfer_ray.runtime.engine import GIB, EngineConfig, resolve_plan
+    from powerinfer_ray.runtime.config import GIB, EngineConfig, resolve_plan
 
     model = write_tiny_model(tmp_path / "m.gguf", predictor_rank=8)  # n_ff 256, 2 layers
     masks = [np.arange(256) % 3 == 0, np.arange(256) >= 200]

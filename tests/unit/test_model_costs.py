@@ -12,7 +12,8 @@ from powerinfer_ray.model.gguf_file import ModelFile
 from powerinfer_ray.model.gguf_writer import write_model
 from powerinfer_ray.model.tiny import tiny_config, tiny_weights
 from powerinfer_ray.placement.problem import InfeasibleBudgetError
-from powerinfer_ray.runtime.engine import GIB, EngineConfig, LocalEngine, engine_n_ctx, resolve_plan
+from powerinfer_ray.runtime.config import GIB, EngineConfig, engine_n_ctx, resolve_plan
+from powerinfer_ray.runtime.engine import LocalEngine
 
 
 def _tiny(path, dtype: str):
