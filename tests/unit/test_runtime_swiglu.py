@@ -280,3 +280,23 @@ def test_planted_swiglu_runs_in_either_mode_over_a_solved_split(policy):
     else:
         assert 0.4 < computed / n_all < 0.7
     assert share["neurons"] > 0
+
+
+def test_thresholds_survive_quantization_and_run(trained, tmp_path):
+    """quantize (Q4_0) keeps the thresholds in the metadata; the quantized sparsified model runs
+    gate-first (primary only: here its rows are dequantized at load) and gives its own thresholded
+    reference's logits."""
+    from powerinfer_ray.offline.quantize import quantize_file
+
+    q4 = ModelFile(quantize_file(trained.path, tmp_path / "q4.gguf", "q4_0", progress=False))
+    assert q4.config.ffn_thresholds == trained.config.ffn_thresholds and q4.config.ffn_threshold_on == "gate"
+    assert q4.dtype_of(K.tensor(K.FFN_GATE, 0)) == "q4_0"
+    ref = ReferenceModel.from_file(q4)
+    eng = LocalEngine(EngineConfig(str(q4.path), prefill_chunk=8, dtype="f32"))
+    try:
+        assert eng.primary.policy.name == "gate-first"
+        got = _steps(eng, PROMPT[:8], DECODE[:2], 8)
+    finally:
+        eng.close()
+    for g, w in zip(got, _want(ref, PROMPT[:8], DECODE[:2], 8)):
+        torch.testing.assert_close(torch.from_numpy(g), w, rtol=1e-4, atol=1e-4)
