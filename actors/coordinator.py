@@ -27,6 +27,7 @@ from ..model.source import open_model
 from ..runtime.config import EngineConfig, engine_n_ctx, resolve_plan, resolve_policy, resolve_prefill_chunk
 from ..runtime.engine import executor_spec, make_tokenizer
 from ..runtime.group import ExecutorGroup, start_group
+from ..runtime.hostmem import process_memory
 from ..runtime.scheduler import Request, Scheduler
 from ..runtime.shmfiles import sweep_stale
 from .executors import RayBackend
@@ -169,7 +170,9 @@ class Coordinator:
         return {"model": self.model_name, "n_ctx": self.n_ctx, "policy": self.policy, "device": self.device,
                 "executors": ["gpu"] + (["cpu"] if g and g.cpu else []), "plan_s": self.plan_s,
                 "load_s": g.load_s if g else {}, "dense_prefill": g.dense_prefill if g else None,
-                "pid": os.getpid()}
+                "pid": os.getpid(),
+                # each executor's load phases and memory at its start (its ready() without the shard layout)
+                "executors_ready": [{k: v for k, v in i.items() if k != "shard_spec"} for i in g.ready] if g else []}
 
     def model_info(self) -> dict[str, Any]:
         return {"name": self.model_name, "n_ctx": self.n_ctx, "n_vocab": self.cfg.n_vocab,
@@ -199,8 +202,9 @@ class Coordinator:
 
     async def stats(self) -> dict[str, Any]:
         """Scheduler counters and each executor's load (neurons, bytes, busy s, sync, memory)."""
-        out: dict[str, Any] = {"coordinator": self.core.stats(), "restarts": self.restarts,
-                               "policy": self.policy, "n_ctx": self.n_ctx, "device": self.device}
+        out: dict[str, Any] = {"coordinator": {**self.core.stats(), "memory": process_memory()},
+                               "restarts": self.restarts, "policy": self.policy, "n_ctx": self.n_ctx,
+                               "device": self.device}
         peer, g = None, self._running()
         if g.cpu is not None:
             out["cpu_executor"] = await g.cpu.stats.remote()

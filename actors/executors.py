@@ -21,6 +21,7 @@ from ray.util import metrics
 from ..runtime.channel import ChannelSpec
 from ..runtime.cpu_executor import CPUExecutor
 from ..runtime.group import ExecutorGroup, GroupSpec, StepFn
+from ..runtime.hostmem import process_memory
 from ..runtime.plan import Plan
 from ..runtime.primary import PrimaryExecutor
 from ..runtime.steplink import StepClient, StepServer
@@ -110,7 +111,8 @@ class PrimaryExecutorActor:
         st = self.impl.stats.as_dict()
         st.update(name=self.name, device=self.device, weight_bytes=self.impl.weight_bytes(),
                   read_bytes_per_step=self.impl.read_bytes_per_step(),
-                  vram_used_bytes=_vram_used(self.impl.device), vram_budget_bytes=self.budget)
+                  vram_used_bytes=_vram_used(self.impl.device), vram_budget_bytes=self.budget,
+                  memory=process_memory())
         return st
 
     def shutdown(self) -> None:
@@ -149,7 +151,7 @@ class CPUExecutorActor:
         st = self.impl.stats.as_dict()
         st.pop("gpu_activation_share", None)
         st.update(name=self.name, device="cpu", weight_bytes=self.impl.weight_bytes(), threads=self.impl.threads,
-                  error=self.impl.error)
+                  error=self.impl.error, memory=self.impl.memory())
         self.metrics.update(st)
         return st
 

@@ -3,19 +3,24 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gpukern|t8ab|t8ab2|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id|swiglu
+#       bash bench/host_run.sh verify|gpukern|t8ab|13b|13bfile|b32|batch|cpu|cpucost|falcon|falcon24|falconwrite|falconfile|swiglu
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stage=${1:?usage: host_run.sh verify|gpukern|t8ab|t8ab2|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id|swiglu}
+stages="verify|gpukern|t8ab|13b|13bfile|b32|batch|cpu|cpucost|falcon|falcon24|falconwrite|falconfile|swiglu"
+stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
 export RAY_AUTH_MODE=disabled PYTHONUNBUFFERED=1 POWERINFER_COMMIT
 M13=${M13:-"planted:llama2-13b?dtype=f16"}  # a small model for a dry run elsewhere
+MF=${MF:-"planted:falcon-40b?dtype=f16"}
+B13=${B13:-16}  # GiB of VRAM for the 13B stages
+BF=${BF:-24}  # GiB of VRAM for the Falcon stages
 M8=${M8:-"planted:llama3-8b?dtype=f16"}  # the SwiGLU stage's (dry run: planted:tiny-swiglu?layers=2, B8=0.0115)
 B8=${B8:-8}
+SHM=${SHM:-/dev/shm}  # where the model files go
 THREADS=${THREADS:-14}  # CPU executor threads (the H200 host: 14 of 16 cores)
 log=$OUT/$stage.log
 suite() {  # name timeout args...: one bench suite into $OUT/<name>.json, its lines into the stage log
@@ -24,6 +29,32 @@ suite() {  # name timeout args...: one bench suite into $OUT/<name>.json, its li
     echo "== suite $name: $*" >> "$log"
     timeout -s INT "$limit" powerinfer-ray bench suite --out-dir "$OUT" --name "$name" "$@" >> "$log" 2>&1
     grep -E "tok/s|loaded in|Error" "$log" | tail -n 6 | cut -c1-400
+}
+memory() {  # the host's memory and /dev/shm, into the stage log and out
+    { echo "== memory ($1)"; free -g; df -h "$SHM"; } >> "$log" 2>&1
+    free -g | sed -n 2p; df -h "$SHM" | tail -n 1
+}
+summary() {  # json...: per record the decode rate, load time and host memory beyond the model file
+    python - "$@" <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    try:
+        recs = json.load(open(path))["records"]
+    except (OSError, ValueError, KeyError):
+        continue
+    for r in recs:
+        print(f"{r['mode']} {r['model'].split('/')[-1]} rows={r.get('ffn_rows')}: decode {r['decode_tok_s']:.1f} tok/s, "
+              f"load {r['load_s']:.1f} s {r.get('load_phases_s')}, beyond the file {r['beyond_file_gib']:.2f} GiB "
+              f"(private {r['private_gib']:.2f}, shm +{r['shm_added_gib']:.2f}), file {r['model_file_gib'] or 0:.1f} GiB, "
+              f"host {r['host_total_gib']:.0f} GiB")
+PY
+}
+write_file() {  # spec timeout: the planted model as a file in $SHM (not written again when it matches)
+    echo "== file $1" >> "$log"
+    timeout -s INT "$2" python bench/planted_file.py "$1" --dir "$SHM" >> "$log" 2>&1
+    local rc=$?
+    grep -E "^wrote|exists and holds|Error|GiB free" "$log" | tail -n 2 | cut -c1-400
+    return $rc
 }
 case $stage in
 verify)  # the GPU tests, the sync microbenchmark, the Triton sweep (split variant included)
@@ -48,30 +79,29 @@ gpukern)  # the Triton kernels alone: their GPU tests, then the sweep (fused and
     # bench/results/runtime-13b-16gib-raycall-h200.json)
     suite runtime-13b-16gib-h200 330 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload,dense-gpu \
         --shapes 64x128 --batch 1 -t "$THREADS"
-    POWERINFER_RAY_DENSE_SKIP=1 suite runtime-13b-16gib-skip-h200 150 -m "$M13" --vram-budget 16 \
-        --modes layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
+    ;;
+13bfile)  # the 13B from a file on /dev/shm, as users run it (issue 22): hybrid with the CPU's rows in
+    # place in the file and layer-offload, then the hybrid of the planted fill (rows copied into shared
+    # memory) as the second row; memory beyond the file and the load's phases in every record
+    memory before
+    write_file "$M13" 200 || exit 0
+    memory "file written"
+    suite runtime-13b-${B13}gib-file-h200 250 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+        --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
+    suite runtime-13b-${B13}gib-planted-h200 140 -m "$M13" --vram-budget "$B13" --modes hybrid \
+        --shapes 64x128 --batch 1 -t "$THREADS"
+    summary "$OUT"/runtime-13b-${B13}gib-{file,planted}-h200.json | cut -c1-400
     ;;
 b32)  # batch 32 (the CPU's per-token path) and long prompts
     suite runtime-13b-16gib-b32-h200 300 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload \
         --shapes 16x32 --batch 32 -t "$THREADS"
     suite runtime-13b-long-h200 200 -m "$M13" --vram-budget 16 --modes hybrid --shapes 1500x128,64x512 -t "$THREADS"
     ;;
-t8ab)  # the GPU tests and the kernels with the defaults (t8ab2: batch 8, T = 8 on the GPU, through the
-    # split path, POWERINFER_RAY_GPU_SPLIT=1, and the two-stage kernels, the default)
+t8ab)  # the GPU tests and the kernels with the defaults
     timeout -s INT 240 python -m pytest tests/gpu -q -rf > "$OUT/gpu-tests.log" 2>&1
     tail -n 3 "$OUT/gpu-tests.log" | cut -c1-300
     timeout 100 powerinfer-ray bench kernels --device cuda --out "$OUT" >> "$log" 2>&1
     grep -E "^\[gpu\] fp16" "$log" | cut -c1-80,200-330
-    ;;
-t8ab2)  # the batch-8 A/B of t8ab in ABBA order (its own call: each engine loads the 13B; one pair of
-    # engines in sequence differed by 27 % in the hybrid, whose GPU is off its critical path)
-    n=0
-    for r in ${AB_ORDER:-split twostage twostage split}; do
-        n=$((n + 1))
-        (if [ $r = split ]; then export POWERINFER_RAY_GPU_SPLIT=1; fi
-         suite runtime-13b-16gib-b8-$r-h200-r$n 140 -m "$M13" --vram-budget 16 --modes ${AB_MODES:-dense-gpu,hybrid} \
-             --shapes 16x32 --batch 8 -t "$THREADS")
-    done
     ;;
 batch)  # the batch sweep, hybrid and layer-offload, one engine per (mode, batch size) (~20-40 s
     # load each for the 13B): prompt 16, 32 generated (422 s on the host, 6c5071a)
@@ -112,16 +142,24 @@ falcon)  # Falcon-40B at 32 GiB: decode and a long prompt (dense prefill from th
     suite runtime-falcon40b-32gib-h200 560 -m "planted:falcon-40b?dtype=f16" --vram-budget 32 \
         --modes hybrid --shapes 64x32,1500x32 -t "$THREADS"
     ;;
-falcon24)  # Falcon-40B at the issue's 24 GiB: the ILP keeps attention on the GPU, FFN on the CPU;
-    # then layer-offload skipping the down rows of zero activations (stronger than llama.cpp's dense layers)
-    suite runtime-falcon40b-24gib-h200 380 -m "planted:falcon-40b?dtype=f16" --vram-budget 24 \
+falcon24)  # Falcon-40B at the issue's 24 GiB, planted fill: the ILP keeps attention on the GPU, FFN on the CPU
+    suite runtime-falcon40b-24gib-h200 380 -m "$MF" --vram-budget 24 \
         --modes hybrid,layer-offload --shapes 64x32 -t "$THREADS"
-    POWERINFER_RAY_DENSE_SKIP=1 suite runtime-falcon40b-24gib-skip-h200 190 -m "planted:falcon-40b?dtype=f16" \
-        --vram-budget 24 --modes layer-offload --shapes 64x32 -t "$THREADS"
     ;;
-falcon24id)  # the A/B of the CPU shard's row order: hybrid alone with rows by neuron id (before hot-first)
-    POWERINFER_RAY_CPU_ORDER=id suite runtime-falcon40b-24gib-rowid-h200 300 -m "planted:falcon-40b?dtype=f16" \
-        --vram-budget 24 --modes hybrid --shapes 64x32 -t "$THREADS"
+falconwrite)  # the Falcon-40B-shape file (~90 GB) on /dev/shm, once: its own call (writing may take most
+    # of one); the writer refuses, naming the sizes, when /dev/shm lacks the room
+    memory before
+    write_file "$MF" 560
+    memory "file written"
+    ;;
+falconfile)  # Falcon-40B from the file at 24 GiB (issue 22): hybrid and layer-offload, prompt 64, 32 generated;
+    # the engines refuse before loading, naming the sizes, when the host's memory cannot hold them beside the file
+    memory before
+    python bench/planted_file.py "$MF" --dir "$SHM" --check || { echo "run the falconwrite stage first"; exit 0; }
+    suite runtime-falcon40b-${BF}gib-file-h200 560 -m "$MF" --as-file "$SHM" --vram-budget "$BF" \
+        --modes hybrid,layer-offload --shapes 64x32 -t "$THREADS"
+    grep -E "does not fit" "$log" | tail -n 1 | cut -c1-600
+    summary "$OUT"/runtime-falcon40b-${BF}gib-file-h200.json | cut -c1-400
     ;;
 swiglu)  # issue 20: planted:llama3-8b (SwiGLU sparsified at 50 %) at 8 GiB, prompt 64, 128 generated, one
     # engine each: hybrid in the predicted mode, hybrid gate-first, the dense hybrid, layer-offload
@@ -129,7 +167,7 @@ swiglu)  # issue 20: planted:llama3-8b (SwiGLU sparsified at 50 %) at 8 GiB, pro
         --modes hybrid,hybrid-gate-first,hybrid-dense,layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
     ;;
 *)
-    echo "unknown stage $stage: expected verify|gpukern|t8ab|t8ab2|13b|b32|batch|cpu|cpucost|falcon|falcon24|falcon24id|swiglu" >&2
+    echo "unknown stage $stage: expected $stages" >&2
     exit 2
     ;;
 esac

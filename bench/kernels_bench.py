@@ -105,10 +105,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="--cpu-exchange with --exchange-layers > 1: rows per layer's shard (default 8600, the "
                         "13B CPU shard; Falcon-40B at 24 GiB: ~31000)")
     p.add_argument("--exchange-shm", action="store_true",
-                   help="--cpu-exchange with --exchange-layers > 1: the shards in one /dev/shm file, as the "
-                        "runtime holds them (runtime/sharedshard.py), instead of private memory")
+                   help="--cpu-exchange with --exchange-layers > 1: the shards in one /dev/shm file (tmpfs pages, "
+                        "as a model file on /dev/shm or the runtime's shared copy), instead of private memory")
     p.add_argument("--exchange-policies", default=",".join(EX_POLICIES),
-                   help="--cpu-exchange: OMP_WAIT_POLICY values, one worker process each ('unset': not set)")
+                   help="--cpu-exchange: OMP_WAIT_POLICY values, one worker process each ('unset': not set; "
+                        "it reaches torch's threads only: the kernels run on their own, csrc/pool.h)")
+    p.add_argument("--pool-spin-us", type=int, default=None,
+                   help="--cpu-exchange: microseconds the kernels' worker threads spin after a call before sleeping "
+                        "(default: the CPU executor's, runtime.cpu_executor.WORKER_SPIN_US)")
+    p.add_argument("--pool-pin", action="store_true",
+                   help="--cpu-exchange: pin the caller and the kernels' workers to the last -t CPUs (as the CPU "
+                        "executor does when two CPUs are left over)")
     p.add_argument("--exchange-worker", default=None, help=argparse.SUPPRESS)  # internal: JSON path of one worker
     p.add_argument("--exchange-build", default=None, help=argparse.SUPPRESS)  # internal: the worker's cflags
     return p.parse_args(argv)
@@ -336,8 +343,15 @@ def _call_times(ts: list[float], nbytes: int | None) -> dict:
 
 
 def _worker_library(args):
-    """The kernel build a worker process measures: --exchange-build's flags, else the default."""
-    return cpu_library.select_build(args.exchange_build.split()) if args.exchange_build else cpu_library.library()
+    """The kernel build a worker process measures: --exchange-build's flags, else the default; its
+    worker threads spin as the CPU executor's do (or --pool-spin-us)."""
+    lib = cpu_library.select_build(args.exchange_build.split()) if args.exchange_build else cpu_library.library()
+    if hasattr(cpu_library, "configure_threads"):  # (builds before the library's own threads had none)
+        from powerinfer_ray.runtime.cpu_executor import WORKER_SPIN_US
+
+        cpus = sorted(os.sched_getaffinity(0))[-(args.threads or os.cpu_count()):] if args.pool_pin else []
+        cpu_library.configure_threads(WORKER_SPIN_US if args.pool_spin_us is None else args.pool_spin_us, cpus)
+    return lib
 
 
 def _exchange_worker(args) -> dict:
@@ -582,6 +596,8 @@ def _exchange_run(args, cflags: str | None, pol: str, reps: int) -> dict:
         cmd += ["--exchange-n", str(args.exchange_n)] if args.exchange_n else []
         cmd += ["--exchange-shm"] if args.exchange_shm else []
         cmd += ["--threads", str(args.threads)] if args.threads else []
+        cmd += ["--pool-spin-us", str(args.pool_spin_us)] if args.pool_spin_us is not None else []
+        cmd += ["--pool-pin"] if args.pool_pin else []
         cmd += [f"--exchange-build={cflags.strip()}"] if cflags and cflags.strip() else []
         subprocess.run(cmd, env=env, check=True)
         return json.loads(path.read_text())

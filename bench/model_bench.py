@@ -5,8 +5,12 @@
     powerinfer-ray bench dense-gpu -m ...                           # no budget: the upper bound
     powerinfer-ray bench cpu-only -m ...
     powerinfer-ray bench suite -m ... --vram-budget 16 --modes hybrid,layer-offload,dense-gpu
+    powerinfer-ray bench suite -m planted:llama2-13b?dtype=f16 --as-file /dev/shm ...  # from a file
     powerinfer-ray bench suite -m planted:llama3-8b?dtype=f16 --vram-budget 8 \
         --modes hybrid,hybrid-gate-first,hybrid-dense,layer-offload    # a sparsified SwiGLU model
+
+--as-file DIR writes a planted model to DIR/<shape>.gguf once (bench/planted_file.py, in a process of
+its own) and runs every engine from that file, as users run them; the records' ``model`` is the path.
 
 The hybrid modes share the solved placement and differ in the policy: hybrid (the predictors:
 on a sparsified SwiGLU model the predicted mode), hybrid-gate-first (a sparsified SwiGLU model's
@@ -16,8 +20,9 @@ Every run goes through the real engine (the Coordinator actor and its executors 
 cluster) with B concurrent requests of random prompts, ignore_eos. It reports decode tokens/s
 (decode steps only), upstream's (prompt + output) / time figure separately, prefill tokens/s,
 achieved GB/s per device (bytes each executor's weights read over the decode time), the GPU's
-share of activated neurons, the per-layer sync time, the per-layer time split and VRAM used.
-Results go to bench/results/<name>.json (one record per configuration).
+share of activated neurons, the per-layer sync time, the per-layer time split, VRAM used, and
+host memory: each actor's resident memory (peak, private, mapped file, shared), /dev/shm's growth,
+the model file's size and the host's total; the load's seconds by phase. Results go to bench/results/<name>.json (one record per configuration).
 """
 from __future__ import annotations
 
@@ -115,7 +120,8 @@ def engine_kwargs(mode: str, a: argparse.Namespace, n_ctx: int, batch: int,
     if mode == "hybrid" and a.gpu_fraction is not None:  # the hottest fraction per layer, no solver
         kw.update(gpu_fraction=a.gpu_fraction, policy="predictor")
     elif mode in HYBRID_POLICY:
-        kw.update(vram_budget_gib=budget, policy=HYBRID_POLICY[mode], method=a.method)
+        kw.update(vram_budget_gib=budget, policy=HYBRID_POLICY[mode], method=a.method,
+                  reset_gpu_index=stale_split(a.model, budget))
     elif mode == "layer-offload":
         plan, k = layer_offload_plan(a.model, budget, n_ctx, batch)
         kw.update(plan=plan, policy="dense")
@@ -130,6 +136,16 @@ def engine_kwargs(mode: str, a: argparse.Namespace, n_ctx: int, batch: int,
     else:
         raise ValueError(f"mode {mode!r}: expected one of {MODES}")
     return kw, extra
+
+
+def stale_split(model: str, budget_gib: float) -> bool:
+    """Whether the split cached beside a model file was solved for another budget (the engine
+    reuses one solved for a smaller budget, as upstream does; a benchmark of this budget must not)."""
+    from powerinfer_ray.placement.gpuidx import gpuidx_path, read_gpuidx
+
+    if model.startswith("planted:") or not gpuidx_path(model).exists():
+        return False
+    return read_gpuidx(gpuidx_path(model)).vram_capacity != int(budget_gib * GIB)
 
 
 def _delta(after: dict, before: dict, key: str) -> float:
@@ -197,7 +213,26 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
         "gpu_weight_gib": g1.get("weight_bytes", 0) / GIB,
         "cpu_weight_gib": cpu1.get("weight_bytes", 0) / GIB if cpu1 else 0.0,
         "cpu_threads": cpu1.get("threads") if cpu1 else None,
+        **memory_record(s1, a),
     }
+
+
+def memory_record(stats: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
+    """Host memory at the end of a run: each actor's resident memory (``hostmem.process_memory``:
+    peak, private = anon, mapped file, shared memory), /dev/shm's growth since before the engine
+    started, the model file, the host. beyond_file_gib: what the engine holds besides the model
+    file's pages: the actors' private memory and the shared memory it added."""
+    from powerinfer_ray.runtime.hostmem import host_memory
+
+    actors = {k: stats[k]["memory"] for k in ("coordinator", "gpu_executor", "cpu_executor")
+              if isinstance(stats.get(k), dict) and "memory" in stats[k]}
+    host = host_memory()
+    shm_added = host.shm_used - a.shm_before
+    private = sum(m.get("rss_anon_bytes", 0) for m in actors.values())
+    return {"memory": actors, "private_gib": private / GIB, "shm_added_gib": shm_added / GIB,
+            "beyond_file_gib": (private + shm_added) / GIB,
+            "model_file_gib": a.model_bytes / GIB if a.model_bytes else None, "model_on_tmpfs": a.model_on_tmpfs,
+            "host_total_gib": host.total / GIB, "host_available_gib": host.available / GIB}
 
 
 def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
@@ -213,12 +248,18 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
     a.n_layer = cfg.n_layer
     n_ctx = max(p + o for p, o in a.shapes) + 8
     kw, extra = engine_kwargs(mode, a, n_ctx, batch, budget)
+    from powerinfer_ray.runtime.hostmem import host_memory
+
+    a.shm_before = host_memory().shm_used
     t0 = time.perf_counter()
     engine = Coordinator.options(name=f"bench-{mode}", max_concurrency=1000).remote(a.model, **kw)
     info = ray.get(engine.ready.remote())
     load_s = time.perf_counter() - t0
     tag = f"[{mode}{'' if mode == 'dense-gpu' else f' {budget:g} GiB'}]"
     print(f"{tag} loaded in {load_s:.1f} s: {info}", flush=True)
+    load = {"load_phases_s": info.get("load_s"),
+            "executor_phases_s": [i.get("phases") for i in info.get("executors_ready", [])],
+            "ffn_rows": next((i.get("ffn_rows") for i in info.get("executors_ready", []) if "ffn_rows" in i), None)}
     # warm up at the measured shapes (kernel compilation, graph capture): the longest prompt's
     # prefill chunks, and decode steps of `batch` sequences
     warm = list(range(5, 5 + min(max(p for p, _ in a.shapes), a.prefill_chunk or 256)))
@@ -230,8 +271,9 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
         if t is not None:
             ray.get(engine.set_cpu_threads.remote(t))
         r = run_config(engine, a, batch, p, o, cfg.n_vocab)
-        r.update(mode=mode, policy=info.get("policy"), model=a.model, vram_budget_gib=budget if mode != "dense-gpu" else None,
-                 load_s=load_s, plan_s=info.get("plan_s"), **extra)
+        r.update(mode=mode, policy=info.get("policy"), model=a.model, planted=a.planted,
+                 vram_budget_gib=budget if mode != "dense-gpu" else None, load_s=load_s, plan_s=info.get("plan_s"),
+                 **load, **extra)
         print(f"{tag} B={batch} prompt={p} out={o} threads={r['cpu_threads']}: decode {r['decode_tok_s']:.2f} tok/s, "
               f"e2e {r['e2e_tok_s']:.2f}, prefill {r['prefill_tok_s']:.1f}, GPU {r['gpu_gbps']:.0f} GB/s, "
               f"CPU {r['cpu_gbps']:.1f} GB/s, GPU share {r['gpu_activation_share']:.1%}, "
@@ -239,7 +281,8 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
               f"CPU compute {r['cpu_compute_us_per_exchange']:.0f} us/exchange "
               f"(kernel {r['cpu_kernel_us_per_exchange']:.0f}, attention {r['cpu_attn_us_per_exchange']:.0f}), "
               f"layer {r['per_layer_us']}, "
-              f"VRAM {r['vram_used_gib']:.2f} GiB", flush=True)
+              f"VRAM {r['vram_used_gib']:.2f} GiB, host beyond the file {r['beyond_file_gib']:.2f} GiB "
+              f"(private {r['private_gib']:.2f}, shm {r['shm_added_gib']:.2f}; FFN rows: {r['ffn_rows']})", flush=True)
         if r["graph_captures"]:
             print(f"{tag} note: {r['graph_captures']} decode graph set(s) captured inside the timed run "
                   f"({r['capture_s']:.2f} s): the decode numbers include it", flush=True)
@@ -269,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--method", default="ilp", choices=("ilp", "greedy"))
     ap.add_argument("--gpu-fraction", type=float, default=None,
                     help="hybrid: put this fraction of each layer's hottest neurons on the GPU instead of solving")
+    ap.add_argument("--as-file", default=None, metavar="DIR",
+                    help="planted models: write the model to DIR/<shape>.gguf once (e.g. /dev/shm) and run from it")
     ap.add_argument("--name", default=None, help="results file name (default: derived)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--num-cpus", type=int, default=None, help="Ray CPUs (default: all)")
@@ -286,6 +331,26 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return out
 
 
+def model_source(a: argparse.Namespace) -> None:
+    """--as-file: the planted model written to a file (a process of its own: the generator's GPU
+    memory goes with it), and a.model its path; a.planted the spec; the file's size and place."""
+    from powerinfer_ray.runtime.hostmem import on_tmpfs
+
+    a.planted = a.model if a.model.startswith("planted:") else None
+    if a.as_file:
+        if a.planted is None:
+            raise ValueError(f"--as-file {a.as_file}: -m {a.model!r} is not a planted: spec (a file is a file already)")
+        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "planted_file.py"), a.model, "--dir", a.as_file],
+                              stdout=subprocess.PIPE, text=True)
+        sys.stdout.write(proc.stdout)
+        if proc.returncode != 0:
+            raise RuntimeError(f"writing {a.model} to {a.as_file} failed (exit {proc.returncode})")
+        a.model = proc.stdout.strip().splitlines()[-1]
+    path = None if a.model.startswith("planted:") else Path(a.model)
+    a.model_bytes = path.stat().st_size if path is not None else 0
+    a.model_on_tmpfs = on_tmpfs(path) if path is not None else None
+
+
 def main(mode: str, argv: list[str]) -> int:
     a = build_parser().parse_args(argv)
     for f in ("batch", "prompt", "output") + (("threads",) if a.threads else ()):
@@ -296,10 +361,11 @@ def main(mode: str, argv: list[str]) -> int:
     for m in modes:
         if m not in MODES:
             raise ValueError(f"mode {m!r}: expected one of {MODES} or 'suite'")
+    name = a.name or f"{mode}-{a.model.replace('planted:', '').split('?')[0]}-{time.strftime('%Y%m%d-%H%M%S')}"
+    model_source(a)
     from powerinfer_ray.generate import init_ray
 
     init_ray(num_cpus=a.num_cpus)
-    name = a.name or f"{mode}-{a.model.replace('planted:', '').split('?')[0]}-{time.strftime('%Y%m%d-%H%M%S')}"
     records: list[dict[str, Any]] = []
 
     def done(r: dict[str, Any]) -> None:  # rewrite the file after every measurement: a run cut

@@ -219,7 +219,7 @@ def _check_weights(up, gate, down_t, up_bias, act, qtype) -> None:
 def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
                        packed_mask, n: int, act: str, up_bias: torch.Tensor | None, out: torch.Tensor,
                        threads: int | None = None, *, split: str = "auto", skip_zero: bool = True,
-                       qtype: str | None = None, act_threshold: float | None = None,
+                       qtype: str | None = None, rows: torch.Tensor | None = None, act_threshold: float | None = None,
                        act_on: str = "gate") -> tuple[int, int, int]:
     """The CPU executor's FFN answer in one call, from the mask as the channel holds it.
 
@@ -233,10 +233,12 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
     torch.get_num_threads(); split: the kernel's work split, 'auto' | 'rows' | 'cols' (benchmarks
     compare them); skip_zero: a row whose activation is
     zero for every token skips its down row (same result, fewer bytes); False reads it anyway, as a
-    dense FFN does (llama.cpp; the engine's policy 'dense', i.e. the layer-offload baseline).
+    dense FFN does (llama.cpp; the engine's policy 'dense', i.e. the layer-offload baseline);
+    rows: int32 [>= n] contiguous, neuron j of the mask is row rows[j] of up / gate / down_t and
+    up_bias (a shard read in place from a model file's whole matrices; None: row j).
 
-    out[t] = sum over j < n with bit (t, j) set of act(gate[j] . x[t], up[j] . x[t] + up_bias[j]) *
-    down_t[j], accumulated in fp32. The decoding (active rows = bits set for any token, per-token
+    out[t] = sum over j < n with bit (t, j) set of act(gate[r] . x[t], up[r] . x[t] + up_bias[r]) *
+    down_t[r] with r = rows[j] (r = j without rows), accumulated in fp32. The decoding (active rows = bits set for any token, per-token
     bits), the conversion of x and the output dtype happen in the compiled kernel; each active row
     is read once. Returns (pairs, rows, down_rows): the (token, neuron) pairs set, the rows active
     for any token (their up / gate rows read) and the down rows read (rows - the skipped ones; the
@@ -245,6 +247,7 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
     numpy decoding and the torch path, same results up to rounding.
     """
     sh = _shard(up, gate, down_t, up_bias, act, qtype)
+    rows_ptr, n_max = _row_ids(rows, sh.N) if rows is not None else (None, sh.N)
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != sh.D:
         raise _bad("x.shape", tuple(getattr(x, "shape", ())), f"[T, {sh.D}]")
     T, D = x.shape
@@ -261,8 +264,9 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
                    f"contiguous [{T}, {D}] float32 or {x.dtype} on cpu")
     if isinstance(n, np.integer):
         n = int(n)
-    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= sh.N:
-        raise _bad("n", n, f"an int in [0, {sh.N}] (the mask's neurons: rows 0 .. n-1 of the shard)")
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= n_max:
+        raise _bad("n", n, f"an int in [0, {n_max}] (the mask's neurons: rows 0 .. n-1 of the shard"
+                   + (", or of rows" if rows is not None else "") + ")")
     addr, ld = _packed_view(packed_mask, T, n) if packed_mask is not None else (None, 0)
     sp = SPLITS.get(split)
     if sp is None:
@@ -271,14 +275,15 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
         return 0, 0, 0
     lib = library()
     if lib is None or act_threshold is not None:  # TODO(s-swiglurt): the compiled kernel's threshold option
-        return _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out, qtype, act_threshold, act_on)
+        return _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out, qtype, rows, act_threshold,
+                              act_on)
     nthreads = int(threads or torch.get_num_threads())
     with _lock:
         key = (T, D, n, nthreads, y_dt, sp, sh.args[3])
         nb = _scratch_bytes.get(key)
         if nb is None:
             nb = _scratch_bytes[key] = lib.pi_scratch_bytes(T, D, n, nthreads, y_dt, sp, 1, sh.args[3])
-        rc = lib.pi_sparse_ffn_bitmask(x.data_ptr(), x_dt, ld_x, T, D, *sh.args, addr, ld, n, _ACT[act],
+        rc = lib.pi_sparse_ffn_bitmask(x.data_ptr(), x_dt, ld_x, T, D, *sh.args, addr, ld, n, rows_ptr, _ACT[act],
                                        out.data_ptr(), y_dt, _scratch_for(nb), nthreads, sp, int(not skip_zero),
                                        _stats)
         if rc != 0:
@@ -287,7 +292,29 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
         return _stats[0], _stats[1], _stats[2]
 
 
-def _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out, qtype, act_threshold=None,
+_row_checks: dict[int, tuple[weakref.ref, int, int]] = {}  # id(rows) -> (rows, data_ptr, the N checked against)
+
+
+def _row_ids(rows: torch.Tensor, N: int) -> tuple[int, int]:
+    """(address, length) of a row-id tensor, checked once per tensor: int32, contiguous, on the
+    CPU, every id in [0, N) (an executor passes the same ids every step)."""
+    key = id(rows)
+    seen = _row_checks.get(key)
+    if seen is not None and seen[0]() is rows and seen[1] == rows.data_ptr() and seen[2] == N:
+        return seen[1], rows.numel()
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.int32 or rows.dim() != 1 \
+            or not rows.is_contiguous() or not rows.is_cpu:
+        raise _bad("rows", f"{getattr(rows, 'dtype', type(rows).__name__)} {tuple(getattr(rows, 'shape', ()))}",
+                   "a contiguous 1-D int32 cpu tensor")
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= N):
+        raise _bad("rows", f"ids in [{int(rows.min())}, {int(rows.max())}]", f"ids in [0, {N}) (rows of up)")
+    if len(_row_checks) >= 512:
+        _row_checks.clear()
+    _row_checks[key] = (weakref.ref(rows), rows.data_ptr(), N)
+    return rows.data_ptr(), rows.numel()
+
+
+def _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out, qtype, rows, act_threshold=None,
                    act_on="gate") -> tuple[int, int, int]:
     """sparse_ffn_bitmask without the compiled kernel: numpy decoding, the torch path. With an
     activation threshold on the gate, the counts are the kernel's gate-first ones: pairs of the
@@ -298,16 +325,18 @@ def _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out, qtype
     else:
         m = packed_mask if isinstance(packed_mask, np.ndarray) else packed_mask.numpy()
         act_tn = torch.from_numpy(np.unpackbits(m, axis=1, count=n, bitorder="little").view(np.bool_))  # [T, n]
+    at_all = torch.arange(n) if rows is None else rows.long()[:n]  # the rows of up / gate / down_t
     pairs = int(act_tn.sum())
     if act_threshold is not None and act_on == "gate":
-        g = x.float() @ (gate[:n].float() if qtype is None else dequantize(gate[:n], qtype)).T  # [T, n]
+        g_rows = gate.index_select(0, at_all)
+        g = x.float() @ (g_rows.float() if qtype is None else dequantize(g_rows, qtype)).T  # [T, n]
         act_tn = act_tn & (F.silu(g).abs() > act_threshold)
         pairs = int(act_tn.sum()) if packed_mask is None else pairs
     idx = act_tn.any(0).nonzero().reshape(-1)
     if idx.numel() == 0:
         out.zero_()
     else:
-        out.copy_(sparse_ffn_torch(x.float(), up, gate, down_t, idx, act_tn.index_select(1, idx), act, up_bias,
+        out.copy_(sparse_ffn_torch(x.float(), up, gate, down_t, at_all[idx], act_tn.index_select(1, idx), act, up_bias,
                                    qtype=qtype, act_threshold=act_threshold, act_on=act_on))
     return pairs, idx.numel(), idx.numel()
 

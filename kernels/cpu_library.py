@@ -1,8 +1,8 @@
 """The compiled CPU kernels (csrc/sparse_ffn.cpp and its headers): build at first use, load, bind.
 
 The C++ source is compiled once per machine with the system compiler (`g++ -O3 -march=native
--fopenmp`: the vector code follows the CPU's instruction set, see csrc/simd.h and csrc/quant.h)
-into a cache directory and loaded with ctypes; no torch headers, no build step at install time.
+-pthread`: the vector code follows the CPU's instruction set, see csrc/simd.h and csrc/quant.h;
+the parallel regions run on the library's own worker threads, csrc/pool.h) into a cache directory and loaded with ctypes; no torch headers, no build step at install time.
 When no compiler works, `library()` returns None, a warning says so once, and callers fall back
 to the torch path.
 
@@ -31,8 +31,8 @@ from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
 MAIN = CSRC / "sparse_ffn.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-FALLBACK_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")  # compilers without -march=native
+FLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=c++17")
+FALLBACK_FLAGS = ("-O3", "-pthread", "-shared", "-fPIC", "-std=c++17")  # compilers without -march=native
 COMPILERS = ("g++", "c++", "clang++")
 
 _lock = threading.Lock()
@@ -101,7 +101,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                   p, i32, i64, p, i32, i64, i32, p, i32, p, i32, i32]
     lib.pi_sparse_ffn_bitmask.restype = i64
     lib.pi_sparse_ffn_bitmask.argtypes = [p, i32, i64, i64, i64, p, p, p, i32, i64, i64, i64, i64, p, i32,
-                                          p, i64, i64, i32, p, i32, p, i32, i32, i32, p]
+                                          p, i64, i64, p, i32, p, i32, p, i32, i32, i32, p]
     lib.pi_scratch_bytes.restype = i64
     lib.pi_scratch_bytes.argtypes = [i64, i64, i64, i32, i32, i32, i32, i32]
     lib.pi_read_sum.restype = ctypes.c_double
@@ -112,6 +112,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pi_quantize_q8_0.argtypes = [p, i64, p]
     lib.pi_simd_width.restype = i32
     lib.pi_quant_isa.restype = i32
+    lib.pi_pool_config.restype = i32
+    lib.pi_pool_config.argtypes = [i64, p, i32]
     return lib
 
 
@@ -148,6 +150,20 @@ def select_build(cflags: Sequence[str]) -> ctypes.CDLL:
 
 def available() -> bool:
     return library() is not None
+
+
+def configure_threads(spin_us: int, cpus: Sequence[int] = ()) -> int:
+    """The kernels' worker threads (csrc/pool.h): after a call they spin for ``spin_us`` before
+    sleeping (a caller whose calls come closer than that finds them running); ``cpus`` pins the
+    calling thread to cpus[0] and worker i to cpus[i] (empty: no pinning). Call it from the thread
+    that calls the kernels. Returns the workers started so far (0 without a build)."""
+    lib = library()
+    if lib is None:
+        return 0
+    if not isinstance(spin_us, int) or spin_us < 0:
+        raise ValueError(f"configure_threads: spin_us is {spin_us!r}, expected an int >= 0")
+    ids = (ctypes.c_int32 * len(cpus))(*cpus)
+    return int(lib.pi_pool_config(spin_us, ids if len(cpus) else None, len(cpus)))
 
 
 def simd_width() -> int:

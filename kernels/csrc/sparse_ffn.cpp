@@ -24,14 +24,15 @@
 // pi_sparse_ffn_bitmask decodes the CPU executor's packed mask (active rows and token bits) and
 // converts x itself, so the executor's exchange is one call.
 //
+// Parallel regions run on a persistent team of worker threads (pool.h), not OpenMP's fork-join:
+// the workers of an exchange spin between calls and start within a cache miss.
 // Built at first use by kernels/cpu_library.py with `g++ -O3 -march=native -fopenmp`; the vector
 // code is chosen at compile time (simd.h, quant.h). Macros for A/B builds: PI_ONE_ROW,
 // PI_T1_PAIRS, PI_CHUNKS, PI_NO_NEXT_PF, PI_DENSE_TOKENS (cpu_library.select_build).
 
-#include <omp.h>
-
 #include <vector>
 
+#include "pool.h"
 #include "simd.h"
 #include "quant.h"
 
@@ -399,10 +400,7 @@ template <class W>
 inline const float* xin(const Args& a) { return W::QUANT ? a.xq : a.x; }
 
 inline void count_down(const Args& a, int64_t n) {  // once per thread and call
-    if (a.n_down && n) {
-#pragma omp atomic
-        *a.n_down += n;
-    }
+    if (a.n_down && n) __atomic_fetch_add(a.n_down, n, __ATOMIC_RELAXED);
 }
 
 inline int64_t row_id(const Args& a, int64_t k) {
@@ -622,34 +620,32 @@ void convert_x(const Args& a, int64_t t, int64_t d0, int64_t d1) {
 }
 
 // Inside a parallel region: x_src -> x by all threads, in 1024-column pieces; ends with a barrier.
-inline void convert_x_par(const Args& a) {
+inline void convert_x_par(const Args& a, pool::Ctx& c) {
     if (!a.x_src) return;
     constexpr int64_t C = 1024;
     const int64_t nc = (a.D + C - 1) / C;
-#pragma omp for schedule(static)
-    for (int64_t j = 0; j < a.T * nc; ++j) {
+    c.for_static(a.T * nc, [&](int64_t j) {
         const int64_t t = j / nc, d0 = (j % nc) * C;
         convert_x(a, t, d0, d0 + C < a.D ? d0 + C : a.D);
-    }  // implicit barrier
+    });
 }
 
 // Inside a parallel region: x (fp32) -> its Q8_0 form xq, in pieces of 1024 columns; ends with a barrier.
-inline void quantize_x_par(const Args& a) {
+inline void quantize_x_par(const Args& a, pool::Ctx& c) {
     constexpr int64_t C = 1024;  // a multiple of QK
     const int64_t nc = (a.D + C - 1) / C;
-#pragma omp for schedule(static)
-    for (int64_t j = 0; j < a.T * nc; ++j) {
+    c.for_static(a.T * nc, [&](int64_t j) {
         const int64_t t = j / nc, d0 = (j % nc) * C, d1 = d0 + C < a.D ? d0 + C : a.D;
         float* row = a.xq + t * a.D;
         quantize_row_q8(a.x + t * a.D + d0, d1 - d0, (int8_t*)row + d0, (float*)xq_scales(row, a.D) + d0 / QK);
-    }  // implicit barrier
+    });
 }
 
 // Inside a parallel region: the activation phase 1 reads, ready for every thread.
 template <class W>
-inline void prepare_x(const Args& a) {
-    convert_x_par(a);
-    if constexpr (W::QUANT) quantize_x_par(a);
+inline void prepare_x(const Args& a, pool::Ctx& c) {
+    convert_x_par(a, c);
+    if constexpr (W::QUANT) quantize_x_par(a, c);
 }
 
 // ---- split over columns: phase 1 (rows over threads), barrier, phase 2 (columns over threads) ----
@@ -749,26 +745,24 @@ void run_cols(const Args& a) {
     const int64_t nunits = (D + CU - 1) / CU;
     nt = nt > nunits ? nunits : nt;
     nt = nt < 1 ? 1 : nt;
-#pragma omp parallel num_threads((int)nt)
-    {
-        const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
-        prepare_x<W>(a);
+    pool::run((int)nt, [&](pool::Ctx& c) {
+        const int64_t i = c.tid, n = c.n;
+        prepare_x<W>(a, c);
         // Dynamic chunks of a few rows: balanced to a row (~T x 2 x D elements) and robust to a
         // preempted thread; fewer hand-outs when K is large.
         int64_t ch = K / (8 * n);
         ch = ch < 1 ? 1 : (ch > 8 ? 8 : ch);
         const int64_t nch = (K + ch - 1) / ch;
         int64_t n_down = 0;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t c = 0; c < nch; ++c) {
-            const int64_t k0 = c * ch, k1 = k0 + ch < K ? k0 + ch : K;
+        c.for_dynamic(nch, 1, [&](int64_t q) {
+            const int64_t k0 = q * ch, k1 = k0 + ch < K ? k0 + ch : K;
             n_down += a.gate ? act_rows<W, true>(a, k0, k1) : act_rows<W, false>(a, k0, k1);
-        }  // implicit barrier: h and nz complete
+        });  // barrier: h and nz complete
         count_down(a, n_down);
         const int64_t u0 = nunits * i / n, u1 = nunits * (i + 1) / n;
         const int64_t d0 = u0 * CU, d1 = u1 * CU < D ? u1 * CU : D;
         if (d0 < d1) down_cols<W>(a, d0, d1);
-    }
+    });
 }
 
 // ---- split over rows: chunks of 4R idx entries to threads, per-thread accumulators, reduction --
@@ -780,12 +774,11 @@ void run_rows(const Args& a) {
     nt = nt < 1 ? 1 : (nt > a.nthreads ? a.nthreads : nt);
     const int64_t TD = T * D;
     float* scratch = a.scratch;
-#pragma omp parallel num_threads((int)nt)
-    {
-        const int64_t i = omp_get_thread_num(), n = omp_get_num_threads();
+    pool::run((int)nt, [&](pool::Ctx& c) {
+        const int64_t i = c.tid, n = c.n;
         float* A = scratch + i * TD;
         std::memset(A, 0, TD * sizeof(float));
-        prepare_x<W>(a);
+        prepare_x<W>(a, c);
         // Chunks of CH rows handed out dynamically: a thread that the OS preempts (cores shared
         // with other processes) delays the barrier by one chunk, not by a whole slice. ~PI_CHUNKS
         // chunks per thread (2 .. 4R rows each), so few active rows still keep every thread
@@ -797,29 +790,26 @@ void run_rows(const Args& a) {
         CH = CH < 2 ? 2 : (CH > 4 * R ? 4 * R : CH);
         const int64_t nch = (K + CH - 1) / CH;
         int64_t n_down = 0;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t c = 0; c < nch; ++c) {
-            const int64_t k0 = c * CH, k1 = k0 + CH < K ? k0 + CH : K;
+        c.for_dynamic(nch, 1, [&](int64_t q) {
+            const int64_t k0 = q * CH, k1 = k0 + CH < K ? k0 + CH : K;
             n_down += run_slice_w<W>(a, k0, k1, A);
-        }  // implicit barrier
+        });  // barrier: every accumulator complete
         count_down(a, n_down);
         // Reduction over threads, split over D in chunks of 256 columns.
         constexpr int64_t C = 256;
         float buf[C];
         const int64_t nchunks = (D + C - 1) / C;
-#pragma omp for schedule(dynamic, 4) collapse(2)
-        for (int64_t t = 0; t < T; ++t)
-            for (int64_t c = 0; c < nchunks; ++c) {
-                const int64_t d0 = c * C, d1 = d0 + C < D ? d0 + C : D;
-                const float* src = scratch + t * D;
-                for (int64_t d = d0; d < d1; ++d) buf[d - d0] = src[d];
-                for (int64_t j = 1; j < n; ++j) {
-                    const float* s = scratch + j * TD + t * D;
-                    for (int64_t d = d0; d < d1; ++d) buf[d - d0] += s[d];
-                }
-                store_out(a, t, d0, d1, buf);
+        c.for_dynamic(T * nchunks, 4, [&](int64_t q) {
+            const int64_t t = q / nchunks, d0 = (q % nchunks) * C, d1 = d0 + C < D ? d0 + C : D;
+            const float* src = scratch + t * D;
+            for (int64_t d = d0; d < d1; ++d) buf[d - d0] = src[d];
+            for (int64_t j = 1; j < n; ++j) {
+                const float* s = scratch + j * TD + t * D;
+                for (int64_t d = d0; d < d1; ++d) buf[d - d0] += s[d];
             }
-    }
+            store_out(a, t, d0, d1, buf);
+        });
+    });
 }
 
 // Which split. auto: rows when every thread gets at least two R-row blocks (K >= 16 per thread:
@@ -930,11 +920,12 @@ void linear_par(const float* x, int64_t T, int64_t D, const void* w, int64_t ld_
     int64_t ch = R / (8 * nt);  // ~8 dynamic chunks per thread, a multiple of 4 rows each
     ch = ch < 4 ? 4 : (ch + 3) / 4 * 4;
     const int64_t nch = (R + ch - 1) / ch;
-#pragma omp parallel for schedule(dynamic, 1) num_threads((int)nt)
-    for (int64_t c = 0; c < nch; ++c) {
-        const int64_t r0 = c * ch, r1 = r0 + ch < R ? r0 + ch : R;
-        linear_rows<W>(x, T, D, (const typename W::T*)w, ld_w, R, r0, r1, y);
-    }
+    pool::run((int)nt, [&](pool::Ctx& c) {
+        c.for_dynamic(nch, 1, [&](int64_t q) {
+            const int64_t r0 = q * ch, r1 = r0 + ch < R ? r0 + ch : R;
+            linear_rows<W>(x, T, D, (const typename W::T*)w, ld_w, R, r0, r1, y);
+        });
+    });
 }
 
 }  // namespace
@@ -983,18 +974,20 @@ int64_t pi_sparse_ffn(const float* x, int64_t T, int64_t D,
 // Any T: tokens are run in blocks of 64. stats[0] = (token, neuron) pairs set, stats[1] = rows
 // active for any of the T tokens (each read from up / gate once), stats[2] = down rows read
 // (summed over the blocks of 64 tokens; rows whose activation is zero for every token of a block
-// are skipped unless keep_zero). Weights as pi_sparse_ffn's. scratch: pi_scratch_bytes(T, D, n,
-// nthreads, y_dt, split, 1, w_dt).
+// are skipped unless keep_zero). Weights as pi_sparse_ffn's. row_ids: neuron j of the mask is row
+// row_ids[j] of up / gate / down and bias (int32 [n], each in [0, n_rows): the caller checks;
+// nullptr: row j), so a shard can be rows of the model file's whole matrices, read in place.
+// scratch: pi_scratch_bytes(T, D, n, nthreads, y_dt, split, 1, w_dt).
 // Returns 0 or BAD_ARGS.
 int64_t pi_sparse_ffn_bitmask(const void* x, int x_dt, int64_t ld_x, int64_t T, int64_t D,
                               const void* up, const void* gate, const void* down, int w_dt,
                               int64_t ld_up, int64_t ld_gate, int64_t ld_down, int64_t n_rows,
                               const void* bias, int bias_dt,
-                              const uint8_t* packed, int64_t ld_packed, int64_t n,
+                              const uint8_t* packed, int64_t ld_packed, int64_t n, const int32_t* row_ids,
                               int act, void* y, int y_dt, void* scratch, int nthreads, int split,
                               int keep_zero, int64_t* stats) {
-    if (T < 0 || D < 1 || n < 0 || n > n_rows || nthreads < 1 || !weights_ok(w_dt, D) || y_dt < 0 ||
-        y_dt > 2 || x_dt < 0 || x_dt > 2 || ld_x < D)
+    if (T < 0 || D < 1 || n < 0 || (!row_ids && n > n_rows) || nthreads < 1 || !weights_ok(w_dt, D) ||
+        y_dt < 0 || y_dt > 2 || x_dt < 0 || x_dt > 2 || ld_x < D)
         return BAD_ARGS;
     const int64_t B = (n + 7) / 8, nw = (B + 7) / 8;
     if (packed && ld_packed < B) return BAD_ARGS;
@@ -1028,7 +1021,7 @@ int64_t pi_sparse_ffn_bitmask(const void* x, int x_dt, int64_t ld_x, int64_t T, 
                 while (u) {
                     const int b = __builtin_ctzll(u);
                     u &= u - 1;
-                    s.idx[K] = (int32_t)(64 * w + b);
+                    s.idx[K] = row_ids ? row_ids[64 * w + b] : (int32_t)(64 * w + b);
                     if (Tc > 1) {
                         uint64_t tb = 0;
                         for (int64_t t = 0; t < Tc; ++t) tb |= ((m[t] >> b) & 1) << t;
@@ -1039,7 +1032,7 @@ int64_t pi_sparse_ffn_bitmask(const void* x, int x_dt, int64_t ld_x, int64_t T, 
             }
             if (T <= 64) rows = K;
         } else {
-            for (int64_t k = 0; k < n; ++k) s.idx[k] = (int32_t)k;
+            for (int64_t k = 0; k < n; ++k) s.idx[k] = row_ids ? row_ids[k] : (int32_t)k;
             K = n;
         }
         void* yc = (char*)y + t0 * D * ysz;
@@ -1062,10 +1055,9 @@ int64_t pi_sparse_ffn_bitmask(const void* x, int x_dt, int64_t ld_x, int64_t T, 
 // reads its share as 4 interleaved streams: one stream per core leaves the hardware prefetchers
 // short of memory-level parallelism (the sparse kernel itself streams several rows at a time).
 double pi_read_sum(const float* p, int64_t n, int nthreads) {
-    double total = 0.0;
-#pragma omp parallel num_threads(nthreads) reduction(+ : total)
-    {
-        const int64_t i = omp_get_thread_num(), nt = omp_get_num_threads();
+    std::vector<double> part(nthreads > 0 ? nthreads : 1, 0.0);
+    pool::run(nthreads, [&](pool::Ctx& c) {
+        const int64_t i = c.tid, nt = c.n;
         const int64_t b = n * i / nt, e = n * (i + 1) / nt, q = (e - b) / 4 / VW * VW;
         const float *p0 = p + b, *p1 = p0 + q, *p2 = p1 + q, *p3 = p2 + q;
         vf s0 = vzero(), s1 = vzero(), s2 = vzero(), s3 = vzero();
@@ -1077,9 +1069,18 @@ double pi_read_sum(const float* p, int64_t n, int nthreads) {
         }
         float s = vsum(vadd(vadd(s0, s1), vadd(s2, s3)));
         for (int64_t j = b + 4 * q; j < e; ++j) s += p[j];
-        total += s;
-    }
+        part[i] = s;
+    });
+    double total = 0.0;
+    for (double v : part) total += v;
     return total;
+}
+
+// The worker threads (csrc/pool.h): spin for spin_us after each job before sleeping, and pin the
+// caller to cpus[0] and worker i to cpus[i] (ncpus 0: no pinning). Returns the workers started.
+int pi_pool_config(int64_t spin_us, const int32_t* cpus, int ncpus) {
+    pool::Pool::get().config(spin_us < 0 ? 0 : spin_us, cpus, ncpus);
+    return pool::Pool::get().workers();
 }
 
 // y [T, R] fp32 = x [T, D] fp32 times the rows of W [R, D] (w_dt as pi_sparse_ffn's; row stride

@@ -37,6 +37,7 @@ FFN_ACT = "powerinfer_ray.ffn_act"  # relu | reglu | drelu | swiglu
 PARALLEL_ATTN = "powerinfer_ray.parallel_attn"  # falcon: attention and FFN read the same input
 FALCON_NEW_ARCH = "powerinfer_ray.falcon_new_decoder_architecture"  # separate ln_attn / ln_mlp
 POS_OFFSET = "powerinfer_ray.position_offset"  # OPT's learned positions start at index 2
+PLANTED_SPEC = "powerinfer_ray.planted_spec"  # a planted model written to a file: its spec (bench/planted_file.py)
 # SwiGLU activation sparsity (``powerinfer-ray sparsify``): in layer l, FFN neuron j is active iff
 # its criterion exceeds FFN_THRESHOLDS[l]; the criterion is |SiLU(gate_j)| (FFN_THRESHOLD_ON "gate")
 # or |h_j| = |SiLU(gate_j) * up_j| ("h"). Inactive neurons contribute nothing (h_j := 0).

@@ -10,11 +10,14 @@ a path -> ``ModelFile``; ``planted:<shape>[?key=value&...]`` -> ``bench.planted`
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
+from . import gguf_keys as K
 from .config import ModelConfig
 from .gguf_file import ModelFile
 from .quants import QuantRows
@@ -67,3 +70,44 @@ def rows_faster_on(src: WeightSource, device: str | torch.device) -> bool:
     from .planted import PlantedModel
 
     return isinstance(src, PlantedModel)
+
+
+class Mapping(NamedTuple):
+    """A model file's memory map: where it is in this process and what it maps."""
+
+    address: int
+    nbytes: int
+    path: Path
+
+
+def file_mapping(src: WeightSource) -> Mapping | None:
+    """The memory map of a model file (None for a source without a file)."""
+    if not isinstance(src, ModelFile):
+        return None
+    data = src.reader.data  # np.memmap of the whole file, read-only pages
+    return Mapping(int(data.ctypes.data), int(data.nbytes), src.path)
+
+
+def mapped_tensor(src: WeightSource, name: str) -> torch.Tensor | None:
+    """Tensor ``name`` of a model file as a torch view of the file's memory map, without a copy
+    (numpy's shape: [rows, cols]; bf16 as torch.bfloat16). The pages are read-only: writing to the
+    view kills the process. None when ``src`` has no file or no such tensor."""
+    if not isinstance(src, ModelFile) or not src.has(name):
+        return None
+    arr = src.raw(name)
+    with warnings.catch_warnings():  # torch warns that the array is not writable: it is not written
+        warnings.simplefilter("ignore", UserWarning)
+        if src.dtype_of(name) == "bf16":
+            return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(arr)
+
+
+def layer_rows(src: WeightSource, template: str, bid: int, rows: Any = None, dtype: torch.dtype | None = None,
+               bias: bool = False, device: str | torch.device = "cpu") -> torch.Tensor:
+    """``src.layer(...)`` (a copy of the rows), gathering a file's float rows straight out of its
+    memory map with torch's threads (``torch.set_num_threads``), then converting and moving them."""
+    view = mapped_tensor(src, K.tensor(template, bid, bias))
+    if view is None or view.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return src.layer(template, bid, rows=rows, dtype=dtype, bias=bias, device=device)
+    t = view.clone() if rows is None else view.index_select(0, torch.as_tensor(np.asarray(rows, np.int64)))
+    return t.to(device=device, dtype=dtype or t.dtype)

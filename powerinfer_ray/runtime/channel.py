@@ -263,11 +263,12 @@ class Channel:
             _BELLS.pop(self.spec.name, None)
 
 
-def pin_host(addr: int, nbytes: int, what: str) -> bool:
+def pin_host(addr: int, nbytes: int, what: str, read_only: bool = False) -> bool:
     """Page-lock host memory (cudaHostRegister) so copies from and to it are true async DMA; on
     failure the copies stay correct, only synchronous: warn, and clear CUDA's last error, which
-    the next kernel launch check would otherwise raise. Returns whether it is pinned."""
-    err = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 0))
+    the next kernel launch check would otherwise raise. read_only: memory mapped without write
+    access (cudaHostRegisterReadOnly: the GPU only reads it). Returns whether it is pinned."""
+    err = int(torch.cuda.cudart().cudaHostRegister(addr, nbytes, 8 if read_only else 0))
     if err:
         _clear_cuda_error()
         log.warning("cudaHostRegister of %s failed (error %d): its host copies will not be async", what, err)

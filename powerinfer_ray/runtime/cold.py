@@ -3,21 +3,34 @@ neurons itself, densely, streaming their rows to its device once per chunk (upst
 dense prefill). A GPU does a chunk of tokens over all of those rows faster than the CPU kernel
 does the few active ones per token, and the exchange with the CPU executor drops out.
 
-The rows are the CPU executor's own pages (``sharedshard``: one shared file, pinned here for
-DMA), or, where they could not be shared, a host copy of the primary's own when it fits.
+Where the rows come from, without a second host copy where possible:
+  file    the model file's own memory map (``shard.in_place_ffn_shard``): whole row ranges of
+          ffn_up / ffn_gate / ffn_down_t stream to the device and the rows of the primary's own
+          neurons are masked out there (contiguous copies, no gather on the host). On CUDA the
+          ranges of a file on tmpfs are page-locked (read-only cudaHostRegister) layer by layer
+          at their first use, so the copies are DMA; a file on disk is copied from pageable
+          pages (locking them would pin its page cache);
+  shared  the CPU executor's shared-memory copy (``sharedshard``: sources without a file),
+          pinned here for DMA;
+  copy    a host copy of the primary's own, when it fits.
+
+Dimension legend: N tokens, D hidden, R rows of the streamed matrices, n the shard's neurons.
 """
 from __future__ import annotations
 
 import logging
+import mmap
 
+import numpy as np
 import torch
 
 from ..kernels.torch_ffn import apply_act_threshold
 from ..model.reference import ffn_activation
-from ..model.source import WeightSource
+from ..model.source import WeightSource, file_mapping
 from .channel import pin_host
+from .hostmem import host_memory, on_tmpfs
 from .plan import Plan
-from .shard import FFNShard, load_ffn_shard
+from .shard import FFNShard, in_place_ffn_shard, load_ffn_shard
 from .sharedshard import SharedShardSpec, attach
 from .stats import ExecStats
 
@@ -34,14 +47,22 @@ class ColdRows:
         self._auto = min_tokens is None
         self.min_tokens = (32 if device.type == "cuda" else 0) if min_tokens is None else min_tokens
         self.rows: list[FFNShard] | None = None  # per layer, once attached
-        self.source: str | None = None  # "shared" (the CPU executor's pages) | "copy" (our own)
-        self._pinned = 0  # address cudaHostRegister'ed (shared pages), for close()
+        self.source: str | None = None  # file | shared | copy
+        self._pinned: list[int] = []  # addresses cudaHostRegister'ed, for close()
+        self._pin_file = False  # page-lock the file's ranges at their first use
+        self._layer_pinned: set[int] = set()
+        self._sel: dict[int, torch.Tensor] = {}  # in place: the shard's rows [n] on the device, per layer
 
     def attach(self, spec: SharedShardSpec | None) -> str | None:
-        """Map the CPU executor's shared pages (``spec``), else make a host copy when it takes at
-        most a third of the host's available memory; returns where the rows come from (None:
-        dense prefill off)."""
+        """Read the rows in place from the model file, else map the CPU executor's shared pages
+        (``spec``), else make a host copy when it takes at most a third of the host's available
+        memory; returns where the rows come from (None: dense prefill off)."""
         if self.rows is not None or self.min_tokens <= 0 or not any(len(lp.cpu_neurons) for lp in self.plan.layers):
+            return self.source
+        in_place = [in_place_ffn_shard(self.src, l, lp.cpu_neurons, None) for l, lp in enumerate(self.plan.layers)]
+        if all(sh is not None for sh in in_place):
+            self.rows, self.source = in_place, "file"
+            self._pin_file = self.device.type == "cuda" and on_tmpfs(file_mapping(self.src).path)
             return self.source
         mapped = attach(spec) if spec is not None else None
         if mapped is not None:
@@ -49,11 +70,11 @@ class ColdRows:
             self.source = "shared"
             if self.device.type == "cuda" and pin_host(buf.data_ptr(), buf.numel() * buf.element_size(),
                                                        "the shared CPU shard (dense prefill)"):
-                self._pinned = buf.data_ptr()
+                self._pinned.append(buf.data_ptr())
             return self.source
         cold_bytes = sum(len(lp.cpu_neurons) for lp in self.plan.layers) * self.cfg.neuron_bytes
-        avail = _host_available_bytes()
-        if self._auto and avail is not None and cold_bytes > avail // 3:
+        avail = host_memory().available
+        if self._auto and cold_bytes > avail // 3:
             # a second host copy of the CPU shard would crowd the CPU executor's own
             log.warning("primary: dense prefill off: the CPU shard's %.1f GiB would take more than a third "
                         "of the host's %.1f GiB available", cold_bytes / 2**30, avail / 2**30)
@@ -77,13 +98,16 @@ class ColdRows:
     def ffn(self, l: int, x: torch.Tensor, mask: torch.Tensor | None, act_threshold: float | None = None,
             act_on: str = "gate", rows: int = 4096) -> torch.Tensor:
         """The CPU shard's FFN output [N, D] (fp32) for x [N, D], masked by the predictor's
-        mask [N, n_cpu] when given and by a sparsified SwiGLU model's activation threshold;
-        rows stream in chunks of ``rows`` (its device memory cost)."""
+        mask [N, n] when given and by a sparsified SwiGLU model's activation threshold; rows stream
+        in chunks of ``rows`` (its device memory cost)."""
         cold, dev = self.rows[l], self.device
+        keep = self._keep(l, mask, x.shape[0])  # [N, R] or None (every row)
+        if self._pin_file and l not in self._layer_pinned:
+            self._pin_layer(l)
         y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=dev)
-        for a in range(0, cold.n, rows):
-            b = min(a + rows, cold.n)
-            up = cold.up[a:b].to(dev, x.dtype, non_blocking=True)  # shared rows keep the CPU executor's dtype
+        streamed = 0
+        for a, b in self._chunks(l, rows):
+            up = cold.up[a:b].to(dev, x.dtype, non_blocking=True)  # file / shared rows keep their dtype
             gate = cold.gate[a:b].to(dev, x.dtype, non_blocking=True) if cold.gate is not None else None
             u = x @ up.T  # [N, b-a]
             if cold.up_bias is not None:
@@ -92,24 +116,57 @@ class ColdRows:
             hid = ffn_activation(self.cfg.ffn_act, u, g)
             if act_threshold is not None:
                 hid = apply_act_threshold(hid, g.float(), act_threshold, act_on)  # the criterion in fp32
-            if mask is not None:
-                hid = hid * mask[:, a:b]
+            if keep is not None:
+                hid = hid * keep[:, a:b]
             y += (hid @ cold.down_t[a:b].to(dev, hid.dtype, non_blocking=True)).float()
+            streamed += b - a
         self.stats.cold_neurons += int(mask.sum()) if mask is not None else x.shape[0] * cold.n
-        self.stats.active_bytes += cold.n * self.cfg.neuron_bytes
+        self.stats.active_bytes += streamed * self.cfg.neuron_bytes
         return y
 
+    def _keep(self, l: int, mask: torch.Tensor | None, n_tok: int) -> torch.Tensor | None:
+        """Which streamed rows each token keeps [N, R] (bool): the mask's neurons at their rows;
+        in place also none of the rows that are not the CPU's. None: every row."""
+        cold = self.rows[l]
+        if cold.rows is None:
+            return mask
+        sel = self._sel.get(l)
+        if sel is None:
+            sel = self._sel[l] = cold.rows.to(self.device).long()
+        keep = torch.zeros(n_tok, cold.up.shape[0], dtype=torch.bool, device=self.device)
+        keep[:, sel] = True if mask is None else mask
+        return keep
+
+    def _chunks(self, l: int, rows: int) -> list[tuple[int, int]]:
+        """[a, b) row ranges to stream: every row of a copy; in place the chunks holding any of
+        the CPU's rows."""
+        cold = self.rows[l]
+        R = cold.up.shape[0]
+        chunks = [(a, min(a + rows, R)) for a in range(0, R, rows)]
+        if cold.rows is None:
+            return chunks
+        used = np.bincount(cold.rows.numpy() // rows, minlength=len(chunks)) > 0
+        return [c for c, u in zip(chunks, used) if u]
+
+    def _pin_layer(self, l: int) -> None:
+        """Page-lock layer l's matrices in the file's mapping (read-only), merged into page runs."""
+        self._layer_pinned.add(l)
+        cold, page = self.rows[l], mmap.PAGESIZE
+        spans = sorted((t.data_ptr() // page * page, -(-(t.data_ptr() + t.numel() * t.element_size()) // page) * page)
+                       for t in (cold.up, cold.gate, cold.down_t) if t is not None)
+        merged: list[list[int]] = []
+        for a, b in spans:
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        for a, b in merged:
+            if not pin_host(a, b - a, f"layer {l}'s FFN rows in the model file (dense prefill)", read_only=True):
+                self._pin_file = False  # said once; the rest copy from pageable pages
+                return
+            self._pinned.append(a)
+
     def close(self) -> None:
-        if self._pinned:
-            torch.cuda.cudart().cudaHostUnregister(self._pinned)
-            self._pinned = 0
-
-
-def _host_available_bytes() -> int | None:
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+        for addr in self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(addr)
+        self._pinned.clear()

@@ -17,17 +17,24 @@ import numpy as np
 import torch
 
 from ..kernels.cpu_ffn import linear as cpu_linear, sparse_ffn_bitmask
+from ..kernels.cpu_library import configure_threads
 from ..model import gguf_keys as K
-from ..model.source import WeightSource, open_model
+from ..model.source import WeightSource, file_mapping, open_model
 from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec
+from .hostmem import process_memory
 from .layers import Policy, attn_partial, ffn_bytes, ffn_partial
 from .plan import Plan
-from .shard import load_attn_shard, load_ffn_shard
+from .shard import FFNShard, in_place_attn_shard, in_place_ffn_shard, load_attn_shard, load_ffn_shard
 from .sharedshard import fill, prefault, release, share
 from .stats import ExecStats
+from .warm import Warmer
 from .weights import DTYPES
 
 log = logging.getLogger(__name__)
+# how long the FFN kernel's worker threads spin after an exchange before they sleep: longer than the
+# gap between two layers' exchanges and between decode steps, so while tokens are generated they
+# start each exchange at once, on cores that never fell asleep
+WORKER_SPIN_US = 5000
 
 
 class OneThread:
@@ -35,10 +42,11 @@ class OneThread:
     ``submit`` returns a Future; exceptions travel with them). Not ThreadPoolExecutor(1): its
     worker is joined at interpreter exit, and the serving loop it would run ends only on OP_STOP.
 
-    The CPU executor runs all of its torch and kernel work here because libgomp (the OpenMP
-    runtime of torch and of the compiled kernel) keeps a pool of worker threads per thread that
-    starts parallel regions: with two such threads the pools outnumber the cores, and libgomp then
-    puts its workers to sleep between regions instead of letting them spin."""
+    The CPU executor runs all of its torch and kernel work here because libgomp (torch's OpenMP
+    runtime) keeps a pool of worker threads per thread that starts parallel regions: with two such
+    threads the pools outnumber the cores, and libgomp then puts its workers to sleep between
+    regions instead of letting them spin. (The compiled kernels' own workers, kernels/csrc/pool.h,
+    take their caller as thread 0: this thread.)"""
 
     def __init__(self, name: str) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -93,6 +101,7 @@ class CPUExecutor:
         self.load_s = time.perf_counter() - t0  # reading (or generating) its shard
 
     def _load(self, model, plan, policy, slots, n_ctx, threads, dtype, defer_fill) -> None:  # noqa: ANN001
+        t0 = time.perf_counter()
         self.src = open_model(model)
         self.cfg = cfg = self.src.config
         self.plan, self.policy = plan, policy
@@ -101,30 +110,76 @@ class CPUExecutor:
         # FFN (llama.cpp) does: it is the layer-offload baseline
         self.skip_zero = policy != "dense"
         self.threads = threads or torch.get_num_threads()
-        torch.set_num_threads(self.threads)
+        self._cpus = sorted(os.sched_getaffinity(0))  # before any pinning of this thread
+        self._apply_threads()
         wdt = DTYPES[dtype or cfg.dtype]
         n_ctx = min(n_ctx or cfg.n_ctx, cfg.n_ctx)
-        dev = torch.device("cpu")
-        # the FFN rows go into one shared-memory file when /dev/shm has room: the primary maps the
-        # same pages for dense prefill instead of holding a second copy (runtime/sharedshard.py)
-        load = lambda l: load_ffn_shard(self.src, l, plan[l].cpu_neurons, wdt, dev)  # noqa: E731
-        shared = share([len(plan[l].cpu_neurons) for l in range(cfg.n_layer)], cfg.gated, cfg.n_embd, wdt, load,
-                       defer=self._ids_and_bias if defer_fill else None)
-        self.ffn, self.shard_spec = shared if shared is not None else ([load(l) for l in range(cfg.n_layer)], None)
-        self.needs_fill = defer_fill and shared is not None
+        self.phases = {"open": time.perf_counter() - t0}
+        t1 = time.perf_counter()
+        self.shard_spec, self.needs_fill = None, False
+        self.ffn = self._ffn_in_place(wdt)
+        if self.ffn is None:
+            self.ffn = self._ffn_copy(wdt, defer_fill)
+        self.phases["ffn"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
         # attention weights in the model's dtype, read in place by the compiled kernel's linear
         # (fp32 weights read twice the bytes; torch would widen them per call); KV cache in fp32
-        self.attn = [load_attn_shard(self.src, l, plan[l].cpu_groups, wdt, dev, slots + 1, n_ctx,
-                                     cache_dtype=torch.float32, out_rows=True) for l in range(cfg.n_layer)]
+        # (in place in the file's mapping when its groups are one range)
+        self.attn = [in_place_attn_shard(self.src, l, plan[l].cpu_groups, wdt, slots + 1, n_ctx, torch.float32)
+                     or load_attn_shard(self.src, l, plan[l].cpu_groups, wdt, torch.device("cpu"), slots + 1, n_ctx,
+                                        cache_dtype=torch.float32, out_rows=True) for l in range(cfg.n_layer)]
+        self.phases["attention"] = time.perf_counter() - t1
         self.stats = ExecStats()
         self.channel: Channel | None = None
         self.error: str | None = None
+        self.warmer = Warmer(self.ffn).start() if self.ffn_rows == "file" else None
+
+    def _ffn_in_place(self, wdt: torch.dtype) -> list[FFNShard] | None:
+        """Every layer's FFN rows as views of the model file's memory map (no copy), or None
+        when the source has no file or its layout or dtype cannot be read so."""
+        cfg, plan = self.cfg, self.plan
+        shards = [in_place_ffn_shard(self.src, l, plan[l].cpu_neurons, wdt) for l in range(cfg.n_layer)]
+        if any(sh is None for sh in shards):
+            return None
+        self.ffn_rows = "file"
+        log.info("cpu executor: FFN rows computed in place in %s (%.2f GiB of rows, no copy)",
+                 file_mapping(self.src).path, sum(sh.nbytes for sh in shards) / 2**30)
+        return shards
+
+    def _ffn_copy(self, wdt: torch.dtype, defer_fill: bool) -> list[FFNShard]:
+        """The FFN rows copied: into one shared-memory file when /dev/shm has room (the primary
+        maps the same pages for dense prefill instead of holding a second copy:
+        runtime/sharedshard.py), else into private memory."""
+        cfg, plan, dev = self.cfg, self.plan, torch.device("cpu")
+        why = ("the source has no file (a planted model: its rows are generated)" if file_mapping(self.src) is None
+               else f"the file does not hold every layer's ffn_up / ffn_gate / ffn_down_t as {wdt} [n_ff, D] rows")
+        load = lambda l: load_ffn_shard(self.src, l, plan[l].cpu_neurons, wdt, dev)  # noqa: E731
+        shared = share([len(plan[l].cpu_neurons) for l in range(cfg.n_layer)], cfg.gated, cfg.n_embd, wdt, load,
+                       defer=self._ids_and_bias if defer_fill else None)
+        self.ffn_rows = "shared" if shared is not None else "private"
+        shards = shared[0] if shared is not None else [load(l) for l in range(cfg.n_layer)]
+        log.info("cpu executor: FFN rows copied into %s memory (%.2f GiB): %s", self.ffn_rows,
+                 sum(sh.nbytes for sh in shards) / 2**30, why)
+        if shared is not None:
+            self.shard_spec, self.needs_fill = shared[1], defer_fill
+        return shards
 
     def ready(self) -> dict:
         """What the group's start script reads: the shared rows' layout, and whether they await
-        their rows (``defer_fill``)."""
-        return {"device": "cpu", "weight_bytes": self.weight_bytes(), "threads": self.threads,
-                "load_s": self.load_s, "needs_fill": self.needs_fill, "shard_spec": self.shard_spec}
+        their rows (``defer_fill``); where the FFN rows are (file | shared | private), the load's
+        phases in seconds, and this process's memory."""
+        return {"device": "cpu", "weight_bytes": self.weight_bytes(), "threads": self.threads, "pinned": self.pinned,
+                "load_s": self.load_s, "needs_fill": self.needs_fill, "shard_spec": self.shard_spec,
+                "ffn_rows": self.ffn_rows, "phases": {k: round(v, 3) for k, v in self.phases.items()},
+                "memory": self.memory()}
+
+    def memory(self) -> dict:
+        """This process's resident memory (``hostmem.process_memory``), the bytes of its FFN rows
+        by where they are, and how far the warming of in-place rows has come."""
+        rows = sum(sh.nbytes for sh in self.ffn)
+        return {**process_memory(), "ffn_rows": self.ffn_rows, "ffn_row_bytes": rows,
+                "shared_bytes": rows if self.ffn_rows == "shared" else 0,
+                "warm": self.warmer.state() if self.warmer is not None else None}
 
     def weight_bytes(self) -> int:
         return sum(s.nbytes for s in self.ffn) + sum(a.weight_bytes + a.cache_bytes for a in self.attn)
@@ -136,8 +191,18 @@ class CPUExecutor:
             raise ValueError(f"threads={n!r}: expected an int in [1, {os.cpu_count()}] (this host's cores)")
         self.threads = n
         if self._serving is None:
-            self._omp.call(lambda: torch.set_num_threads(n))
+            self._omp.call(self._apply_threads)
         return n
+
+    def _apply_threads(self) -> None:
+        """torch's threads, and the kernels' workers: pinned to the last ``threads`` CPUs of this
+        process when at least two more are left for the others (the primary's driver thread, Ray),
+        so they spin on cores of their own; else unpinned (they yield when a core is shared).
+        Runs in the worker thread, which becomes the kernels' thread 0."""
+        torch.set_num_threads(self.threads)
+        cpus = self._cpus
+        self.pinned = cpus[-self.threads:] if self.threads + 2 <= len(cpus) else []
+        configure_threads(WORKER_SPIN_US, self.pinned)
 
     def _ids_and_bias(self, l: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Layer l's CPU neurons and their up bias (float32, models with biases): the shared
@@ -151,9 +216,11 @@ class CPUExecutor:
         """The primary has written the rows (`needs_fill`): touch every page once before serving.
         by_primary False: it could not, so write them here."""
         def run() -> None:
+            t0 = time.perf_counter()
             if not by_primary:
                 fill(self.shard_spec, self.src, torch.device("cpu"))
             prefault(self.ffn)
+            self.phases["fill" if not by_primary else "prefault"] = time.perf_counter() - t0
         self._omp.call(run)
         self.needs_fill = False
 
@@ -177,7 +244,7 @@ class CPUExecutor:
             last = ch.wait_request(last, spin_s=0.02)  # hot while generating, asleep when idle
             t_start = time.monotonic_ns()
             if self.threads != applied:  # set_threads while serving
-                torch.set_num_threads(self.threads)
+                self._apply_threads()
                 applied = self.threads
             op, l, n_seq, n_tok, n_mask = ch.request()
             if op == OP_STOP:
@@ -229,7 +296,8 @@ class CPUExecutor:
             t_k = time.monotonic_ns()
             pairs, rows, down_rows = sparse_ffn_bitmask(
                 ch.x_ffn[:n_tok], sh.up, sh.gate, sh.down_t, packed, n_mask if packed is not None else sh.n,
-                cfg.ffn_act, sh.up_bias, out, self.threads, skip_zero=self.skip_zero, act_threshold=t, act_on=on)
+                cfg.ffn_act, sh.up_bias, out, self.threads, skip_zero=self.skip_zero, rows=sh.rows, act_threshold=t,
+                act_on=on)
             self.stats.kernel_s += (time.monotonic_ns() - t_k) * 1e-9
             nbytes = ffn_bytes(cfg, self.policy, sh.n, rows, down_rows)  # the down rows it skipped are not read
         self.stats.neurons += pairs
@@ -241,4 +309,6 @@ class CPUExecutor:
         if self._serving is not None:
             futures_wait([self._serving], timeout=5)
         self._omp.close()
+        if self.warmer is not None:
+            self.warmer.stop()
         release(self.shard_spec)

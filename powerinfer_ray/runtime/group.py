@@ -4,6 +4,7 @@ in this process (``LocalBackend``: the CPU executor serves in a thread of its ow
 actors (``actors.executors.RayBackend``). The members of both backends answer the same calls.
 
 The script:
+  0. check that the executors fit the host's memory (``hostmem.check_fits``), before loading;
   1. create the executors (on Ray they load their shards in parallel) and wait until ready;
   2. fill: when the weight source makes rows faster on the primary's device
      (``model.source.rows_faster_on``: a planted model on a GPU), the CPU executor has only laid
@@ -24,7 +25,9 @@ from typing import Any, Awaitable, Callable, Protocol
 import numpy as np
 
 from .channel import ChannelSpec
+from ..model.source import open_model
 from .cpu_executor import CPUExecutor
+from .hostmem import check_fits, host_need
 from .plan import Plan
 from .primary import PrimaryExecutor
 from .sharedshard import SharedShardSpec
@@ -51,6 +54,7 @@ class GroupSpec:
     prefill_dense_min: int | None = None
     graphs: bool | None = None
     primary_fills: bool = False  # the primary writes the CPU executor's rows (step 2)
+    host_memory_bytes: int | None = None  # host memory the executors may take (None: what the host has available)
 
     def primary_kwargs(self) -> dict[str, Any]:
         return dict(device=self.device, policy=self.policy, threshold=self.threshold, slots=self.slots,
@@ -87,6 +91,7 @@ class ExecutorGroup:
     shard: SharedShardSpec | None = None
     dense_prefill: str | None = None  # where dense prefill reads the CPU shard: shared | copy | None
     load_s: dict[str, float] = field(default_factory=dict)  # seconds of each start step
+    ready: list[dict] = field(default_factory=list)  # the members' ready() answers (load phases, memory)
     step: StepFn | None = None
 
     def close(self) -> None:
@@ -102,13 +107,21 @@ def start_group(backend: Backend, spec: GroupSpec) -> ExecutorGroup:
     def call(member: Any, method: str, *args: Any) -> Any:  # noqa: ANN401
         return backend.call([(member, method, args)])[0]
 
+    t0 = time.perf_counter()
+    src = open_model(spec.model)
+    check_fits(host_need(src, spec.plan, spec.slots, spec.n_ctx), spec.host_memory_bytes,
+               f"the model {src.config.name or spec.model}")
+    g.load_s["check"] = round(time.perf_counter() - t0, 2)
     try:
+        t_m = time.perf_counter()
         g.primary = backend.create("primary", spec)
         g.cpu = backend.create("cpu", spec) if spec.plan.needs_cpu_executor else None
         info = backend.call([(m, "ready", ()) for m in (g.primary, g.cpu) if m is not None])
+        g.load_s["members"] = round(time.perf_counter() - t_m, 2)  # processes started, shards loaded
         log.info("executors ready: %s", [{k: v for k, v in i.items() if k != "shard_spec"} for i in info])
         # seconds each executor took to build its shard (in parallel on Ray), then the steps below
-        g.load_s = dict(zip(("gpu", "cpu"), (round(i["load_s"], 1) for i in info)))
+        g.load_s.update(zip(("gpu", "cpu"), (round(i["load_s"], 2) for i in info)))
+        g.ready = info
         if g.cpu is not None:
             g.shard = info[1]["shard_spec"]
             if info[1]["needs_fill"]:
@@ -118,8 +131,9 @@ def start_group(backend: Backend, spec: GroupSpec) -> ExecutorGroup:
             call(g.cpu, "attach", g.channel)
             t_a = time.perf_counter()
             g.dense_prefill = call(g.primary, "attach_cold", g.shard)
-            g.load_s["attach_cold"] = round(time.perf_counter() - t_a, 1)
+            g.load_s["attach_cold"] = round(time.perf_counter() - t_a, 2)
         g.step = backend.step_fn(g.primary)
+        g.load_s["total"] = round(time.perf_counter() - t0, 2)
     except BaseException:
         g.close()
         raise
@@ -136,7 +150,7 @@ def _fill(g: ExecutorGroup, backend: Backend) -> None:
         log.warning("the primary could not write the CPU executor's rows (%s); it writes them itself", e)
         by_primary = False
     backend.call([(g.cpu, "filled", (by_primary,))])
-    g.load_s["fill_cold" if by_primary else "cpu_fill"] = round(time.perf_counter() - t_f, 1)
+    g.load_s["fill_cold" if by_primary else "cpu_fill"] = round(time.perf_counter() - t_f, 2)
 
 
 class LocalBackend:

@@ -100,10 +100,12 @@ def oracle_mask(x: torch.Tensor, shard: FFNShard, act: str, act_threshold: float
     """The true activity [T, n] of the shard's neurons for inputs x [T, D]: h != 0, or with a
     SwiGLU activation threshold the criterion above it (the thresholded model's)."""
     xf = x.float()
-    up = xf @ shard.up.float().T  # [T, n]
+    sel = None if shard.rows is None else shard.rows.long()
+    rows = lambda t: t if sel is None else t[sel]  # noqa: E731  (the shard's neurons' rows, in order)
+    up = xf @ rows(shard.up).float().T  # [T, n]
     if shard.up_bias is not None:
-        up = up + shard.up_bias
-    gate = xf @ shard.gate.float().T if shard.gate is not None else None  # [T, n]
+        up = up + rows(shard.up_bias)
+    gate = xf @ rows(shard.gate).float().T if shard.gate is not None else None  # [T, n]
     h = ffn_activation(act, up, gate)
     return h != 0 if act_threshold is None else threshold_criterion(act_on, gate, h) > act_threshold
 
@@ -131,8 +133,8 @@ def ffn_partial(x: torch.Tensor, shard: FFNShard, act: str, policy: str,
     else:
         idx, tok_mask = active_rows(mask)
         computed = int(mask.sum()) if tok_mask is not None else idx.numel()
-    y = sparse_ffn(x, shard.up, shard.gate, shard.down_t, idx, tok_mask, act, shard.up_bias, out,
-                   threads=threads, act_threshold=act_threshold, act_on=act_on)
+    y = sparse_ffn(x, shard.up, shard.gate, shard.down_t, shard.row_index(idx), tok_mask, act, shard.up_bias,
+                   out, threads=threads, act_threshold=act_threshold, act_on=act_on)
     return y, computed, idx.numel()
 
 
@@ -145,8 +147,9 @@ def gate_first_ffn(x: torch.Tensor, shard: FFNShard, act: str, t: float, out: to
     if x.device.type == "cpu":
         y = out if out is not None else torch.empty(x.shape, dtype=x.dtype)
         pairs, rows, _ = sparse_ffn_bitmask(x.contiguous(), shard.up, shard.gate, shard.down_t, None, shard.n, act,
-                                            shard.up_bias, y, threads, act_threshold=t)
+                                            shard.up_bias, y, threads, rows=shard.rows, act_threshold=t)
         return y, pairs, rows
+    assert not shard.in_place, "a GPU shard holds its own rows"
     g = linear(x, shard.gate)  # [T, n] fp32
     mask = active_of(g, t, silu=True)  # [T, n]
     idx, tok_mask = active_rows(mask)

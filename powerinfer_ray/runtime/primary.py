@@ -13,6 +13,7 @@ Dimension legend: B sequences, T tokens per sequence in a step, V vocab.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -24,6 +25,7 @@ from .channel import ChannelSpec
 from .cold import ColdRows
 from .eager import EagerStep
 from .exchange import Exchange
+from .hostmem import process_memory
 from .graphs import GRAPH_POLICIES, DecodeGraphs, GraphCaptureError
 from .layers import Policy
 from .plan import Plan
@@ -33,6 +35,9 @@ from .stats import ExecStats
 from .weights import DTYPES, PrimaryWeights
 
 log = logging.getLogger(__name__)
+# torch threads while loading (the rows a file holds are gathered out of its map in parallel); the
+# actor reserves one CPU, but at load time the host's cores are otherwise idle
+LOAD_THREADS = 8
 
 
 class PrimaryExecutor:
@@ -50,6 +55,7 @@ class PrimaryExecutor:
         t0 = time.perf_counter()
         self.src = open_model(model)
         cfg = self.src.config
+        self.phases = {"open": time.perf_counter() - t0}
         plan.verify(cfg)
         self.policy = Policy.for_model(policy, threshold, cfg)
         self.device = torch.device(device)
@@ -60,8 +66,18 @@ class PrimaryExecutor:
             # cuDNN's SDPA plans per shape: every decode step has a new key length, and each
             # re-plan costs milliseconds of host time
             torch.backends.cuda.enable_cudnn_sdp(False)
-        self.weights = PrimaryWeights(self.src, plan, self.policy, self.device, dt, slots,
-                                      min(n_ctx or cfg.n_ctx, cfg.n_ctx))
+        t1 = time.perf_counter()
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(threads, min(LOAD_THREADS, os.cpu_count() or 1)))  # gathers of file rows
+        try:
+            self.weights = PrimaryWeights(self.src, plan, self.policy, self.device, dt, slots,
+                                          min(n_ctx or cfg.n_ctx, cfg.n_ctx))
+        finally:
+            torch.set_num_threads(threads)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.phases["weights"] = time.perf_counter() - t1
+        self.phases.update({f"weights.{k}": v for k, v in self.weights.phases.items()})
         self.cold = ColdRows(self.src, plan, dt, self.device, self.stats, prefill_dense_min)
         self.exchange: Exchange | None = None
         self.use_graphs = ((self.device.type == "cuda") if graphs is None else bool(graphs)) \
@@ -80,7 +96,10 @@ class PrimaryExecutor:
 
     # --- setup (the executor group calls these) --------------------------------------------------
     def ready(self) -> dict:
-        return {"device": str(self.device), "weight_bytes": self.weight_bytes(), "load_s": self.load_s}
+        """What the group's start script reads: bytes held, the load's phases in seconds, and
+        this process's host memory."""
+        return {"device": str(self.device), "weight_bytes": self.weight_bytes(), "load_s": self.load_s,
+                "phases": {k: round(v, 3) for k, v in self.phases.items()}, "memory": process_memory()}
 
     def create_channel(self) -> ChannelSpec | None:
         """Create the shared-memory channel to the CPU executor (None: the plan needs no CPU)."""

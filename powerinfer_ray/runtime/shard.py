@@ -1,6 +1,8 @@
 """What an executor holds for one layer, loaded from a WeightSource: only its own rows and heads.
 
-``FFNShard``: rows of up / gate / down_t (and up's bias) of the executor's neurons.
+``FFNShard``: rows of up / gate / down_t (and up's bias) of the executor's neurons: a copy of
+them (``load_ffn_shard``), or, where the model file stores them as the compute reads them, the
+file's whole matrices in its memory map with the row of each neuron (``in_place_ffn_shard``).
 ``AttnShard``: q/k/v rows and the o-projection columns (transposed) of its KV-head groups, with
 their KV cache [slots, Gs, S, hd]. Partial outputs of disjoint shards add up to the dense layer
 (``layers.merge_partials``).
@@ -14,31 +16,45 @@ import torch
 
 from ..model import gguf_keys as K
 from ..model.config import ModelConfig
-from ..model.source import WeightSource
+from ..model.source import WeightSource, layer_rows, mapped_tensor
 
 
 @dataclass
 class FFNShard:
-    ids: np.ndarray  # [n] global neuron ids (sorted)
-    up: torch.Tensor  # [n, D]
-    gate: torch.Tensor | None  # [n, D]
-    down_t: torch.Tensor  # [n, D]
-    up_bias: torch.Tensor | None  # [n]
+    """Neuron j of the shard (global id ids[j]) is row ``rows[j]`` of up, gate, down_t and up_bias
+    (row j when ``rows`` is None: a copy holding the shard's rows only, R = n)."""
+
+    ids: np.ndarray  # [n] global neuron ids, in shard order (the CPU mask's bit j is neuron ids[j])
+    up: torch.Tensor  # [R, D]
+    gate: torch.Tensor | None  # [R, D]
+    down_t: torch.Tensor  # [R, D]
+    up_bias: torch.Tensor | None  # [R]
+    rows: torch.Tensor | None = None  # [n] int32 (in place: the global ids, R = n_ff)
 
     @property
     def n(self) -> int:
         return len(self.ids)
 
     @property
+    def in_place(self) -> bool:
+        return self.rows is not None
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.up, self.gate, self.down_t, self.up_bias)
-                   if t is not None)
+        """Bytes of the shard's neurons (n rows of each matrix and of the bias)."""
+        per_row = sum(t.element_size() * (t.shape[1] if t.dim() == 2 else 1)
+                      for t in (self.up, self.gate, self.down_t, self.up_bias) if t is not None)
+        return self.n * per_row
+
+    def row_index(self, idx: torch.Tensor) -> torch.Tensor:
+        """The rows of up / gate / down_t of the shard's neurons idx [K] (int64, idx's device)."""
+        return idx if self.rows is None else self.rows.to(idx.device).long()[idx]
 
 
 @dataclass
 class AttnShard:
     groups: np.ndarray  # [Gs] KV-head groups
-    wqkv: torch.Tensor  # [(Hs+2Gs)*hd, D]: q, k, v rows stacked (one matmul)
+    wqkv: torch.Tensor | None  # [(Hs+2Gs)*hd, D]: q, k, v rows stacked (one matmul); None in place
     bqkv: torch.Tensor | None
     wq: torch.Tensor  # [Hs*hd, D]  (row views of wqkv, likewise wk, wv and the biases)
     wk: torch.Tensor  # [Gs*hd, D]
@@ -56,7 +72,7 @@ class AttnShard:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.wqkv, self.wo_t))
+        return sum(t.numel() * t.element_size() for t in (self.wq, self.wk, self.wv, self.wo_t))
 
     @property
     def cache_bytes(self) -> int:
@@ -77,12 +93,67 @@ def load_ffn_shard(src: WeightSource, l: int, ids: np.ndarray, dtype: torch.dtyp
     cfg = src.config
 
     def rows(tmpl: str, bias: bool = False) -> torch.Tensor:
-        return src.layer(tmpl, l, rows=ids, dtype=dtype if not bias else torch.float32,
-                         bias=bias, device=device).contiguous()
+        return layer_rows(src, tmpl, l, rows=ids, dtype=dtype if not bias else torch.float32,
+                          bias=bias, device=device).contiguous()
 
     return FFNShard(ids=np.asarray(ids, np.int64), up=rows(K.FFN_UP),
                     gate=rows(K.FFN_GATE) if cfg.gated else None, down_t=rows(K.FFN_DOWN_T),
                     up_bias=rows(K.FFN_UP, bias=True) if cfg.bias else None)
+
+
+def in_place_ffn_shard(src: WeightSource, l: int, ids: np.ndarray, dtype: torch.dtype | None) -> FFNShard | None:
+    """Layer l's neurons ``ids`` as views of the model file's ffn_up / ffn_gate / ffn_down_t
+    [n_ff, D] (and up's bias) in its memory map, without a copy; None when the file cannot serve
+    them so: no file, another layout (ffn_down untransposed, fused), or a dtype other than
+    ``dtype`` (None: any float dtype the file has)."""
+    cfg = src.config
+    mats = [K.FFN_UP] + ([K.FFN_GATE] if cfg.gated else []) + [K.FFN_DOWN_T]
+    views = [mapped_tensor(src, K.tensor(t, l)) for t in mats]
+    want = (cfg.n_ff, cfg.n_embd)
+    for v in views:
+        if v is None or tuple(v.shape) != want or v.stride(1) != 1 or v.dtype != views[0].dtype \
+                or v.dtype not in (torch.float32, torch.float16, torch.bfloat16) or (dtype is not None and v.dtype != dtype):
+            return None
+    bias = mapped_tensor(src, K.tensor(K.FFN_UP, l, True)) if cfg.bias else None
+    if cfg.bias and (bias is None or tuple(bias.shape) != (cfg.n_ff,)):
+        return None
+    ids = np.asarray(ids, np.int64)
+    return FFNShard(ids, views[0], views[1] if cfg.gated else None, views[-1], bias,
+                    rows=torch.from_numpy(ids.astype(np.int32)))
+
+
+def attn_views(src: WeightSource, l: int, groups: np.ndarray, dtype: torch.dtype) -> dict[str, torch.Tensor | None] | None:
+    """Layer l's q / k / v rows and output columns of the KV-head groups ``groups`` as views of the
+    model file's tensors in its memory map (wo_t in the ``out_rows`` form of ``load_attn_shard``),
+    by AttnShard field; None when the groups are not one contiguous range or the file holds the
+    tensors otherwise (fused qkv, another dtype)."""
+    cfg = src.config
+    groups = np.asarray(groups, np.int64)
+    if not len(groups) or not np.array_equal(groups, np.arange(groups[0], groups[0] + len(groups))):
+        return None
+    q_rows, kv_rows = head_rows(cfg, groups)
+    (q0, q1), (k0, k1) = (q_rows[0], q_rows[-1] + 1), (kv_rows[0], kv_rows[-1] + 1)
+    t = {tmpl: mapped_tensor(src, K.tensor(tmpl, l)) for tmpl in (K.ATTN_Q, K.ATTN_K, K.ATTN_V, K.ATTN_OUT)}
+    if any(v is None or v.dtype != dtype or v.dim() != 2 or v.stride(1) != 1 for v in t.values()):
+        return None
+    b = {tmpl: mapped_tensor(src, K.tensor(tmpl, l, True)) if cfg.bias else None for tmpl in (K.ATTN_Q, K.ATTN_K, K.ATTN_V)}
+    if cfg.bias and any(v is None for v in b.values()):
+        return None
+    part = lambda v, a, z: None if v is None else v[a:z]  # noqa: E731
+    return dict(wq=t[K.ATTN_Q][q0:q1], wk=t[K.ATTN_K][k0:k1], wv=t[K.ATTN_V][k0:k1], wo_t=t[K.ATTN_OUT][:, q0:q1].T,
+                bq=part(b[K.ATTN_Q], q0, q1), bk=part(b[K.ATTN_K], k0, k1), bv=part(b[K.ATTN_V], k0, k1))
+
+
+def in_place_attn_shard(src: WeightSource, l: int, groups: np.ndarray, dtype: torch.dtype, slots: int, n_ctx: int,
+                        cache_dtype: torch.dtype) -> AttnShard | None:
+    """Layer l's attention for ``groups`` over the file's own rows (``attn_views``), with a KV
+    cache of its own [slots, Gs, n_ctx, hd]; None where ``attn_views`` is."""
+    views = attn_views(src, l, groups, dtype)
+    if views is None:
+        return None
+    cache_shape = (slots, len(groups), n_ctx, src.config.head_dim)
+    return AttnShard(groups=np.asarray(groups, np.int64), wqkv=None, bqkv=None, **views,
+                     k_cache=torch.zeros(cache_shape, dtype=cache_dtype), v_cache=torch.zeros(cache_shape, dtype=cache_dtype))
 
 
 def load_attn_shard(src: WeightSource, l: int, groups: np.ndarray, dtype: torch.dtype,
@@ -98,13 +169,13 @@ def load_attn_shard(src: WeightSource, l: int, groups: np.ndarray, dtype: torch.
     def rows(tmpl: str, r: np.ndarray, bias: bool = False) -> torch.Tensor | None:
         if bias and not cfg.has_qkv_bias:
             return None
-        t = src.layer(tmpl, l, rows=r, dtype=dtype, bias=bias, device=device)  # F.linear wants one dtype
+        t = layer_rows(src, tmpl, l, rows=r, dtype=dtype, bias=bias, device=device)  # F.linear wants one dtype
         return t.contiguous()
 
     if len(groups) == 0:  # nothing of this layer's attention here: skip reading attn_output
         wo_t = torch.empty(0, cfg.n_embd, dtype=dtype, device=device)
     else:
-        wo = src.layer(K.ATTN_OUT, l, dtype=dtype, device=device)  # [D, H*hd]
+        wo = layer_rows(src, K.ATTN_OUT, l, dtype=dtype, device=device)  # [D, H*hd]
         wo_t = wo[:, torch.from_numpy(q_rows).to(device)].T  # our heads' columns (a copy)
         wo_t = wo_t if out_rows else wo_t.contiguous()
     cache_shape = (slots, len(groups), n_ctx, cfg.head_dim)

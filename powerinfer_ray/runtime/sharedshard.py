@@ -1,4 +1,7 @@
-"""The CPU executor's FFN shard in one shared-memory file that the primary maps too.
+"""The CPU executor's FFN shard as a copy in one shared-memory file that the primary maps too:
+for weight sources whose rows cannot be read in place (``shard.in_place_ffn_shard``: a planted
+model has no file; a file of another layout). Rows of a model file are computed on where they
+are, in its memory map, and need none of this.
 
 For long prompts the primary computes the CPU shard's neurons densely, streaming their rows to
 its device (``cold.ColdRows``). Mapping the CPU executor's pages saves a second host copy of the

@@ -6,6 +6,7 @@ Dimension legend: N tokens of a step, D hidden, V vocab, r predictor width.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch.nn.functional as Fn
 from ..kernels.predictor import predictor_logits
 from ..model import gguf_keys as K
 from ..model.reference import layer_norm, rms_norm
-from ..model.source import WeightSource
+from ..model.source import WeightSource, layer_rows
 from .layers import Policy
 from .plan import Plan
 from .shard import AttnShard, FFNShard, load_attn_shard, load_ffn_shard
@@ -50,10 +51,14 @@ class PrimaryWeights:
         self.src, self.cfg, self.plan, self.policy = src, src.config, plan, policy
         self.device, self.dtype, self.slots, self.n_ctx = device, dtype, slots, n_ctx
         cfg, dev, dt = self.cfg, device, dtype
+        # host seconds of each kind of tensor (H2D copies from pageable memory are synchronous)
+        self.phases = {"globals": 0.0, "predictors": 0.0, "attention": 0.0, "ffn": 0.0}
+        t0 = time.perf_counter()
         self.embd = src.global_(K.TOKEN_EMBD, dt).to(dev)  # [V, D]
         self.pos_embd = src.global_(K.POS_EMBD, dt).to(dev) if cfg.arch == "opt" else None
         self.out_norm = self._norm_pair(K.OUTPUT_NORM, None)
         self.out_w = self.embd if cfg.tied_output else src.output_weight(dt).to(dev)  # [V, D]
+        self.phases["globals"] += time.perf_counter() - t0
         self.layers = [self._layer(l) for l in range(cfg.n_layer)]
         # what the fixed-shape decode step reads: rotary rows of every position, the predictor's
         # GPU rows (they come first in fc2), every GPU row (policy 'dense')
@@ -83,19 +88,25 @@ class PrimaryWeights:
         norm_ffn_t = K.ATTN_NORM_2 if cfg.two_norms else (None if cfg.parallel_attn else K.FFN_NORM)
         fc1 = fc2 = None
         if self.policy.name == "predictor":
-            fc1 = self.src.layer(K.FC1, l, dtype=dt, device=dev)
+            t0 = time.perf_counter()
+            fc1 = layer_rows(self.src, K.FC1, l, dtype=dt, device=dev)
             rows = np.concatenate([lp.gpu_neurons, lp.cpu_neurons])
-            fc2 = self.src.layer(K.FC2, l, rows=rows, dtype=dt, device=dev)
+            fc2 = layer_rows(self.src, K.FC2, l, rows=rows, dtype=dt, device=dev)
+            self.phases["predictors"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
         attn = load_attn_shard(self.src, l, lp.gpu_groups, dt, dev, self.slots + 1, self.n_ctx)
+        self.phases["attention"] += time.perf_counter() - t0
         attn_out_b, down_b = self._vec(K.ATTN_OUT, l, bias=True), self._vec(K.FFN_DOWN_T, l, bias=True)
         if cfg.parallel_attn:
             attn_bias, ffn_bias = None, _add(attn_out_b, down_b)
         else:
             attn_bias, ffn_bias = attn_out_b, down_b
         nbytes = attn.weight_bytes + sum(t.numel() * t.element_size() for t in (fc1, fc2) if t is not None)
+        t0 = time.perf_counter()
+        ffn = load_ffn_shard(self.src, l, lp.gpu_neurons, dt, dev)
+        self.phases["ffn"] += time.perf_counter() - t0
         return LayerWeights(self._norm_pair(K.ATTN_NORM, l), self._norm_pair(norm_ffn_t, l) if norm_ffn_t else None,
-                            fc1, fc2, load_ffn_shard(self.src, l, lp.gpu_neurons, dt, dev), attn,
-                            attn_bias, ffn_bias, nbytes)
+                            fc1, fc2, ffn, attn, attn_bias, ffn_bias, nbytes)
 
     # --- what the layer schedule computes with ---------------------------------------------------
     def norm(self, x: torch.Tensor, pair: Norm) -> torch.Tensor:

@@ -277,6 +277,87 @@ def test_weight_checks_are_redone_for_new_tensors():
 
 
 
+def _in_place(N_full: int, n: int, dtype, act: str, bias: bool, gen: torch.Generator):
+    """Whole matrices [N_full, D] (a model file's) and a shard of n of their rows in no order
+    (hottest first in the runtime): int32 row ids."""
+    up, gate, down_t, b = make_shard(N_full, 64, dtype, act, bias, gen)
+    rows = torch.randperm(N_full, generator=gen)[:n].to(torch.int32)
+    return up, gate, down_t, (b.float() if b is not None else None), rows
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["kernel", "torch-fallback"])
+@pytest.mark.parametrize("act", ["relu", "reglu"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_read_a_shard_in_place_of_the_whole_matrices(compiled, act, dtype, monkeypatch):
+    """rows: neuron j of the mask is row rows[j] of the whole matrices (and of up_bias): the same
+    as the kernel over the gathered rows, against float64, with and without a mask, T = 1 to 70
+    (two blocks of tokens), both splits; every row read is one of the shard's."""
+    if compiled and not cpu_ffn.available():
+        pytest.skip("no C++ compiler")
+    if not compiled:
+        monkeypatch.setattr(cpu_ffn, "library", lambda: None)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"rows{dtype}{act}{compiled}".encode()))
+    up, gate, down_t, b, rows = _in_place(301, 117, dtype, act, act == "relu", gen)
+    sel = rows.long()
+    shard = (up[sel], None if gate is None else gate[sel], down_t[sel], None if b is None else b[sel])
+    for T, density, split in ((1, 0.2, "auto"), (5, 0.1, "rows"), (5, 0.3, "cols"), (70, 0.05, "auto")):
+        x = torch.randn(T, 64, generator=gen).to(dtype)
+        mask = token_mask(T, 117, density, gen)
+        what = f"{dtype} {act} T={T} split={split}"
+        su, sg, sd, sb = shard
+        check(x, su, sg, sd, mask, act, sb, torch.float32, what + " (gathered)", split=split)  # the reference path
+        out, ref = poisoned((T, 64), torch.float32), reference(x, su, sg, sd, mask, act, sb)
+        stats = cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, pack(mask), 117, act, b, out, split=split, rows=rows)
+        assert stats[:2] == ref[1:], what
+        assert rel_err(out, ref[0]) < max(TOL[dtype], TOL[torch.float32]), what
+    out = poisoned((2, 64), torch.float32)  # no mask: every one of the shard's rows
+    x = torch.randn(2, 64, generator=gen).to(dtype)
+    assert cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, None, 117, act, b, out, rows=rows)[:2] == (2 * 117, 117)
+    ref = reference(x, *shard[:3], torch.ones(2, 117, dtype=torch.bool), act, shard[3])[0]
+    assert rel_err(out, ref) < max(TOL[dtype], TOL[torch.float32])
+
+
+@needs_compiler
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+def test_rows_of_quantized_matrices_equal_the_gathered_rows(qtype):
+    """Quantized whole matrices with row ids give the gathered shard's result bit for bit on one
+    thread (the same rows in the same order through the same code; that path is checked against
+    gguf-py's dequantization in test_cpu_quant.py)."""
+    from gguf import GGMLQuantizationType as GQ
+    from gguf.quants import quantize
+
+    gen = torch.Generator().manual_seed(len(qtype))
+    N_full, n, D = 260, 90, 64
+    up, gate, down_t = (torch.from_numpy(quantize(torch.randn(N_full, D, generator=gen).numpy(), GQ[qtype.upper()]))
+                        for _ in range(3))
+    rows = torch.randperm(N_full, generator=gen)[:n].to(torch.int32)
+    sel = rows.long()
+    for T in (1, 6):
+        x = torch.randn(T, D, generator=gen)
+        packed = pack(token_mask(T, n, 0.3, gen))
+        a, b = torch.empty(T, D), torch.empty(T, D)
+        sa = cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, packed, n, "reglu", None, a, 1, qtype=qtype, rows=rows)
+        sb = cpu_ffn.sparse_ffn_bitmask(x, up[sel], gate[sel], down_t[sel], packed, n, "reglu", None, b, 1, qtype=qtype)
+        assert sa == sb and torch.equal(a, b), (qtype, T)  # one thread: the same sums in the same order
+
+
+@pytest.mark.parametrize("rows, match", [
+    (torch.tensor([0, 5, 20], dtype=torch.int32), r"rows is ids in \[0, 20\], expected ids in \[0, 20\)"),
+    (torch.tensor([0, -1, 3], dtype=torch.int32), r"ids in \[-1, 3\]"),
+    (torch.tensor([0, 1, 2]), "rows is torch.int64"),
+    (torch.tensor([0, 1, 2, 3], dtype=torch.int32)[::2], "contiguous"),
+])
+def test_bad_rows_name_the_field(rows, match):
+    gen = torch.Generator().manual_seed(3)
+    up, gate, down_t, _ = make_shard(20, 16, torch.float32, "reglu", False, gen)
+    with pytest.raises(ValueError, match=match):
+        cpu_ffn.sparse_ffn_bitmask(torch.randn(1, 16), up, gate, down_t, None, 2, "reglu", None, torch.empty(1, 16),
+                                   rows=rows)
+    with pytest.raises(ValueError, match=r"n is 4, expected an int in \[0, 3\]"):
+        cpu_ffn.sparse_ffn_bitmask(torch.randn(1, 16), up, gate, down_t, None, 4, "reglu", None, torch.empty(1, 16),
+                                   rows=torch.tensor([0, 1, 2], dtype=torch.int32))
+
+
 VARIANT_SCRIPT = r"""
 import sys, numpy as np, torch
 from powerinfer_ray.kernels import cpu_ffn, cpu_library

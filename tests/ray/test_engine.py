@@ -22,12 +22,12 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(ray_cluster, model):
     # mixed split with CPU-placed heads: both executors and both kinds of exchange are exercised;
-    # prompts of >= 8 tokens run the CPU shard densely on the primary, from the CPU executor's
-    # shared pages (mapped across the two actor processes)
+    # prompts of >= 8 tokens run the CPU shard densely on the primary, from the model file's rows
+    # (the CPU executor computes on them in place: no copy in either process)
     eng = Coordinator.options(name="test-engine").remote(str(model[0]), gpu_fraction=0.5, cpu_groups=1,
                                                          policy="oracle", max_batch=8, threads=1,
                                                          prefill_dense_min=8)
-    assert ray.get(eng.ready.remote())["dense_prefill"] == "shared"
+    assert ray.get(eng.ready.remote())["dense_prefill"] == "file"
     yield eng
     ray.get(eng.shutdown.remote())
     ray.kill(eng)
@@ -56,6 +56,15 @@ def test_eight_concurrent_requests_equal_running_them_alone(engine, model):
     assert st["coordinator"]["running"] == 0
     assert 0.0 < st["gpu_executor"]["gpu_activation_share"] < 1.0
     assert st["cpu_executor"]["neurons"] > 0 and st["gpu_executor"]["exchanges"] > 0
+    # each actor reports its own process's memory (its pid's /proc), the CPU executor where its rows are
+    pids = {k: i["pid"] for k, i in zip(("gpu_executor", "cpu_executor"), ray.get(engine.ready.remote())["executors_ready"])}
+    for k in ("coordinator", "gpu_executor", "cpu_executor"):
+        m = st[k]["memory"]
+        assert 0 < m["rss_anon_bytes"] <= m["rss_bytes"] <= m["rss_peak_bytes"], (k, m)
+    for k, pid in pids.items():
+        hwm = int(open(f"/proc/{pid}/status").read().split("VmHWM:")[1].split()[0]) * 1024
+        assert hwm >= st[k]["memory"]["rss_peak_bytes"]  # the peak only grows
+    assert st["cpu_executor"]["memory"]["ffn_rows"] == "file" and st["cpu_executor"]["memory"]["shared_bytes"] == 0
 
 
 def test_streaming_yields_the_same_tokens(engine, model):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from powerinfer_ray.model import gguf_keys as K
+from powerinfer_ray.model.planted import planted_model
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import write_tiny_model
 from powerinfer_ray.runtime.channel import OP_FFN, Channel, pack_mask, unpack_mask
@@ -353,35 +354,109 @@ def test_local_engine_is_driven_from_any_event_loop(models):
         asyncio.run(gen(prompts[0]))
 
 
-def test_primary_maps_the_cpu_executors_rows_instead_of_copying_them(tmp_path, monkeypatch):
-    """Dense prefill reads the CPU executor's own pages (runtime/sharedshard.py): a row changed on
-    the CPU executor's side is what the primary sees; nothing is left in /dev/shm; where /dev/shm
-    has no room for the rows the primary makes its own copy and the logits are the same."""
+def _mapped_file(addr: int) -> str | None:
+    """The file this process maps at addr (/proc/self/maps), or None."""
+    for line in open("/proc/self/maps"):
+        parts = line.split(maxsplit=5)
+        lo, hi = (int(v, 16) for v in parts[0].split("-"))
+        if lo <= addr < hi:
+            return parts[5].strip() if len(parts) > 5 else None
+    return None
+
+
+@pytest.mark.parametrize("variant", ["llama-reglu", "opt"])  # gated rows; ReLU rows with an up bias
+def test_cpu_executor_computes_on_the_rows_in_the_file_mapping(tmp_path, variant):
+    """A file's FFN rows are not copied: the CPU executor's up / gate / down_t (and up's bias) are
+    the file's own tensors in its memory map (and so are its heads' q rows and o columns) (their bytes at the tensor's offset in the file, in a
+    mapping of that file), the shard is the neurons' ids, nothing goes to /dev/shm, and the
+    primary's dense prefill reads its own mapping of the same file; the logits of both paths
+    equal the dense reference."""
+    from powerinfer_ray.model.source import file_mapping
+    from powerinfer_ray.runtime.channel import SHM_DIR
+
+    path = write_tiny_model(tmp_path / "m.gguf", variant, seed=4, n_layer=2, n_ctx=64, predictor_rank=16)
+    ref = ReferenceModel.from_file(path)
+    plan = _plans(ref.cfg)["split-heads"]
+    before = set(SHM_DIR.glob("powerinfer-shard-*"))
+    prompt = list(range(3, 23))
+    want = ref.forward(prompt + [9], ref.new_cache())
+    for dense_min in (8, 0):  # the primary computes the CPU's rows of the prompt / the exchange does
+        eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="oracle", prefill_chunk=32,
+                                       prefill_dense_min=dense_min))
+        try:
+            cpu = eng.cpu
+            assert cpu.ffn_rows == "file" and cpu.shard_spec is None and cpu.ready()["memory"]["shared_bytes"] == 0
+            m = file_mapping(cpu.src)
+            for l in range(ref.cfg.n_layer):
+                sh = cpu.ffn[l]
+                assert np.array_equal(sh.ids, plan[l].cpu_neurons) and sh.rows.tolist() == plan[l].cpu_neurons.tolist()
+                for tmpl, t in ((K.FFN_UP, sh.up), (K.FFN_GATE, sh.gate), (K.FFN_DOWN_T, sh.down_t),
+                                (K.FFN_UP, sh.up_bias)):
+                    name = K.tensor(tmpl, l, bias=t is sh.up_bias)
+                    if t is None:
+                        assert not cpu.src.has(name)
+                        continue
+                    offset = int(cpu.src.tensors[name].data_offset)
+                    assert t.data_ptr() == m.address + offset, name
+                    assert t.data_ptr() + t.numel() * t.element_size() <= m.address + m.nbytes
+                    assert _mapped_file(t.data_ptr()) == str(path.resolve())
+                    assert np.array_equal(t.view(torch.int16 if t.dtype == torch.float16 else t.dtype).numpy(),
+                                          cpu.src.raw(name).view(np.int16 if t.dtype == torch.float16 else np.float32))
+                a, hd, D = cpu.attn[l], ref.cfg.head_dim, ref.cfg.n_embd  # the CPU's heads: q rows, o columns
+                rows = slice(int(a.groups[0]) * ref.cfg.n_gqa * hd, (int(a.groups[-1]) + 1) * ref.cfg.n_gqa * hd)
+                q, o = (cpu.src.tensors[K.tensor(t, l)] for t in (K.ATTN_Q, K.ATTN_OUT))
+                assert a.wqkv is None and a.wq.data_ptr() == m.address + int(q.data_offset) + rows.start * D * 4
+                assert a.wo_t.data_ptr() == m.address + int(o.data_offset) + rows.start * 4
+                assert torch.equal(a.wq, torch.from_numpy(np.array(cpu.src.raw(q.name)[rows])))
+            assert set(SHM_DIR.glob("powerinfer-shard-*")) == before
+            if dense_min:
+                cold = eng.primary.cold
+                assert cold.source == "file"
+                assert _mapped_file(cold.rows[1].up.data_ptr()) == str(path.resolve())
+            got = [eng.primary.step([0], [prompt], [0])[0], eng.primary.step([0], [[9]], [20])[0]]
+            assert (eng.primary.stats.cold_neurons > 0) == bool(dense_min)
+        finally:
+            eng.close()
+        for g, w in zip(got, (want[19], want[20])):
+            torch.testing.assert_close(torch.from_numpy(g), w, rtol=1e-4, atol=1e-4)
+
+
+def test_rows_without_a_file_go_to_shared_memory_or_a_copy(monkeypatch):
+    """A planted model has no file: the CPU executor generates its rows into one shared-memory file
+    that the primary maps for dense prefill (runtime/sharedshard.py; a row changed on the CPU
+    executor's side is what the primary sees; no name is left in /dev/shm); where /dev/shm has no
+    room the rows stay private, the primary makes its own copy, and the logits are the same."""
     from powerinfer_ray.runtime import sharedshard
     from powerinfer_ray.runtime.channel import SHM_DIR
 
-    path = write_tiny_model(tmp_path / "m.gguf", "llama-reglu", seed=4, n_layer=2, n_ctx=64, predictor_rank=16)
-    plan = _plans(ReferenceModel.from_file(path).cfg)["mixed"]
+    spec = "planted:tiny?layers=2&dtype=f32"
+    ref = planted_model(spec.removeprefix("planted:")).reference()
+    plan = _plans(ref.cfg)["mixed"]
     before = set(SHM_DIR.glob("powerinfer-shard-*"))
     prompt, out = list(range(3, 23)), {}
     for shared in (True, False):
         if not shared:  # /dev/shm "full": more headroom asked for than any tmpfs has
             monkeypatch.setattr(sharedshard, "HEADROOM", 1 << 60)
-        eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="predictor", threshold=0.3, prefill_chunk=32,
-                                       prefill_dense_min=8))
+        eng = LocalEngine(EngineConfig(spec, plan=plan, policy="oracle", prefill_chunk=32, prefill_dense_min=8))
         try:
+            assert eng.cpu.ffn_rows == ("shared" if shared else "private")
             assert eng.primary.cold.source == ("shared" if shared else "copy")
             assert (eng.cpu.shard_spec is not None) == shared
+            assert eng.cpu.ready()["memory"]["shared_bytes"] == (sum(sh.nbytes for sh in eng.cpu.ffn) if shared else 0)
             assert set(SHM_DIR.glob("powerinfer-shard-*")) == before  # no name left behind
             out[shared] = eng.primary.step([0], [prompt], [0])[0]
             if shared:
                 cpu_up, cold_up = eng.cpu.ffn[1].up, eng.primary.cold.rows[1].up
                 assert cpu_up.data_ptr() != cold_up.data_ptr() and torch.equal(cpu_up, cold_up.to(cpu_up.dtype))
+                saved = cpu_up[0, :4].clone()
                 cpu_up[0, :4] = 7.0  # the same pages, two mappings
                 assert torch.equal(cold_up[0, :4], torch.full((4,), 7.0, dtype=cold_up.dtype))
+                cpu_up[0, :4] = saved
         finally:
             eng.close()
-    torch.testing.assert_close(torch.from_numpy(out[True]), torch.from_numpy(out[False]), rtol=1e-4, atol=1e-4)
+    want = ref.forward(prompt, ref.new_cache())[-1]
+    for got in out.values():
+        torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("spec", ["tiny", "tiny-opt"])  # gated rows; ReLU rows with an up bias
@@ -476,7 +551,7 @@ def test_cpu_executor_loads_and_computes_in_its_one_thread(models, monkeypatch):
             return fn(*a, **kw)
         return wrapped
 
-    monkeypatch.setattr(executor, "share", spy("load", executor.share))  # the CPU shard's rows (loaded inside)
+    monkeypatch.setattr(executor, "in_place_ffn_shard", spy("load", executor.in_place_ffn_shard))  # its FFN rows
     monkeypatch.setattr(executor, "sparse_ffn_bitmask", spy("kernel", executor.sparse_ffn_bitmask))
     monkeypatch.setattr(executor, "cpu_linear", spy("attention", executor.cpu_linear))
     path = models["llama-reglu"]
