@@ -290,16 +290,18 @@ class CPUExecutor:
             y, pairs, rows = ffn_partial(ch.x_ffn[:n_tok].float(), sh, cfg.ffn_act, self.policy, None,
                                          threads=self.threads, act_threshold=t, act_on=on)
             out.copy_(y)
-            nbytes = rows * cfg.neuron_bytes
+            nbytes = ffn_bytes(cfg, rows, rows, rows)
         else:  # one compiled call from the channel's packed mask and x to out (gate-first: every row, gate first)
             packed = ch.mask_rows(n_tok, n_mask) if self.policy == "predictor" else None
             t_k = time.monotonic_ns()
-            pairs, rows, down_rows = sparse_ffn_bitmask(
+            counts = sparse_ffn_bitmask(
                 ch.x_ffn[:n_tok], sh.up, sh.gate, sh.down_t, packed, n_mask if packed is not None else sh.n,
                 cfg.ffn_act, sh.up_bias, out, self.threads, skip_zero=self.skip_zero, rows=sh.rows, act_threshold=t,
                 act_on=on)
             self.stats.kernel_s += (time.monotonic_ns() - t_k) * 1e-9
-            nbytes = ffn_bytes(cfg, self.policy, sh.n, rows, down_rows)  # the down rows it skipped are not read
+            pairs, rows, down_rows = counts[:3]
+            up_rows = counts[3] if len(counts) > 3 else rows  # gate first: only rows whose gate passes
+            nbytes = ffn_bytes(cfg, rows, up_rows, down_rows)  # the rows it skipped are not read
         self.stats.neurons += pairs
         self.stats.active_bytes += nbytes
 

@@ -78,7 +78,8 @@ class EagerStep:
         self.f, pairs, rows = ffn_partial(self.x_f, sh, w.cfg.ffn_act, pol.name, self.gmask,
                                           act_threshold=pol.act_threshold(s.l), act_on=pol.act_on)
         self.stats.neurons += pairs
-        self.stats.active_bytes += ffn_bytes(w.cfg, pol.name, sh.n, rows)  # a row is read once per step
+        gate_rows = sh.n if pol.name == "gate-first" else rows  # gate-first: every gate row, up / down of `rows`
+        self.stats.active_bytes += ffn_bytes(w.cfg, gate_rows, rows, rows)  # a row is read once per step
 
     def cold(self, s: Step) -> None:
         pol = self.w.policy

@@ -220,7 +220,9 @@ class DecodeGraphs:
             run_eager(self.items, self.seg, self.ex, st, lambda: None)
         pairs, rows = (int(v) for v in self.seg.counts_host.tolist())
         st.neurons += pairs + self.seg.dense_pairs * n
-        st.active_bytes += ffn_bytes(self.w.cfg, self.w.policy.name, self.seg.gpu_rows, rows + self.seg.dense_pairs)
+        rows += self.seg.dense_pairs
+        gate_rows = self.seg.gpu_rows if self.w.policy.name == "gate-first" else rows
+        st.active_bytes += ffn_bytes(self.w.cfg, gate_rows, rows, rows)
         return self.seg.logits_host[:n].numpy().copy()
 
     def _replay(self) -> None:

@@ -146,9 +146,9 @@ def gate_first_ffn(x: torch.Tensor, shard: FFNShard, act: str, t: float, out: to
     takes their gate values from it (``gate_pre``: no gate row is read twice)."""
     if x.device.type == "cpu":
         y = out if out is not None else torch.empty(x.shape, dtype=x.dtype)
-        pairs, rows, _ = sparse_ffn_bitmask(x.contiguous(), shard.up, shard.gate, shard.down_t, None, shard.n, act,
-                                            shard.up_bias, y, threads, rows=shard.rows, act_threshold=t)
-        return y, pairs, rows
+        pairs, _, _, up_rows = sparse_ffn_bitmask(x.contiguous(), shard.up, shard.gate, shard.down_t, None, shard.n,
+                                                  act, shard.up_bias, y, threads, rows=shard.rows, act_threshold=t)
+        return y, pairs, up_rows
     assert not shard.in_place, "a GPU shard holds its own rows"
     g = linear(x, shard.gate)  # [T, n] fp32
     mask = active_of(g, t, silu=True)  # [T, n]
@@ -157,15 +157,12 @@ def gate_first_ffn(x: torch.Tensor, shard: FFNShard, act: str, t: float, out: to
     return y, int(mask.sum()), idx.numel()
 
 
-def ffn_bytes(cfg: ModelConfig, policy: str, n: int, rows: int, down_rows: int | None = None) -> int:
-    """Weight bytes a shard of n neurons read in one call that computed ``rows`` neurons (their
-    up and gate rows) and read ``down_rows`` down rows (None: as many): under gate-first the gate
-    rows of all n neurons and the up / down rows of the active ones."""
+def ffn_bytes(cfg: ModelConfig, gate_rows: int, up_rows: int, down_rows: int) -> int:
+    """Weight bytes of FFN rows read: gate rows (none without a gate), up rows and down rows, each
+    a row of the model's storage (gate-first reads the gate rows of all of a shard's neurons and
+    the up / down rows of the active ones)."""
     row = cfg.neuron_bytes // (3 if cfg.gated else 2)
-    down = rows if down_rows is None else down_rows
-    if policy == "gate-first":
-        return n * row + rows * row + down * row
-    return rows * (cfg.neuron_bytes - row) + down * row
+    return row * ((gate_rows if cfg.gated else 0) + up_rows + down_rows)
 
 
 def attn_partial(x: torch.Tensor, shard: AttnShard, cfg: ModelConfig, slots: list[int],
