@@ -47,6 +47,30 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type, title: str) -> None:
         group.add_argument(*flags, **kw)
 
 
+CORPUS_HELP = ("a text file (one document, blank lines kept), a folder of text files (one document "
+               "each), JSONL (field 'text' per line) or Parquet (column 'text'), each record a document, "
+               "or builtin[:pydoc|:stdlib][:train|:heldout] (the shipped corpus). Documents are "
+               "tokenized into one stream, joined as --doc-sep says, and cut into windows of --seq-len")
+
+
+def _stream_flags(p: argparse.ArgumentParser) -> None:
+    from .offline.stream import DOC_SEPS
+
+    p.add_argument("--doc-sep", choices=DOC_SEPS, default=None,
+                   help="what goes between two documents of the token stream (default: how the model "
+                        "file says it was trained, else BOS when its tokenizer adds BOS, else EOS)")
+    p.add_argument("--window-bos", action=argparse.BooleanOptionalAction, default=None,
+                   help="start every window with BOS (default: as the model file says, else when its "
+                        "tokenizer adds BOS)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
+
+
+def _stream_format(a: argparse.Namespace):  # noqa: ANN202
+    from .offline.stream import StreamFormat
+
+    return StreamFormat(a.doc_sep, a.window_bos)
+
+
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("-n", "--n-predict", type=int, default=64, help="tokens to generate")
@@ -114,15 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = cmd("profile", cmd_profile, "count per-neuron activations over a corpus")
     _model_arg(p)
-    p.add_argument("corpus", help="text file, JSONL (text field) or Parquet (text column)")
+    p.add_argument("corpus", help=CORPUS_HELP)
     p.add_argument("-o", "--out-dir", required=True)
     p.add_argument("--max-tokens", type=int, default=200_000)
-    p.add_argument("--seq-len", type=int, default=256)
+    _stream_flags(p)
 
     p = cmd("sparsify", cmd_sparsify, "calibrate per-layer activation thresholds of a SwiGLU model")
     _model_arg(p, required=True)
-    p.add_argument("corpus", nargs="?", default=None,
-                   help="calibration text: text file, JSONL (text field), Parquet (text column) or builtin")
+    p.add_argument("corpus", nargs="?", default=None, help="calibration text: " + CORPUS_HELP)
     p.add_argument("-o", "--outfile", required=True)
     p.add_argument("--target-sparsity", nargs="+", default=["0.5"],
                    help="share of FFN neurons to skip: one value, or one per layer (0.3,0.4,0.5 ...)")
@@ -133,12 +156,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=16384)
     p.add_argument("--seq-len", type=int, default=256)
 
-    p = cmd("train-predictors", cmd_train_predictors, "train per-layer activation predictors")
+    p = cmd("train-predictors", cmd_train_predictors, "train per-layer activation predictors for a quality target")
     _model_arg(p)
-    p.add_argument("corpus")
+    p.add_argument("corpus", help=CORPUS_HELP)
     p.add_argument("-o", "--outfile", required=True)
-    p.add_argument("--recall", type=float, default=0.95, help="recall target at threshold 0")
-    p.add_argument("--max-tokens", type=int, default=100_000)
+    p.add_argument("--heldout", default=None,
+                   help="text the thresholds are chosen and reported on (same forms as the corpus; "
+                        "default: the corpus's last documents)")
+    p.add_argument("--heldout-tokens", type=int, default=8192, help="held-out tokens at most")
+    p.add_argument("--max-ppl-increase", default=None,
+                   help="the threshold is chosen so that held-out perplexity stays within this of dense "
+                        "('none': no limit; without this flag and --min-top1: 0.5%% and 99%%)")
+    p.add_argument("--min-top1", default=None,
+                   help="and so that held-out top-1 agreement with dense is at least this (e.g. 99%%)")
+    p.add_argument("--recall", type=float, default=None,
+                   help="instead of a quality target: the threshold at which every layer reaches this "
+                        "held-out recall")
+    p.add_argument("--max-tokens", type=int, default=100_000, help="training tokens")
+    p.add_argument("--max-width", type=int, default=None, help="widest predictor (hidden units) of a layer")
+    p.add_argument("--max-predictor-share", default="20%",
+                   help="all predictors together at most this share of the model's bytes (default 20%%)")
+    p.add_argument("--memory-cap-mb", type=int, default=256,
+                   help="training samples held in memory; beyond it they spill to disk")
+    p.add_argument("--spill-dir", default=None, help="where samples spill (default: a temporary folder)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    p.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    _stream_flags(p)
+
+    p = cmd("quality", cmd_quality, "perplexity and top-1 agreement of the sparse model against dense on a text")
+    _model_arg(p)
+    p.add_argument("text", help=CORPUS_HELP)
+    p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens (default: all)")
+    p.add_argument("--margin", type=float, default=0.0,
+                   help="predictor margin: decide at the file's threshold minus this (> 0 keeps more neurons)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", default=None, help="also write the report as JSON to this file")
+    _stream_flags(p)
 
     p = cmd("calibrate", cmd_calibrate, "measure this host's bandwidths and sync cost")
     p.add_argument("-o", "--outfile", default="host-profile.json")
@@ -230,7 +283,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 def cmd_profile(a: argparse.Namespace) -> int:
     from .offline.profile import run_profile
 
-    run_profile(_resolve_model(a.model), a.corpus, a.out_dir, max_tokens=a.max_tokens, seq_len=a.seq_len)
+    run_profile(_resolve_model(a.model), a.corpus, a.out_dir, max_tokens=a.max_tokens, seq_len=a.seq_len,
+                fmt=_stream_format(a))
     return 0
 
 
@@ -244,8 +298,32 @@ def cmd_sparsify(a: argparse.Namespace) -> int:
 
 def cmd_train_predictors(a: argparse.Namespace) -> int:
     from .offline.predictors import train_predictors
+    from .offline.thresholds import parse_fraction, quality_target
 
-    train_predictors(_resolve_model(a.model), a.corpus, a.outfile, recall_target=a.recall, max_tokens=a.max_tokens)
+    if a.recall is not None and (a.max_ppl_increase is not None or a.min_top1 is not None):
+        raise ValueError("--recall chooses thresholds by recall: give it without --max-ppl-increase / --min-top1")
+    target = None if a.recall is not None else quality_target(a.max_ppl_increase, a.min_top1)
+    r = train_predictors(_resolve_model(a.model), a.corpus, a.outfile, heldout=a.heldout, target=target,
+                         recall_target=a.recall or 0.99, max_tokens=a.max_tokens, heldout_tokens=a.heldout_tokens,
+                         seq_len=a.seq_len, fmt=_stream_format(a), max_width=a.max_width,
+                         max_predictor_share=parse_fraction(a.max_predictor_share, "--max-predictor-share"),
+                         memory_cap=a.memory_cap_mb << 20, spill_dir=a.spill_dir, device=a.device)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(r.to_dict(), fh, indent=1)
+    print(f"wrote {r.path}")
+    return 0
+
+
+def cmd_quality(a: argparse.Namespace) -> int:
+    from .offline.quality import format_report, quality_report
+
+    r = quality_report(_resolve_model(a.model), a.text, seq_len=a.seq_len, max_tokens=a.max_tokens,
+                       device=a.device, margin=a.margin, fmt=_stream_format(a))
+    print(format_report(r))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(r, fh, indent=1)
     return 0
 
 

@@ -80,8 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sequential", action="store_true", help="train the L1 runs one after another")
     p.add_argument("--predictors", action="store_true", help="also profile and train predictors")
     p.add_argument("--predictor-tokens", type=int, default=200_000)
-    p.add_argument("--recall-target", type=float, default=0.95)
-    p.add_argument("--recall-margin", type=float, default=0.01)
+    p.add_argument("--max-ppl-increase", default=None, help="predictor threshold target (default: train-predictors')")
+    p.add_argument("--min-top1", default=None, help="predictor threshold target (default: train-predictors')")
     p.add_argument("--magnitude-power", type=float, default=0.5,
                    help="predictor loss: weight of an active neuron ~ (its contribution) ** this")
     p.add_argument("--memory-cap-gb", type=float, default=4.0, help="predictor samples held in memory")
@@ -228,9 +228,12 @@ def make_sparse(args: argparse.Namespace, dense: Path) -> dict:
                 if (Path(tmp) / name).exists():
                     shutil.copy(Path(tmp) / name, args.out / (args.tag + name))
         out["profile"] = stats.summary()
-    fit = FitSettings(recall_margin=args.recall_margin, magnitude_power=args.magnitude_power, seed=args.seed)
+    from powerinfer_ray.offline.thresholds import quality_target
+
+    fit = FitSettings(magnitude_power=args.magnitude_power, seed=args.seed)
     sparse = args.out / (args.tag + SPARSE_FILE)
-    result = train_predictors(dense, "builtin:train", sparse, recall_target=args.recall_target,
+    result = train_predictors(dense, "builtin:train", sparse, heldout="builtin:heldout",
+                              target=quality_target(args.max_ppl_increase, args.min_top1),
                               max_tokens=args.predictor_tokens, seq_len=args.seq_len, settings=fit,
                               memory_cap=int(args.memory_cap_gb * (1 << 30)), device=args.device,
                               progress=False)

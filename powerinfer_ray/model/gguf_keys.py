@@ -51,6 +51,12 @@ FFN_CALIBRATION_TOKENS = "powerinfer_ray.ffn_calibration_tokens"  # uint32
 FFN_THRESHOLD_FINGERPRINT = "powerinfer_ray.ffn_thresholds_fingerprint"
 FINGERPRINT_ROWS = 16
 
+# how the model's training text was fed (offline.stream): the separator between documents (bos |
+# eos | eos+bos | blank-line | none) and whether each training window started with BOS; absent:
+# as the tokenizer adds BOS (HF's convention)
+STREAM_DOC_SEP = "powerinfer_ray.stream.doc_sep"
+STREAM_WINDOW_BOS = "powerinfer_ray.stream.window_bos"
+
 # --- PowerInfer ---------------------------------------------------------------------------------
 SPARSE_THRESHOLD = "powerinfer.sparse_threshold"
 

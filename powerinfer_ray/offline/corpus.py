@@ -6,9 +6,11 @@ the source files with ``ast``, nothing is imported). It is built once, determini
 frozen as ``powerinfer_ray/data/corpus.jsonl.gz`` (one ``{"text", "source", "split"}`` record a
 line) so that every host trains on the same bytes whatever its Python version.
 
-Readers stream: a text file (``.txt``, optionally ``.gz``) by paragraphs, JSONL by line (field
-``text``), Parquet by record batch (column ``text``). ``token_windows`` turns any of them into
-fixed-length token windows for a model.
+Readers stream documents: a text file (any name, optionally ``.gz``) is ONE document, read in
+pieces of about 4 MB cut at a line end (``Piece``: the stream continues it without a
+separator); JSONL records (field ``text``, one per line) and Parquet rows (column ``text``)
+are documents; a folder holds the documents of its files, in name order. ``stream`` joins
+documents into the token stream a model reads.
 """
 from __future__ import annotations
 
@@ -20,18 +22,27 @@ import random
 import sysconfig
 import warnings
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 CORPUS_FILE = "corpus.jsonl.gz"
 HELDOUT_EVERY = 20  # every 20th document (index % 20 == HELDOUT_PHASE) is held out: 5 %
 HELDOUT_PHASE = 7
+BUILTIN_SOURCES = {"pydoc": "pydoc_data.topics:", "stdlib": "stdlib:"}  # prefixes of "source"
+PIECE_CHARS = 1 << 22  # a text file is read and encoded in pieces of about this many characters
 BUILTIN_ORDER_SEED = 0
 MIN_DOC_CHARS = 80  # shorter docstrings are mostly "Return x." one-liners
 # stdlib folders whose docstrings are test scaffolding, not prose
 _SKIP_PARTS = {"test", "tests", "idle_test", "site-packages", "__phello__"}
 
 Corpus = str | Path | Iterable[str]
+
+
+class Piece(str):
+    """A continuation of the previous document (a long text file read in pieces): joined to
+    it with no separator. Pieces are cut after a newline that a non-space character follows,
+    where byte-level BPE pre-tokenizers split anyway, so the tokens equal the whole file's
+    (a SentencePiece tokenizer that prepends "▁" to each text adds one per piece)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -103,17 +114,22 @@ def frozen_corpus_path() -> Path:
     return path
 
 
-def frozen_documents(split: str | None = None, shuffle_seed: int | None = None) -> list[str]:
-    """Texts of the frozen built-in corpus; ``split`` is 'train', 'heldout' or None (all).
+def frozen_documents(split: str | None = None, shuffle_seed: int | None = None,
+                     source: str | None = None) -> list[str]:
+    """Texts of the frozen built-in corpus; ``split`` is 'train', 'heldout' or None (all),
+    ``source`` 'pydoc' (the pydoc_data.topics help pages), 'stdlib' (docstrings) or None (both).
     ``shuffle_seed`` puts them in a seeded random order (the file's order groups documents by
     stdlib module, so a prefix of it is not a sample of it)."""
     if split not in (None, "train", "heldout"):
         raise ValueError(f"split {split!r}: expected 'train', 'heldout' or None")
+    if source is not None and source not in BUILTIN_SOURCES:
+        raise ValueError(f"source {source!r}: expected one of {sorted(BUILTIN_SOURCES)} or None")
+    prefix = BUILTIN_SOURCES.get(source, "")
     docs = []
     with gzip.open(frozen_corpus_path(), "rt", encoding="utf-8") as fh:
         for line in fh:
             rec = json.loads(line)
-            if split is None or rec["split"] == split:
+            if (split is None or rec["split"] == split) and rec["source"].startswith(prefix):
                 docs.append(rec["text"])
     if shuffle_seed is not None:
         random.Random(shuffle_seed).shuffle(docs)
@@ -124,28 +140,50 @@ def frozen_documents(split: str | None = None, shuffle_seed: int | None = None) 
 # streaming readers
 # ------------------------------------------------------------------------------------------------
 def iter_texts(corpus: Corpus, text_column: str = "text", split: str | None = None) -> Iterator[str]:
-    """Stream the documents of ``corpus``: a path (.txt/.text/.md[.gz] by paragraphs, .jsonl[.gz]
-    by line with field ``text_column``, .parquet by batch with column ``text_column``), the word
-    'builtin' or 'builtin:train' / 'builtin:heldout' (the frozen corpus in a fixed shuffled
-    order, so that any prefix samples all of it; ``split`` picks the part for plain
-    'builtin'), or an iterable of strings."""
-    if isinstance(corpus, str) and corpus in ("builtin", "builtin:train", "builtin:heldout"):
-        yield from frozen_documents(corpus.partition(":")[2] or split, shuffle_seed=BUILTIN_ORDER_SEED)
+    """Stream the documents of ``corpus``: a path (a text file: one document, read in
+    ``Piece``s; a folder: each file's documents, files in name order; .jsonl[.gz] by line with field
+    ``text_column``; .parquet by batch with column ``text_column``), a built-in spec
+    ``builtin[:pydoc|:stdlib][:train|:heldout]`` (the frozen corpus in a fixed shuffled order,
+    so that any prefix samples all of it; ``split`` picks the part when the spec names none),
+    or an iterable of strings (each one a document)."""
+    if isinstance(corpus, str) and corpus.split(":")[0] == "builtin":
+        source, spec_split = _builtin_spec(corpus)
+        yield from frozen_documents(spec_split or split, BUILTIN_ORDER_SEED, source)
         return
     if not isinstance(corpus, (str, Path)):
         yield from corpus
         return
     path = Path(corpus)
     if not path.exists():
-        raise ValueError(f"corpus {str(path)!r}: no such file (expected a text, JSONL or Parquet "
-                         "file, or 'builtin')")
+        raise ValueError(f"corpus {str(path)!r}: no such file (expected a text file, a folder of "
+                         "them, a JSONL or Parquet file, or 'builtin')")
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+        if not files:
+            raise ValueError(f"corpus {str(path)!r}: the folder holds no files")
+        for f in files:
+            yield from iter_texts(f, text_column, split)
+        return
     name = path.name.lower().removesuffix(".gz")
     if name.endswith(".parquet"):
         yield from _parquet_texts(path, text_column)
     elif name.endswith((".jsonl", ".json", ".ndjson")):
         yield from _jsonl_texts(path, text_column, split)
     else:
-        yield from _paragraphs(path)
+        yield from _text_pieces(path)
+
+
+def _builtin_spec(spec: str) -> tuple[str | None, str | None]:
+    """'builtin[:SOURCE][:SPLIT]' -> (source, split)."""
+    source = split = None
+    for part in spec.split(":")[1:]:
+        if part in BUILTIN_SOURCES and source is None:
+            source = part
+        elif part in ("train", "heldout") and split is None:
+            split = part
+        else:
+            raise ValueError(f"corpus {spec!r}: expected builtin[:pydoc|:stdlib][:train|:heldout]")
+    return source, split
 
 
 def _open_text(path: Path) -> io.TextIOBase:
@@ -184,38 +222,19 @@ def _parquet_texts(path: Path, column: str) -> Iterator[str]:
                 yield text
 
 
-def _paragraphs(path: Path, max_chars: int = 16384) -> Iterator[str]:
-    """Blank-line separated paragraphs (cut at ``max_chars``), read line by line."""
+def _text_pieces(path: Path, piece_chars: int = PIECE_CHARS) -> Iterator[str]:
+    """A text file as one document: its text in pieces of at least ``piece_chars`` characters,
+    each cut after a newline followed by a non-space character; pieces after the first are
+    ``Piece``s."""
     buf: list[str] = []
     size = 0
+    first = True
     with _open_text(path) as fh:
         for line in fh:
-            if not line.strip() or size > max_chars:
-                if buf:
-                    yield "".join(buf).strip()
-                buf, size = [], 0
-                if not line.strip():
-                    continue
+            if size >= piece_chars and line[:1].strip():
+                yield "".join(buf) if first else Piece("".join(buf))
+                buf, size, first = [], 0, False
             buf.append(line)
             size += len(line)
     if buf:
-        yield "".join(buf).strip()
-
-
-def token_windows(encode: Callable[[str], list[int]], texts: Iterable[str], seq_len: int,
-                  max_tokens: int | None = None) -> Iterator[list[int]]:
-    """Consecutive windows of ``seq_len`` tokens over the concatenated encoded texts (each
-    text encoded on its own, BOS first when ``encode`` adds it); at most ``max_tokens`` in all,
-    the last partial window dropped."""
-    if seq_len <= 0:
-        raise ValueError(f"seq_len is {seq_len}, expected a positive integer")
-    buf: list[int] = []
-    emitted = 0
-    for text in texts:
-        buf.extend(encode(text))
-        while len(buf) >= seq_len:
-            if max_tokens is not None and emitted + seq_len > max_tokens:
-                return
-            yield buf[:seq_len]
-            del buf[:seq_len]
-            emitted += seq_len
+        yield "".join(buf) if first else Piece("".join(buf))

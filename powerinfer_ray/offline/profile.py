@@ -21,7 +21,8 @@ import torch
 from ..model.gguf_file import ModelFile
 from ..model.reference import ReferenceModel
 from ..model.tokenizer import Tokenizer
-from .corpus import Corpus, iter_texts, token_windows
+from .corpus import Corpus, iter_texts
+from .stream import StreamFormat, run_windows, token_windows
 
 PARQUET_FILE = "activation.parquet"
 PT_DIR = "activation"
@@ -218,24 +219,17 @@ def load_reference(model: str | Path | ReferenceModel, device: str | torch.devic
 
 def profile_activations(model: str | Path | ReferenceModel, corpus: Corpus, max_tokens: int = 100_000,
                         seq_len: int = 256, progress: bool = True, tokenizer: Tokenizer | None = None,
-                        device: str | torch.device | None = None) -> ActivationStats:
-    """Count active FFN neurons over up to ``max_tokens`` tokens of ``corpus`` (streamed),
-    in independent windows of ``seq_len`` tokens."""
+                        device: str | torch.device | None = None, fmt: StreamFormat | None = None) -> ActivationStats:
+    """Count active FFN neurons over up to ``max_tokens`` tokens of ``corpus``'s token stream
+    (``stream``: documents joined as ``fmt`` says), in independent windows of ``seq_len``."""
     ref, tok = load_reference(model, device)
     tok = tokenizer or tok
     if tok is None:
         raise ValueError(f"model {getattr(ref.cfg, 'name', '')!r} has no tokenizer: pass tokenizer=")
     seq_len = min(seq_len, ref.cfg.n_ctx)
     hooks = CountingHooks(ref.cfg.n_layer, ref.cfg.n_ff, ref.device)
-    n = 0
-    bar = _bar(progress, max_tokens, "profiling")
-    for window in token_windows(tok.encode, iter_texts(corpus), seq_len, max_tokens):
-        ref.forward(window, ref.new_cache(), hooks)
-        n += len(window)
-        if bar is not None:
-            bar.update(len(window))
-    if bar is not None:
-        bar.close()
+    n = run_windows(ref, token_windows(tok, iter_texts(corpus), seq_len, max_tokens, fmt), hooks, max_tokens,
+                    "profiling" if progress else None)
     if n == 0:
         raise ValueError(f"corpus {corpus!r} gave no window of {seq_len} tokens")
     return ActivationStats(hooks.counts.cpu().numpy(), n, ref.cfg.name)
@@ -244,12 +238,12 @@ def profile_activations(model: str | Path | ReferenceModel, corpus: Corpus, max_
 def run_profile(model: str | Path | ReferenceModel, corpus: Corpus, out_dir: str | Path,
                 max_tokens: int = 100_000, seq_len: int = 256, progress: bool = True,
                 plot: bool = True, device: str | torch.device | None = None,
-                log: Callable[[str], None] = print) -> ActivationStats:
+                log: Callable[[str], None] = print, fmt: StreamFormat | None = None) -> ActivationStats:
     """Profile, print the per-layer table, and write ``out_dir/activation.parquet``,
     ``out_dir/activation/activation_{l}.pt`` and ``out_dir/rank_frequency.png``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stats = profile_activations(model, corpus, max_tokens, seq_len, progress, device=device)
+    stats = profile_activations(model, corpus, max_tokens, seq_len, progress, device=device, fmt=fmt)
     stats.save_parquet(out / PARQUET_FILE)
     stats.save_pt(out / PT_DIR)
     log(f"activation profile of {stats.model or 'model'} over {stats.n_tokens} tokens:")
@@ -258,10 +252,3 @@ def run_profile(model: str | Path | ReferenceModel, corpus: Corpus, out_dir: str
         stats.plot(out / PLOT_FILE)
     return stats
 
-
-def _bar(enabled: bool, total: int, desc: str):  # noqa: ANN202
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="tok", unit_scale=True)

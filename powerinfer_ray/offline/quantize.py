@@ -104,13 +104,14 @@ def quantization_quality(reference: str | os.PathLike[str], quantized: str | os.
     share of positions where the quantized model's next-token argmax is the reference's."""
     from ..model.reference import ReferenceModel
     from ..model.tokenizer import Tokenizer
-    from .corpus import iter_texts, token_windows
+    from .corpus import iter_texts
+    from .stream import token_windows
 
     models = {"reference": ReferenceModel.from_file(reference), "quantized": ReferenceModel.from_file(quantized)}
     tok = Tokenizer(ModelFile(reference).fields)
     budget = None if max_tokens is None else max_tokens + max_tokens // seq_len  # windows hold seq_len + 1
     nll, agree, n = dict.fromkeys(models, 0.0), 0, 0
-    for window in token_windows(tok.encode, iter_texts(text), seq_len + 1, budget):
+    for window in token_windows(tok, iter_texts(text), seq_len + 1, budget):
         target = torch.tensor(window[1:])
         logits = {k: m.forward(window[:-1], m.new_cache()) for k, m in models.items()}  # [T, V] each
         for k, v in logits.items():

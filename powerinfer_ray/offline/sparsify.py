@@ -34,7 +34,8 @@ from ..model.gguf_writer import write_model
 from ..model.inspect import thresholds_table
 from ..model.reference import KVCache, ReferenceModel
 from ..model.tokenizer import Tokenizer
-from .corpus import Corpus, iter_texts, token_windows
+from .corpus import Corpus, iter_texts
+from .stream import token_windows
 
 # Fewer tokens than this estimate a layer's quantile from too few contexts: calibrated on 1024
 # tokens of the tiny SwiGLU model's train split, a 0.5 target reaches 0.500-0.506 per layer on
@@ -192,7 +193,7 @@ def calibration_windows(tok: Tokenizer, corpus: Corpus, max_tokens: int, seq_len
     if max_tokens < min_tokens:
         raise ValueError(f"max_tokens is {max_tokens}, expected at least {min_tokens} "
                          "(the fewest tokens thresholds are calibrated on)")
-    windows = list(token_windows(tok.encode, iter_texts(corpus), seq_len, max_tokens))
+    windows = list(token_windows(tok, iter_texts(corpus), seq_len, max_tokens))
     n = sum(map(len, windows))
     if n < min_tokens:
         raise ValueError(f"corpus {str(corpus)[:80]!r} gave {n} tokens in windows of {seq_len}; "

@@ -322,8 +322,9 @@ def evaluate(model: TinyLM, windows: torch.Tensor, amp: Any = None,
 # ------------------------------------------------------------------------------------------------
 def export(path: str | Path, cfg: ModelConfig, weights: dict[str, torch.Tensor],
            tok_fields: dict[str, Any], metadata: dict[str, Any] | None = None) -> Path:
-    """Write the trained dense model (matrices at ``cfg.dtype``) with its tokenizer."""
-    meta = dict(tok_fields)
+    """Write the trained dense model (matrices at ``cfg.dtype``) with its tokenizer and how its
+    training text was fed: BOS before every document (``encode_stream``), windows cut anywhere."""
+    meta = {**tok_fields, K.STREAM_DOC_SEP: "bos", K.STREAM_WINDOW_BOS: False}
     meta.update(metadata or {})
     return write_model(path, cfg, {n: weights[n] for n in expected_shapes(cfg)}, metadata=meta)
 

@@ -13,7 +13,8 @@ import torch
 from powerinfer_ray.model import gguf_keys as K
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import write_tiny_model
-from powerinfer_ray.offline.corpus import iter_texts, token_windows
+from powerinfer_ray.offline.corpus import iter_texts
+from powerinfer_ray.offline.stream import token_windows
 from powerinfer_ray.offline.profile import (ActivationStats, ActivationStatsError, profile_activations,
                                             run_profile)
 
@@ -94,7 +95,7 @@ def test_counts_match_a_direct_count(tmp_path):
     tok = _byte_tokenizer(path)
     ref.ffn_gate_of = lambda l, x: ref._norm(x, K.FFN_NORM, l) @ ref._t(K.FFN_GATE, l).T
     ref.ffn_up_of = lambda l, x: ref._norm(x, K.FFN_NORM, l) @ ref._t(K.FFN_UP, l).T
-    for w in token_windows(tok.encode, DOCS, 64, 256):
+    for w in token_windows(tok, DOCS, 64, 256):
         ref.forward(w, ref.new_cache(), Count())
     np.testing.assert_array_equal(stats.counts, expect.numpy())
     assert 0.3 < stats.sparsity().mean() < 0.7  # random ReGLU: about half the gates are negative
@@ -112,11 +113,14 @@ def test_corpus_formats_give_the_same_profile(tmp_path):
     (tmp_path / "c.txt").write_text("\n\n".join(DOCS) + "\n")
     (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS)))
     pq.write_table(pa.table({"text": DOCS}), tmp_path / "c.parquet")
-    assert list(iter_texts(tmp_path / "c.txt")) == DOCS
-    assert list(iter_texts(tmp_path / "c.jsonl")) == DOCS
-    assert list(iter_texts(tmp_path / "c.parquet")) == DOCS
-    stats = [profile_activations(path, tmp_path / f"c.{ext}", max_tokens=512, seq_len=64, progress=False)
-             for ext in ("txt", "jsonl", "parquet")]
+    (tmp_path / "docs").mkdir()
+    for i, d in enumerate(DOCS):
+        (tmp_path / "docs" / f"{i:02d}.txt").write_text(d)
+    assert list(iter_texts(tmp_path / "c.txt")) == ["\n\n".join(DOCS) + "\n"]  # a text file is one document
+    for corpus in ("c.jsonl", "c.parquet", "docs"):
+        assert list(iter_texts(tmp_path / corpus)) == DOCS
+    stats = [profile_activations(path, tmp_path / c, max_tokens=512, seq_len=64, progress=False)
+             for c in ("docs", "c.jsonl", "c.parquet")]
     for s in stats[1:]:
         np.testing.assert_array_equal(s.counts, stats[0].counts)
     assert stats[0].n_tokens == 512

@@ -31,7 +31,8 @@ def report() -> dict:
 def test_file_and_config(model):
     c = model.config
     assert (c.arch, c.ffn_act, c.n_layer, c.n_embd, c.n_ff, c.n_vocab) == ("llama", "reglu", 6, 192, 768, 1024)
-    assert c.dtype == "f16" and c.tied_output and c.sparse_threshold == 0.0
+    assert c.dtype == "f16" and c.tied_output and -8.0 < c.sparse_threshold < 6.0  # chosen for a quality target
+    assert (model.fields[K.STREAM_DOC_SEP], model.fields[K.STREAM_WINDOW_BOS]) == ("bos", False)  # as trained
     assert model.magic == K.PWRI_MAGIC and len(c.predictor_ranks) == 6
     dense = sum(t.data.size for n, t in model.tensors.items() if ".fc" not in n)
     assert 3.5e6 < dense < 5e6  # parameters without predictors
@@ -75,7 +76,7 @@ def test_predictors_reach_recall_on_heldout_tokens(report):
 
 
 def test_sparse_quality_against_dense(report):
-    assert report["tokens"] == TOKENS
+    assert report["tokens"] == TOKENS - TOKENS // 256  # each window scores all but its first token
     assert report["top1_agreement"] >= 0.98, report["top1_agreement"]
     assert report["ppl_sparse"] <= 1.02 * report["ppl_dense"], (report["ppl_sparse"], report["ppl_dense"])
     assert report["ppl_dense"] < 25  # a language model, not noise (uniform: 1024); all held-out: ~12.7
