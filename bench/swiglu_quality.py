@@ -39,7 +39,8 @@ from model_bench import commit, machine  # noqa: E402
 from powerinfer_ray.model.gguf_file import ModelFile  # noqa: E402
 from powerinfer_ray.model.reference import ReferenceModel  # noqa: E402
 from powerinfer_ray.model.tokenizer import Tokenizer  # noqa: E402
-from powerinfer_ray.offline.predictors import PredictorHooks, train_predictors  # noqa: E402
+from powerinfer_ray.offline.predictors import train_predictors  # noqa: E402
+from powerinfer_ray.offline.quality import PredictorHooks  # noqa: E402
 from powerinfer_ray.offline.sparsify import (Thresholds, calibrate, calibration_windows,  # noqa: E402
                                              model_fingerprint, target_per_layer, write_thresholded)
 from powerinfer_ray.offline.train_tiny import trained_swiglu_path  # noqa: E402
@@ -114,9 +115,10 @@ def predicted_record(args: argparse.Namespace, mf: ModelFile, ref: ReferenceMode
     th = Thresholds(tuple(gate["thresholds"]), "gate", target_per_layer(s, c.n_layer), 0,
                     tuple(model_fingerprint(mf).tolist()))
     write_thresholded(mf, sparse, th)
-    res = train_predictors(sparse, "builtin:train", work / f"pred-{s}.gguf", recall_target=PREDICTED_BAR["recall"],
-                           max_tokens=args.pred_tokens, seq_len=c.n_ctx, device="cpu", progress=False,
-                           log=lambda line: None)
+    # the predictors' threshold: every layer at the recall bar on train_predictors' own held-out text
+    res = train_predictors(sparse, "builtin:train", work / f"pred-{s}.gguf", target=None,
+                           recall_target=PREDICTED_BAR["recall"], max_tokens=args.pred_tokens, seq_len=c.n_ctx,
+                           device="cpu", progress=False, per_layer=False, log=lambda line: None)
     pred = PredictorHooks.from_file(res.path)
     q = evaluate(ref, held, dense, gate["thresholds"], "gate", pred)
     st = pred.stats(c.n_ff)
@@ -128,7 +130,7 @@ def predicted_record(args: argparse.Namespace, mf: ModelFile, ref: ReferenceMode
     return {"mode": "predicted", "criterion": "gate", "target_sparsity": s, "thresholds": gate["thresholds"], **q,
             "mean_sparsity": float(np.mean(q["sparsity"])), "ppl_vs_gate_first": q["ppl"] / gate["ppl"] - 1.0,
             "recall": [x["recall"] for x in st], "precision": [x["precision"] for x in st], "marked": marked,
-            "widths": widths, "predictor_share_of_model": res.share_of_model,
+            "widths": widths, "predictor_threshold": res.threshold, "predictor_share_of_model": res.share_of_model,
             "train_tokens": res.n_train_tokens, "ffn_rows_read": float(np.mean(marked) + np.mean(pred_rows)),
             "seconds": round(time.time() - t0, 1)}
 
@@ -170,8 +172,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "model": str(Path(args.model).relative_to(ROOT)) if Path(args.model).is_relative_to(ROOT) else args.model,
             "calibration": f"builtin:train, {sum(map(len, calib))} tokens in windows of {seq}",
             "evaluation": f"builtin:heldout, {records[0]['tokens']} tokens in windows of {seq}",
-            "predictors": None if args.no_predicted else f"builtin:train, {args.pred_tokens} tokens, recall target "
-                                                          f"{PREDICTED_BAR['recall']}, sizes by train_predictors",
+            "predictors": None if args.no_predicted else f"builtin:train, {args.pred_tokens} tokens, threshold for "
+                                                          f"recall {PREDICTED_BAR['recall']} in every layer, widths "
+                                                          "by train_predictors",
             "machine": machine(), "commit": commit(), "command": threads + "python " + " ".join(sys.argv),
             "date": time.strftime("%Y-%m-%d"), "bars": bars(records), "records": records}
 
