@@ -1,8 +1,7 @@
 """``powerinfer-ray bench <mode>``: dispatch to the benchmark drivers in the repository's bench/.
 
 kernels -> bench/kernels_bench.py; sync -> bench/sync_bench.py (the per-layer channel
-microbenchmark); hybrid | hybrid-gate-first | hybrid-dense | layer-offload | dense-gpu | cpu-only |
-suite -> bench/model_bench.py.
+microbenchmark); hybrid | layer-offload | dense-gpu | cpu-only | suite -> bench/model_bench.py.
 The drivers live beside their results (bench/results/*.json), so they need a source checkout.
 """
 from __future__ import annotations
@@ -12,7 +11,7 @@ from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
 DRIVERS = {"kernels": "kernels_bench", "sync": "sync_bench"}
-MODEL_MODES = ("hybrid", "hybrid-gate-first", "hybrid-dense", "layer-offload", "dense-gpu", "cpu-only", "suite")
+MODEL_MODES = ("hybrid", "layer-offload", "dense-gpu", "cpu-only", "suite")
 
 
 def _load(name: str):  # noqa: ANN202
