@@ -109,9 +109,9 @@ class PlantedModel:
 
     def _make_plan(self, l: int) -> LayerPlan:
         c, F = self.config, self.config.n_ff
-        active, marked, share = self._layer_targets(l)
-        p_rank, b = calibrate(F, active, self.spec.targets.top_frac, share)
-        q_rank, _ = calibrate(F, marked, self.spec.targets.top_frac, share)
+        active, marked, share_p, share_q = self._layer_targets(l)
+        p_rank, b = calibrate(F, active, self.spec.targets.top_frac, share_p)
+        q_rank, _ = calibrate(F, marked, self.spec.targets.top_frac, share_q)
         order = self.permutation(l)  # order[i] = neuron id of rank i
         p, q = np.empty(F), np.empty(F)
         p[order], q[order] = p_rank, q_rank
@@ -123,15 +123,17 @@ class PlantedModel:
         relu_mean, down_scale = down_plan(p, c.gated, FFN_VAR / L, shift)
         return LayerPlan(p, q, b, math.sqrt(var_in), math.sqrt(var_ffn), down_scale, relu_mean, shift)
 
-    def _layer_targets(self, l: int) -> tuple[float, float, float]:
-        """(active, marked, top share) of layer l: the targets with a seeded per-layer variation,
-        centred over the full model's layers so the model-wide means hit the targets."""
+    def _layer_targets(self, l: int) -> tuple[float, float, float, float]:
+        """(active, marked, top share of the activations, top share of the marks) of layer l: the
+        targets with a seeded per-layer variation, centred over the full model's layers so the
+        model-wide means hit the targets; each top share at most what its mean allows."""
         t = self.spec.targets
         scale = math.exp(JITTER_MEAN * self._jitter[0, l]) / float(np.mean(np.exp(JITTER_MEAN * self._jitter[0])))
-        active, marked = min(t.active * scale, 0.9), min(t.marked * scale, 0.9)
-        most = 0.98 * t.top_frac * P_MAX / max(active, marked)  # the top can carry no more
+        active, marked = min(t.active * scale, 0.95), min(t.marked * scale, 0.95)
         share = t.top_share + JITTER_SHARE * self._jitter[1, l]
-        return active, marked, float(np.clip(share, t.top_frac + 0.01, min(0.99, most)))
+        # the hottest top_frac can carry no more than all of their share of the mean
+        fit = lambda mean: float(np.clip(share, t.top_frac + 0.01, min(0.99, 0.98 * t.top_frac * P_MAX / mean)))  # noqa: E731
+        return active, marked, fit(active), fit(marked)
 
     def permutation(self, l: int) -> np.ndarray:
         """[F] neuron ids in rank order (hottest first): a seeded shuffle, so hot neurons are

@@ -202,8 +202,11 @@ _TINY_RUNS = [("tiny?dtype=f32", 0.03, 0.99, 0.6, 0.9),  # 22 % active, 15.6 % m
               ("tiny-opt?dtype=f32", 0.15, 0.98, 0.8, 0.8),
               ("tiny-falcon?dtype=f32", 0.15, 0.98, 0.8, 0.8),
               # thresholded SwiGLU: the gate above SiLU(1); flat frequencies (top 20 % carry 27 %), so
-              # 512 tokens' sampling noise caps r; 55 % marked for 50 % active: recall 0.96-0.98
-              ("tiny-swiglu?dtype=f32", 0.03, 0.92, 0.95, 0.85)]
+              # 512 tokens' sampling noise caps r (the more so for marks near 90 %); 90 % marked for
+              # 50 % active (as trained predictors of the tiny SwiGLU model mark), and 55 % (a ReLU
+              # model's predictor)
+              ("tiny-swiglu?dtype=f32", 0.03, 0.78, 0.98, 0.5),
+              ("tiny-swiglu?dtype=f32&marked=0.55", 0.03, 0.92, 0.95, 0.85)]
 
 
 @pytest.mark.parametrize("spec,mean_tol,min_r,min_recall,min_precision", _TINY_RUNS)

@@ -254,7 +254,7 @@ def test_planted_swiglu_runs_in_either_mode_over_a_solved_split(policy):
     """planted:tiny-swiglu (the llama3-8b preset's machinery: thresholds and predictors in its
     config) under a VRAM budget: the placement is solved from its thresholded activation counts,
     both executors work, and gate-first gives the thresholded reference's logits; the predicted
-    mode computes the predicted pairs (the planted predictors mark ~55 % for ~50 % active)."""
+    mode computes the predicted pairs (the planted predictors mark ~90 % for ~50 % active)."""
     from powerinfer_ray.model.source import open_model
     from powerinfer_ray.runtime.config import resolve_plan
 
@@ -278,7 +278,7 @@ def test_planted_swiglu_runs_in_either_mode_over_a_solved_split(policy):
             torch.testing.assert_close(torch.from_numpy(g), w, rtol=1e-4, atol=1e-4)
         assert 0.35 < computed / n_all < 0.65
     else:
-        assert 0.4 < computed / n_all < 0.7
+        assert 0.8 < computed / n_all < 0.97
     assert share["neurons"] > 0
 
 
