@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gpukern|t8ab|13b|13bfile|b32|batch|cpu|cpucost|falcon|falcon24|falconwrite|falconfile|swiglu
+#       bash bench/host_run.sh verify|gpukern|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|swiglu
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gpukern|t8ab|13b|13bfile|b32|batch|cpu|cpucost|falcon|falcon24|falconwrite|falconfile|swiglu"
+stages="verify|gpukern|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|swiglu"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -126,7 +126,8 @@ cpu)  # the CPU kernel bench (16 threads; the read ceiling the larger of a sum a
     grep "exchange cold" "$log" | cut -c1-330
     ;;
 cpucost)  # where the Falcon exchange's time goes: K from 112 to 3200 rows (the intercept is the call's
-    # fixed cost; omp_region = the threads' wake-up alone), 8 / 14 / 16 threads, OMP_WAIT_POLICY, finer chunks
+    # fixed cost; omp_region = the threads' wake-up alone), 8 / 14 / 16 threads, finer chunks (OMP_WAIT_POLICY
+    # reaches torch's threads only: the kernels run on their own, csrc/pool.h)
     for t in 14 16 8; do
         pol=unset; cf=""
         [ "$t" = 14 ] && pol=unset,ACTIVE && cf=";-DPI_CHUNKS=24"
@@ -135,6 +136,19 @@ cpucost)  # where the Falcon exchange's time goes: K from 112 to 3200 rows (the 
             --exchange-act relu --exchange-dim 8192 --exchange-n 31000 --exchange-layers 4 --exchange-shm \
             --exchange-gap-ms 0.3 --exchange-reps 60 --exchange-policies "$pol" --exchange-cflags "$cf" \
             --out "$OUT/t$t" >> "$log" 2>&1
+    done
+    grep "exchange cold" "$log" | cut -c1-400
+    ;;
+pool)  # the exchange's fixed cost on the kernels' own threads (csrc/pool.h), unpinned and pinned to the
+    # last $THREADS CPUs (the CPU executor pins when two CPUs are left over): Falcon rows, K from 112 to 3200
+    # (the intercept is the fixed cost; omp_region = an empty region of the pool after the 0.3 ms gap)
+    for pin in unpinned pinned; do
+        flag=""; [ $pin = pinned ] && flag="--pool-pin"
+        mkdir -p "$OUT/$pin"
+        timeout 200 python bench/kernels_bench.py --cpu-exchange -t "$THREADS" --tokens 1 \
+            --exchange-k 112,224,400,800,1600,3200 --exchange-act relu --exchange-dim 8192 --exchange-n 31000 \
+            --exchange-layers 4 --exchange-shm --exchange-gap-ms 0.3 --exchange-reps 60 --exchange-policies unset \
+            $flag --out "$OUT/$pin" >> "$log" 2>&1
     done
     grep "exchange cold" "$log" | cut -c1-400
     ;;
@@ -160,6 +174,13 @@ falconfile)  # Falcon-40B from the file at 24 GiB (issue 22): hybrid and layer-o
         --modes hybrid,layer-offload --shapes 64x32 -t "$THREADS"
     grep -E "does not fit" "$log" | tail -n 1 | cut -c1-600
     summary "$OUT"/runtime-falcon40b-${BF}gib-file-h200.json | cut -c1-400
+    ;;
+q4)  # quantized (issue 19): the Q4_0 13B at 4 GiB, hybrid and its own layer-offload (cpu_kernel_gbps: the
+    # CPU kernel's rate on compressed bytes), then the Q8_0 13B at 8 GiB
+    suite runtime-13b-q4-4gib-h200 300 -m "planted:llama2-13b?dtype=q4_0" --vram-budget 4 \
+        --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
+    suite runtime-13b-q8-8gib-h200 270 -m "planted:llama2-13b?dtype=q8_0" --vram-budget 8 \
+        --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
     ;;
 swiglu)  # issue 20: planted:llama3-8b (SwiGLU sparsified at 50 %) at 8 GiB, prompt 64, 128 generated, one
     # engine each: hybrid in the predicted mode, hybrid gate-first, the dense hybrid, layer-offload

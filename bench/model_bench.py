@@ -196,6 +196,9 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
         "cpu_compute_us_per_exchange": 1e6 * _delta(g1, g0, "peer_compute_s") / exchanges if exchanges else 0.0,
         # of which inside the FFN kernel call (the rest: the CPU executor's Python per answer)
         "cpu_kernel_us_per_exchange": 1e6 * _delta(cpu1, cpu0, "kernel_s") / exchanges if exchanges else 0.0,
+        # the FFN kernel's read rate: the rows it read as stored (Q8_0 / Q4_0: compressed bytes) over its time
+        "cpu_kernel_gbps": _delta(cpu1, cpu0, "kernel_bytes") / _delta(cpu1, cpu0, "kernel_s") / 1e9
+        if _delta(cpu1, cpu0, "kernel_s") else 0.0,
         # and in the attention of its KV-head groups (projections, rotary, cache, softmax)
         "cpu_attn_us_per_exchange": 1e6 * _delta(cpu1, cpu0, "attn_s") / exchanges if exchanges else 0.0,
         # GPU compute per layer of the decode graphs (sampled steps; 0 for eager steps)
@@ -279,7 +282,8 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
               f"CPU {r['cpu_gbps']:.1f} GB/s, GPU share {r['gpu_activation_share']:.1%}, "
               f"sync {r['per_layer_sync_us']:.0f} us, GPU compute {r['gpu_compute_us_per_layer']:.0f} us/layer, "
               f"CPU compute {r['cpu_compute_us_per_exchange']:.0f} us/exchange "
-              f"(kernel {r['cpu_kernel_us_per_exchange']:.0f}, attention {r['cpu_attn_us_per_exchange']:.0f}), "
+              f"(kernel {r['cpu_kernel_us_per_exchange']:.0f} at {r['cpu_kernel_gbps']:.1f} GB/s, "
+              f"attention {r['cpu_attn_us_per_exchange']:.0f}), "
               f"layer {r['per_layer_us']}, "
               f"VRAM {r['vram_used_gib']:.2f} GiB, host beyond the file {r['beyond_file_gib']:.2f} GiB "
               f"(private {r['private_gib']:.2f}, shm {r['shm_added_gib']:.2f}; FFN rows: {r['ffn_rows']})", flush=True)

@@ -23,6 +23,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from .linear import linear as linear_any
+from .quant import check_qtype, row_bytes
+
 ROPE_STYLES = ("norm", "neox")
 
 
@@ -96,7 +99,7 @@ def _positions(start_pos, B: int, T: int, device) -> tuple[torch.Tensor, int]:
     return sp[:, None] + torch.arange(T, device=device), L  # [B, T]
 
 
-def _check(x, wq, wk, wv, wo_t, k_cache, v_cache) -> tuple[int, int, int]:
+def _check(x, wq, wk, wv, wo_t, k_cache, v_cache, qtype=None) -> tuple[int, int, int]:
     if x.dim() != 3:
         raise ValueError(f"head_attention: x.shape is {tuple(x.shape)}, expected [B, T, D]")
     D = x.shape[2]
@@ -105,7 +108,9 @@ def _check(x, wq, wk, wv, wo_t, k_cache, v_cache) -> tuple[int, int, int]:
                          "expected equal [S_slots, Gs, S_max, hd]")
     Gs, hd = k_cache.shape[1], k_cache.shape[3]
     Hs = wq.shape[0] // hd
-    want = {"wq": (Hs * hd, D), "wk": (Gs * hd, D), "wv": (Gs * hd, D), "wo_t": (Hs * hd, D)}
+    width = D if qtype is None else row_bytes(check_qtype(qtype, "head_attention"), D)  # quantized: blocks
+    o_rows = Hs * hd if qtype is None else row_bytes(qtype, Hs * hd)
+    want = {"wq": (Hs * hd, width), "wk": (Gs * hd, width), "wv": (Gs * hd, width), "wo_t": (o_rows, D)}
     for name, w in (("wq", wq), ("wk", wk), ("wv", wv), ("wo_t", wo_t)):
         if tuple(w.shape) != want[name]:
             raise ValueError(f"head_attention: {name}.shape is {tuple(w.shape)}, expected {want[name]}")
@@ -120,7 +125,7 @@ def head_attention(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
                    rope_style: str | None = "norm", n_rot: int | None = None,
                    bq: torch.Tensor | None = None, bk: torch.Tensor | None = None,
                    bv: torch.Tensor | None = None, *, wqkv: torch.Tensor | None = None,
-                   bqkv: torch.Tensor | None = None, linear=None) -> torch.Tensor:
+                   bqkv: torch.Tensor | None = None, linear=None, qtype: str | None = None) -> torch.Tensor:
     """Partial attention output y [B, T, D] of the shard's heads (see the module docstring).
 
     x [B, T, D] (already normed); wq [Hs*hd, D]; wk, wv [Gs*hd, D]; wo_t [Hs*hd, D];
@@ -133,14 +138,19 @@ def head_attention(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
     linear: ``linear(x, w, b)`` computing F.linear for the projections (the output one as
     ``linear(o, wo_t.T, None)``), e.g. kernels.cpu_ffn.linear, which reads fp16 weights in place
     for fp32 x; None: F.linear and ``o @ wo_t``.
+    qtype ('q4_0' | 'q8_0'): the weights are ggml blocks (quant.py): wq / wk / wv (wqkv) uint8
+    [rows, D // 32 * block bytes], and wo_t the transposed view of the shard's o-projection
+    columns' blocks [D, Hs*hd // 32 * block bytes] (so wo_t.T is row-major); the projections
+    run as ``linear(x, w, b, qtype=qtype)`` (None: ``linear.linear``), cast to x's dtype.
 
     One sequence with host positions (the decode and prefill steps of a single request) takes
     a short path: one projection, one rotary call for q and k, slice writes into the cache,
     and no mask at T = 1 -- about a third of the kernel launches of the general path, which
     matters because at decode sizes the host's launch time, not the GPU, sets the pace.
     """
-    Hs, Gs, hd = _check(x, wq, wk, wv, wo_t, k_cache, v_cache)
+    Hs, Gs, hd = _check(x, wq, wk, wv, wo_t, k_cache, v_cache, qtype)
     B, T, D = x.shape
+    linear = _quantized(linear, qtype)
     if B == 1 and not isinstance(start_pos, torch.Tensor) and not isinstance(slots, torch.Tensor):
         return _one_sequence(x, wq, wk, wv, wo_t, k_cache, v_cache, int(slots[0]), int(start_pos[0]),
                              rope_theta, rope_style, n_rot, bq, bk, bv, wqkv, bqkv, linear)
@@ -224,6 +234,18 @@ def _one_sequence(x, wq, wk, wv, wo_t, k_cache, v_cache, s: int, p: int, theta, 
     return _out_proj(o, wo_t, linear)[None]  # [1, T, D]
 
 
+def _quantized(linear, qtype: str | None):  # noqa: ANN001, ANN202
+    """The projections' ``linear(x, w, b)`` for weights of qtype (None: ``linear`` as given)."""
+    if qtype is None:
+        return linear
+    lin = linear or linear_any
+
+    def quantized(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        return lin(x, w, b, qtype=qtype).to(x.dtype)
+
+    return quantized
+
+
 def _out_proj(o: torch.Tensor, wo_t: torch.Tensor, linear) -> torch.Tensor:  # noqa: ANN001
     """o [.., Hs*hd] times the shard's output-projection rows wo_t [Hs*hd, D] -> [.., D]."""
     return o @ wo_t.to(o.dtype) if linear is None else linear(o, wo_t.T, None)
@@ -262,25 +284,27 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 def head_attention_step(x: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor | None, wo_t: torch.Tensor,
                         k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
                         cos: torch.Tensor | None, sin: torch.Tensor | None, rope_style: str | None = "norm",
-                        n_rot: int | None = None) -> torch.Tensor:
+                        n_rot: int | None = None, qtype: str | None = None) -> torch.Tensor:
     """One decode token per sequence, with slots and positions as device tensors: the partial
     attention output y [B, D] of the shard's heads; writes K/V at pos[b] of slot slots[b].
 
     x [B, D] (normed); wqkv [(Hs+2Gs)*hd, D], bqkv; wo_t [Hs*hd, D]; slots, pos [B] int64 on
     x's device; cos, sin [B, n_rot/2] (rows of `rope_table` at pos) or None with rope_style
-    None. Fixed shapes and no host reads: the decode step captures this in a CUDA graph.
+    None; qtype: quantized weights as `head_attention` takes them. Fixed shapes and no host
+    reads: the decode step captures this in a CUDA graph.
     """
     B, D = x.shape
     Gs, hd = k_cache.shape[1], k_cache.shape[3]
     Hs = wqkv.shape[0] // hd - 2 * Gs
-    qkv = F.linear(x, wqkv, bqkv).view(B, Hs + 2 * Gs, hd)
+    lin = _quantized(None, qtype)
+    qkv = (lin or F.linear)(x, wqkv, bqkv).view(B, Hs + 2 * Gs, hd)
     qk, v = qkv[:, : Hs + Gs], qkv[:, Hs + Gs:]  # [B, Hs+Gs, hd], [B, Gs, hd]
     if rope_style is not None:
         qk = rope(qk, None, 0.0, rope_style, n_rot, (cos[:, None], sin[:, None]))  # theta is in the table
     k_cache[slots, :, pos] = qk[:, Hs:].to(k_cache.dtype)  # [B, Gs, hd]
     v_cache[slots, :, pos] = v.to(v_cache.dtype)
     o = decode_attention(qk[:, :Hs], k_cache, v_cache, slots, pos, 1.0 / math.sqrt(hd))  # [B, Hs, hd]
-    return o.reshape(B, Hs * hd) @ wo_t.to(o.dtype)  # [B, D]
+    return _out_proj(o.reshape(B, Hs * hd), wo_t, lin)  # [B, D]
 
 
 def head_attention_ref(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo_t: torch.Tensor,

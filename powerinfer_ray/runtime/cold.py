@@ -13,6 +13,7 @@ Where the rows come from, without a second host copy where possible:
   shared  the CPU executor's shared-memory copy (``sharedshard``: sources without a file),
           pinned here for DMA;
   copy    a host copy of the primary's own, when it fits.
+Quantized rows stream as their blocks and go through the quantized sparse FFN kernel.
 
 Dimension legend: N tokens, D hidden, R rows of the streamed matrices, n the shard's neurons.
 """
@@ -24,6 +25,7 @@ import mmap
 import numpy as np
 import torch
 
+from ..kernels.sparse_ffn import sparse_ffn
 from ..kernels.torch_ffn import apply_act_threshold
 from ..model.reference import ffn_activation
 from ..model.source import WeightSource, file_mapping
@@ -89,7 +91,7 @@ class ColdRows:
         sh = load_ffn_shard(self.src, l, self.plan[l].cpu_neurons, self.dtype, self.device)
         pin = self.device.type == "cuda"
         host = lambda t: None if t is None else (t.cpu().pin_memory() if pin else t)  # noqa: E731
-        return FFNShard(sh.ids, host(sh.up), host(sh.gate), host(sh.down_t), host(sh.up_bias))
+        return FFNShard(sh.ids, host(sh.up), host(sh.gate), host(sh.down_t), host(sh.up_bias), sh.qtype)
 
     def dense_for(self, n_tok: int) -> bool:
         """Whether a step of n_tok tokens computes the CPU shard here."""
@@ -107,6 +109,10 @@ class ColdRows:
         y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=dev)
         streamed = 0
         for a, b in self._chunks(l, rows):
+            streamed += b - a
+            if cold.qtype is not None:
+                y += self._quantized(cold, a, b, x, None if keep is None else keep[:, a:b], act_threshold, act_on)
+                continue
             up = cold.up[a:b].to(dev, x.dtype, non_blocking=True)  # file / shared rows keep their dtype
             gate = cold.gate[a:b].to(dev, x.dtype, non_blocking=True) if cold.gate is not None else None
             u = x @ up.T  # [N, b-a]
@@ -119,7 +125,6 @@ class ColdRows:
             if keep is not None:
                 hid = hid * keep[:, a:b]
             y += (hid @ cold.down_t[a:b].to(dev, hid.dtype, non_blocking=True)).float()
-            streamed += b - a
         self.stats.cold_neurons += int(mask.sum()) if mask is not None else x.shape[0] * cold.n
         self.stats.active_bytes += streamed * self.cfg.neuron_bytes
         return y
@@ -165,6 +170,18 @@ class ColdRows:
                 self._pin_file = False  # said once; the rest copy from pageable pages
                 return
             self._pinned.append(a)
+
+    def _quantized(self, cold: FFNShard, a: int, b: int, x: torch.Tensor, mask: torch.Tensor | None,
+                   act_threshold: float | None = None, act_on: str = "gate") -> torch.Tensor:
+        """Rows a..b of a quantized shard [N, D] (fp32): their blocks streamed to the device and
+        computed by the quantized sparse FFN kernel over every row (masked: the predictor's; and
+        by a SwiGLU activation threshold)."""
+        dev = self.device
+        blocks = [None if t is None else t[a:b].to(dev, non_blocking=True) for t in (cold.up, cold.gate, cold.down_t)]
+        bias = None if cold.up_bias is None else cold.up_bias[a:b].to(dev, non_blocking=True)
+        idx = torch.arange(b - a, device=dev)
+        return sparse_ffn(x, *blocks, idx, mask, self.cfg.ffn_act, bias, qtype=cold.qtype, act_threshold=act_threshold,
+                          act_on=act_on).float()
 
     def close(self) -> None:
         for addr in self._pinned:

@@ -153,8 +153,9 @@ class ExecutorConfig:
         "it is sparsified, else dense)", choices=POLICIES)
     threshold: float | None = option(None, "predictor threshold (default: the model's sparse_threshold)",
                                      kind=float)
-    dtype: str | None = option(None, "weights' dtype on the primary (default: the file's on CUDA, f32 on the CPU)",
-                               choices=DTYPES)
+    dtype: str | None = option(None, "weights' dtype on the primary (default: the file's on CUDA, f32 on the CPU); "
+                               "a Q8_0 / Q4_0 file's matrices stay quantized, this is then the type of the rest "
+                               "(default f16 on CUDA)", choices=DTYPES)
     timeout_s: float = option(120.0, "seconds an executor waits for its peer before failing the step",
                               kind=float)
     prefill_dense_min: int | None = option(
@@ -351,7 +352,7 @@ def _budget_plan(ec: EngineConfig, src: WeightSource, stats: tuple[list[np.ndarr
             log.info("using cached split %s", cache)
             return Plan.from_masks([np.asarray(m, bool) for m in split.gpu_neurons], None, cfg)
         log.warning("cached split %s was solved for another model or budget: re-solving", cache)
-    costs = model_costs(cfg, engine_n_ctx(ec, cfg), ec.max_batch)
+    costs = model_costs(src, engine_n_ctx(ec, cfg), ec.max_batch)  # as stored: a Q6_K head is f16
     if stats is None:
         log.warning("no activation statistics for %s: placing with uniform frequencies "
                     "(run powerinfer-ray profile for a better split)", ec.model)

@@ -19,12 +19,14 @@ import torch
 from ..kernels.cpu_ffn import linear as cpu_linear, sparse_ffn_bitmask
 from ..kernels.cpu_library import configure_threads
 from ..model import gguf_keys as K
+from ..model.quants import row_bytes
 from ..model.source import WeightSource, file_mapping, open_model
 from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec
 from .hostmem import process_memory
 from .layers import Policy, attn_partial, ffn_bytes, ffn_partial
 from .plan import Plan
-from .shard import FFNShard, in_place_attn_shard, in_place_ffn_shard, load_attn_shard, load_ffn_shard
+from .shard import (FFNShard, ffn_qtype, in_place_attn_shard, in_place_ffn_shard, load_attn_shard,
+                    load_ffn_shard)
 from .sharedshard import fill, prefault, release, share
 from .stats import ExecStats
 from .warm import Warmer
@@ -112,7 +114,7 @@ class CPUExecutor:
         self.threads = threads or torch.get_num_threads()
         self._cpus = sorted(os.sched_getaffinity(0))  # before any pinning of this thread
         self._apply_threads()
-        wdt = DTYPES[dtype or cfg.dtype]
+        wdt = DTYPES[dtype or cfg.float_dtype]
         n_ctx = min(n_ctx or cfg.n_ctx, cfg.n_ctx)
         self.phases = {"open": time.perf_counter() - t0}
         t1 = time.perf_counter()
@@ -147,15 +149,18 @@ class CPUExecutor:
         return shards
 
     def _ffn_copy(self, wdt: torch.dtype, defer_fill: bool) -> list[FFNShard]:
-        """The FFN rows copied: into one shared-memory file when /dev/shm has room (the primary
-        maps the same pages for dense prefill instead of holding a second copy:
-        runtime/sharedshard.py), else into private memory."""
+        """The FFN rows copied (float rows in wdt, or a quantized model's blocks): into one
+        shared-memory file when /dev/shm has room (the primary maps the same pages for dense
+        prefill instead of holding a second copy: runtime/sharedshard.py), else into private memory."""
         cfg, plan, dev = self.cfg, self.plan, torch.device("cpu")
+        qtype = ffn_qtype(self.src)
         why = ("the source has no file (a planted model: its rows are generated)" if file_mapping(self.src) is None
-               else f"the file does not hold every layer's ffn_up / ffn_gate / ffn_down_t as {wdt} [n_ff, D] rows")
+               else f"the file does not hold every layer's ffn_up / ffn_gate / ffn_down_t as {qtype or wdt} [n_ff, D] rows")
         load = lambda l: load_ffn_shard(self.src, l, plan[l].cpu_neurons, wdt, dev)  # noqa: E731
-        shared = share([len(plan[l].cpu_neurons) for l in range(cfg.n_layer)], cfg.gated, cfg.n_embd, wdt, load,
-                       defer=self._ids_and_bias if defer_fill else None)
+        shared = share([len(plan[l].cpu_neurons) for l in range(cfg.n_layer)], cfg.gated,
+                       cfg.n_embd if qtype is None else row_bytes(qtype, cfg.n_embd),
+                       wdt if qtype is None else torch.uint8, load,
+                       defer=self._ids_and_bias if defer_fill else None, qtype=qtype)
         self.ffn_rows = "shared" if shared is not None else "private"
         shards = shared[0] if shared is not None else [load(l) for l in range(cfg.n_layer)]
         log.info("cpu executor: FFN rows copied into %s memory (%.2f GiB): %s", self.ffn_rows,
@@ -224,9 +229,10 @@ class CPUExecutor:
         self._omp.call(run)
         self.needs_fill = False
 
-    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                qtype: str | None = None) -> torch.Tensor:
         """The attention projections: fp32 x, weights read in place by the kernel's threads."""
-        return cpu_linear(x, w, b, self.threads)
+        return cpu_linear(x, w, b, self.threads, qtype=qtype)
 
     def attach(self, spec: ChannelSpec) -> int:
         """Map the primary's channel and serve it in the worker thread until OP_STOP (the caller
@@ -296,12 +302,14 @@ class CPUExecutor:
             t_k = time.monotonic_ns()
             counts = sparse_ffn_bitmask(
                 ch.x_ffn[:n_tok], sh.up, sh.gate, sh.down_t, packed, n_mask if packed is not None else sh.n,
-                cfg.ffn_act, sh.up_bias, out, self.threads, skip_zero=self.skip_zero, rows=sh.rows, act_threshold=t,
-                act_on=on)
+                cfg.ffn_act, sh.up_bias, out, self.threads, skip_zero=self.skip_zero, qtype=sh.qtype,
+                rows=sh.rows, act_threshold=t, act_on=on)
             self.stats.kernel_s += (time.monotonic_ns() - t_k) * 1e-9
             pairs, rows, down_rows = counts[:3]
             up_rows = counts[3] if len(counts) > 3 else rows  # gate first: only rows whose gate passes
-            nbytes = ffn_bytes(cfg, rows, up_rows, down_rows)  # the rows it skipped are not read
+            # bytes read (as stored: blocks of a quantized model); the rows it skipped are not read
+            nbytes = ffn_bytes(cfg, rows, up_rows, down_rows)
+            self.stats.kernel_bytes += nbytes
         self.stats.neurons += pairs
         self.stats.active_bytes += nbytes
 

@@ -34,12 +34,10 @@ class EagerStep:
         self.logits: np.ndarray | None = None
 
     def embed(self, s: Step) -> None:
-        w = self.w
-        h = w.embd[self.tok].float()  # [N, D]: the residual stream stays fp32
+        w, pos = self.w, None
         if w.pos_embd is not None:
             pos = torch.tensor([[p + t for t in range(self.T)] for p in self.start], device=w.device).reshape(-1)
-            h = h + w.pos_embd[pos + w.cfg.pos_offset].float()
-        self.h = h
+        self.h = w.embed(self.tok, pos)  # [N, D]: the residual stream stays fp32
 
     def attn_in(self, s: Step) -> None:
         self.x_a = self.w.norm(self.h, self.w.layers[s.l].norm_attn)

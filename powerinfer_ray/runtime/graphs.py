@@ -83,9 +83,7 @@ class StepSegments:
         w = self.w
         self.inp.copy_(self.inp_host, non_blocking=True)
         tok, pos = self.inp[0], self.inp[1]
-        self.h.copy_(w.embd[tok])  # [B, D] fp32
-        if w.pos_embd is not None:
-            self.h += w.pos_embd[pos + w.cfg.pos_offset].float()
+        self.h.copy_(w.embed(tok, pos))  # [B, D] fp32
         if w.rope_cos is not None:
             self.cos, self.sin = w.rope_cos[pos], w.rope_sin[pos]  # [B, n_rot/2]
         self.counts.zero_()
@@ -102,7 +100,7 @@ class StepSegments:
         if sh.n_groups:
             self.a = head_attention_step(self.x_a, sh.wqkv, sh.bqkv, sh.wo_t, sh.k_cache, sh.v_cache,
                                          self.inp[2], self.inp[1], self.cos, self.sin, cfg.rope_style,
-                                         cfg.rot_dims)
+                                         cfg.rot_dims, qtype=sh.qtype)
 
     def attn_out(self, s: Step) -> None:
         cpu = self.ex.collect(self.B) if s.cpu else None
@@ -143,18 +141,18 @@ class StepSegments:
         if w.policy.name == "predictor":
             idx, bits, n_active = self.g_part
             self.f = sparse_ffn(self.x_f, sh.up, sh.gate, sh.down_t, idx, bits, w.cfg.ffn_act, sh.up_bias,
-                                n_active=n_active, act_threshold=t, act_on=on)
+                                n_active=n_active, qtype=sh.qtype, act_threshold=t, act_on=on)
         elif w.policy.name == "gate-first":
-            g = linear(self.x_f, sh.gate)  # [B, n] fp32: the gate of every row, read once
+            g = linear(self.x_f, sh.gate, qtype=sh.qtype)  # [B, n] fp32: the gate of every row, read once
             part = split_active_packed(g, t, self.all_here[s.l], gpu_capacity=sh.n, cpu_capacity=0, silu=True).gpu
             idx, bits, n_active = packed_views(part)
             self.f = sparse_ffn(self.x_f, sh.up, None, sh.down_t, idx, bits, w.cfg.ffn_act, sh.up_bias,
-                                n_active=n_active, gate_pre=g)
+                                n_active=n_active, qtype=sh.qtype, gate_pre=g)
             self.counts[0] += active_of(g, t, silu=True).sum()
             self.counts[1] += n_active[0]
         else:
             self.f = sparse_ffn(self.x_f, sh.up, sh.gate, sh.down_t, w.all_rows[s.l], None, w.cfg.ffn_act,
-                                sh.up_bias)
+                                sh.up_bias, qtype=sh.qtype)
 
     def ffn_out(self, s: Step) -> None:
         a = self.a if self.w.cfg.parallel_attn else None

@@ -106,13 +106,13 @@ def cpu_attention_bytes(src: WeightSource, plan: Plan, slots: int, n_ctx: int) -
     are copied (not read in place: ``shard.attn_views``), and their KV cache (fp32, ``slots`` + 1
     sequences)."""
     cfg = src.config
-    hd, g, dtype = cfg.head_dim, cfg.n_gqa, DTYPES.get(cfg.dtype)
-    per_group = (2 * g + 2) * hd * cfg.n_embd * cfg.dtype_bytes  # q and o of its g heads, k and v
+    hd, g, dtype = cfg.head_dim, cfg.n_gqa, DTYPES[cfg.float_dtype]
+    per_group = int((2 * g + 2) * hd * cfg.n_embd * cfg.dtype_bytes)  # q and o of its g heads, k and v
     cache = 2 * (slots + 1) * n_ctx * hd * 4
     total = 0
     for l, lp in enumerate(plan.layers):
         if len(lp.cpu_groups):
-            copied = dtype is None or attn_views(src, l, lp.cpu_groups, dtype) is None
+            copied = attn_views(src, l, lp.cpu_groups, dtype) is None
             total += len(lp.cpu_groups) * ((per_group if copied else 0) + cache)
     return total
 
@@ -139,7 +139,7 @@ def host_need(src: WeightSource, plan: Plan, slots: int, n_ctx: int) -> HostNeed
     rows = sum(len(lp.cpu_neurons) for lp in plan.layers) * cfg.neuron_bytes
     mapping = file_mapping(src)
     in_place = mapping is not None and all(
-        in_place_ffn_shard(src, l, np.zeros(0, np.int64), DTYPES.get(cfg.dtype)) is not None
+        in_place_ffn_shard(src, l, np.zeros(0, np.int64), DTYPES[cfg.float_dtype]) is not None
         for l, lp in enumerate(plan.layers) if len(lp.cpu_neurons))
     return HostNeed(rows, not in_place, in_place and not on_tmpfs(mapping.path),
                     cpu_attention_bytes(src, plan, slots, n_ctx), 2)

@@ -26,6 +26,7 @@ import torch
 from ..kernels.cpu_ffn import sparse_ffn_bitmask
 from ..kernels.linear import linear
 from ..kernels.predictor import active_of
+from ..kernels.quant import dequantize, round_q8_0
 from ..kernels.sparse_ffn import sparse_ffn
 from ..model.config import ModelConfig
 from ..model.reference import ffn_activation, threshold_criterion
@@ -98,14 +99,18 @@ def active_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
 def oracle_mask(x: torch.Tensor, shard: FFNShard, act: str, act_threshold: float | None = None,
                 act_on: str = "gate") -> torch.Tensor:
     """The true activity [T, n] of the shard's neurons for inputs x [T, D]: h != 0, or with a
-    SwiGLU activation threshold the criterion above it (the thresholded model's)."""
-    xf = x.float()
+    SwiGLU activation threshold the criterion above it (the thresholded model's), as the kernels
+    compute it: on quantized rows of a CPU shard, of x rounded to Q8_0 (what the CPU kernel
+    multiplies)."""
+    q = shard.qtype
+    xf = x.float() if q is None or x.is_cuda else round_q8_0(x).float()
     sel = None if shard.rows is None else shard.rows.long()
-    rows = lambda t: t if sel is None else t[sel]  # noqa: E731  (the shard's neurons' rows, in order)
-    up = xf @ rows(shard.up).float().T  # [T, n]
+    pick = lambda t: t if sel is None else t[sel]  # noqa: E731  (the shard's neurons' rows, in order)
+    rows = lambda w: pick(w).float() if q is None else dequantize(pick(w), q)  # noqa: E731
+    up = xf @ rows(shard.up).T  # [T, n]
     if shard.up_bias is not None:
-        up = up + rows(shard.up_bias)
-    gate = xf @ rows(shard.gate).float().T if shard.gate is not None else None  # [T, n]
+        up = up + pick(shard.up_bias)
+    gate = xf @ rows(shard.gate).T if shard.gate is not None else None  # [T, n]
     h = ffn_activation(act, up, gate)
     return h != 0 if act_threshold is None else threshold_criterion(act_on, gate, h) > act_threshold
 
@@ -134,7 +139,7 @@ def ffn_partial(x: torch.Tensor, shard: FFNShard, act: str, policy: str,
         idx, tok_mask = active_rows(mask)
         computed = int(mask.sum()) if tok_mask is not None else idx.numel()
     y = sparse_ffn(x, shard.up, shard.gate, shard.down_t, shard.row_index(idx), tok_mask, act, shard.up_bias,
-                   out, threads=threads, act_threshold=act_threshold, act_on=act_on)
+                   out, threads=threads, qtype=shard.qtype, act_threshold=act_threshold, act_on=act_on)
     return y, computed, idx.numel()
 
 
@@ -147,13 +152,15 @@ def gate_first_ffn(x: torch.Tensor, shard: FFNShard, act: str, t: float, out: to
     if x.device.type == "cpu":
         y = out if out is not None else torch.empty(x.shape, dtype=x.dtype)
         pairs, _, _, up_rows = sparse_ffn_bitmask(x.contiguous(), shard.up, shard.gate, shard.down_t, None, shard.n,
-                                                  act, shard.up_bias, y, threads, rows=shard.rows, act_threshold=t)
+                                                  act, shard.up_bias, y, threads, qtype=shard.qtype, rows=shard.rows,
+                                                  act_threshold=t)
         return y, pairs, up_rows
     assert not shard.in_place, "a GPU shard holds its own rows"
-    g = linear(x, shard.gate)  # [T, n] fp32
+    g = linear(x, shard.gate, qtype=shard.qtype)  # [T, n] fp32
     mask = active_of(g, t, silu=True)  # [T, n]
     idx, tok_mask = active_rows(mask)
-    y = sparse_ffn(x, shard.up, None, shard.down_t, idx, tok_mask, act, shard.up_bias, out, gate_pre=g)
+    y = sparse_ffn(x, shard.up, None, shard.down_t, idx, tok_mask, act, shard.up_bias, out, qtype=shard.qtype,
+                   gate_pre=g)
     return y, int(mask.sum()), idx.numel()
 
 
@@ -169,13 +176,14 @@ def attn_partial(x: torch.Tensor, shard: AttnShard, cfg: ModelConfig, slots: lis
                  start_pos: list[int], linear=None) -> torch.Tensor:  # noqa: ANN001
     """The shard's heads' share of the attention output y [B, T, D] for normed x [B, T, D];
     writes this step's K/V into the shard's cache at start_pos of each sequence's slot.
-    linear: the projections' F.linear (see kernels.head_attention)."""
+    linear: the projections' F.linear (see kernels.head_attention; on quantized weights it takes
+    ``qtype=``)."""
     from ..kernels.attention import head_attention
 
     return head_attention(x, shard.wq, shard.wk, shard.wv, shard.wo_t, shard.k_cache, shard.v_cache,
                           slots, start_pos, cfg.rope_theta, cfg.rope_style, cfg.rot_dims,
                           bq=shard.bq, bk=shard.bk, bv=shard.bv, wqkv=shard.wqkv, bqkv=shard.bqkv,
-                          linear=linear)
+                          linear=linear, qtype=shard.qtype)
 
 
 def merge_partials(parts: list[torch.Tensor | None], bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -59,7 +59,7 @@ class PrimaryExecutor:
         plan.verify(cfg)
         self.policy = Policy.for_model(policy, threshold, cfg)
         self.device = torch.device(device)
-        dt = DTYPES[dtype or (cfg.dtype if self.device.type == "cuda" else "f32")]
+        dt = DTYPES[dtype or (cfg.float_dtype if self.device.type == "cuda" else "f32")]
         self.t_max, self.timeout_s = t_max, timeout_s
         self.stats = ExecStats()
         if self.device.type == "cuda":

@@ -47,9 +47,10 @@ class SharedShardSpec:
     path: str
     dtype: str  # torch dtype name of the weights
     numel: int
-    d: int
+    d: int  # elements of a row (quantized rows: bytes)
     # per layer: (ids [n], off_up, off_gate or -1, off_down, up_bias [n] float32 or None)
     layers: tuple[tuple[np.ndarray, int, int, int, np.ndarray | None], ...]
+    qtype: str | None = None  # 'q8_0' | 'q4_0': the rows are blocks (dtype uint8)
 
 
 def _views(buf: torch.Tensor, spec: SharedShardSpec) -> list[FFNShard]:
@@ -61,18 +62,19 @@ def _views(buf: torch.Tensor, spec: SharedShardSpec) -> list[FFNShard]:
             return buf[off: off + n * spec.d].view(n, spec.d)
 
         out.append(FFNShard(np.asarray(ids), at(o_up), at(o_gate) if o_gate >= 0 else None, at(o_down),
-                            None if bias is None else torch.from_numpy(np.array(bias))))
+                            None if bias is None else torch.from_numpy(np.array(bias)), spec.qtype))
     return out
 
 
 def share(n_rows: list[int], gated: bool, d: int, dtype: torch.dtype, load: Callable[[int], FFNShard],
           defer: Callable[[int], tuple[np.ndarray, np.ndarray | None]] | None = None,
-          ) -> tuple[list[FFNShard], SharedShardSpec] | None:
+          qtype: str | None = None) -> tuple[list[FFNShard], SharedShardSpec] | None:
     """Load layer l's shard with ``load(l)`` (n_rows[l] rows) straight into a new shared file,
     one layer at a time (peak memory: the file plus one layer); the shards over it and its spec,
     or None without loading anything (nothing to share, no room in /dev/shm).
     defer: ``defer(l)`` -> (ids, up_bias or None) of layer l, and the rows are left for `fill`
-    (by another process); ``load`` is then not called."""
+    (by another process); ``load`` is then not called. qtype: the rows are blocks of that type
+    (d their bytes, dtype uint8)."""
     per_row = d * (3 if gated else 2)
     numel = sum(n_rows) * per_row
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
@@ -127,7 +129,7 @@ def share(n_rows: list[int], gated: bool, d: int, dtype: torch.dtype, load: Call
         _open_fds.remove(fd)
         os.close(fd)
         raise
-    spec = SharedShardSpec(proc_path, str(dtype).removeprefix("torch."), numel, d, tuple(layers))
+    spec = SharedShardSpec(proc_path, str(dtype).removeprefix("torch."), numel, d, tuple(layers), qtype)
     return _views(buf, spec), spec
 
 

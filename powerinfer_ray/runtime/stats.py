@@ -27,6 +27,7 @@ class ExecStats:
     graph_captures: int = 0  # decode graph sets captured (a new batch bucket; Triton compiles included)
     capture_s: float = 0.0  # and the host seconds they took
     kernel_s: float = 0.0  # CPU executor: inside the FFN kernel call (the rest of an answer is Python)
+    kernel_bytes: int = 0  # CPU executor: the FFN rows those calls read, as stored (blocks: compressed)
     attn_s: float = 0.0  # CPU executor: in the attention of its KV-head groups
     # host seconds: attn / ffn of eager steps, wait for the CPU's answers, gpu_wait of graph
     # steps (for the GPU's segment to finish before a post), launch (inside graph replay calls)

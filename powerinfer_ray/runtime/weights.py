@@ -2,6 +2,10 @@
 output head, predictors, and its shard of each layer's neurons and heads (with their KV cache).
 
 Both runners of the layer schedule (``schedule.py``) read these, and nothing else of the model.
+Matrices the source stores as Q8_0 / Q4_0 blocks stay blocks (with their qtype beside them) and
+go to the quantized kernels; the token embedding too, its rows dequantized as a step gathers them
+(3.6x fewer bytes than f16 at Q4_0, for a gather of a few rows per step). Everything else is in
+the float ``dtype``; norms and biases in f32.
 Dimension legend: N tokens of a step, D hidden, V vocab, r predictor width.
 """
 from __future__ import annotations
@@ -13,7 +17,9 @@ import numpy as np
 import torch
 import torch.nn.functional as Fn
 
+from ..kernels.linear import linear
 from ..kernels.predictor import predictor_logits
+from ..kernels.quant import dequantize
 from ..model import gguf_keys as K
 from ..model.reference import layer_norm, rms_norm
 from ..model.source import WeightSource, layer_rows
@@ -31,8 +37,9 @@ class LayerWeights:
 
     norm_attn: Norm
     norm_ffn: Norm | None  # None: falcon's single norm
-    fc1: torch.Tensor | None  # [r, D]
+    fc1: torch.Tensor | None  # [r, D] (quantized: blocks [r, D / 32 * block bytes])
     fc2: torch.Tensor | None  # [n_gpu + n_cpu, r]: the primary's neurons' rows, then the CPU's
+    fc_qtypes: tuple[str | None, str | None]  # fc1's and fc2's (None: float)
     ffn: FFNShard
     attn: AttnShard
     # the layer-wide biases, added once where the partial outputs merge: after the attention
@@ -50,14 +57,15 @@ class PrimaryWeights:
                  dtype: torch.dtype, slots: int, n_ctx: int) -> None:
         self.src, self.cfg, self.plan, self.policy = src, src.config, plan, policy
         self.device, self.dtype, self.slots, self.n_ctx = device, dtype, slots, n_ctx
-        cfg, dev, dt = self.cfg, device, dtype
+        cfg, dev = self.cfg, device
         # host seconds of each kind of tensor (H2D copies from pageable memory are synchronous)
         self.phases = {"globals": 0.0, "predictors": 0.0, "attention": 0.0, "ffn": 0.0}
         t0 = time.perf_counter()
-        self.embd = src.global_(K.TOKEN_EMBD, dt).to(dev)  # [V, D]
-        self.pos_embd = src.global_(K.POS_EMBD, dt).to(dev) if cfg.arch == "opt" else None
+        self.embd, self.embd_q = self._global(K.TOKEN_EMBD)  # [V, D]
+        self.pos_embd, self.pos_q = self._global(K.POS_EMBD) if cfg.arch == "opt" else (None, None)
         self.out_norm = self._norm_pair(K.OUTPUT_NORM, None)
-        self.out_w = self.embd if cfg.tied_output else src.output_weight(dt).to(dev)  # [V, D]
+        untied = src.has(K.global_tensor(K.OUTPUT)) and not cfg.tied_output
+        self.out_w, self.out_q = self._global(K.OUTPUT) if untied else (self.embd, self.embd_q)  # [V, D]
         self.phases["globals"] += time.perf_counter() - t0
         self.layers = [self._layer(l) for l in range(cfg.n_layer)]
         # what the fixed-shape decode step reads: rotary rows of every position, the predictor's
@@ -72,6 +80,21 @@ class PrimaryWeights:
         self.all_rows = [torch.arange(lw.ffn.n, dtype=torch.int32, device=dev) for lw in self.layers]
 
     # --- loading ---------------------------------------------------------------------------------
+    def _global(self, name: str) -> tuple[torch.Tensor, str | None]:
+        """A model-level matrix on the device: its blocks and qtype, or floats in dtype and None
+        (a Q6_K output head comes dequantized)."""
+        q = self.src.qtype(name)
+        if q is not None:
+            return self.src.global_blocks(name, device=self.device).blocks, q
+        return self.src.global_(name, self.dtype).to(self.device), None
+
+    def _matrix(self, tmpl: str, l: int, rows: np.ndarray | None = None) -> tuple[torch.Tensor, str | None]:
+        """Rows of a layer's matrix on the device, as ``_global``."""
+        q = self.src.qtype(tmpl, l)
+        if q is not None:
+            return self.src.layer_blocks(tmpl, l, rows=rows, device=self.device).blocks, q
+        return layer_rows(self.src, tmpl, l, rows=rows, dtype=self.dtype, device=self.device), None
+
     def _vec(self, tmpl: str, l: int | None, bias: bool = False) -> torch.Tensor | None:
         name = K.global_tensor(tmpl, bias) if l is None else K.tensor(tmpl, l, bias)
         if not self.src.has(name):
@@ -86,12 +109,11 @@ class PrimaryWeights:
     def _layer(self, l: int) -> LayerWeights:
         cfg, lp, dev, dt = self.cfg, self.plan[l], self.device, self.dtype
         norm_ffn_t = K.ATTN_NORM_2 if cfg.two_norms else (None if cfg.parallel_attn else K.FFN_NORM)
-        fc1 = fc2 = None
+        fc1 = fc2 = q1 = q2 = None
         if self.policy.name == "predictor":
             t0 = time.perf_counter()
-            fc1 = layer_rows(self.src, K.FC1, l, dtype=dt, device=dev)
-            rows = np.concatenate([lp.gpu_neurons, lp.cpu_neurons])
-            fc2 = layer_rows(self.src, K.FC2, l, rows=rows, dtype=dt, device=dev)
+            fc1, q1 = self._matrix(K.FC1, l)
+            fc2, q2 = self._matrix(K.FC2, l, np.concatenate([lp.gpu_neurons, lp.cpu_neurons]))
             self.phases["predictors"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         attn = load_attn_shard(self.src, l, lp.gpu_groups, dt, dev, self.slots + 1, self.n_ctx)
@@ -106,7 +128,7 @@ class PrimaryWeights:
         ffn = load_ffn_shard(self.src, l, lp.gpu_neurons, dt, dev)
         self.phases["ffn"] += time.perf_counter() - t0
         return LayerWeights(self._norm_pair(K.ATTN_NORM, l), self._norm_pair(norm_ffn_t, l) if norm_ffn_t else None,
-                            fc1, fc2, ffn, attn, attn_bias, ffn_bias, nbytes)
+                            fc1, fc2, (q1, q2), ffn, attn, attn_bias, ffn_bias, nbytes)
 
     # --- what the layer schedule computes with ---------------------------------------------------
     def norm(self, x: torch.Tensor, pair: Norm) -> torch.Tensor:
@@ -118,14 +140,27 @@ class PrimaryWeights:
             y = layer_norm(x, pair[0], pair[1], self.cfg.norm_eps)
         return y.to(self.dtype)
 
+    def embed(self, tok: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream's start [N, D] (fp32) for tokens tok [N] (at positions pos [N]
+        with learned positions: OPT)."""
+        h = _rows(self.embd, self.embd_q, tok)
+        if self.pos_embd is not None:
+            h = h + _rows(self.pos_embd, self.pos_q, pos + self.cfg.pos_offset)
+        return h
+
     def predict(self, l: int, pred_in: torch.Tensor) -> torch.Tensor:
         """The predictor's logits [N, n_gpu + n_cpu] of layer l (the primary's neurons first)."""
-        lw = self.layers[l]
-        return predictor_logits(pred_in.to(self.dtype), lw.fc1, lw.fc2)
+        lw, x = self.layers[l], pred_in.to(self.dtype)
+        q1, q2 = lw.fc_qtypes
+        if q1 is None and q2 is None:
+            return predictor_logits(x, lw.fc1, lw.fc2)
+        z = torch.relu(linear(x, lw.fc1, qtype=q1))  # [N, r] fp32
+        return linear(z, lw.fc2, qtype=q2).to(x.dtype)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] (fp32) of the last residual rows h [B, D]."""
-        return (self.norm(h, self.out_norm) @ self.out_w.T).float()
+        x = self.norm(h, self.out_norm)
+        return (x @ self.out_w.T).float() if self.out_q is None else linear(x, self.out_w, qtype=self.out_q)
 
     # --- accounting ------------------------------------------------------------------------------
     def weight_bytes(self) -> int:
@@ -138,6 +173,11 @@ class PrimaryWeights:
         """Weight bytes every step reads besides the active FFN rows: attention of its heads,
         predictors, output head (the roofline numerator of the dense parts)."""
         return self.out_w.numel() * self.out_w.element_size() + sum(lw.weight_bytes for lw in self.layers)
+
+
+def _rows(w: torch.Tensor, qtype: str | None, idx: torch.Tensor) -> torch.Tensor:
+    """Rows idx of a float or quantized matrix, as fp32 [len(idx), cols]."""
+    return w[idx].float() if qtype is None else dequantize(w[idx], qtype)
 
 
 def _add(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:

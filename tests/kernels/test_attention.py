@@ -212,3 +212,45 @@ def test_cpu_executor_layout_fp32_x_with_weights_read_in_place(wdt, B, T):
                              start_pos=start, rope_style="norm", **{k: v.double() for k, v in w.items()})
     assert y.dtype == torch.float32 and rel_err(y, ref) < 1e-5
     assert rel_err(cache[0], ref_cache[0]) < 1e-5
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("B, T", [(1, 1), (1, 5), (3, 2)], ids=["decode", "prefill", "batch"])
+def test_quantized_projections_equal_rounded_float64(qtype, B, T):
+    """Q8_0 / Q4_0 weights (q/k/v rows, wo_t the transposed view of the o-projection's blocks):
+    head_attention and head_attention_step through the compiled CPU kernel, which quantizes each
+    projection's input to Q8_0 as ggml does, equal float64 attention over the dequantized weights
+    whose projections multiply the Q8_0-rounded inputs."""
+    import torch.nn.functional as F
+
+    from powerinfer_ray.kernels import dequantize, head_attention_step, round_q8_0
+    from powerinfer_ray.kernels.cpu_ffn import linear
+    from powerinfer_ray.model.quants import quantize
+
+    gen = torch.Generator().manual_seed(13)
+    H, G, hd, D, S = 4, 2, 32, 64, 12
+    w = _weights(H, G, hd, D, torch.float32, gen, bias=True)
+    q = {k: quantize(w[k], qtype) for k in ("wq", "wk", "wv")}
+    q["wo_t"] = quantize(w["wo_t"].T, qtype).T  # [D, H*hd] rows as blocks, transposed view
+    qw = dict(q, bq=w["bq"], bk=w["bk"], bv=w["bv"])
+    ref_w = {k: dequantize(v, qtype, torch.float64) for k, v in q.items() if k != "wo_t"}
+    ref_w["wo_t"] = dequantize(q["wo_t"].T, qtype, torch.float64).T
+    ref_w.update({k: w[k].double() for k in ("bq", "bk", "bv")})
+    rounded = lambda a, m, b: F.linear(round_q8_0(a), m, b)  # noqa: E731
+    x = torch.randn(B, T, D, generator=gen)
+    cache = [torch.zeros(B + 1, G, S, hd) for _ in range(2)]
+    ref_cache = [torch.zeros(B + 1, G, S, hd, dtype=torch.float64) for _ in range(2)]
+    slots, start = list(range(1, B + 1)), [3 * b for b in range(B)]
+    y = head_attention(x, k_cache=cache[0], v_cache=cache[1], slots=slots, start_pos=start, rope_style="norm",
+                       linear=lambda a, m, b, qtype: linear(a, m, b, threads=2, qtype=qtype), qtype=qtype, **qw)
+    ref = head_attention(x.double(), k_cache=ref_cache[0], v_cache=ref_cache[1], slots=slots, start_pos=start,
+                         rope_style="norm", linear=rounded, **ref_w)
+    assert y.dtype == torch.float32 and rel_err(y, ref) < 1e-5
+    assert rel_err(cache[0], ref_cache[0]) < 1e-5
+    if T == 1:  # the decode step's form (device positions; default linear: the same CPU kernel)
+        sl, ps = torch.tensor(slots), torch.tensor(start) + 1
+        y = head_attention_step(x[:, 0], torch.cat([q["wq"], q["wk"], q["wv"]]), torch.cat([w["bq"], w["bk"], w["bv"]]),
+                                q["wo_t"], cache[0], cache[1], sl, ps, None, None, None, qtype=qtype)
+        ref = head_attention(x.double(), k_cache=ref_cache[0], v_cache=ref_cache[1], slots=slots,
+                             start_pos=ps.tolist(), rope_style=None, linear=rounded, **ref_w)
+        assert rel_err(y, ref[:, 0]) < 1e-5

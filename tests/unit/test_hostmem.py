@@ -9,10 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from dataclasses import replace
+
 from powerinfer_ray.model.source import open_model
 from powerinfer_ray.model.tiny import write_tiny_model
 from powerinfer_ray.runtime import group
-from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
+from powerinfer_ray.runtime.config import EngineConfig
+from powerinfer_ray.runtime.engine import executor_spec
 from powerinfer_ray.runtime.hostmem import GIB, PROCESS_BYTES, host_memory, on_tmpfs, process_memory
 from powerinfer_ray.runtime.plan import Plan
 from powerinfer_ray.runtime.shard import in_place_ffn_shard
@@ -27,6 +30,14 @@ def _split_plan(cfg, seed: int = 0) -> Plan:
     return Plan.from_masks(masks, groups, cfg)
 
 
+def _start(model: str, plan: Plan, limit: int, slots: int = 2, n_ctx: int = 64) -> group.ExecutorGroup:
+    """The executor group of an engine over ``model`` with ``plan``, allowed ``limit`` bytes of host memory."""
+    src = open_model(model)
+    ec = EngineConfig(model, plan=plan, policy="oracle", max_batch=slots, n_ctx=n_ctx, prefill_chunk=16)
+    spec = replace(executor_spec(ec, src, plan, "cpu", model=src), host_memory_bytes=limit)
+    return group.start_group(group.LocalBackend(), spec)
+
+
 def _no_loading(monkeypatch):  # noqa: ANN001, ANN202
     """The executors must not be built: a check before loading fails first."""
     def refuse(*a, **kw):  # noqa: ANN002, ANN003, ANN202
@@ -37,11 +48,11 @@ def _no_loading(monkeypatch):  # noqa: ANN001, ANN202
 
 def test_a_placement_that_cannot_fit_fails_before_loading_naming_the_sizes(monkeypatch):
     """A planted model (no file: the CPU's rows are copied) whose executors need more than the host
-    memory limit: ValueError before any executor is built, naming the copied rows, the CPU
-    attention, the processes and the limit; at exactly the need it starts. Sizes by hand: f32
-    gated rows of n_embd 128 are 3 * 128 * 4 bytes per neuron; a KV-head group of 4 query heads
-    per group... here 1 (n_head = n_head_kv = 4) is q, k, v and o rows of head_dim 32 (4 * 32 * 128
-    * 4 bytes) plus its fp32 KV cache (2 * (slots + 1) * n_ctx * 32 * 4 bytes)."""
+    memory limit (GroupSpec.host_memory_bytes): ValueError before any executor is built, naming
+    the copied rows, the CPU attention, the processes and the limit; at exactly the need it
+    starts. Sizes by hand: f32 gated rows of n_embd 128 are 3 * 128 * 4 bytes per neuron; a
+    KV-head group (one query head: n_head = n_head_kv = 4) is its q, k, v and o rows of head_dim
+    32 (4 * 32 * 128 * 4 bytes) and its fp32 KV cache (2 * (slots + 1) * n_ctx * 32 * 4 bytes)."""
     spec = "planted:tiny?layers=2&dtype=f32"
     cfg = open_model(spec).config
     plan = _split_plan(cfg)
@@ -49,22 +60,21 @@ def test_a_placement_that_cannot_fit_fails_before_loading_naming_the_sizes(monke
     rows = sum(len(lp.cpu_neurons) for lp in plan.layers) * 3 * 128 * 4
     attn = 2 * 1 * (4 * 32 * 128 * 4 + 2 * (slots + 1) * n_ctx * 32 * 4)  # 2 layers x 1 group
     need = rows + attn + 2 * PROCESS_BYTES
-    ec = dict(plan=plan, policy="oracle", max_batch=slots, n_ctx=n_ctx, prefill_chunk=16)
     with monkeypatch.context() as m:
         _no_loading(m)
         with pytest.raises(ValueError) as e:
-            LocalEngine(EngineConfig(spec, host_memory_gib=(need - 1) / GIB, **ec))
+            _start(spec, plan, need - 1, slots, n_ctx)
     msg = str(e.value)
     assert "does not fit this host's memory" in msg and "planted-tiny" in msg
     assert f"need {need / GIB:.1f} GiB" in msg and f"{rows / GIB:.1f} GiB of FFN rows copied" in msg
     assert f"{attn / GIB:.1f} GiB of CPU attention" in msg and "2 executor process(es)" in msg
     assert f"{(need - 1) / GIB:.1f} GiB are allowed (host memory limit)" in msg
     assert re.search(r"host total \d+\.\d GiB", msg)
-    eng = LocalEngine(EngineConfig(spec, host_memory_gib=need / GIB, **ec))
+    g = _start(spec, plan, need, slots, n_ctx)
     try:
-        assert eng.cpu is not None and eng.cpu.ffn_rows in ("shared", "private")
+        assert g.cpu is not None and g.cpu.ffn_rows in ("shared", "private")
     finally:
-        eng.close()
+        g.close()
 
 
 def test_rows_in_place_in_a_file_on_tmpfs_cost_no_host_memory(tmp_path, monkeypatch):
@@ -78,16 +88,15 @@ def test_rows_in_place_in_a_file_on_tmpfs_cost_no_host_memory(tmp_path, monkeypa
     rows = sum(len(lp.cpu_neurons) for lp in plan.layers) * 3 * cfg.n_embd * 4
     attn = 2 * (2 * 3 * 64 * cfg.head_dim * 4)  # 2 layers x the KV cache of one group
     need = attn + 2 * PROCESS_BYTES + (0 if on_tmpfs(path) else rows)
-    ec = dict(plan=plan, policy="oracle", max_batch=2, n_ctx=64, prefill_chunk=16)
     with monkeypatch.context() as m:
         _no_loading(m)
         with pytest.raises(ValueError, match="in place in the file on tmpfs" if on_tmpfs(path) else "kept in the page cache"):
-            LocalEngine(EngineConfig(str(path), host_memory_gib=(need - 1) / GIB, **ec))
-    eng = LocalEngine(EngineConfig(str(path), host_memory_gib=need / GIB, **ec))
+            _start(str(path), plan, need - 1)
+    g = _start(str(path), plan, need)
     try:
-        assert eng.cpu.ffn_rows == "file" and all(a.wqkv is None for a in eng.cpu.attn)  # attention in place
+        assert g.cpu.ffn_rows == "file" and all(a.wqkv is None for a in g.cpu.attn)  # attention in place
     finally:
-        eng.close()
+        g.close()
 
 
 def test_process_and_host_memory_match_proc():

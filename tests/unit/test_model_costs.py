@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_quants import write_upstream_int4
+from quant_models import write_upstream_int4
 
 from powerinfer_ray.model import gguf_keys as K
 from powerinfer_ray.model.costs import model_costs
@@ -17,19 +17,24 @@ from powerinfer_ray.runtime.engine import LocalEngine
 
 
 def _tiny(path, dtype: str):
-    """A tiny sparse model whose predictors are a large share of its bytes (rank 128 for n_ff 256)."""
+    """A tiny sparse model whose predictors are a large share of its bytes (rank 128 for n_ff 256);
+    'upstream-q4_0': upstream's INT4 layout written by gguf-py (its Q6_K head held in f16)."""
+    if dtype == "upstream-q4_0":
+        cfg = tiny_config("llama-reglu", n_embd=256, n_ff=256, predictor_rank=128, tied_output=False, dtype="q4_0")
+        write_upstream_int4(path, cfg, np.random.default_rng(0))
+        return path
     cfg = tiny_config("llama-reglu", dtype=dtype, predictor_rank=128, tied_output=False)
     return write_model(path, cfg, tiny_weights(cfg, seed=1))
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_0", "q4_0", "upstream-q4_0"])
 def test_budget_just_above_the_minimum_holds_measured(tmp_path, dtype):
     """At 1 % over the minimum budget the solver reports, the primary (holding the model's own
-    dtype, as a GPU primary does) holds exactly what the costs say it holds (all but the norms,
-    which it keeps outside its shards), and with the workspace the costs reserve, stays within
-    the budget + 2 %."""
+    dtype, as a GPU primary does: Q8_0 / Q4_0 matrices as their blocks, the rest in f16) holds
+    exactly what the costs say it holds (all but the norms, which it keeps outside its shards),
+    and with the workspace the costs reserve, stays within the budget + 2 %."""
     path = _tiny(tmp_path / f"m.{dtype}.gguf", dtype)
-    ec = dict(disable_gpu_index=True, device="cpu", dtype=dtype, max_batch=2)
+    ec = dict(disable_gpu_index=True, device="cpu", dtype=ModelFile(path).config.float_dtype, max_batch=2)
     with pytest.raises(InfeasibleBudgetError) as exc:
         resolve_plan(EngineConfig(str(path), vram_budget_gib=1e-6, **ec))
     budget = exc.value.min_budget_bytes * 1.01
@@ -39,8 +44,9 @@ def test_budget_just_above_the_minimum_holds_measured(tmp_path, dtype):
         plan = engine.primary.plan
     finally:
         engine.close()
-    cfg = ModelFile(path).config
-    c = model_costs(cfg, engine_n_ctx(EngineConfig(str(path)), cfg), 2)
+    mf = ModelFile(path)
+    cfg = mf.config
+    c = model_costs(mf, engine_n_ctx(EngineConfig(str(path)), cfg), 2)
     placed = sum(len(lp.gpu_neurons) * c.neuron_bytes[l] + len(lp.gpu_groups) * c.attn_unit_bytes[l]
                  for l, lp in enumerate(plan.layers))
     norms = (2 * cfg.n_layer + 1) * cfg.n_embd * 4

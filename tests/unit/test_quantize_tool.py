@@ -8,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 from test_convert_hf import save_hf, write_predictors
-from test_quants import write_upstream_int4
+from quant_models import write_upstream_int4
 
 from powerinfer_ray.cli import main
 from powerinfer_ray.model import gguf_keys as K

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFWriter
 from gguf import quants as gq
 
 from powerinfer_ray.model import gguf_keys as K
@@ -16,6 +15,7 @@ from powerinfer_ray.model.planted import planted_model, write_planted_gguf
 from powerinfer_ray.model.quants import QuantRows, dequantize, quantize
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import tiny_config, tiny_weights
+from quant_models import k_blocks, write_upstream_int4
 
 GGML = {"q8_0": T.Q8_0, "q4_0": T.Q4_0}
 
@@ -96,20 +96,6 @@ def test_model_file_bytes_equal_gguf_and_read_back(tmp_path, qtype):
     assert torch.equal(mf.global_blocks(K.TOKEN_EMBD, rows=[5]).dequantize(), mf.global_(K.TOKEN_EMBD)[5:6])
 
 
-def _k_blocks(rng: np.random.Generator, n_blocks: int, qt: T) -> np.ndarray:
-    """Random K-quant blocks with small finite scales (gguf-py reads them; it has no quantizer
-    for them). Q6_K, as upstream's quantize writes output.weight (210 bytes: ql[128], qh[64],
-    int8 scales[16], f16 d); Q4_K (144 bytes: f16 d, f16 dmin, scales[12], qs[128])."""
-    if qt == T.Q6_K:
-        b = rng.integers(0, 256, (n_blocks, 210), dtype=np.uint8)
-        b[:, 192:208] = rng.integers(-30, 31, (n_blocks, 16)).astype(np.int8).view(np.uint8)
-        b[:, 208:210] = np.full((n_blocks, 1), 0.002, np.float16).view(np.uint8)
-        return b
-    b = rng.integers(0, 256, (n_blocks, 144), dtype=np.uint8)
-    b[:, 0:4] = np.full((n_blocks, 2), 0.001, np.float16).view(np.uint8)
-    return b
-
-
 def test_q6_k_block_by_hand():
     """ql = 0x11 (both nibbles 1), qh = 0: every q = 1, x = d * scale * (1 - 32)."""
     b = np.zeros((1, 210), np.uint8)
@@ -118,42 +104,6 @@ def test_q6_k_block_by_hand():
     b[0, 208:210] = np.array([0.5], np.float16).view(np.uint8)
     x = dequantize(torch.from_numpy(b), "q6_k")[0]
     assert x.tolist() == [0.5 * (i // 16) * -31 for i in range(256)]
-
-
-def write_upstream_int4(path, cfg, rng, q4_k: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
-    """A PowerInfer model in the layout of upstream's ``quantize ... Q4_0``, written by gguf-py
-    alone (GGUFWriter + gguf.quants): Q4_0 for every matrix (token_embd, attention, FFN with
-    ffn_down_t, predictors fc1/fc2), Q6_K output.weight, F32 norms, PWRI magic; the tensors
-    named in ``q4_k`` as random Q4_K blocks instead. Returns the weights the file stands for
-    (gguf-py's dequantization)."""
-    w = GGUFWriter(path, "llama")
-    a = "llama"
-    for key, v in ((f"{a}.context_length", cfg.n_ctx), (f"{a}.embedding_length", cfg.n_embd),
-                   (f"{a}.block_count", cfg.n_layer), (f"{a}.feed_forward_length", cfg.n_ff),
-                   (f"{a}.attention.head_count", cfg.n_head), (f"{a}.attention.head_count_kv", cfg.n_head_kv),
-                   (f"{a}.rope.dimension_count", cfg.head_dim), ("general.file_type", 2)):
-        w.add_uint32(key, v)
-    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
-    w.add_float32("powerinfer.sparse_threshold", 0.0)
-    out: dict[str, np.ndarray] = {}
-    for name, t in tiny_weights(cfg, seed=5).items():
-        x = t.float().numpy()
-        if name == "output.weight" or name in q4_k:
-            qt = T.Q4_K if name in q4_k else T.Q6_K
-            data = _k_blocks(rng, x.size // 256, qt).reshape(x.shape[0], -1)
-            w.add_tensor(name, data, raw_dtype=qt)
-            out[name] = gq.dequantize(data, qt)
-        elif x.ndim == 2:
-            data = gq.quantize(x, T.Q4_0)
-            w.add_tensor(name, data, raw_dtype=T.Q4_0)
-            out[name] = gq.dequantize(data, T.Q4_0)
-        else:
-            w.add_tensor(name, x)
-            out[name] = x
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    with open(path, "r+b") as fh:
-        fh.write(b"PWRI")
-    return out
 
 
 def test_upstream_int4_file_written_by_gguf_py_loads_and_generates(tmp_path):

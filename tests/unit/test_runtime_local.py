@@ -421,6 +421,34 @@ def test_cpu_executor_computes_on_the_rows_in_the_file_mapping(tmp_path, variant
             torch.testing.assert_close(torch.from_numpy(g), w, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+def test_a_quantized_file_is_read_in_place_as_its_blocks(tmp_path, qtype):
+    """A Q8_0 / Q4_0 file: the CPU executor's FFN rows and its heads' q rows and o columns are the
+    file's blocks in its memory map (tests/unit/test_runtime_quant.py checks these engines'
+    logits on every split)."""
+    from powerinfer_ray.model.source import file_mapping
+
+    path = write_tiny_model(tmp_path / "q.gguf", "llama-gqa", seed=1, n_layer=2, n_ctx=64, n_embd=128, dtype=qtype)
+    cfg = ReferenceModel.from_file(path).cfg
+    eng = LocalEngine(EngineConfig(str(path), plan=_plans(cfg)["split-heads"], policy="oracle", prefill_chunk=16))
+    try:
+        cpu = eng.cpu
+        m = file_mapping(cpu.src)
+        assert cpu.ffn_rows == "file" and cpu.shard_spec is None
+        for l in range(cfg.n_layer):
+            sh, a = cpu.ffn[l], cpu.attn[l]
+            assert sh.qtype == qtype and sh.up.dtype == torch.uint8 and sh.rows is not None
+            assert sh.down_t.data_ptr() == m.address + int(cpu.src.tensors[K.tensor(K.FFN_DOWN_T, l)].data_offset)
+            assert a.qtype == qtype and a.wqkv is None
+            q = cpu.src.tensors[K.tensor(K.ATTN_Q, l)]
+            row = a.wq.stride(0)  # bytes of a q row's blocks
+            assert a.wq.data_ptr() == m.address + int(q.data_offset) + int(a.groups[0]) * cfg.n_gqa * cfg.head_dim * row
+        logits = eng.primary.step([0], [[3, 4, 5]], [0])[0]
+        assert np.isfinite(logits).all()
+    finally:
+        eng.close()
+
+
 def test_rows_without_a_file_go_to_shared_memory_or_a_copy(monkeypatch):
     """A planted model has no file: the CPU executor generates its rows into one shared-memory file
     that the primary maps for dense prefill (runtime/sharedshard.py; a row changed on the CPU
@@ -459,11 +487,13 @@ def test_rows_without_a_file_go_to_shared_memory_or_a_copy(monkeypatch):
         torch.testing.assert_close(torch.from_numpy(got), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("spec", ["tiny", "tiny-opt"])  # gated rows; ReLU rows with an up bias
+# gated rows; ReLU rows with an up bias; either as Q4_0 / Q8_0 blocks
+@pytest.mark.parametrize("spec", ["tiny", "tiny-opt", "tiny?dtype=q4_0", "tiny-opt?dtype=q8_0"])
 def test_primary_fills_the_cpu_executors_rows_of_a_planted_model(spec):
     """defer_fill: the CPU executor lays its shared file out and the primary generates the rows and
     writes them in (runtime/sharedshard.py fill): the CPU executor's shard then equals the one it
-    loads itself, bias included; when the primary cannot, the CPU executor writes them itself."""
+    loads itself, bias included (quantized: the same blocks); when the primary cannot, the CPU
+    executor writes them itself."""
     from powerinfer_ray.model.source import open_model
     from powerinfer_ray.runtime.cpu_executor import CPUExecutor
     from powerinfer_ray.runtime.primary import PrimaryExecutor
@@ -482,7 +512,7 @@ def test_primary_fills_the_cpu_executors_rows_of_a_planted_model(spec):
         fallback.filled(by_primary=False)
         assert not deferred.needs_fill and not fallback.needs_fill
         for a, b, c in zip(own.ffn, deferred.ffn, fallback.ffn):
-            assert np.array_equal(a.ids, b.ids)
+            assert np.array_equal(a.ids, b.ids) and a.qtype == b.qtype == c.qtype == src.qtype(K.FFN_UP, 0)
             for t in ("up", "gate", "down_t", "up_bias"):
                 x, y, z = getattr(a, t), getattr(b, t), getattr(c, t)
                 assert (x is None) == (y is None) == (z is None), t
