@@ -15,7 +15,7 @@ import difflib
 import logging
 import math
 import os
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -346,6 +346,11 @@ def _budget_plan(ec: EngineConfig, src: WeightSource, stats: tuple[list[np.ndarr
     budget = ec.vram_budget_bytes
     is_file = not str(ec.model).startswith(PLANTED_PREFIX)
     cache = split_cache_path(ec.model) if is_file and not ec.disable_gpu_index else None
+    # a policy that loads no predictors (gate-first, dense, oracle) places neurons in their bytes;
+    # the split cached beside the file is the predictors' (upstream's): neither read nor written
+    no_predictors = cfg.has_predictors and resolve_policy(ec, cfg) != "predictor"
+    if no_predictors:
+        cache = None
     if cache is not None and cache.exists() and not ec.reset_gpu_index:
         split = gpuidx.read_gpuidx(cache)
         if len(split.gpu_neurons) == cfg.n_layer and split.vram_capacity <= budget:  # upstream's rule
@@ -353,6 +358,8 @@ def _budget_plan(ec: EngineConfig, src: WeightSource, stats: tuple[list[np.ndarr
             return Plan.from_masks([np.asarray(m, bool) for m in split.gpu_neurons], None, cfg)
         log.warning("cached split %s was solved for another model or budget: re-solving", cache)
     costs = model_costs(src, engine_n_ctx(ec, cfg), ec.max_batch)  # as stored: a Q6_K head is f16
+    if no_predictors:
+        costs = replace(costs, predictor_bytes=(0,) * cfg.n_layer)
     if stats is None:
         log.warning("no activation statistics for %s: placing with uniform frequencies "
                     "(run powerinfer-ray profile for a better split)", ec.model)

@@ -304,3 +304,22 @@ def test_thresholds_survive_quantization_and_run(trained, tmp_path):
         eng.close()
     errs, _ = match_rounding(ref, prompt + decode, got, [len(prompt) - 1, len(prompt), len(prompt) + 1])
     assert max(errs) < 1e-5, errs
+
+
+def test_policies_without_predictors_place_neurons_in_the_predictors_bytes(tmp_path):
+    """Gate-first and dense load no predictors: their placement spends the predictors' bytes on
+    neurons (the same budget holds more of them on the GPU), and leaves the split cached beside
+    the file, which is the predictors', alone."""
+    from powerinfer_ray.model.planted import write_planted_gguf
+    from powerinfer_ray.model.source import open_model
+    from powerinfer_ray.runtime.config import resolve_plan, split_cache_path
+
+    path = write_planted_gguf("tiny-swiglu?dtype=f32", tmp_path / "m.gguf", progress=False,
+                              stats_dir=tmp_path / "activation", n_tokens=1000)
+    src = open_model(str(path))
+    gpu = {}
+    for policy in ("gate-first", "dense", "predictor"):  # a budget that holds a layer's neurons without predictors
+        plan = resolve_plan(EngineConfig(str(path), vram_budget_gib=0.013, policy=policy), src)
+        gpu[policy] = sum(len(lp.gpu_neurons) for lp in plan.layers)
+        assert split_cache_path(str(path)).exists() == (policy == "predictor")
+    assert gpu["gate-first"] == gpu["dense"] > gpu["predictor"], gpu
