@@ -18,7 +18,7 @@ M13=${M13:-"planted:llama2-13b?dtype=f16"}  # a small model for a dry run elsewh
 MF=${MF:-"planted:falcon-40b?dtype=f16"}
 B13=${B13:-16}  # GiB of VRAM for the 13B stages
 BF=${BF:-24}  # GiB of VRAM for the Falcon stages
-M8=${M8:-"planted:llama3-8b?dtype=f16"}  # the SwiGLU stage's (dry run: planted:tiny-swiglu?layers=2, B8=0.0115)
+M8=${M8:-"planted:llama3-8b?dtype=f16"}  # the SwiGLU stage's (dry run: planted:tiny-swiglu?layers=2, B8=0.005)
 B8=${B8:-8}
 SHM=${SHM:-/dev/shm}  # where the model files go
 THREADS=${THREADS:-14}  # CPU executor threads (the H200 host: 14 of 16 cores)
