@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from swiglu_models import sparsified as sparsified_model
 
 from powerinfer_ray.model.reference import ReferenceModel
-from powerinfer_ray.offline.sparsify import sparsify
-from powerinfer_ray.offline.train_tiny import trained_swiglu_path
 from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
 from powerinfer_ray.runtime.plan import Plan
 
@@ -18,8 +17,7 @@ PROMPT, DECODE = [5, 60, 7, 200, 41, 12, 99, 150, 3, 42, 17, 250, 8, 77, 120, 31
 
 @pytest.fixture(scope="module")
 def sparsified(tmp_path_factory):
-    path = tmp_path_factory.mktemp("m") / "tiny-swiglu-0.5.gguf"
-    sparsify(trained_swiglu_path(), "builtin:train", path, 0.5, max_tokens=1024, seq_len=64, log=lambda s: None)
+    path = sparsified_model(tmp_path_factory.mktemp("m") / "tiny-swiglu-0.5.gguf")
     return path, ReferenceModel.from_file(path)
 
 

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import pytest
 import ray
+from swiglu_models import sparsified
 
 from powerinfer_ray.actors.coordinator import Coordinator
 from powerinfer_ray.model.reference import ReferenceModel
-from powerinfer_ray.offline.sparsify import sparsify
-from powerinfer_ray.offline.train_tiny import trained_swiglu_path
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("m") / "tiny-swiglu-0.5.gguf"
-    sparsify(trained_swiglu_path(), "builtin:train", path, 0.5, max_tokens=1024, seq_len=64, log=lambda s: None)
+    path = sparsified(tmp_path_factory.mktemp("m") / "tiny-swiglu-0.5.gguf")
     return path, ReferenceModel.from_file(path)
 
 

@@ -4,18 +4,16 @@ h), and the written file keeps the thresholds beside the predictors (the predict
 from __future__ import annotations
 
 import pytest
+from swiglu_models import sparsified
 
 from powerinfer_ray.model.gguf_file import ModelFile
 from powerinfer_ray.offline.predictors import train_predictors
-from powerinfer_ray.offline.sparsify import sparsify
-from powerinfer_ray.offline.train_tiny import trained_swiglu_path
 from powerinfer_ray.runtime.config import EngineConfig, resolve_policy
 
 
 @pytest.mark.parametrize("target", [0.3, 0.5])
 def test_predictors_of_a_sparsified_model_learn_its_thresholded_mask(tmp_path, target):
-    sparse = tmp_path / "sparse.gguf"
-    sparsify(trained_swiglu_path(), "builtin:train", sparse, target, max_tokens=1024, seq_len=64, log=lambda s: None)
+    sparse = sparsified(tmp_path / "sparse.gguf", target)
     res = train_predictors(sparse, "builtin:train", tmp_path / "pred.gguf", target=None, recall_target=0.95,
                            max_tokens=2048, heldout_tokens=512, seq_len=128, device="cpu", progress=False,
                            per_layer=False, log=lambda s: None)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from swiglu_models import sparsified
 
 from powerinfer_ray.model import gguf_keys as K
 from powerinfer_ray.model.gguf_file import ModelFile
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import write_tiny_model
-from powerinfer_ray.offline.sparsify import sparsify
 from powerinfer_ray.offline.train_tiny import trained_swiglu_path
 from powerinfer_ray.runtime.config import resolve_policy
 from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
@@ -28,15 +28,10 @@ def _plans(cfg):
             "split-heads": Plan.from_masks(masks, half, cfg)}
 
 
-def _sparsified(src, out, target=0.5, on="gate") -> ModelFile:
-    sparsify(src, "builtin:train", out, target, on, max_tokens=1024, seq_len=64, log=lambda s: None)
-    return ModelFile(out)
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """The trained tiny SwiGLU model sparsified at 0.5 (no predictors)."""
-    return _sparsified(trained_swiglu_path(), tmp_path_factory.mktemp("m") / "tiny-swiglu-0.5.gguf")
+    return ModelFile(sparsified(tmp_path_factory.mktemp("m") / "tiny-swiglu-0.5.gguf"))
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +40,7 @@ def with_predictors(tmp_path_factory):
     d = tmp_path_factory.mktemp("p")
     src = write_tiny_model(d / "dense.gguf", "llama-swiglu", seed=3, n_layer=3, n_ctx=64, predictor_rank=16,
                            n_head=4, n_head_kv=2)
-    return _sparsified(src, d / "sparse.gguf", 0.4)
+    return ModelFile(sparsified(d / "sparse.gguf", 0.4, src=src))
 
 
 class ActivePairs:
@@ -122,7 +117,7 @@ def test_the_metadata_selects_the_mode_and_the_flag_overrides_it(trained, with_p
         resolve_policy(ec(dense, policy="gate-first"), dense.config)
     with pytest.raises(ValueError, match="train-predictors"):
         resolve_policy(ec(trained, policy="predictor"), trained.config)
-    on_h = _sparsified(trained_swiglu_path(), tmp_path / "h.gguf", on="h")
+    on_h = ModelFile(sparsified(tmp_path / "h.gguf", on="h"))
     assert resolve_policy(ec(on_h), on_h.config) == "oracle"
     with pytest.raises(ValueError, match="--on gate"):
         resolve_policy(ec(on_h, policy="gate-first"), on_h.config)
