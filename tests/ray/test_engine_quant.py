@@ -11,10 +11,10 @@ from powerinfer_ray.model.tiny import tiny_config
 
 
 def test_upstream_int4_file_generates_on_ray(ray_cluster, tmp_path):
-    """Half the neurons and a KV-head group on the CPU executor actor; the 12-token prompt runs
-    the CPU shard's Q4_0 blocks on the primary from the CPU executor's shared pages (mapped
-    across the two processes), the decode steps exchange with it: the greedy tokens of the
-    dense forward over the dequantized weights with the CPU kernels' Q8_0 rounding."""
+    """Half the neurons and a KV-head group on the CPU executor actor, which computes on the
+    file's Q4_0 blocks in place; the 12-token prompt runs the CPU shard's blocks on the primary,
+    streamed from the same file's map, the decode steps exchange with it: the greedy tokens of
+    the dense forward over the dequantized weights with the CPU kernels' Q8_0 rounding."""
     cfg = tiny_config("llama-reglu", n_embd=256, n_ff=256, predictor_rank=64, tied_output=False, norm_eps=1e-6,
                       dtype="q4_0")
     path = tmp_path / "tiny.q4.powerinfer.gguf"
@@ -23,7 +23,8 @@ def test_upstream_int4_file_generates_on_ray(ray_cluster, tmp_path):
     eng = Coordinator.options(name="test-engine-q4").remote(str(path), gpu_fraction=0.5, cpu_groups=1, policy="oracle",
                                                             max_batch=2, threads=1, prefill_dense_min=8)
     try:
-        assert ray.get(eng.ready.remote())["dense_prefill"] == "shared"
+        info = ray.get(eng.ready.remote())
+        assert info["dense_prefill"] == "file" and info["executors_ready"][1]["ffn_rows"] == "file"
         prompts = [[1, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100], [1, 84, 104, 101]]
         outs = ray.get([eng.generate.remote(prompt_token_ids=p, max_tokens=8, ignore_eos=True) for p in prompts])
         for p, o in zip(prompts, outs):

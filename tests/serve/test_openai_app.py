@@ -268,19 +268,22 @@ def test_ingress_in_flight_limit_gives_429(engine, url):
 
 
 def test_full_engine_queue_gives_429(engine, url):
-    # hold every slot and fill the waiting queue with long generations called directly
-    held, prompt = [], [7, 8, 9]
-    for i in range(MAX_BATCH + MAX_WAITING + 8):
-        ref = engine.generate.remote(prompt_token_ids=prompt, max_tokens=N_CTX - 8, ignore_eos=True,
-                                     request_id=f"hold-{i}")
-        ready, _ = ray.wait([ref], timeout=0.02)
-        if ready:  # rejected: the queue is full
-            with pytest.raises(EngineOverloaded):
-                ray.get(ref)
+    # hold every slot and fill the waiting queue with long generations called directly, then wait
+    # until the engine says so (a state, not a time: the suite runs on two busy cores)
+    prompt = [7, 8, 9]
+    held = [(f"hold-{i}", engine.generate.remote(prompt_token_ids=prompt, max_tokens=N_CTX - 8, ignore_eos=True,
+                                                 request_id=f"hold-{i}"))
+            for i in range(MAX_BATCH + MAX_WAITING)]
+    deadline = time.time() + 120
+    while True:
+        st = ray.get(engine.stats.remote())["coordinator"]
+        if st["running"] == MAX_BATCH and st["waiting"] == MAX_WAITING or time.time() > deadline:
             break
-        held.append((f"hold-{i}", ref))
-    assert len(held) >= MAX_WAITING
+        time.sleep(0.05)
     try:
+        assert (st["running"], st["waiting"]) == (MAX_BATCH, MAX_WAITING), st
+        with pytest.raises(EngineOverloaded):  # one more, called directly: rejected
+            ray.get(engine.generate.remote(prompt_token_ids=prompt, max_tokens=4), timeout=60)
         r = requests.post(f"{url}/v1/completions", json=GOOD, headers=AUTH, timeout=30)
         err = _assert_openai_error(r, 429, type_="rate_limit_error")
         assert "waiting" in err["message"]
