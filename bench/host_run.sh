@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gpukern|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4
+#       bash bench/host_run.sh verify|gpukern|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|swiglu
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gpukern|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4"
+stages="verify|gpukern|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|swiglu"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -18,6 +18,8 @@ M13=${M13:-"planted:llama2-13b?dtype=f16"}  # a small model for a dry run elsewh
 MF=${MF:-"planted:falcon-40b?dtype=f16"}
 B13=${B13:-16}  # GiB of VRAM for the 13B stages
 BF=${BF:-24}  # GiB of VRAM for the Falcon stages
+M8=${M8:-"planted:llama3-8b?dtype=f16"}  # the SwiGLU stage's (dry run: planted:tiny-swiglu?layers=2, B8=0.005)
+B8=${B8:-8}
 SHM=${SHM:-/dev/shm}  # where the model files go
 THREADS=${THREADS:-14}  # CPU executor threads (the H200 host: 14 of 16 cores)
 log=$OUT/$stage.log
@@ -179,6 +181,11 @@ q4)  # quantized (issue 19): the Q4_0 13B at 4 GiB, hybrid and its own layer-off
         --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
     suite runtime-13b-q8-8gib-h200 270 -m "planted:llama2-13b?dtype=q8_0" --vram-budget 8 \
         --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
+    ;;
+swiglu)  # issue 20: planted:llama3-8b (SwiGLU sparsified at 50 %) at 8 GiB, prompt 64, 128 generated, one
+    # engine each: hybrid in the predicted mode, hybrid gate-first, the dense hybrid, layer-offload
+    suite runtime-llama3-8b-8gib-h200 580 -m "$M8" --vram-budget "$B8" \
+        --modes hybrid,hybrid-gate-first,hybrid-dense,layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
     ;;
 *)
     echo "unknown stage $stage: expected $stages" >&2

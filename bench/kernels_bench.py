@@ -411,7 +411,7 @@ def _exchange_worker(args) -> dict:
                                    D, D, D, EX_N, None, 0, idx.data_ptr(), 1, idx.numel(),
                                    None if tok is None else tok.data_ptr(), 0 if tok is None else 1,
                                    0 if tok is None else tok.shape[1], 1, out.data_ptr(), 0, scratch.data_ptr(),
-                                   threads, cpu_ffn.SPLITS[split])
+                                   threads, cpu_ffn.SPLITS[split], 0.0, 0)
             assert rc == 0, rc
 
         tiny = torch.ones(16 * threads)

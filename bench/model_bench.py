@@ -6,9 +6,15 @@
     powerinfer-ray bench cpu-only -m ...
     powerinfer-ray bench suite -m ... --vram-budget 16 --modes hybrid,layer-offload,dense-gpu
     powerinfer-ray bench suite -m planted:llama2-13b?dtype=f16 --as-file /dev/shm ...  # from a file
+    powerinfer-ray bench suite -m planted:llama3-8b?dtype=f16 --vram-budget 8 \
+        --modes hybrid,hybrid-gate-first,hybrid-dense,layer-offload    # a sparsified SwiGLU model
 
 --as-file DIR writes a planted model to DIR/<shape>.gguf once (bench/planted_file.py, in a process of
 its own) and runs every engine from that file, as users run them; the records' ``model`` is the path.
+
+The hybrid modes share the solved placement and differ in the policy: hybrid (the predictors:
+on a sparsified SwiGLU model the predicted mode), hybrid-gate-first (a sparsified SwiGLU model's
+gate-first mode), hybrid-dense (every neuron, thresholds unused: the dense hybrid).
 
 Every run goes through the real engine (the Coordinator actor and its executors on a local Ray
 cluster) with B concurrent requests of random prompts, ignore_eos. It reports decode tokens/s
@@ -34,7 +40,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
-MODES = ("hybrid", "layer-offload", "dense-gpu", "cpu-only")
+MODES = ("hybrid", "hybrid-gate-first", "hybrid-dense", "layer-offload", "dense-gpu", "cpu-only")
+HYBRID_POLICY = {"hybrid": "predictor", "hybrid-gate-first": "gate-first", "hybrid-dense": "dense"}
 
 
 def machine() -> dict[str, Any]:
@@ -112,8 +119,8 @@ def engine_kwargs(mode: str, a: argparse.Namespace, n_ctx: int, batch: int,
     extra: dict[str, Any] = {}
     if mode == "hybrid" and a.gpu_fraction is not None:  # the hottest fraction per layer, no solver
         kw.update(gpu_fraction=a.gpu_fraction, policy="predictor")
-    elif mode == "hybrid":
-        kw.update(vram_budget_gib=budget, policy="predictor", method=a.method,
+    elif mode in HYBRID_POLICY:
+        kw.update(vram_budget_gib=budget, policy=HYBRID_POLICY[mode], method=a.method,
                   reset_gpu_index=stale_split(a.model, budget))
     elif mode == "layer-offload":
         plan, k = layer_offload_plan(a.model, budget, n_ctx, batch)
@@ -267,8 +274,9 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
         if t is not None:
             ray.get(engine.set_cpu_threads.remote(t))
         r = run_config(engine, a, batch, p, o, cfg.n_vocab)
-        r.update(mode=mode, model=a.model, planted=a.planted, vram_budget_gib=budget if mode != "dense-gpu" else None,
-                 load_s=load_s, plan_s=info.get("plan_s"), **load, **extra)
+        r.update(mode=mode, policy=info.get("policy"), model=a.model, planted=a.planted,
+                 vram_budget_gib=budget if mode != "dense-gpu" else None, load_s=load_s, plan_s=info.get("plan_s"),
+                 **load, **extra)
         print(f"{tag} B={batch} prompt={p} out={o} threads={r['cpu_threads']}: decode {r['decode_tok_s']:.2f} tok/s, "
               f"e2e {r['e2e_tok_s']:.2f}, prefill {r['prefill_tok_s']:.1f}, GPU {r['gpu_gbps']:.0f} GB/s, "
               f"CPU {r['cpu_gbps']:.1f} GB/s, GPU share {r['gpu_activation_share']:.1%}, "

@@ -29,7 +29,8 @@ _BAD_ARGS = -1000000000
 
 _lock = threading.Lock()  # one call at a time per process (shared scratch)
 _scratch: torch.Tensor | None = None
-_stats = (ctypes.c_int64 * 3)()  # pi_sparse_ffn_bitmask's (pairs, rows, down rows); used under _lock
+_stats = (ctypes.c_int64 * 4)()  # pi_sparse_ffn_bitmask's (pairs, rows, down rows, up rows); used under _lock
+_THR = {None: 0, "gate": 1, "h": 2}  # the kernels' thr_on: what a SwiGLU activation threshold compares
 _scratch_bytes: dict[tuple, int] = {}  # pi_scratch_bytes by its arguments
 
 
@@ -57,13 +58,14 @@ def _rows_ok(w: torch.Tensor, width: int) -> bool:
 def sparse_ffn_cpu(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
                    idx: torch.Tensor, mask: torch.Tensor | None, act: str, up_bias: torch.Tensor | None,
                    y: torch.Tensor, threads: int | None = None, split: str = "auto",
-                   qtype: str | None = None) -> torch.Tensor:
+                   qtype: str | None = None, act_threshold: float | None = None, act_on: str = "gate") -> torch.Tensor:
     """Run the compiled kernel; inputs already validated by `sparse_ffn` (CPU tensors).
 
     x [T, D] any float dtype; up, gate, down_t [N, D] rows with unit column stride, one of
     fp32 / fp16 / bf16, or quantized rows uint8 [N, row_bytes] of qtype; idx [K] int32 or int64;
     mask None, bool [T, K] or int32 bits [K]; y [T, D] contiguous, x's dtype. split: the
-    kernel's work split, 'auto' | 'rows' | 'cols' (benchmarks compare them). Returns y.
+    kernel's work split, 'auto' | 'rows' | 'cols' (benchmarks compare them); act_threshold,
+    act_on: the SwiGLU activation threshold (sparse_ffn.py). Returns y.
     """
     lib = library()
     assert lib is not None, "sparse_ffn_cpu called without a compiled kernel"
@@ -101,7 +103,8 @@ def sparse_ffn_cpu(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None,
                 _ptr(bias), _W_DT.get(bias.dtype, 0) if bias is not None else 0,
                 idx.data_ptr(), int(idx.dtype == torch.int64), K,
                 _ptr(ms), mode, ld_mask,
-                _ACT[act], ys.data_ptr(), _W_DT[y.dtype], scratch, nthreads, SPLITS[split])
+                _ACT[act], ys.data_ptr(), _W_DT[y.dtype], scratch, nthreads, SPLITS[split],
+                float(act_threshold or 0.0), _THR[act_on if act_threshold is not None else None])
             if rc != 0:
                 if rc == _BAD_ARGS:
                     raise ValueError(f"sparse_ffn_cpu: bad arguments T={T}, D={D}, threads={nthreads}")
@@ -215,7 +218,8 @@ def _check_weights(up, gate, down_t, up_bias, act, qtype) -> None:
 def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
                        packed_mask, n: int, act: str, up_bias: torch.Tensor | None, out: torch.Tensor,
                        threads: int | None = None, *, split: str = "auto", skip_zero: bool = True,
-                       qtype: str | None = None, rows: torch.Tensor | None = None) -> tuple[int, int, int]:
+                       qtype: str | None = None, rows: torch.Tensor | None = None, act_threshold: float | None = None,
+                       act_on: str = "gate") -> tuple[int, int, int]:
     """The CPU executor's FFN answer in one call, from the mask as the channel holds it.
 
     x [T, D] fp32 / fp16 / bf16 (rows with unit column stride, e.g. the channel's x view);
@@ -237,7 +241,11 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
     bits), the conversion of x and the output dtype happen in the compiled kernel; each active row
     is read once. Returns (pairs, rows, down_rows): the (token, neuron) pairs set, the rows active
     for any token (their up / gate rows read) and the down rows read (rows - the skipped ones; the
-    torch path reads every one). Quantized rows: x is quantized to Q8_0 once per call and the dots
+    torch path reads every one). act_threshold, act_on: a SwiGLU activation threshold (h zeroed
+    where |SiLU(g)| ('gate') or |h| ('h') is not above it); on the gate a row's gate comes first
+    and its up row is read only when the gate passes for some token of the mask: the returns get a
+    fourth, up_rows, the rows whose up row was read, and without a mask (gate-first over all n
+    rows) pairs counts those whose gate passes. Quantized rows: x is quantized to Q8_0 once per call and the dots
     run on integers, as ggml's. Bad arguments raise ValueError naming the field. Without a compiler:
     numpy decoding and the torch path, same results up to rounding.
     """
@@ -268,9 +276,12 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
         raise _bad("split", repr(split), f"one of {tuple(SPLITS)}")
     if T == 0:
         return 0, 0, 0
+    if act_threshold is not None:
+        _check_threshold(act, act_threshold, act_on)
     lib = library()
     if lib is None:
-        return _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out, qtype, rows)
+        return _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out, qtype, rows, act_threshold,
+                              act_on)
     nthreads = int(threads or torch.get_num_threads())
     with _lock:
         key = (T, D, n, nthreads, y_dt, sp, sh.args[3])
@@ -279,11 +290,23 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
             nb = _scratch_bytes[key] = lib.pi_scratch_bytes(T, D, n, nthreads, y_dt, sp, 1, sh.args[3])
         rc = lib.pi_sparse_ffn_bitmask(x.data_ptr(), x_dt, ld_x, T, D, *sh.args, addr, ld, n, rows_ptr, _ACT[act],
                                        out.data_ptr(), y_dt, _scratch_for(nb), nthreads, sp, int(not skip_zero),
-                                       _stats)
+                                       _stats, float(act_threshold or 0.0),
+                                       _THR[act_on if act_threshold is not None else None])
         if rc != 0:
             raise ValueError(f"sparse_ffn_bitmask: the kernel rejected its arguments (rc {rc}): T={T}, D={D}, "
                              f"n={n}, threads={nthreads}")
+        if act_threshold is not None:
+            return _stats[0], _stats[1], _stats[2], _stats[3]
         return _stats[0], _stats[1], _stats[2]
+
+
+def _check_threshold(act: str, t, on: str) -> None:
+    if act != "swiglu":
+        raise _bad("act", repr(act), "'swiglu' with act_threshold (thresholds are SwiGLU's activation sparsity)")
+    if not isinstance(t, (int, float)) or isinstance(t, bool) or not 0.0 <= t < float("inf"):
+        raise _bad("act_threshold", t, "a finite number >= 0, or None")
+    if on not in _THR or on is None:
+        raise _bad("act_on", repr(on), "'gate' or 'h'")
 
 
 _row_checks: dict[int, tuple[weakref.ref, int, int]] = {}  # id(rows) -> (rows, data_ptr, the N checked against)
@@ -308,22 +331,32 @@ def _row_ids(rows: torch.Tensor, N: int) -> tuple[int, int]:
     return rows.data_ptr(), rows.numel()
 
 
-def _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out, qtype, rows) -> tuple[int, int, int]:
-    """sparse_ffn_bitmask without the compiled kernel: numpy decoding, the torch path."""
+def _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out, qtype, rows, act_threshold=None,
+                   act_on="gate") -> tuple[int, ...]:
+    """sparse_ffn_bitmask without the compiled kernel: numpy decoding, the torch path (the counts
+    as the kernel's, with a threshold on the gate its gate-first ones)."""
     T = x.shape[0]
     if packed_mask is None:
-        idx, tok, pairs = torch.arange(n), None, T * n
+        act_tn = torch.ones(T, n, dtype=torch.bool)  # [T, n]
     else:
         m = packed_mask if isinstance(packed_mask, np.ndarray) else packed_mask.numpy()
         act_tn = torch.from_numpy(np.unpackbits(m, axis=1, count=n, bitorder="little").view(np.bool_))  # [T, n]
-        idx = act_tn.any(0).nonzero().reshape(-1)
-        tok, pairs = act_tn.index_select(1, idx), int(act_tn.sum())
+    at_all = torch.arange(n) if rows is None else rows.long()[:n]  # the rows of up / gate / down_t
+    pairs, n_rows = int(act_tn.sum()), int(act_tn.any(0).sum())
+    if act_threshold is not None and act_on == "gate":  # gate first: the rows whose gate passes
+        g_rows = gate.index_select(0, at_all)
+        g = x.float() @ (g_rows.float() if qtype is None else dequantize(g_rows, qtype)).T  # [T, n]
+        act_tn = act_tn & (F.silu(g).abs() > act_threshold)
+        pairs = int(act_tn.sum()) if packed_mask is None else pairs
+    idx = act_tn.any(0).nonzero().reshape(-1)
     if idx.numel() == 0:
         out.zero_()
     else:
-        at = idx if rows is None else rows.long()[idx]  # the rows of up / gate / down_t
-        out.copy_(sparse_ffn_torch(x.float(), up, gate, down_t, at, tok, act, up_bias, qtype=qtype))
-    return pairs, idx.numel(), idx.numel()
+        out.copy_(sparse_ffn_torch(x.float(), up, gate, down_t, at_all[idx], act_tn.index_select(1, idx), act, up_bias,
+                                   qtype=qtype, act_threshold=act_threshold, act_on=act_on))
+    if act_threshold is None:
+        return pairs, n_rows, n_rows
+    return pairs, n_rows, idx.numel(), idx.numel()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

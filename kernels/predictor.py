@@ -4,7 +4,9 @@ Dimension legend: T tokens, D n_embd, r predictor width, N neurons of the layer 
 Kg / Kc active neurons placed on the GPU / CPU, C capacity of a packed part.
 
 A neuron is active for a token iff its logit >= threshold (upstream PowerInfer skips a neuron
-iff logit < threshold). Comparisons are made in fp32 whatever the logits' dtype.
+iff logit < threshold). Comparisons are made in fp32 whatever the logits' dtype. The packed
+split also takes gate values instead of logits (``silu=True``, the SwiGLU gate-first mode): a
+neuron is then active iff |SiLU(g)| > threshold.
 
 Neuron ids: every function here returns GLOBAL neuron ids (0 <= id < N, rows of the layer's
 full up / gate / down_t) unless `local_of` is given, a [N] int32 map from a global id to the
@@ -113,11 +115,17 @@ def token_bits(active: torch.Tensor) -> torch.Tensor:
     return torch.where(bits >= 2**31, bits - 2**32, bits).to(torch.int32)  # two's complement wrap
 
 
-def _pack_torch(logits, threshold, gpu_mask, local_of, cap_g, cap_c) -> torch.Tensor:
+def active_of(logits: torch.Tensor, threshold: float, silu: bool = False) -> torch.Tensor:
+    """bool [T, N]: logits >= threshold, or with silu (gate values) |SiLU(g)| > threshold; fp32."""
+    lg = logits.float()
+    return torch.nn.functional.silu(lg).abs() > threshold if silu else lg >= threshold
+
+
+def _pack_torch(logits, threshold, gpu_mask, local_of, cap_g, cap_c, silu=False) -> torch.Tensor:
     """The torch form of the packed split (sync-free: scatter instead of nonzero)."""
     N = logits.shape[1]
     dev = logits.device
-    bits = token_bits(logits.float() >= threshold)  # [N] int32
+    bits = token_bits(active_of(logits, threshold, silu))  # [N] int32
     ids_src = local_of.to(torch.int32) if local_of is not None else torch.arange(N, dtype=torch.int32, device=dev)
     out = []
     for sel, cap in ((bits != 0) & gpu_mask, cap_g), ((bits != 0) & ~gpu_mask, cap_c):
@@ -131,12 +139,13 @@ def _pack_torch(logits, threshold, gpu_mask, local_of, cap_g, cap_c) -> torch.Te
 
 def split_active_packed(logits: torch.Tensor, threshold: float, gpu_mask: torch.Tensor, *,
                         local_of: torch.Tensor | None = None, gpu_capacity: int | None = None,
-                        cpu_capacity: int | None = None, backend: str = "auto") -> PackedSplit:
+                        cpu_capacity: int | None = None, backend: str = "auto", silu: bool = False) -> PackedSplit:
     """The sync-free split (see the module docstring): two packed int32 parts, views of one buffer.
 
     gpu_capacity / cpu_capacity: slots per part; pass the number of neurons placed on each
     device (the host knows it from the placement) to keep the CPU part small; default N.
-    backend: 'auto' (Triton on CUDA, else torch) | 'triton' | 'torch'.
+    backend: 'auto' (Triton on CUDA, else torch) | 'triton' | 'torch'. silu: the logits are gate
+    values, active iff |SiLU(g)| > threshold.
     """
     global _triton_failed
     _check(logits, gpu_mask, local_of)
@@ -150,13 +159,13 @@ def split_active_packed(logits: torch.Tensor, threshold: float, gpu_mask: torch.
     if use_triton:
         try:
             from . import triton_split
-            buf = triton_split.split_pack(logits, threshold, gpu_mask, local_of, cap_g, cap_c)
+            buf = triton_split.split_pack(logits, threshold, gpu_mask, local_of, cap_g, cap_c, silu=silu)
         except ImportError:
             if backend == "triton":
                 raise
             _triton_failed = True
     if buf is None:
-        buf = _pack_torch(logits, threshold, gpu_mask, local_of, cap_g, cap_c)
+        buf = _pack_torch(logits, threshold, gpu_mask, local_of, cap_g, cap_c, silu)
     return PackedSplit(buf[: 1 + 2 * cap_g], buf[1 + 2 * cap_g:])
 
 

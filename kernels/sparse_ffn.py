@@ -17,6 +17,16 @@ stored transposed, so row j is neuron j's output column). For each token t:
 Partial outputs over disjoint neuron sets add up to the dense FFN output (down bias excluded:
 the merge adds it once). Accumulation is fp32; y has x's dtype.
 
+SwiGLU activation sparsity (a model sparsified with per-layer thresholds, CATS-style) takes two
+options. ``act_threshold`` t: h[t, j] is zeroed where its criterion is not above t, the criterion
+|SiLU(g)| (``act_on='gate'``) or |h| (``'h'``); a row whose h is zero for every token skips its
+down row. ``gate_pre`` [T, N] fp32: the gate pre-activations g of all N rows, computed beforehand
+(the gate-first mode computes the gate of every row densely, thresholds it and calls the sparse
+FFN over the rows above the threshold): the kernel takes g from there and does not read the gate
+rows again (``gate`` may then be None). The CPU kernel does gate-first inside one call instead:
+with ``act_threshold`` on 'gate' a row's gate dots come first and a row below the threshold for
+every token reads neither its up nor its down row.
+
 Weights are fp32 / fp16 / bf16 [N, D], or with `qtype` ('q4_0' | 'q8_0') ggml blocks uint8
 [N, D // 32 * block bytes] (quant.py): the Triton and CPU kernels dequantize the active rows in
 registers (the CPU kernel multiplies a Q8_0-quantized x, as ggml does), the torch path gathers
@@ -39,14 +49,15 @@ import torch
 
 from . import cpu_ffn
 from .quant import check_matrix, check_qtype, row_bytes
-from .torch_ffn import ACTS, sparse_ffn_torch
+from .torch_ffn import ACT_ON, ACTS, sparse_ffn_torch
 
 BACKENDS = ("auto", "triton", "cpu", "torch")
 
 _triton_failed = False
 
 
-def _check(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype) -> None:
+def _check(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype, act_threshold, act_on,
+           gate_pre) -> None:
     """Shape / dtype / device checks that cost no device work (ValueError naming the field)."""
     def bad(what: str, got, expected: str) -> ValueError:
         return ValueError(f"sparse_ffn: {what} is {got}, expected {expected}")
@@ -63,7 +74,8 @@ def _check(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype) -
     if up.dim() != 2 or up.shape[1] != width:
         raise bad("up.shape", tuple(up.shape), f"[N, {D}]")
     N = up.shape[0]
-    if (gate is None) != (act == "relu"):
+    _check_swiglu_options(act, act_threshold, act_on, gate_pre, T, N, bad)
+    if (gate is None and gate_pre is None) != (act == "relu"):
         raise bad("gate", "None" if gate is None else "given", f"{'None' if act == 'relu' else 'a tensor'} for act={act!r}")
     for name, w in (("gate", gate), ("down_t", down_t)):
         if w is not None and (w.dim() != 2 or w.shape[1] != width or w.shape[0] != N):
@@ -88,28 +100,46 @@ def _check(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype) -
         raise bad("out", f"{tuple(out.shape)} {out.dtype}", f"contiguous [{T}, {D}] {x.dtype}")
     if n_active is not None and n_active.numel() != 1:
         raise bad("n_active.numel()", n_active.numel(), "1")
-    devs = {t.device for t in (x, up, gate, down_t, idx, mask, up_bias, out, n_active) if t is not None}
+    devs = {t.device for t in (x, up, gate, down_t, idx, mask, up_bias, out, n_active, gate_pre) if t is not None}
     if len(devs) != 1:
         raise bad("devices", sorted(map(str, devs)), "one device for every tensor")
+
+
+def _check_swiglu_options(act, act_threshold, act_on, gate_pre, T: int, N: int, bad) -> None:  # noqa: ANN001
+    if act_threshold is not None:
+        if act != "swiglu":
+            raise bad("act", repr(act), "'swiglu' with act_threshold (thresholds are SwiGLU's activation sparsity)")
+        if not isinstance(act_threshold, (int, float)) or not act_threshold >= 0 or act_threshold == float("inf"):
+            raise bad("act_threshold", act_threshold, "a finite number >= 0, or None")
+        if act_on not in ACT_ON:
+            raise bad("act_on", repr(act_on), f"one of {ACT_ON}")
+    if gate_pre is not None:
+        if act == "relu":
+            raise bad("gate_pre", "given", "None for act='relu' (no gate)")
+        if gate_pre.dtype != torch.float32 or tuple(gate_pre.shape) != (T, N) or gate_pre.stride(1) != 1:
+            raise bad("gate_pre", f"{gate_pre.dtype} {tuple(gate_pre.shape)}", f"float32 [{T}, {N}] with unit column stride")
 
 
 def sparse_ffn(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
                idx: torch.Tensor, mask: torch.Tensor | None = None, act: str = "reglu",
                up_bias: torch.Tensor | None = None, out: torch.Tensor | None = None, *,
                n_active: torch.Tensor | None = None, threads: int | None = None,
-               backend: str = "auto", qtype: str | None = None) -> torch.Tensor:
+               backend: str = "auto", qtype: str | None = None, act_threshold: float | None = None,
+               act_on: str = "gate", gate_pre: torch.Tensor | None = None) -> torch.Tensor:
     """y [T, D] = the shard's FFN output over its active neurons idx (see the module docstring).
 
     x [T, D]; up, gate (None for act='relu'), down_t [N, D] of one float dtype, or uint8
     [N, D // 32 * block bytes] of qtype ('q4_0' | 'q8_0'); idx [K] int, 0 <= idx < N, any
     order; mask None | bool [T, K] | int32 bits [K]; up_bias [N] or None; out [T, D] (x's dtype,
     contiguous) or None; n_active: one-element int tensor, use only idx[:n_active]; threads: CPU
-    kernel threads (default torch.get_num_threads()); backend: 'auto' | 'triton' | 'cpu' | 'torch'.
-    Out-of-range idx raise IndexError on the CPU kernel; on the GPU they are a precondition
-    (checking would cost a host sync).
+    kernel threads (default torch.get_num_threads()); backend: 'auto' | 'triton' | 'cpu' | 'torch';
+    act_threshold (act='swiglu'), act_on ('gate' | 'h'), gate_pre float32 [T, N]: see the module
+    docstring. Out-of-range idx raise IndexError on the CPU kernel; on the GPU they are a
+    precondition (checking would cost a host sync).
     """
     global _triton_failed
-    _check(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype)
+    _check(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype, act_threshold, act_on, gate_pre)
+    swiglu = dict(act_threshold=act_threshold, act_on=act_on, gate_pre=gate_pre)
     if backend not in BACKENDS:
         raise ValueError(f"sparse_ffn: backend is {backend!r}, expected one of {BACKENDS}")
     T, D = x.shape
@@ -119,20 +149,24 @@ def sparse_ffn(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, dow
         backend = "torch"
         if x.is_cuda and not _triton_failed:
             backend = "triton"
-        elif x.device.type == "cpu" and (qtype is not None or up.dtype in (torch.float32, torch.float16,
-                                                                           torch.bfloat16)):
+        elif x.device.type == "cpu" and gate_pre is None and (qtype is not None or up.dtype in (
+                torch.float32, torch.float16, torch.bfloat16)):
             backend = "cpu" if cpu_ffn.available() else "torch"
     if backend == "cpu" and x.device.type != "cpu":
         raise ValueError(f"sparse_ffn: backend 'cpu' needs CPU tensors, got {x.device}")
     if backend == "triton" and not x.is_cuda:
         raise ValueError(f"sparse_ffn: backend 'triton' needs CUDA tensors, got {x.device}")
+    if backend == "cpu" and gate_pre is not None:
+        raise ValueError("sparse_ffn: backend 'cpu' takes no gate_pre (its gate-first runs inside the kernel: "
+                         "pass act_threshold with act_on='gate' and every row)")
     if backend == "triton":
         try:
             from . import triton_ffn
         except ImportError:  # no triton: remember, use torch
             _triton_failed = True
-            return sparse_ffn_torch(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype)
-        return triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype=qtype)
+            return sparse_ffn_torch(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype, **swiglu)
+        return triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype=qtype,
+                                            **swiglu)
     if backend == "cpu":
         if n_active is not None:
             K = min(int(n_active.reshape(-1)[0]), idx.shape[0])
@@ -140,5 +174,6 @@ def sparse_ffn(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, dow
             if mask is not None:
                 mask = mask[:, :K] if mask.dtype == torch.bool else mask[:K]
         y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
-        return cpu_ffn.sparse_ffn_cpu(x, up, gate, down_t, idx, mask, act, up_bias, y, threads, qtype=qtype)
-    return sparse_ffn_torch(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype)
+        return cpu_ffn.sparse_ffn_cpu(x, up, gate, down_t, idx, mask, act, up_bias, y, threads, qtype=qtype,
+                                      act_threshold=act_threshold, act_on=act_on)
+    return sparse_ffn_torch(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype, **swiglu)

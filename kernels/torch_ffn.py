@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from .quant import dequantize
 
 ACTS = ("relu", "reglu", "drelu", "swiglu")
+ACT_ON = ("gate", "h")  # what an activation threshold compares: |SiLU(gate)| or |h|
 
 
 def _activation(act: str, u: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
@@ -23,6 +24,13 @@ def _activation(act: str, u: torch.Tensor, g: torch.Tensor | None) -> torch.Tens
     if act == "drelu":
         return torch.relu(g) * torch.relu(u)
     return F.silu(g) * u  # swiglu
+
+
+def apply_act_threshold(h: torch.Tensor, g: torch.Tensor, t: float, on: str) -> torch.Tensor:
+    """h [T, K] with h_j zeroed where the criterion (|SiLU(g_j)| for on='gate', |h_j| for 'h') is
+    not above t (the SwiGLU activation threshold)."""
+    crit = F.silu(g).abs() if on == "gate" else h.abs()
+    return torch.where(crit > t, h, torch.zeros((), dtype=h.dtype, device=h.device))
 
 
 def bits_to_mask(bits: torch.Tensor, T: int) -> torch.Tensor:
@@ -37,10 +45,19 @@ def rows_of(w: torch.Tensor, rows: torch.Tensor, qtype: str | None, dtype: torch
     return r.to(dtype) if qtype is None else dequantize(r, qtype, dtype)
 
 
+def _gate(x: torch.Tensor, gate: torch.Tensor | None, gate_pre: torch.Tensor | None, rows: torch.Tensor,
+          qtype: str | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """Gate pre-activations [T, K] of the rows: given (gate_pre [T, N]) or computed from the rows."""
+    if gate_pre is not None:
+        return gate_pre.index_select(1, rows).to(dtype)
+    return x @ rows_of(gate, rows, qtype, dtype).T if gate is not None else None
+
+
 def sparse_ffn_ref(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
                    idx: torch.Tensor, mask: torch.Tensor | None = None, act: str = "reglu",
                    up_bias: torch.Tensor | None = None, n_active: torch.Tensor | None = None,
-                   qtype: str | None = None) -> torch.Tensor:
+                   qtype: str | None = None, act_threshold: float | None = None, act_on: str = "gate",
+                   gate_pre: torch.Tensor | None = None) -> torch.Tensor:
     """The float64 reference of `sparse_ffn`: y [T, D] in float64, loop-free and obvious. For the
     CPU kernels on quantized rows pass x = quant.round_q8_0(x), the activation they multiply."""
     T = x.shape[0]
@@ -52,8 +69,10 @@ def sparse_ffn_ref(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None,
     u = xd @ rows_of(up, rows, qtype, torch.float64).T  # [T, K]
     if up_bias is not None:
         u = u + up_bias[rows].double()[None, :]
-    g = xd @ rows_of(gate, rows, qtype, torch.float64).T if gate is not None else None  # [T, K]
+    g = _gate(xd, gate, gate_pre, rows, qtype, torch.float64)  # [T, K]
     h = _activation(act, u, g)  # [T, K]
+    if act_threshold is not None:
+        h = apply_act_threshold(h, g, act_threshold, act_on)
     if mask is not None:
         h = h * mask[:, :K].double()
     return h @ rows_of(down_t, rows, qtype, torch.float64)  # [T, D]
@@ -62,7 +81,9 @@ def sparse_ffn_ref(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None,
 def sparse_ffn_torch(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
                      idx: torch.Tensor, mask: torch.Tensor | None = None, act: str = "reglu",
                      up_bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                     n_active: torch.Tensor | None = None, qtype: str | None = None) -> torch.Tensor:
+                     n_active: torch.Tensor | None = None, qtype: str | None = None,
+                     act_threshold: float | None = None, act_on: str = "gate",
+                     gate_pre: torch.Tensor | None = None) -> torch.Tensor:
     """The torch path: gather the active rows, multiply in fp32. Works on any device."""
     T, D = x.shape
     if n_active is not None:  # host read of the count: this path syncs
@@ -75,8 +96,10 @@ def sparse_ffn_torch(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | Non
     u = xf @ rows_of(up, rows, qtype, torch.float32).T  # [T, K]
     if up_bias is not None:
         u = u + up_bias.index_select(0, rows).float()[None, :]
-    g = xf @ rows_of(gate, rows, qtype, torch.float32).T if gate is not None else None  # [T, K]
+    g = _gate(xf, gate, gate_pre, rows, qtype, torch.float32)  # [T, K]
     h = _activation(act, u, g)  # [T, K]
+    if act_threshold is not None:
+        h = apply_act_threshold(h, g, act_threshold, act_on)
     if mask is not None:
         h = h * (mask if mask.dtype == torch.bool else bits_to_mask(mask, T)).float()
     y = h @ rows_of(down_t, rows, qtype, torch.float32)  # [T, D]

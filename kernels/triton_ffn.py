@@ -34,7 +34,8 @@ CONFIGS = {
 
 
 def sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active,
-                      cfg: Config | None = None, *, qtype: str | None = None) -> torch.Tensor:
+                      cfg: Config | None = None, *, qtype: str | None = None, act_threshold: float | None = None,
+                      act_on: str = "gate", gate_pre: torch.Tensor | None = None) -> torch.Tensor:
     """The GPU path of `sparse_ffn.sparse_ffn` (arguments already checked there)."""
     T, D = x.shape
     if up.stride(1) != 1 or down_t.stride(1) != 1 or (gate is not None and gate.stride(1) != 1):
@@ -44,8 +45,10 @@ def sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_activ
         for t0 in range(0, T, MAX_T):
             sl = slice(t0, min(T, t0 + MAX_T))
             sparse_ffn_triton(x[sl], up, gate, down_t, idx, None if mask is None else mask[sl], act, up_bias,
-                              y[sl], n_active, cfg, qtype=qtype)
+                              y[sl], n_active, cfg, qtype=qtype, act_threshold=act_threshold, act_on=act_on,
+                              gate_pre=None if gate_pre is None else gate_pre[sl])
         return y
+    swiglu = dict(act_threshold=act_threshold, act_on=act_on, gate_pre=gate_pre)
     cfg = cfg or CONFIGS["gemv" if T == 1 else "dot"]
     x = x.contiguous()
     idx = idx if idx.is_contiguous() else idx.contiguous()
@@ -55,9 +58,9 @@ def sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_activ
         n_active = n_active.reshape(1).to(torch.int32)
     y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
     if T == 1 and cfg.fused:
-        sparse_ffn_fused(x, up, gate, up_bias, down_t, idx, mask, n_active, act, y, cfg, qtype)
+        sparse_ffn_fused(x, up, gate, up_bias, down_t, idx, mask, n_active, act, y, cfg, qtype, **swiglu)
         return y
     h = torch.empty((T, max(1, idx.shape[0])), dtype=torch.float32, device=x.device)  # [T, K]
-    launch_up(x, up, gate, up_bias, idx, mask, n_active, act, h, cfg, qtype)
+    launch_up(x, up, gate, up_bias, idx, mask, n_active, act, h, cfg, qtype, **swiglu)
     launch_down(h, down_t, idx, n_active, y, cfg, qtype)
     return y

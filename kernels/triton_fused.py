@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_stages import ACT_CODE, QT_CODE, Config, _act, _block_rows, _w_tile, mask_args
+from .triton_stages import ACT_CODE, QT_CODE, Config, _act, _block_rows, _thresholded, _w_tile, mask_args, swiglu_args
 
 
 @triton.jit
@@ -66,10 +66,10 @@ def _fence_gpu(v):
 
 @triton.jit
 def _fused_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, down_ptr, idx_ptr, nact_ptr, mask_ptr, y32_ptr, y_ptr,
-                  cnt_ptr, D, K, s_up, s_gate, s_down,
+                  cnt_ptr, gpre_ptr, D, K, s_up, s_gate, s_down, thr,
                   ACT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_MODE: tl.constexpr,
                   HAS_NACT: tl.constexpr, EAGER: tl.constexpr, FENCE: tl.constexpr, QT: tl.constexpr,
-                  R: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr):
+                  THR: tl.constexpr, GPRE: tl.constexpr, R: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr):
     """T == 1, the whole FFN in one launch: each program walks blocks pid, pid + P, ... of R active
     rows; a block's up, gate (and, EAGER, down) rows are loaded whole -- as two power-of-two column
     pieces, [0, DA) and [DA, DA + DB) masked to D (DB = 0: none) -- while the previous block's
@@ -103,6 +103,8 @@ def _fused_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, down_ptr, idx_ptr, nact_ptr
         if DB > 0:
             u += tl.sum(ub.to(tl.float32) * xb[None, :], axis=1)
             g += tl.sum(gb.to(tl.float32) * xb[None, :], axis=1)
+        if GPRE:
+            g = tl.load(gpre_ptr + rows, mask=rmask, other=0.0)
         if HAS_BIAS:
             u += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         live = rmask
@@ -110,7 +112,7 @@ def _fused_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, down_ptr, idx_ptr, nact_ptr
             live = live & (tl.load(mask_ptr + offs_r, mask=rmask, other=0) != 0)
         elif MASK_MODE == 2:
             live = live & ((tl.load(mask_ptr + offs_r, mask=rmask, other=0) & 1) != 0)
-        h = tl.where(live, _act(u, g, ACT), 0.0)  # [R]
+        h = tl.where(live, _thresholded(_act(u, g, ACT), g, thr, THR), 0.0)  # [R]
         if EAGER:
             ya += tl.sum(h[:, None] * da.to(tl.float32), axis=0)
             if DB > 0:
@@ -161,9 +163,11 @@ def _n_sm(device: torch.device) -> int:
 
 
 def sparse_ffn_fused(x, up, gate, up_bias, down_t, idx, mask, n_active, act, y, cfg: Config,
-                     qtype: str | None = None) -> None:
+                     qtype: str | None = None, *, act_threshold: float | None = None, act_on: str = "gate",
+                     gate_pre: torch.Tensor | None = None) -> None:
     """T == 1 through the fused kernel: y [1, D] (y's dtype). Grid: fused_progs programs per SM, at
-    most one per block of fused_r rows."""
+    most one per block of fused_r rows. The SwiGLU options as sparse_ffn takes them (gate_pre: the
+    gate rows are not read)."""
     D = x.shape[1]
     K = idx.shape[0]
     if K == 0:
@@ -174,11 +178,13 @@ def sparse_ffn_fused(x, up, gate, up_bias, down_t, idx, mask, n_active, act, y, 
     db = triton.next_power_of_2(D - da) if D > da else 0
     dummy = idx
     mode, mask, _ = mask_args(mask, dummy)
+    sw, gp, _, thr = swiglu_args(act_threshold, act_on, gate_pre, dummy)
     g = gate if gate is not None else up
     grid = (min(triton.cdiv(K, cfg.fused_r), cfg.fused_progs * _n_sm(x.device)),)
     _fused_kernel[grid](
         x, up, g, up_bias if up_bias is not None else dummy, down_t, idx,
-        n_active if n_active is not None else dummy, mask, y32, y, cnt,
-        D, K, up.stride(0), g.stride(0), down_t.stride(0), ACT=ACT_CODE[act], HAS_GATE=gate is not None,
-        HAS_BIAS=up_bias is not None, MASK_MODE=mode, HAS_NACT=n_active is not None, EAGER=cfg.eager_down,
-        FENCE=x.is_cuda, QT=QT_CODE[qtype], R=cfg.fused_r, DA=da, DB=db, num_warps=cfg.fused_warps, num_stages=1)
+        n_active if n_active is not None else dummy, mask, y32, y, cnt, gp,
+        D, K, up.stride(0), g.stride(0), down_t.stride(0), thr, ACT=ACT_CODE[act],
+        HAS_GATE=gate is not None and gate_pre is None, HAS_BIAS=up_bias is not None, MASK_MODE=mode,
+        HAS_NACT=n_active is not None, EAGER=cfg.eager_down, FENCE=x.is_cuda, QT=QT_CODE[qtype], R=cfg.fused_r,
+        DA=da, DB=db, num_warps=cfg.fused_warps, num_stages=1, **sw)

@@ -19,7 +19,7 @@ BN = 4096  # neurons per step: few long steps (each a cumsum and a running count
 
 @triton.jit
 def _split_pack_kernel(logits_ptr, gpu_mask_ptr, local_ptr, out_ptr, T, N, s_l, thr, cap_g, cap_c,
-                       HAS_LOCAL: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr):
+                       HAS_LOCAL: tl.constexpr, SILU: tl.constexpr, TP: tl.constexpr, BN: tl.constexpr):
     part = tl.program_id(0)  # 0: GPU neurons, 1: CPU neurons
     base = part * (1 + 2 * cap_g)
     cap = tl.where(part == 0, cap_g, cap_c)
@@ -31,7 +31,11 @@ def _split_pack_kernel(logits_ptr, gpu_mask_ptr, local_ptr, out_ptr, T, N, s_l, 
         nmask = offs_n < N
         lg = tl.load(logits_ptr + offs_t[:, None] * s_l + offs_n[None, :],
                      mask=tmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)  # [TP, BN]
-        act = (lg >= thr) & tmask[:, None] & nmask[None, :]
+        if SILU:  # gate values: |SiLU(g)| > thr (SwiGLU gate-first)
+            act = tl.abs(lg / (1.0 + tl.exp(-lg))) > thr
+        else:
+            act = lg >= thr
+        act = act & tmask[:, None] & nmask[None, :]
         bits = tl.sum(act.to(tl.int32) << offs_t[:, None], axis=0)  # [BN] int32, disjoint bits
         on_gpu = tl.load(gpu_mask_ptr + offs_n, mask=nmask, other=0) != 0
         sel = (bits != 0) & (on_gpu == (part == 0)) & nmask
@@ -49,9 +53,10 @@ def _split_pack_kernel(logits_ptr, gpu_mask_ptr, local_ptr, out_ptr, T, N, s_l, 
 
 
 def split_pack(logits: torch.Tensor, threshold: float, gpu_mask: torch.Tensor, local_of: torch.Tensor | None,
-               cap_g: int, cap_c: int, bn: int | None = None, num_warps: int = 8) -> torch.Tensor:
+               cap_g: int, cap_c: int, bn: int | None = None, num_warps: int = 8, silu: bool = False) -> torch.Tensor:
     """int32 [(1 + 2 cap_g) + (1 + 2 cap_c)]: the GPU part then the CPU part (see predictor.py).
-    Slots past a part's count are left unwritten (garbage): readers use the count."""
+    Slots past a part's count are left unwritten (garbage): readers use the count. silu: the
+    logits are gate values, active iff |SiLU(g)| > threshold."""
     T, N = logits.shape
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     out = torch.empty(2 + 2 * cap_g + 2 * cap_c, dtype=torch.int32, device=logits.device)
@@ -60,7 +65,7 @@ def split_pack(logits: torch.Tensor, threshold: float, gpu_mask: torch.Tensor, l
     tp = max(2, triton.next_power_of_2(T))
     bn = bn or min(BN, 32768 // tp)  # a [TP, BN] tile of at most 32K values (no register spills)
     _split_pack_kernel[(2,)](logits, gm, loc, out, T, N, logits.stride(0), float(threshold), cap_g, cap_c,
-                             HAS_LOCAL=local_of is not None, TP=tp, BN=bn, num_warps=num_warps)
+                             HAS_LOCAL=local_of is not None, SILU=silu, TP=tp, BN=bn, num_warps=num_warps)
     return out
 
 

@@ -18,6 +18,10 @@ in tf32) or tf32x3 (fp32 and quantized weights).
 
 Weights are plain rows (QT 0) or ggml blocks (QT 1 q4_0, QT 2 q8_0; quant.py): `_w_tile` loads a
 tile of either as values, dequantizing blocks in registers, so every FFN kernel serves both.
+
+SwiGLU sparsity (sparse_ffn.py): THR 1 / 2 zero h where |SiLU(g)| / |h| is not above `thr`;
+GPRE takes g from a precomputed fp32 [T, N] (the gate-first mode) instead of the gate rows
+(HAS_GATE: the gate rows are read).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ import triton.language as tl
 
 ACT_CODE = {"relu": 0, "reglu": 1, "drelu": 2, "swiglu": 3, "none": 4}  # none: h = u (the dense linear)
 QT_CODE = {None: 0, "q4_0": 1, "q8_0": 2}
+THR_CODE = {None: 0, "gate": 1, "h": 2}  # an activation threshold's criterion (none: no threshold)
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,16 @@ def _act(u, g, ACT: tl.constexpr):
 
 
 @triton.jit
+def _thresholded(h, g, thr, THR: tl.constexpr):
+    """h with the entries whose criterion is not above thr zeroed: |SiLU(g)| (THR 1), |h| (THR 2)."""
+    if THR == 1:
+        h = tl.where(tl.abs(g / (1.0 + tl.exp(-g))) > thr, h, 0.0)
+    elif THR == 2:
+        h = tl.where(tl.abs(h) > thr, h, 0.0)
+    return h
+
+
+@triton.jit
 def _block_rows(idx_ptr, b, kc, R: tl.constexpr):
     """Entries, their mask (< kc) and row ids of block b of R active rows (none past the end)."""
     offs = b * R + tl.arange(0, R)
@@ -129,20 +144,22 @@ def _rows_dot_x(x_ptr, up_ptr, gate_ptr, rows, kmask, D, s_up, s_gate,
 
 
 @triton.jit
-def _up_gemv_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_ptr, h_ptr,
-                    D, K, s_up, s_gate,
+def _up_gemv_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_ptr, h_ptr, gpre_ptr,
+                    D, K, s_up, s_gate, thr,
                     ACT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
                     MASK_MODE: tl.constexpr, HAS_NACT: tl.constexpr, QT: tl.constexpr,
-                    BK: tl.constexpr, BD: tl.constexpr):
+                    THR: tl.constexpr, GPRE: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
     """T == 1: h[k] for BK active rows; x [D], h [K]."""
     pid = tl.program_id(0)
     if HAS_NACT:
         K = tl.minimum(tl.load(nact_ptr), K)
     offs_k, kmask, rows = _block_rows(idx_ptr, pid, K, BK)  # [BK]
     u, g = _rows_dot_x(x_ptr, up_ptr, gate_ptr, rows, kmask, D, s_up, s_gate, HAS_GATE, QT, BK, BD)  # [BK]
+    if GPRE:
+        g = tl.load(gpre_ptr + rows, mask=kmask, other=0.0)
     if HAS_BIAS:
         u += tl.load(bias_ptr + rows, mask=kmask, other=0.0).to(tl.float32)
-    h = _act(u, g, ACT)
+    h = _thresholded(_act(u, g, ACT), g, thr, THR)
     if MASK_MODE == 1:
         h = tl.where(tl.load(mask_ptr + offs_k, mask=kmask, other=0) != 0, h, 0.0)
     elif MASK_MODE == 2:
@@ -151,13 +168,13 @@ def _up_gemv_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_p
 
 
 @triton.jit
-def _h_tile(u, g, rows, offs_k, offs_t, kmask, tmask, bias_ptr, mask_ptr, s_mask,
-            ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_MODE: tl.constexpr):
+def _h_tile(u, g, rows, offs_k, offs_t, kmask, tmask, bias_ptr, mask_ptr, s_mask, thr,
+            ACT: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_MODE: tl.constexpr, THR: tl.constexpr):
     """h [BK, TP] = act(g, u + bias) of BK active rows and TP (padded) tokens, zero where the mask,
-    the row count or the token count say inactive."""
+    the threshold, the row count or the token count say inactive."""
     if HAS_BIAS:
         u += tl.load(bias_ptr + rows, mask=kmask, other=0.0).to(tl.float32)[:, None]
-    h = _act(u, g, ACT)
+    h = _thresholded(_act(u, g, ACT), g, thr, THR)
     live = kmask[:, None] & tmask[None, :]
     if MASK_MODE == 1:
         live = live & (tl.load(mask_ptr + offs_t[None, :] * s_mask + offs_k[:, None], mask=live, other=0) != 0)
@@ -168,11 +185,11 @@ def _h_tile(u, g, rows, offs_k, offs_t, kmask, tmask, bias_ptr, mask_ptr, s_mask
 
 
 @triton.jit
-def _up_dot_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_ptr, h_ptr,
-                   T, D, K, s_x, s_up, s_gate, s_mask, s_h,
+def _up_dot_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_ptr, h_ptr, gpre_ptr,
+                   T, D, K, s_x, s_up, s_gate, s_mask, s_h, s_gpre, thr,
                    ACT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
                    MASK_MODE: tl.constexpr, HAS_NACT: tl.constexpr, DOT_F32: tl.constexpr, QT: tl.constexpr,
-                   TP: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+                   THR: tl.constexpr, GPRE: tl.constexpr, TP: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
     """T > 1: h[t, k] for BK active rows and all tokens; x [T, D], h [T, K]."""
     pid = tl.program_id(0)
     if HAS_NACT:
@@ -200,8 +217,11 @@ def _up_dot_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_pt
                 acc_g = tl.dot(wg.to(tl.float32), tl.trans(xt.to(tl.float32)), acc_g, input_precision="tf32x3")
             else:
                 acc_g = tl.dot(wg, tl.trans(xt), acc_g)
-    h = _h_tile(acc_u, acc_g, rows, offs_k, offs_t, kmask, tmask, bias_ptr, mask_ptr, s_mask,
-                ACT, HAS_BIAS, MASK_MODE)
+    if GPRE:  # [BK, TP] precomputed gate values of the rows
+        acc_g = tl.load(gpre_ptr + offs_t[None, :] * s_gpre + rows[:, None], mask=kmask[:, None] & tmask[None, :],
+                        other=0.0)
+    h = _h_tile(acc_u, acc_g, rows, offs_k, offs_t, kmask, tmask, bias_ptr, mask_ptr, s_mask, thr,
+                ACT, HAS_BIAS, MASK_MODE, THR)
     tl.store(h_ptr + offs_t[None, :] * s_h + offs_k[:, None], h, mask=kmask[:, None] & tmask[None, :])
 
 
@@ -262,22 +282,34 @@ def mask_args(mask: torch.Tensor | None, dummy: torch.Tensor) -> tuple[int, torc
     return 2, mask, 0
 
 
-def launch_up(x, up, gate, up_bias, idx, mask, n_active, act, h, cfg: Config, qtype: str | None = None) -> None:
+def swiglu_args(act_threshold: float | None, act_on: str, gate_pre: torch.Tensor | None,
+                dummy: torch.Tensor) -> tuple[dict, torch.Tensor, int, float]:
+    """(THR / GPRE constexprs, gate_pre pointer, its row stride, the threshold as the kernels take it)."""
+    code = THR_CODE[act_on if act_threshold is not None else None]
+    gp = gate_pre if gate_pre is not None else dummy
+    return (dict(THR=code, GPRE=gate_pre is not None), gp, gate_pre.stride(0) if gate_pre is not None else 0,
+            float(act_threshold or 0.0))
+
+
+def launch_up(x, up, gate, up_bias, idx, mask, n_active, act, h, cfg: Config, qtype: str | None = None, *,
+              act_threshold: float | None = None, act_on: str = "gate", gate_pre: torch.Tensor | None = None) -> None:
     """Stage 1: h [T, K] fp32 from x [T, D] and the active rows of up / gate (quantized rows with
-    a qtype)."""
+    a qtype); an activation threshold and precomputed gate values as sparse_ffn takes them."""
     T, D = x.shape
     K = idx.shape[0]
     if K == 0:
         return
     dummy = idx  # any tensor: pointer arguments the kernel never reads
     mode, mask, s_mask = mask_args(mask, dummy)
-    common = dict(ACT=ACT_CODE[act], HAS_GATE=gate is not None, HAS_BIAS=up_bias is not None,
-                  MASK_MODE=mode, HAS_NACT=n_active is not None, QT=QT_CODE[qtype])
+    sw, gp, s_gp, thr = swiglu_args(act_threshold, act_on, gate_pre, dummy)
+    common = dict(ACT=ACT_CODE[act], HAS_GATE=gate is not None and gate_pre is None, HAS_BIAS=up_bias is not None,
+                  MASK_MODE=mode, HAS_NACT=n_active is not None, QT=QT_CODE[qtype], **sw)
     ptrs = (x, up, gate if gate is not None else up, up_bias if up_bias is not None else dummy, idx,
-            n_active if n_active is not None else dummy, mask, h)
+            n_active if n_active is not None else dummy, mask, h, gp)
+    s_gate = (gate if gate is not None else up).stride(0)
     if T == 1 and not cfg.up_dot:
         grid = (triton.cdiv(K, cfg.up_bk),)
-        _up_gemv_kernel[grid](*ptrs, D, K, up.stride(0), (gate if gate is not None else up).stride(0),
+        _up_gemv_kernel[grid](*ptrs, D, K, up.stride(0), s_gate, thr,
                               BK=cfg.up_bk, BD=cfg.up_bd, num_warps=cfg.up_warps, num_stages=cfg.up_stages, **common)
     else:
         bk = max(16, cfg.up_bk)
@@ -285,9 +317,8 @@ def launch_up(x, up, gate, up_bias, idx, mask, n_active, act, h, cfg: Config, qt
         dot_f32 = x.dtype != up.dtype or up.dtype == torch.float32  # (quantized rows: uint8 != x's dtype)
         bd = min(cfg.up_bd, 64) if dot_f32 else cfg.up_bd  # tf32x3 tiles spill registers beyond 64
         _up_dot_kernel[(triton.cdiv(K, bk),)](
-            *ptrs, T, D, K, x.stride(0), up.stride(0), (gate if gate is not None else up).stride(0), s_mask,
-            h.stride(0), DOT_F32=dot_f32, TP=tp, BK=bk, BD=bd, num_warps=cfg.up_warps, num_stages=cfg.up_stages,
-            **common)
+            *ptrs, T, D, K, x.stride(0), up.stride(0), s_gate, s_mask, h.stride(0), s_gp, thr,
+            DOT_F32=dot_f32, TP=tp, BK=bk, BD=bd, num_warps=cfg.up_warps, num_stages=cfg.up_stages, **common)
 
 
 def launch_down(h, down_t, idx, n_active, y, cfg: Config, qtype: str | None = None) -> None:

@@ -23,6 +23,10 @@
 // pi_linear: dense rows times x (the CPU executor's attention projections), on the same loops.
 // pi_sparse_ffn_bitmask decodes the CPU executor's packed mask (active rows and token bits) and
 // converts x itself, so the executor's exchange is one call.
+// SwiGLU activation thresholds (thr_on): h is zeroed where |SiLU(g)| (THR_GATE) or |h| (THR_H) is
+// not above thr. On the gate a block's gate dots come first and only the rows whose gate passes
+// for some (masked-in) token read their up row (gate_first_block): gate-first over every row of a
+// shard, or the predicted rows, reads a failing row's gate alone.
 //
 // Parallel regions run on a persistent team of worker threads (pool.h), not OpenMP's fork-join:
 // the workers of an exchange spin between calls and start within a cache miss.
@@ -42,6 +46,7 @@ enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_Q4_0 = 3, DT_Q8_0 = 4 };  // weig
 enum { ACT_RELU = 0, ACT_REGLU = 1, ACT_DRELU = 2, ACT_SWIGLU = 3 };
 enum { MASK_NONE = 0, MASK_BOOL = 1, MASK_BITS = 2, MASK_BITS64 = 3 };
 enum { SPLIT_AUTO = 0, SPLIT_ROWS = 1, SPLIT_COLS = 2 };
+enum { THR_NONE = 0, THR_GATE = 1, THR_H = 2 };  // what a SwiGLU activation threshold compares
 
 constexpr int R = 8;  // rows per block: A_i is touched once per R down rows
 constexpr int PF_LINES = 8;  // cache lines prefetched at the head of a row about to be streamed
@@ -393,6 +398,9 @@ struct Args {
     // token, as a dense FFN does (the layer-offload baseline); n_down (non-null): += down rows read
     int keep_zero = 0; int64_t* n_down = nullptr;
     float* xq = nullptr;  // quantized weights: the Q8_0 activation [T] rows of D floats' space (qdot_core)
+    // SwiGLU activation threshold (THR_*); up_read (non-null, zeroed): per idx entry, nonzero once its
+    // up row is read (gate first: the number of tokens whose gate passes)
+    float thr = 0.f; int thr_on = THR_NONE; uint8_t* up_read = nullptr;
 };
 
 // The activation phase 1 reads: x, or its Q8_0 form for quantized rows.
@@ -413,6 +421,20 @@ inline float bias_at(const Args& a, int64_t row) {
         case DT_F16: return f16_to_f32(((const uint16_t*)a.bias)[row]);
         default: return bf16_to_f32(((const uint16_t*)a.bias)[row]);
     }
+}
+
+inline bool gate_passes(const Args& a, float g) { return std::fabs(g / (1.f + std::exp(-g))) > a.thr; }
+
+// The activation with the threshold applied (see the header).
+inline float act_of(const Args& a, float u, float g) {
+    const float h = activate(a.act, u, g);
+    if (a.thr_on == THR_GATE) return gate_passes(a, g) ? h : 0.f;
+    if (a.thr_on == THR_H) return std::fabs(h) > a.thr ? h : 0.f;
+    return h;
+}
+
+inline void mark_up(const Args& a, int64_t k) {
+    if (a.up_read && !a.up_read[k]) a.up_read[k] = 1;
 }
 
 inline bool mask_at(const Args& a, int64_t t, int64_t k) {
@@ -439,10 +461,58 @@ inline bool few_tokens(const Args& a, int64_t k, uint64_t* bits) {
 inline bool few_tokens(const Args&, int64_t, uint64_t*) { return false; }
 #endif
 
+// out [m, T] = rows[j] . x[t] for m <= R rows of one matrix (no gate): at T = 1 in fours and twos
+// (dots_t1), else row by row.
+template <class W>
+void dot_rows_of(const typename W::T* const* rows, int m, const float* x, int64_t T, int64_t D, float* out) {
+    float unused[R * 64];
+    int j = 0;
+#ifndef PI_ONE_ROW
+    if (T == 1) {
+        for (; j + 4 <= m; j += 4) dots_t1<W, false, 4>(rows + j, nullptr, x, D, out + j, unused);
+        for (; j + 2 <= m; j += 2) dots_t1<W, false, 2>(rows + j, nullptr, x, D, out + j, unused);
+    }
+#endif
+    for (; j < m; ++j) dot_all_tokens<W, false>(rows[j], nullptr, x, T, D, out + j * T, unused);
+}
+
+// Gate first (a threshold on |SiLU(gate)|): the gate dots of idx entries k0 .. k0+m-1 (m <= R),
+// then the up dots of only those rows whose gate passes for some masked-in token. The others
+// keep u = 0: their h is zero, so neither their up nor their down row is read. u, g [m, T].
+template <class W>
+void gate_first_block(const Args& a, int64_t k0, int m, float* u, float* g) {
+    typedef typename W::T WT;
+    const int64_t T = a.T, D = a.D;
+    const WT* rows[R];
+    int at[R], n = 0;
+    for (int j = 0; j < m; ++j) rows[j] = (const WT*)a.gate + row_id(a, k0 + j) * a.ld_gate;
+    dot_rows_of<W>(rows, m, xin<W>(a), T, D, g);
+    for (int j = 0; j < m; ++j) {
+        int pass = 0;  // masked-in tokens whose gate passes
+        for (int64_t t = 0; t < T; ++t) pass += mask_at(a, t, k0 + j) && gate_passes(a, g[j * T + t]);
+        for (int64_t t = 0; t < T; ++t) u[j * T + t] = 0.f;
+        if (pass) {
+            rows[n] = (const WT*)a.up + row_id(a, k0 + j) * a.ld_up;
+            at[n++] = j;
+            if (a.up_read) a.up_read[k0 + j] = (uint8_t)pass;
+        }
+    }
+    float ub[R * 64];
+    dot_rows_of<W>(rows, n, xin<W>(a), T, D, ub);
+    for (int i = 0; i < n; ++i) std::memcpy(u + at[i] * T, ub + i * T, T * sizeof(float));
+}
+
 // Pre-activations of idx entries k0 .. k0+m-1 (m <= R): u, g [m, T] (row j at j * T). Each row's
 // up / gate are streamed once; the next entry's (nx, -1 if none) heads are prefetched first.
 template <class W, bool GATE>
 void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g, const Pf* pf = nullptr) {
+    if constexpr (GATE) {
+        if (a.thr_on == THR_GATE) {
+            gate_first_block<W>(a, k0, m, u, g);
+            return;
+        }
+    }
+    for (int j = 0; j < m; ++j) mark_up(a, k0 + j);
     typedef typename W::T WT;
     const WT* up = (const WT*)a.up;
     const WT* gate = (const WT*)a.gate;
@@ -502,14 +572,27 @@ Pf next_rows(const Args& a, int64_t k, int64_t k1, bool with_down) {
     return pf;
 }
 
-// act(gate[row] . x[t], up[row] . x[t] + b) for one token t (the few-tokens paths).
+// act(gate[row] . x[t], up[row] . x[t] + b) for one token t (the few-tokens paths; idx entry k).
 template <class W, bool GATE>
-inline float token_act(const Args& a, int64_t row, float b, int t, const Pf* pf = nullptr) {
+inline float token_act(const Args& a, int64_t k, int64_t row, float b, int t, const Pf* pf = nullptr) {
     typedef typename W::T WT;
     float u, g;
+    if constexpr (GATE) {
+        if (a.thr_on == THR_GATE) {  // gate first: the up row only when this token's gate passes
+            float unused;  // a gateless dot's second output
+            dot_all_tokens<W, false>((const WT*)a.gate + row * a.ld_gate, nullptr, xin<W>(a) + t * a.D, 1, a.D, &g,
+                                     &unused, pf);
+            if (!gate_passes(a, g)) return 0.f;
+            mark_up(a, k);
+            dot_all_tokens<W, false>((const WT*)a.up + row * a.ld_up, nullptr, xin<W>(a) + t * a.D, 1, a.D, &u,
+                                     &unused);
+            return act_of(a, u + b, g);
+        }
+    }
+    mark_up(a, k);
     dot_all_tokens<W, GATE>((const WT*)a.up + row * a.ld_up, GATE ? (const WT*)a.gate + row * a.ld_gate : nullptr,
                             xin<W>(a) + t * a.D, 1, a.D, &u, &g, pf);
-    return activate(a.act, u + b, g);
+    return act_of(a, u + b, g);
 }
 
 // Row k for the tokens in ``bits`` only: per token u, g = up/gate . x[t], h = act, A[t] += h * down.
@@ -524,7 +607,7 @@ bool row_few_tokens(const Args& a, int64_t k, uint64_t bits, float* A, const Pf*
     bool read = false;
     for (; bits; bits &= bits - 1, pf = nullptr) {
         const int t = __builtin_ctzll(bits);
-        const float h = token_act<W, GATE>(a, row, b, t, pf);
+        const float h = token_act<W, GATE>(a, k, row, b, t, pf);
         if (h != 0.f || a.keep_zero) {
             axpy_rows<W, 1>(&down, 1, &h, 1, 0, A + t * D, D, 0, D);
             read = true;
@@ -566,7 +649,7 @@ int64_t run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
             float b = a.bias ? bias_at(a, row) : 0.f;
             bool any = false;
             for (int64_t t = 0; t < T; ++t) {
-                float v = mask_at(a, t, k) ? activate(a.act, u[t] + b, g[t]) : 0.f;
+                float v = mask_at(a, t, k) ? act_of(a, u[t] + b, g[t]) : 0.f;
                 h[nr * T + t] = v;
                 any |= v != 0.f;
             }
@@ -666,7 +749,7 @@ int64_t act_rows(const Args& a, int64_t k0, int64_t k1) {
             for (int64_t t = 0; t < T; ++t) h[t] = 0.f;
             for (; bits; bits &= bits - 1) {
                 const int t = __builtin_ctzll(bits);
-                h[t] = token_act<W, GATE>(a, row, b, t);
+                h[t] = token_act<W, GATE>(a, k, row, b, t);
                 any |= h[t] != 0.f;
             }
             a.nz[k] = any || a.keep_zero;
@@ -684,7 +767,7 @@ int64_t act_rows(const Args& a, int64_t k0, int64_t k1) {
         const float* g = gb + (T == 1 ? (k - k0) % R : 0) * T;
         bool any = false;
         for (int64_t t = 0; t < T; ++t) {
-            const float v = mask_at(a, t, k) ? activate(a.act, u[t] + b, g[t]) : 0.f;
+            const float v = mask_at(a, t, k) ? act_of(a, u[t] + b, g[t]) : 0.f;
             h[t] = v;
             any |= v != 0.f;
         }
@@ -844,12 +927,12 @@ inline bool weights_ok(int w_dt, int64_t D) { return w_dt >= 0 && w_dt <= DT_Q8_
 // Scratch layout (bytes, each part 64-byte aligned): [per-thread accumulators nthreads x T x D
 // fp32 (split rows only)] [h K x T fp32] [nz K] [acc T x D fp32 (y not fp32)] [x T x D fp32
 // (bitmask entry)] [idx K int32 (bitmask entry)] [token bits K uint64 (bitmask entry)] [xq T x D
-// fp32's space (quantized weights): the Q8_0 activation].
+// fp32's space (quantized weights): the Q8_0 activation] [up_read K (bitmask entry)].
 inline int64_t al64(int64_t b) { return (b + 63) / 64 * 64; }
 
 struct Scratch {
     float *acc_rows, *h, *acc, *x, *xq;
-    uint8_t* nz;
+    uint8_t *nz, *up_read;
     int32_t* idx;
     uint64_t* tok;
     int64_t bytes;
@@ -873,6 +956,7 @@ Scratch carve(void* base, int64_t T, int64_t D, int64_t K, int nthreads, int y_d
     s.idx = (int32_t*)take(bitmask ? K * 4 : 0);
     s.tok = (uint64_t*)take(bitmask && T > 1 ? K * 8 : 0);
     s.xq = (float*)take(quant ? T * D * 4 : 0);
+    s.up_read = (uint8_t*)take(bitmask ? K : 0);
     s.bytes = off;
     return s;
 }
@@ -944,6 +1028,7 @@ int64_t pi_scratch_bytes(int64_t T, int64_t D, int64_t K, int nthreads, int y_dt
 // stride ld_mask) / int32 token bits [K]. x fp32 [T, D] dense. Weights w_dt: 0 fp32, 1 fp16, 2
 // bf16, 3 Q4_0, 4 Q8_0 (quant.h; row strides ld_* in bytes, D a multiple of 32). split: 0 auto, 1
 // rows, 2 columns. scratch: pi_scratch_bytes(T, D, K, nthreads, y_dt, split, 0, w_dt) bytes. T <= 64.
+// thr_on: THR_NONE, or a SwiGLU activation threshold thr on |SiLU(g)| (THR_GATE: gate first) / |h|.
 // Returns 0, or -(k+1) when idx[k] is outside [0, n_rows), or BAD_ARGS.
 int64_t pi_sparse_ffn(const float* x, int64_t T, int64_t D,
                       const void* up, const void* gate, const void* down, int w_dt,
@@ -951,14 +1036,17 @@ int64_t pi_sparse_ffn(const float* x, int64_t T, int64_t D,
                       const void* bias, int bias_dt,
                       const void* idx, int idx64, int64_t K,
                       const void* mask, int mask_mode, int64_t ld_mask,
-                      int act, void* y, int y_dt, void* scratch, int nthreads, int split) {
-    if (T < 1 || T > 64 || D < 1 || K < 0 || nthreads < 1 || !weights_ok(w_dt, D) || y_dt < 0 || y_dt > 2)
+                      int act, void* y, int y_dt, void* scratch, int nthreads, int split, float thr, int thr_on) {
+    if (T < 1 || T > 64 || D < 1 || K < 0 || nthreads < 1 || !weights_ok(w_dt, D) || y_dt < 0 || y_dt > 2 ||
+        thr_on < THR_NONE || thr_on > THR_H || (thr_on == THR_GATE && !gate))
         return BAD_ARGS;
     const Scratch s = carve(scratch, T, D, K, nthreads, y_dt, split, false, quantized(w_dt));
     Args a{x, T, D, up, gate, down, ld_up, ld_gate, ld_down, bias, bias_dt, idx, idx64, K,
            mask, mask_mode, ld_mask, act, y, y_dt, s.acc_rows, nthreads, s.h, s.nz,
            y_dt == DT_F32 ? (float*)y : s.acc, nullptr, DT_F32, D};
     a.xq = s.xq;
+    a.thr = thr;
+    a.thr_on = thr_on;
     for (int64_t k = 0; k < K; ++k) {
         int64_t r = row_id(a, k);
         if (r < 0 || r >= n_rows) return -(k + 1);
@@ -977,7 +1065,10 @@ int64_t pi_sparse_ffn(const float* x, int64_t T, int64_t D,
 // are skipped unless keep_zero). Weights as pi_sparse_ffn's. row_ids: neuron j of the mask is row
 // row_ids[j] of up / gate / down and bias (int32 [n], each in [0, n_rows): the caller checks;
 // nullptr: row j), so a shard can be rows of the model file's whole matrices, read in place.
-// scratch: pi_scratch_bytes(T, D, n, nthreads, y_dt, split, 1, w_dt).
+// thr_on, thr: a SwiGLU activation threshold as pi_sparse_ffn's; stats[3] = rows whose up row was
+// read (summed over the blocks; without a threshold on the gate, the rows of stats[1]), and with
+// THR_GATE and no packed mask (gate-first over every row) stats[0] counts the (token, neuron)
+// pairs whose gate passes. scratch: pi_scratch_bytes(T, D, n, nthreads, y_dt, split, 1, w_dt).
 // Returns 0 or BAD_ARGS.
 int64_t pi_sparse_ffn_bitmask(const void* x, int x_dt, int64_t ld_x, int64_t T, int64_t D,
                               const void* up, const void* gate, const void* down, int w_dt,
@@ -985,16 +1076,18 @@ int64_t pi_sparse_ffn_bitmask(const void* x, int x_dt, int64_t ld_x, int64_t T, 
                               const void* bias, int bias_dt,
                               const uint8_t* packed, int64_t ld_packed, int64_t n, const int32_t* row_ids,
                               int act, void* y, int y_dt, void* scratch, int nthreads, int split,
-                              int keep_zero, int64_t* stats) {
+                              int keep_zero, int64_t* stats, float thr, int thr_on) {
     if (T < 0 || D < 1 || n < 0 || (!row_ids && n > n_rows) || nthreads < 1 || !weights_ok(w_dt, D) ||
-        y_dt < 0 || y_dt > 2 || x_dt < 0 || x_dt > 2 || ld_x < D)
+        y_dt < 0 || y_dt > 2 || x_dt < 0 || x_dt > 2 || ld_x < D || thr_on < THR_NONE || thr_on > THR_H ||
+        (thr_on == THR_GATE && !gate))
         return BAD_ARGS;
     const int64_t B = (n + 7) / 8, nw = (B + 7) / 8;
     if (packed && ld_packed < B) return BAD_ARGS;
     const int64_t ysz = y_dt == DT_F32 ? 4 : 2;
-    int64_t pairs = 0, rows = 0, n_down = 0;
+    int64_t pairs = 0, rows = 0, n_down = 0, n_up = 0;
+    const bool gate_first = !packed && thr_on == THR_GATE;  // pairs: those whose gate passes, counted below
     if (!packed) {
-        pairs = T * n;
+        pairs = gate_first ? 0 : T * n;
         rows = T ? n : 0;
     } else if (T > 64) {  // rows active for any token of all blocks
         for (int64_t w = 0; w < nw; ++w) {
@@ -1041,12 +1134,21 @@ int64_t pi_sparse_ffn_bitmask(const void* x, int x_dt, int64_t ld_x, int64_t T, 
                s.h, s.nz, y_dt == DT_F32 ? (float*)yc : s.acc,
                (const char*)x + t0 * ld_x * (x_dt == DT_F32 ? 4 : 2), x_dt, ld_x,  // x converted in run
                keep_zero, &n_down, s.xq};
+        a.thr = thr;
+        a.thr_on = thr_on;
+        a.up_read = s.up_read;
+        std::memset(s.up_read, 0, K);
         run(a, w_dt, split);
+        for (int64_t k = 0; k < K; ++k) {
+            n_up += s.up_read[k] != 0;
+            if (gate_first) pairs += s.up_read[k];
+        }
     }
     if (stats) {
         stats[0] = pairs;
         stats[1] = rows;
         stats[2] = n_down;
+        stats[3] = n_up;
     }
     return 0;
 }

@@ -22,6 +22,11 @@ How the sparsity is planted (dimension legend of ``config.py``; c = the bias cha
   token, ``g_j . norm(x)`` is (up to the positive 1/rms factor both parts share)
   ``g_j . x_rest + m_j |g_j| r_l``; with x_rest ~ isotropic of per-dim variance r_l^2 the first
   term is ~N(0, |g_j|^2 r_l^2), so P(neuron j fires) = Phi(m_j) = p_j.
+* SwiGLU presets are thresholded on |SiLU(gate)| at SiLU(1) (planted_spec.SWIGLU_THRESHOLD): a
+  neuron is active iff its gate value, ~N(m_j, 1) at unit scale, exceeds 1, so the bias channel
+  carries ``(Phi^-1(p_j) + 1) |g_j|``: P(active) = p_j again, and the predictor below marks the
+  same event as for ReGLU. (Unlike ReGLU's zero, this threshold depends on the gate's scale,
+  which the plan holds to ~1 %.)
 * The residual's growth is planned so r_l is known: the attention and FFN outputs of each
   layer add variance ATTN_VAR / L and FFN_VAR / L per dim. The down projection's scale comes
   from the planted probabilities (Var(h_j) summed over neurons); for plain ReLU the mean output
@@ -62,7 +67,7 @@ from .gguf_config import config_to_fields, expected_shapes
 from .gguf_writer import LazyTensor, write_model
 from .planted_random import splitmix64, std_normal, stream_key
 from .planted_rows import RowGenerators, assemble, row_ids, zeros
-from .planted_spec import PRESETS, TORCH_DT, PlantedSpec, PlantedSpecError, parse_spec, preset_config
+from .planted_spec import PRESETS, SWIGLU_GATE, TORCH_DT, PlantedSpec, PlantedSpecError, parse_spec, preset_config
 from .planted_stats import ATTN_VAR, FFN_VAR, P_MAX, POS_VAR, LayerPlan, calibrate, down_plan
 from .quants import QTYPES, QuantRows, dequantize, storage_kind
 from .tokenizer import BYTE_VOCAB_SIZE, byte_level_fields
@@ -104,9 +109,9 @@ class PlantedModel:
 
     def _make_plan(self, l: int) -> LayerPlan:
         c, F = self.config, self.config.n_ff
-        active, marked, share = self._layer_targets(l)
-        p_rank, b = calibrate(F, active, self.spec.targets.top_frac, share)
-        q_rank, _ = calibrate(F, marked, self.spec.targets.top_frac, share)
+        active, marked, share_p, share_q = self._layer_targets(l)
+        p_rank, b = calibrate(F, active, self.spec.targets.top_frac, share_p)
+        q_rank, _ = calibrate(F, marked, self.spec.targets.top_frac, share_q)
         order = self.permutation(l)  # order[i] = neuron id of rank i
         p, q = np.empty(F), np.empty(F)
         p[order], q[order] = p_rank, q_rank
@@ -114,18 +119,21 @@ class PlantedModel:
         L = self.full_layers
         var_in = (1.0 + (POS_VAR if c.arch == "opt" else 0.0)) + l * (ATTN_VAR + FFN_VAR) / L
         var_ffn = var_in if c.parallel_attn else var_in + ATTN_VAR / L
-        relu_mean, down_scale = down_plan(p, c.gated, FFN_VAR / L)
-        return LayerPlan(p, q, b, math.sqrt(var_in), math.sqrt(var_ffn), down_scale, relu_mean)
+        shift = SWIGLU_GATE if c.thresholded else 0.0
+        relu_mean, down_scale = down_plan(p, c.gated, FFN_VAR / L, shift)
+        return LayerPlan(p, q, b, math.sqrt(var_in), math.sqrt(var_ffn), down_scale, relu_mean, shift)
 
-    def _layer_targets(self, l: int) -> tuple[float, float, float]:
-        """(active, marked, top share) of layer l: the targets with a seeded per-layer variation,
-        centred over the full model's layers so the model-wide means hit the targets."""
+    def _layer_targets(self, l: int) -> tuple[float, float, float, float]:
+        """(active, marked, top share of the activations, top share of the marks) of layer l: the
+        targets with a seeded per-layer variation, centred over the full model's layers so the
+        model-wide means hit the targets; each top share at most what its mean allows."""
         t = self.spec.targets
         scale = math.exp(JITTER_MEAN * self._jitter[0, l]) / float(np.mean(np.exp(JITTER_MEAN * self._jitter[0])))
-        active, marked = min(t.active * scale, 0.9), min(t.marked * scale, 0.9)
-        most = 0.98 * t.top_frac * P_MAX / max(active, marked)  # the top can carry no more
+        active, marked = min(t.active * scale, 0.95), min(t.marked * scale, 0.95)
         share = t.top_share + JITTER_SHARE * self._jitter[1, l]
-        return active, marked, float(np.clip(share, t.top_frac + 0.01, min(0.99, most)))
+        # the hottest top_frac can carry no more than all of their share of the mean
+        fit = lambda mean: float(np.clip(share, t.top_frac + 0.01, min(0.99, 0.98 * t.top_frac * P_MAX / mean)))  # noqa: E731
+        return active, marked, fit(active), fit(marked)
 
     def permutation(self, l: int) -> np.ndarray:
         """[F] neuron ids in rank order (hottest first): a seeded shuffle, so hot neurons are

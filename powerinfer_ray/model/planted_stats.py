@@ -81,15 +81,35 @@ def relu_moments(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (t * cdf + pdf).numpy(), ((t * t + 1) * cdf + t * pdf).numpy()
 
 
-def down_plan(p: np.ndarray, gated: bool, out_var: float) -> tuple[np.ndarray, float]:
+def thresholded_silu_sq(m: np.ndarray, gate: float, n: int = 801) -> np.ndarray:
+    """E[SiLU(g)^2 ; g > gate] for g ~ N(m + gate, 1): the second moment of a thresholded SwiGLU
+    neuron's gate factor (its neuron fires iff g > gate, with probability Phi(m)). Midpoint rule
+    over z in [-10, 10] (the tails beyond add < 1e-20)."""
+    z = np.linspace(-10.0, 10.0, n + 1)
+    z = (z[1:] + z[:-1]) / 2  # [n] midpoints
+    w = np.exp(-0.5 * z * z) / math.sqrt(2 * math.pi) * (20.0 / n)  # [n] N(0, 1) weights
+    out = np.empty(len(m))
+    for a in range(0, len(m), 4096):  # [chunk, n] at a time
+        g = m[a:a + 4096, None] + gate + z[None, :]
+        out[a:a + 4096] = ((g / (1.0 + np.exp(-g))) ** 2 * (g > gate)) @ w
+    return out
+
+
+def down_plan(p: np.ndarray, gated: bool, out_var: float, gate_shift: float = 0.0) -> tuple[np.ndarray, float]:
     """(E[h_j] on a 2^-20 grid (0 when gated), scale of ffn_down_t's ints) so that the FFN adds
     ``out_var`` per residual dim: sum_j Var(h_j) |d_j|^2 = out_var. ReGLU: h_j = relu(z_g) z_u
-    with a zero-mean, unit-variance up factor, Var = E[relu(z_g)^2]. Plain ReLU: the mean
-    E[relu(z)] is projected out of each block of ffn_down_t, so Var = E[h^2] - E[h]^2, times the
-    share of |d_j|^2 the projection leaves."""
-    mean_h, sq_h = relu_moments(torch.special.ndtri(torch.as_tensor(p)).numpy())
+    with a zero-mean, unit-variance up factor, Var = E[relu(z_g)^2]. Thresholded SwiGLU
+    (gate_shift > 0: the gate value at the threshold): h_j = SiLU(g) z_u where g > gate_shift,
+    else 0, Var = ``thresholded_silu_sq``. Plain ReLU: the mean E[relu(z)] is projected out of
+    each block of ffn_down_t, so Var = E[h^2] - E[h]^2, times the share of |d_j|^2 the
+    projection leaves."""
+    m = torch.special.ndtri(torch.as_tensor(p)).numpy()
+    mean_h, sq_h = relu_moments(m)
     relu_mean = np.zeros(len(p)) if gated else np.round(mean_h * 2**20) / 2**20
-    var_h = sq_h if gated else (sq_h - mean_h**2) * _projected_norm2(relu_mean)
+    if gate_shift:
+        var_h = thresholded_silu_sq(m, gate_shift)
+    else:
+        var_h = sq_h if gated else (sq_h - mean_h**2) * _projected_norm2(relu_mean)
     return relu_mean, math.sqrt(out_var / (float(var_h.sum()) * VAR8))
 
 
@@ -115,9 +135,10 @@ class LayerPlan:
     r_ffn: float  # ... at the FFN input (and the predictor input)
     down_scale: float  # scale of ffn_down_t's random ints
     relu_mean: np.ndarray  # [F] E[h_j] for plain ReLU (0 for gated), on a 2^-20 grid
-    m: np.ndarray = field(init=False)  # [F] Phi^-1(p)
+    gate_shift: float = 0.0  # thresholded SwiGLU: the gate value at the threshold (planted_spec.SWIGLU_GATE)
+    m: np.ndarray = field(init=False)  # [F] Phi^-1(p) (+ gate_shift): the gate's bias-channel coefficient
     mq: np.ndarray = field(init=False)  # [F] Phi^-1(q)
 
     def __post_init__(self) -> None:
-        self.m = torch.special.ndtri(torch.as_tensor(self.p)).numpy()
+        self.m = torch.special.ndtri(torch.as_tensor(self.p)).numpy() + self.gate_shift
         self.mq = torch.special.ndtri(torch.as_tensor(self.q)).numpy()

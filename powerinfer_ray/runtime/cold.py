@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..kernels.sparse_ffn import sparse_ffn
+from ..kernels.torch_ffn import apply_act_threshold
 from ..model.reference import ffn_activation
 from ..model.source import WeightSource, file_mapping
 from .channel import pin_host
@@ -96,9 +97,11 @@ class ColdRows:
         """Whether a step of n_tok tokens computes the CPU shard here."""
         return self.rows is not None and n_tok >= self.min_tokens
 
-    def ffn(self, l: int, x: torch.Tensor, mask: torch.Tensor | None, rows: int = 4096) -> torch.Tensor:
+    def ffn(self, l: int, x: torch.Tensor, mask: torch.Tensor | None, act_threshold: float | None = None,
+            act_on: str = "gate", rows: int = 4096) -> torch.Tensor:
         """The CPU shard's FFN output [N, D] (fp32) for x [N, D], masked by the predictor's
-        mask [N, n] when given; rows stream in chunks of ``rows`` (its device memory cost)."""
+        mask [N, n] when given and by a sparsified SwiGLU model's activation threshold; rows stream
+        in chunks of ``rows`` (its device memory cost)."""
         cold, dev = self.rows[l], self.device
         keep = self._keep(l, mask, x.shape[0])  # [N, R] or None (every row)
         if self._pin_file and l not in self._layer_pinned:
@@ -108,14 +111,17 @@ class ColdRows:
         for a, b in self._chunks(l, rows):
             streamed += b - a
             if cold.qtype is not None:
-                y += self._quantized(cold, a, b, x, None if keep is None else keep[:, a:b])
+                y += self._quantized(cold, a, b, x, None if keep is None else keep[:, a:b], act_threshold, act_on)
                 continue
             up = cold.up[a:b].to(dev, x.dtype, non_blocking=True)  # file / shared rows keep their dtype
             gate = cold.gate[a:b].to(dev, x.dtype, non_blocking=True) if cold.gate is not None else None
             u = x @ up.T  # [N, b-a]
             if cold.up_bias is not None:
                 u = u + cold.up_bias[a:b].to(dev, u.dtype, non_blocking=True)  # fp32 bias: keep u's dtype
-            hid = ffn_activation(self.cfg.ffn_act, u, x @ gate.T if gate is not None else None)
+            g = x @ gate.T if gate is not None else None
+            hid = ffn_activation(self.cfg.ffn_act, u, g)
+            if act_threshold is not None:
+                hid = apply_act_threshold(hid, g.float(), act_threshold, act_on)  # the criterion in fp32
             if keep is not None:
                 hid = hid * keep[:, a:b]
             y += (hid @ cold.down_t[a:b].to(dev, hid.dtype, non_blocking=True)).float()
@@ -165,14 +171,17 @@ class ColdRows:
                 return
             self._pinned.append(a)
 
-    def _quantized(self, cold: FFNShard, a: int, b: int, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _quantized(self, cold: FFNShard, a: int, b: int, x: torch.Tensor, mask: torch.Tensor | None,
+                   act_threshold: float | None = None, act_on: str = "gate") -> torch.Tensor:
         """Rows a..b of a quantized shard [N, D] (fp32): their blocks streamed to the device and
-        computed by the quantized sparse FFN kernel over every row (masked: the predictor's)."""
+        computed by the quantized sparse FFN kernel over every row (masked: the predictor's; and
+        by a SwiGLU activation threshold)."""
         dev = self.device
         blocks = [None if t is None else t[a:b].to(dev, non_blocking=True) for t in (cold.up, cold.gate, cold.down_t)]
         bias = None if cold.up_bias is None else cold.up_bias[a:b].to(dev, non_blocking=True)
         idx = torch.arange(b - a, device=dev)
-        return sparse_ffn(x, *blocks, idx, mask, self.cfg.ffn_act, bias, qtype=cold.qtype).float()
+        return sparse_ffn(x, *blocks, idx, mask, self.cfg.ffn_act, bias, qtype=cold.qtype, act_threshold=act_threshold,
+                          act_on=act_on).float()
 
     def close(self) -> None:
         for addr in self._pinned:

@@ -15,7 +15,7 @@ import difflib
 import logging
 import math
 import os
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 GIB = 1 << 30
 DEVICES = ("cuda", "cpu")
-POLICIES = ("predictor", "oracle", "dense")
+POLICIES = ("predictor", "gate-first", "oracle", "dense")  # runtime/layers.py says what each computes
 DTYPES = ("f32", "f16", "bf16")
 METHODS = ("ilp", "greedy")
 
@@ -146,8 +146,11 @@ class ExecutorConfig:
     threads: int | None = option(None, "CPU executor threads (default: all cores but two)", kind=int,
                                  flags=("-t",))
     policy: str | None = option(
-        None, "which FFN neurons are computed: the predictors' choice, the truly active ones (oracle), or all "
-        "(dense) (default: predictor when the model has predictors)", choices=POLICIES)
+        None, "which FFN neurons are computed: the predictors' choice (on a sparsified SwiGLU model: the predicted "
+        "mode, thresholds applied to their h), those whose |SiLU(gate)| passes the sparsified model's threshold "
+        "(gate-first: each device computes its gate rows first; no predictor), the truly active ones (oracle), or "
+        "all (dense, thresholds unused) (default: predictor when the model has predictors, else gate-first when "
+        "it is sparsified, else dense)", choices=POLICIES)
     threshold: float | None = option(None, "predictor threshold (default: the model's sparse_threshold)",
                                      kind=float)
     dtype: str | None = option(None, "weights' dtype on the primary (default: the file's on CUDA, f32 on the CPU); "
@@ -265,10 +268,18 @@ def resolve_prefill_chunk(ec: SchedulerConfig, device: str) -> int:
 
 
 def resolve_policy(ec: ExecutorConfig, cfg: ModelConfig) -> str:
-    if ec.policy == "predictor" and not cfg.has_predictors:
-        raise ValueError(f"policy='predictor': {cfg.name or 'this model'} has no predictors; use policy "
-                         "'dense' or 'oracle', or train them (powerinfer-ray train-predictors)")
-    return ec.policy or ("predictor" if cfg.has_predictors else "dense")
+    """The policy given (checked against the model), else the one its metadata selects
+    (``layers.default_policy``)."""
+    from .layers import check_policy, default_policy
+
+    if ec.policy is None:
+        name = default_policy(cfg)
+        if name == "oracle":
+            log.warning("%s is sparsified on |h| and has no predictors: running policy 'oracle' (exact, computes "
+                        "every gate and up row); train predictors for the predicted mode", cfg.name or "the model")
+        return name
+    check_policy(ec.policy, cfg)
+    return ec.policy
 
 
 def activation_counts(src: WeightSource, model_path: str) -> tuple[list[np.ndarray], int] | None:
@@ -335,6 +346,11 @@ def _budget_plan(ec: EngineConfig, src: WeightSource, stats: tuple[list[np.ndarr
     budget = ec.vram_budget_bytes
     is_file = not str(ec.model).startswith(PLANTED_PREFIX)
     cache = split_cache_path(ec.model) if is_file and not ec.disable_gpu_index else None
+    # a policy that loads no predictors (gate-first, dense, oracle) places neurons in their bytes;
+    # the split cached beside the file is the predictors' (upstream's): neither read nor written
+    no_predictors = cfg.has_predictors and resolve_policy(ec, cfg) != "predictor"
+    if no_predictors:
+        cache = None
     if cache is not None and cache.exists() and not ec.reset_gpu_index:
         split = gpuidx.read_gpuidx(cache)
         if len(split.gpu_neurons) == cfg.n_layer and split.vram_capacity <= budget:  # upstream's rule
@@ -342,6 +358,8 @@ def _budget_plan(ec: EngineConfig, src: WeightSource, stats: tuple[list[np.ndarr
             return Plan.from_masks([np.asarray(m, bool) for m in split.gpu_neurons], None, cfg)
         log.warning("cached split %s was solved for another model or budget: re-solving", cache)
     costs = model_costs(src, engine_n_ctx(ec, cfg), ec.max_batch)  # as stored: a Q6_K head is f16
+    if no_predictors:
+        costs = replace(costs, predictor_bytes=(0,) * cfg.n_layer)
     if stats is None:
         log.warning("no activation statistics for %s: placing with uniform frequencies "
                     "(run powerinfer-ray profile for a better split)", ec.model)

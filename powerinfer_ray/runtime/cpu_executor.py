@@ -23,7 +23,7 @@ from ..model.quants import row_bytes
 from ..model.source import WeightSource, file_mapping, open_model
 from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec
 from .hostmem import process_memory
-from .layers import attn_partial, ffn_partial
+from .layers import Policy, attn_partial, ffn_bytes, ffn_partial
 from .plan import Plan
 from .shard import (FFNShard, ffn_qtype, in_place_attn_shard, in_place_ffn_shard, load_attn_shard,
                     load_ffn_shard)
@@ -107,6 +107,7 @@ class CPUExecutor:
         self.src = open_model(model)
         self.cfg = cfg = self.src.config
         self.plan, self.policy = plan, policy
+        self.pol = Policy.for_model(policy, None, cfg)  # the SwiGLU activation thresholds it applies
         # policy 'dense' reads every row in full, down rows of zero activations too, as a dense
         # FFN (llama.cpp) does: it is the layer-offload baseline
         self.skip_zero = policy != "dense"
@@ -290,22 +291,24 @@ class CPUExecutor:
     def _ffn(self, l: int, n_tok: int, n_mask: int, out: torch.Tensor) -> None:
         """Layer l's FFN share of the channel's x_ffn, written to out [N, D]."""
         ch, cfg, sh = self.channel, self.cfg, self.ffn[l]
+        t, on = self.pol.act_threshold(l), self.pol.act_on
         if self.policy == "oracle":  # finds its own active set: the general path
             y, pairs, rows = ffn_partial(ch.x_ffn[:n_tok].float(), sh, cfg.ffn_act, self.policy, None,
-                                         threads=self.threads)
+                                         threads=self.threads, act_threshold=t, act_on=on)
             out.copy_(y)
-            nbytes = rows * cfg.neuron_bytes
-        else:  # one compiled call from the channel's packed mask and x to out
+            nbytes = ffn_bytes(cfg, rows, rows, rows)
+        else:  # one compiled call from the channel's packed mask and x to out (gate-first: every row, gate first)
             packed = ch.mask_rows(n_tok, n_mask) if self.policy == "predictor" else None
             t_k = time.monotonic_ns()
-            pairs, rows, down_rows = sparse_ffn_bitmask(
+            counts = sparse_ffn_bitmask(
                 ch.x_ffn[:n_tok], sh.up, sh.gate, sh.down_t, packed, n_mask if packed is not None else sh.n,
                 cfg.ffn_act, sh.up_bias, out, self.threads, skip_zero=self.skip_zero, qtype=sh.qtype,
-                rows=sh.rows)
+                rows=sh.rows, act_threshold=t, act_on=on)
             self.stats.kernel_s += (time.monotonic_ns() - t_k) * 1e-9
-            # bytes read (as stored: blocks of a quantized model): the up (+ gate) rows, the down rows read
-            one = cfg.neuron_bytes // (3 if cfg.gated else 2)
-            nbytes = rows * (cfg.neuron_bytes - one) + down_rows * one
+            pairs, rows, down_rows = counts[:3]
+            up_rows = counts[3] if len(counts) > 3 else rows  # gate first: only rows whose gate passes
+            # bytes read (as stored: blocks of a quantized model); the rows it skipped are not read
+            nbytes = ffn_bytes(cfg, rows, up_rows, down_rows)
             self.stats.kernel_bytes += nbytes
         self.stats.neurons += pairs
         self.stats.active_bytes += nbytes

@@ -12,7 +12,7 @@ import torch
 from .channel import pack_mask
 from .cold import ColdRows
 from .exchange import Exchange
-from .layers import attn_partial, ffn_partial, merge_partials
+from .layers import attn_partial, ffn_bytes, ffn_partial, merge_partials
 from .schedule import Step
 from .stats import ExecStats
 from .weights import PrimaryWeights
@@ -72,13 +72,16 @@ class EagerStep:
             self.ex.stage_mask(pack_mask(self.cmask), self.cmask.shape[1])  # an eighth of the bytes
 
     def ffn(self, s: Step) -> None:
-        w = self.w
-        self.f, pairs, rows = ffn_partial(self.x_f, w.layers[s.l].ffn, w.cfg.ffn_act, w.policy.name, self.gmask)
+        w, pol, sh = self.w, self.w.policy, self.w.layers[s.l].ffn
+        self.f, pairs, rows = ffn_partial(self.x_f, sh, w.cfg.ffn_act, pol.name, self.gmask,
+                                          act_threshold=pol.act_threshold(s.l), act_on=pol.act_on)
         self.stats.neurons += pairs
-        self.stats.active_bytes += rows * w.cfg.neuron_bytes  # a row is read once per step
+        gate_rows = sh.n if pol.name == "gate-first" else rows  # gate-first: every gate row, up / down of `rows`
+        self.stats.active_bytes += ffn_bytes(w.cfg, gate_rows, rows, rows)  # a row is read once per step
 
     def cold(self, s: Step) -> None:
-        self.c = self.cold_rows.ffn(s.l, self.x_f, self.cmask)
+        pol = self.w.policy
+        self.c = self.cold_rows.ffn(s.l, self.x_f, self.cmask, pol.act_threshold(s.l), pol.act_on)
 
     def ffn_out(self, s: Step) -> None:
         a = self.a if self.w.cfg.parallel_attn else None

@@ -6,7 +6,9 @@ schedule (``schedule.py``) without host syncs or shape changes:
   - the step's inputs (tokens, positions, slots) are copied by the first graph from pinned host
     memory into device buffers; attention reads positions and slots on the device and takes
     its rotary rows from a table (kernels.attention.head_attention_step);
-  - the predictor's split and the sparse FFN keep their counts on the device (n_active);
+  - the predictor's split and the sparse FFN keep their counts on the device (n_active); so does
+    gate-first (the gate of every row in one GEMV, its packed split by |SiLU(g)| > t, the sparse
+    FFN over the rows above the threshold taking their gate values from the GEMV);
   - the CPU executor's inputs (hidden state, bit-packed mask) are staged into the channel's
     pinned buffers by the graph itself, and its answer is copied back by the next graph.
 ``DecodeGraphs`` captures the steps between two exchanges as one graph and replays them. After
@@ -26,15 +28,16 @@ import numpy as np
 import torch
 
 from ..kernels.attention import head_attention_step
-from ..kernels.predictor import pack_active_bits, packed_views, split_active_packed
+from ..kernels.linear import linear
+from ..kernels.predictor import active_of, pack_active_bits, packed_views, split_active_packed
 from ..kernels.sparse_ffn import sparse_ffn
 from .exchange import Exchange
-from .layers import merge_partials
+from .layers import ffn_bytes, merge_partials
 from .schedule import Post, Step, run_eager, step_schedule
 from .stats import ExecStats
 from .weights import PrimaryWeights
 
-GRAPH_POLICIES = ("predictor", "dense")
+GRAPH_POLICIES = ("predictor", "gate-first", "dense")
 SAMPLE = 8  # GPU time of every 8th decode step is measured
 
 
@@ -62,6 +65,10 @@ class StepSegments:
         self.g_part: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         # per step, policy 'dense': every GPU row for every token
         self.dense_pairs = sum(lw.ffn.n for lw in w.layers) if w.policy.name == "dense" else 0
+        self.gpu_rows = sum(lw.ffn.n for lw in w.layers)  # gate-first reads all of their gate rows
+        # gate-first's split: every neuron of the shard is this device's
+        self.all_here = [torch.ones(lw.ffn.n, dtype=torch.bool, device=dev) for lw in w.layers] \
+            if w.policy.name == "gate-first" else None
 
     def set_inputs(self, slots: list[int], tokens: list[int], start_pos: list[int]) -> None:
         """The step's sequences, padded to B (pinned host buffer: the first graph copies it)."""
@@ -104,6 +111,8 @@ class StepSegments:
         w, lw = self.w, self.w.layers[s.l]
         self.x_f = w.norm(self.h, lw.norm_ffn) if lw.norm_ffn else self.x_a
         self.g_part = self.logits = None
+        if w.policy.name == "gate-first" and self.B > 1:  # padding rows: a zero x passes no threshold here
+            self.x_f = self.x_f.masked_fill(self.inp[3, :, None] == 0, 0.0)  # or on the CPU executor
         if w.policy.name != "predictor":
             return
         self.logits = w.predict(s.l, self.h)  # [B, n_gpu + n_cpu]
@@ -128,10 +137,19 @@ class StepSegments:
         self.f = None
         if not sh.n:
             return
+        t, on = w.policy.act_threshold(s.l), w.policy.act_on
         if w.policy.name == "predictor":
             idx, bits, n_active = self.g_part
             self.f = sparse_ffn(self.x_f, sh.up, sh.gate, sh.down_t, idx, bits, w.cfg.ffn_act, sh.up_bias,
-                                n_active=n_active, qtype=sh.qtype)
+                                n_active=n_active, qtype=sh.qtype, act_threshold=t, act_on=on)
+        elif w.policy.name == "gate-first":
+            g = linear(self.x_f, sh.gate, qtype=sh.qtype)  # [B, n] fp32: the gate of every row, read once
+            part = split_active_packed(g, t, self.all_here[s.l], gpu_capacity=sh.n, cpu_capacity=0, silu=True).gpu
+            idx, bits, n_active = packed_views(part)
+            self.f = sparse_ffn(self.x_f, sh.up, None, sh.down_t, idx, bits, w.cfg.ffn_act, sh.up_bias,
+                                n_active=n_active, qtype=sh.qtype, gate_pre=g)
+            self.counts[0] += active_of(g, t, silu=True).sum()
+            self.counts[1] += n_active[0]
         else:
             self.f = sparse_ffn(self.x_f, sh.up, sh.gate, sh.down_t, w.all_rows[s.l], None, w.cfg.ffn_act,
                                 sh.up_bias, qtype=sh.qtype)
@@ -200,7 +218,9 @@ class DecodeGraphs:
             run_eager(self.items, self.seg, self.ex, st, lambda: None)
         pairs, rows = (int(v) for v in self.seg.counts_host.tolist())
         st.neurons += pairs + self.seg.dense_pairs * n
-        st.active_bytes += (rows + self.seg.dense_pairs) * self.w.cfg.neuron_bytes
+        rows += self.seg.dense_pairs
+        gate_rows = self.seg.gpu_rows if self.w.policy.name == "gate-first" else rows
+        st.active_bytes += ffn_bytes(self.w.cfg, gate_rows, rows, rows)
         return self.seg.logits_host[:n].numpy().copy()
 
     def _replay(self) -> None:

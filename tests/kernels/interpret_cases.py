@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 from powerinfer_ray.kernels import local_index, sparse_ffn_ref, split_active, token_bits, unpack_active  # noqa: E402
 from powerinfer_ray.kernels import triton_ffn, triton_fused, triton_split  # noqa: E402
 
-from kernel_checks import TOL, make_idx, make_shard, poisoned, rel_err  # noqa: E402
+from kernel_checks import TOL, make_idx, make_shard, poisoned, rel_err, swiglu_case, swiglu_oracle  # noqa: E402
 
 
 def _fix_interpreter_for_numpy2() -> None:
@@ -232,3 +232,46 @@ def test_triton_linear_on_quantized_rows(qtype):
         x = torch.randn(T, D, generator=gen)
         y = linear_triton(x, w, qtype, b)
         assert y.dtype == torch.float32 and rel_err(y, linear_ref(x, w, b, qtype)) < TOL[torch.float32], T
+
+
+@pytest.mark.parametrize("on", ["gate", "h"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_triton_activation_threshold_and_precomputed_gate(on, T):
+    """The SwiGLU options in every FFN kernel (fused, elementwise and tl.dot at T == 1, tl.dot at
+    T > 1): act_threshold on |SiLU(g)| or |h|, with the gate rows or precomputed gate values
+    (gate_pre, gate=None), both mask forms and a device count, against the model's thresholded FFN."""
+    gen = torch.Generator().manual_seed(T + len(on))
+    N, D, K = 90, 70, 41
+    x, up, gate, down_t, t = swiglu_case(N, D, T, torch.float32, on, gen)
+    g = (x @ gate.T).contiguous()  # [T, N] fp32
+    idx = make_idx(K, N, gen, torch.int32)
+    tok = torch.rand(T, K, generator=gen) < 0.7
+    cfgs = [triton_ffn.Config(4, 32, 4, 16, 32, 4)]
+    if T == 1:
+        cfgs += [triton_ffn.Config(4, 32, 4, 16, 32, 4, up_dot=False, down_dot=False),
+                 triton_ffn.Config(4, 32, 4, 16, 32, 4, fused_r=2, fused_warps=2, fused_progs=1, eager_down=False),
+                 triton_ffn.Config(4, 32, 4, 16, 32, 4, fused_r=1, fused_warps=2, fused_progs=2, eager_down=True)]
+    cases = [(None, None, K), (tok, None, K), (token_bits(tok), torch.tensor([25], dtype=torch.int32), 25)]
+    for cfg, (mask, n_act, k), pre in itertools.product(cfgs, cases, (False, True)):
+        out = poisoned((T, D), torch.float32)
+        y = triton_ffn.sparse_ffn_triton(x, up, None if pre else gate, down_t, idx, mask, "swiglu", None, out, n_act,
+                                         cfg, act_threshold=t, act_on=on, gate_pre=g if pre else None)
+        m = tok[:, :k] if mask is not None else None
+        want = swiglu_oracle(x, up, gate, down_t, idx[:k], t, on, m)
+        assert y is out and rel_err(y, want) < TOL[torch.float32], f"{cfg} mask={mask is not None} pre={pre}"
+
+
+def test_triton_split_of_gate_values():
+    """silu=True: the packed split of gate values by |SiLU(g)| > t, as the exact torch criterion."""
+    from powerinfer_ray.kernels.predictor import active_of
+
+    gen = torch.Generator().manual_seed(6)
+    for T in (1, 7):
+        N = 1500
+        g = torch.randn(T, N, generator=gen) * 2
+        gpu = torch.ones(N, dtype=torch.bool)
+        buf = triton_split.split_pack(g, 0.4, gpu, None, N, 0, bn=512, silu=True)
+        idx, tok = unpack_active(buf[:1 + 2 * N], T)
+        act = active_of(g, 0.4, silu=True)
+        want = act.any(0).nonzero().reshape(-1)
+        assert torch.equal(idx, want) and torch.equal(tok, act[:, want])

@@ -9,7 +9,8 @@ import torch
 from powerinfer_ray.kernels import bits_to_mask, sparse_ffn, sparse_ffn_ref, token_bits
 from powerinfer_ray.kernels import cpu_ffn
 
-from kernel_checks import DENSITIES, DTYPES, TOL, make_idx, make_shard, n_active, poisoned, rel_err
+from kernel_checks import (DENSITIES, DTYPES, TOL, make_idx, make_shard, n_active, poisoned, rel_err, swiglu_case,
+                           swiglu_oracle)
 
 ACTS = ("relu", "reglu", "drelu", "swiglu")
 needs_compiler = pytest.mark.skipif(not cpu_ffn.available(), reason="no C++ compiler: compiled kernel unavailable")
@@ -150,6 +151,12 @@ def test_out_of_range_idx_raises():
     (dict(idx=torch.tensor([0.5])), "idx"),
     (dict(backend="triton"), "CUDA tensors"),
     (dict(backend="gpu"), "backend"),
+    (dict(act="reglu", act_threshold=0.1), "act"),  # the SwiGLU options
+    (dict(act="swiglu", act_threshold=-1.0), "act_threshold"),
+    (dict(act="swiglu", act_threshold=0.1, act_on="u"), "act_on"),
+    (dict(act="swiglu", gate_pre=torch.zeros(1, 10, dtype=torch.float16)), "gate_pre"),
+    (dict(act="swiglu", gate_pre=torch.zeros(2, 10)), "gate_pre"),
+    (dict(act="swiglu", gate_pre=torch.zeros(1, 10), backend="cpu"), "gate_pre"),
 ])
 def test_bad_arguments_name_the_field(kwargs, match):
     up = torch.randn(10, 8)
@@ -169,3 +176,38 @@ def test_strided_rows_are_read_in_place():
     idx = make_idx(20, 64, gen)
     y = sparse_ffn(x, up, gate, down_t, idx, backend="cpu")
     assert rel_err(y, sparse_ffn_ref(x, up, gate, down_t, idx)) < 1e-5
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("on", ["gate", "h"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_activation_threshold_matches_the_models_thresholded_ffn(backend, on, dtype):
+    """act_threshold zeroes h where |SiLU(g)| (or |h|) is not above t: against the model's own
+    thresholded FFN (model.reference) over the same rows, at T = 1 and a few tokens, over every
+    row (gate-first) and a predicted subset with a mask (predicted mode); and the reference's
+    threshold option equals it too."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{backend}{on}{dtype}".encode()))
+    N, D = 256, 100
+    for T in (1, 5):
+        x, up, gate, down_t, t = swiglu_case(N, D, T, dtype, on, gen)
+        for idx, mask in ((torch.arange(N), None), (make_idx(90, N, gen), torch.rand(T, 90, generator=gen) < 0.8)):
+            y = sparse_ffn(x, up, gate, down_t, idx, mask, "swiglu", backend=backend, act_threshold=t, act_on=on)
+            want = swiglu_oracle(x, up, gate, down_t, idx, t, on, mask)
+            assert rel_err(y, want) < TOL[dtype], (T, mask is not None)
+            ref = sparse_ffn_ref(x, up, gate, down_t, idx, mask, "swiglu", act_threshold=t, act_on=on)
+            assert rel_err(ref, want) < 1e-12
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_precomputed_gate_values_replace_the_gate_rows(dtype):
+    """gate_pre [T, N]: the kernel takes g from it and never reads the gate rows (gate=None): the
+    same output as with the rows, threshold included."""
+    gen = torch.Generator().manual_seed(12)
+    N, D, T = 128, 64, 3
+    x, up, gate, down_t, t = swiglu_case(N, D, T, dtype, "gate", gen)
+    g = (x.float() @ gate.float().T).contiguous()  # [T, N] fp32
+    idx = make_idx(70, N, gen)
+    bits = token_bits(torch.rand(T, 70, generator=gen) < 0.7)
+    y = sparse_ffn(x, up, None, down_t, idx, bits, "swiglu", gate_pre=g, act_threshold=t)
+    want = sparse_ffn_ref(x, up, gate, down_t, idx, bits, "swiglu", act_threshold=t)
+    assert rel_err(y, want) < TOL[dtype]

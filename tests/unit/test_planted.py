@@ -11,20 +11,21 @@ from powerinfer_ray.model.gguf_config import expected_shapes
 from powerinfer_ray.model.gguf_file import ModelFile
 from powerinfer_ray.model.planted import PlantedModel, planted_model, write_planted_gguf
 from powerinfer_ray.model.planted_random import BLOCK_ROWS, splitmix64, stream_key
-from powerinfer_ray.model.planted_spec import PRESETS, PlantedSpecError, parse_spec, preset_config
+from powerinfer_ray.model.planted_spec import PRESETS, SWIGLU_THRESHOLD, PlantedSpecError, parse_spec, preset_config
 from powerinfer_ray.model.planted_stats import calibrate, top_share
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.source import WeightSource, open_model
 from powerinfer_ray.model.tokenizer import Tokenizer
 
-BIG = ("llama2-7b", "llama2-13b", "llama2-70b", "falcon-40b", "opt-30b")
-TINY = ("tiny", "tiny-opt", "tiny-falcon")
+BIG = ("llama2-7b", "llama2-13b", "llama2-70b", "falcon-40b", "opt-30b", "llama3-8b")
+TINY = ("tiny", "tiny-opt", "tiny-falcon", "tiny-swiglu")
 REAL_SHAPES = {  # (D, F, L, H, G, V, act)
     "llama2-7b": (4096, 11008, 32, 32, 32, 32000, "reglu"),
     "llama2-13b": (5120, 13824, 40, 40, 40, 32000, "reglu"),
     "llama2-70b": (8192, 28672, 80, 64, 8, 32000, "reglu"),
     "falcon-40b": (8192, 32768, 60, 128, 8, 65024, "relu"),
     "opt-30b": (7168, 28672, 48, 56, 56, 50272, "relu"),
+    "llama3-8b": (4096, 14336, 32, 32, 8, 128256, "swiglu"),
 }
 
 
@@ -33,7 +34,7 @@ def test_spec_parsing_and_errors() -> None:
     s = parse_spec("llama2-13b?dtype=bf16&seed=3&layers=2&rho=0.9")
     assert (s.preset, s.dtype, s.seed, s.layers, s.rho) == ("llama2-13b", "bf16", 3, 2, 0.9)
     assert parse_spec("tiny").dtype == "f16"
-    for bad, word in [("llama3-8b", "llama3-8b"), ("tiny?dtype=q4", "dtype"), ("tiny?layers=9", "layers"),
+    for bad, word in [("llama4-8b", "llama4-8b"), ("tiny?dtype=q4", "dtype"), ("tiny?layers=9", "layers"),
                       ("tiny?colour=red", "colour"), ("tiny?seed=x", "seed"), ("tiny?active=1.5", "active")]:
         with pytest.raises(ValueError, match=word):
             parse_spec(bad)
@@ -58,12 +59,18 @@ def test_real_shapes_from_the_config_only(name: str) -> None:
     assert len(full.predictor_ranks) == L and full.predictor_ranks[0] == 1024
     if name == "llama2-13b":
         assert full.predictor_ranks[-1] == 2048  # upstream's measured workload
+    if name == "llama3-8b":  # sparsified on |SiLU(gate)| in every layer: the engine runs it gate-first too
+        assert full.ffn_thresholds == (SWIGLU_THRESHOLD,) * 32 and full.ffn_threshold_on == "gate"
+        assert full.rope_theta == 500000.0 and abs(SWIGLU_THRESHOLD - 0.7310586) < 1e-7
+    else:
+        assert not full.thresholded
     if name == "falcon-40b":  # predictors ~ 6.7 GiB fp16, as upstream spends at 24 GiB
         pred = sum(r * (D + F) for r in full.predictor_ranks) * 2 / 2**30
         assert 6.4 < pred < 7.0, pred
     for layers in (1, 2):
         m = planted_model(f"{name}?dtype=f16&layers={layers}")
-        assert m.config == full.with_(n_layer=layers, predictor_ranks=full.predictor_ranks[:layers])
+        assert m.config == full.with_(n_layer=layers, predictor_ranks=full.predictor_ranks[:layers],
+                                      ffn_thresholds=full.ffn_thresholds[:layers])
         assert m.shapes == expected_shapes(m.config) and all(m.has(n) for n in m.shapes)
     for tname, shape in m.shapes.items():  # the generators agree on the columns: the last row of each
         tmpl, l, bias = m._names[tname]
@@ -193,14 +200,20 @@ def _run(spec: str, n_seq: int = 8, T: int = 64) -> tuple[PlantedModel, _Recorde
 _TINY_RUNS = [("tiny?dtype=f32", 0.03, 0.99, 0.6, 0.9),  # 22 % active, 15.6 % marked: recall <= 0.71
               ("tiny?dtype=f32&marked=0.22", 0.03, 0.99, 0.9, 0.9),
               ("tiny-opt?dtype=f32", 0.15, 0.98, 0.8, 0.8),
-              ("tiny-falcon?dtype=f32", 0.15, 0.98, 0.8, 0.8)]
+              ("tiny-falcon?dtype=f32", 0.15, 0.98, 0.8, 0.8),
+              # thresholded SwiGLU: the gate above SiLU(1); flat frequencies (top 20 % carry 27 %), so
+              # 512 tokens' sampling noise caps r (the more so for marks near 90 %); 90 % marked for
+              # 50 % active (as trained predictors of the tiny SwiGLU model mark), and 55 % (a ReLU
+              # model's predictor)
+              ("tiny-swiglu?dtype=f32", 0.03, 0.78, 0.98, 0.5),
+              ("tiny-swiglu?dtype=f32&marked=0.55", 0.03, 0.92, 0.95, 0.85)]
 
 
 @pytest.mark.parametrize("spec,mean_tol,min_r,min_recall,min_precision", _TINY_RUNS)
 def test_own_activations_and_predictors_follow_the_plan(spec: str, mean_tol: float, min_r: float,
                                                         min_recall: float, min_precision: float) -> None:
-    """The dense forward's own ReLU fires neuron j with frequency ~p_j, and the predictor marks it
-    with frequency ~q_j, over 512 random tokens."""
+    """The dense forward's own ReLU (or a SwiGLU preset's thresholds) fires neuron j with
+    frequency ~p_j, and the predictor marks it with frequency ~q_j, over 512 random tokens."""
     m, rec = _run(spec)
     for l in range(m.config.n_layer):
         p, q = m.activation_probs(l), m.predictor_probs(l)
@@ -215,8 +228,9 @@ def test_own_activations_and_predictors_follow_the_plan(spec: str, mean_tol: flo
 
 
 # --- files ----------------------------------------------------------------------------------------------
-def test_write_planted_gguf_round_trip(tmp_path) -> None:  # noqa: ANN001
-    m = planted_model("tiny?dtype=f16&layers=2")
+@pytest.mark.parametrize("name", ["tiny", "tiny-swiglu"])
+def test_write_planted_gguf_round_trip(tmp_path, name) -> None:  # noqa: ANN001
+    m = planted_model(f"{name}?dtype=f16&layers=2")
     path = write_planted_gguf(m, tmp_path / "tiny.gguf", progress=False, n_tokens=1000)
     mf = ModelFile(path)
     assert mf.magic == K.PWRI_MAGIC and mf.config.predictor_ranks == m.config.predictor_ranks
