@@ -153,6 +153,9 @@ class ExecutorConfig:
         "it is sparsified, else dense)", choices=POLICIES)
     threshold: float | None = option(None, "predictor threshold (default: the model's sparse_threshold)",
                                      kind=float)
+    predictor_margin: float = option(0.0, "lowers the predictor threshold by this many logits: > 0 computes more "
+                                     "neurons (closer to dense), < 0 fewer (check with `quality --margin`)",
+                                     kind=float)
     dtype: str | None = option(None, "weights' dtype on the primary (default: the file's on CUDA, f32 on the CPU); "
                                "a Q8_0 / Q4_0 file's matrices stay quantized, this is then the type of the rest "
                                "(default f16 on CUDA)", choices=DTYPES)
@@ -169,6 +172,7 @@ class ExecutorConfig:
         check_int("threads", self.threads, 1, optional=True)
         check_choice("policy", self.policy, POLICIES)
         check_number("threshold", self.threshold, -math.inf, optional=True)
+        check_number("predictor_margin", self.predictor_margin, -math.inf)
         check_choice("dtype", self.dtype, DTYPES)
         check_number("timeout_s", self.timeout_s, 0.0, lo_open=True)
         check_int("prefill_dense_min", self.prefill_dense_min, 0, optional=True)

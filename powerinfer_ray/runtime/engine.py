@@ -37,7 +37,7 @@ def executor_spec(ec: EngineConfig, src: WeightSource, plan: Plan, device: str, 
     return GroupSpec(model=ec.model if model is None else model, plan=plan, device=device,
                      policy=resolve_policy(ec, cfg), slots=ec.max_batch, n_ctx=engine_n_ctx(ec, cfg),
                      t_max=max(resolve_prefill_chunk(ec, device), ec.max_batch), threads=threads,
-                     threshold=ec.threshold, dtype=ec.dtype, timeout_s=ec.timeout_s,
+                     threshold=ec.threshold, margin=ec.predictor_margin, dtype=ec.dtype, timeout_s=ec.timeout_s,
                      prefill_dense_min=ec.prefill_dense_min, graphs=ec.graphs,
                      primary_fills=rows_faster_on(src, device))
 

@@ -49,6 +49,7 @@ class GroupSpec:
     t_max: int  # tokens per step
     threads: int | None = None  # CPU executor threads (None: torch's default)
     threshold: float | None = None
+    margin: float = 0.0  # the predictor threshold is lowered by this
     dtype: str | None = None
     timeout_s: float = 60.0
     prefill_dense_min: int | None = None
@@ -57,7 +58,7 @@ class GroupSpec:
     host_memory_bytes: int | None = None  # host memory the executors may take (None: what the host has available)
 
     def primary_kwargs(self) -> dict[str, Any]:
-        return dict(device=self.device, policy=self.policy, threshold=self.threshold, slots=self.slots,
+        return dict(device=self.device, policy=self.policy, threshold=self.threshold, margin=self.margin, slots=self.slots,
                     n_ctx=self.n_ctx, t_max=self.t_max, dtype=self.dtype, timeout_s=self.timeout_s,
                     prefill_dense_min=self.prefill_dense_min, graphs=self.graphs)
 

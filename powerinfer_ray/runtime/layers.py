@@ -47,12 +47,13 @@ class Policy:
     act_on: str = "gate"
 
     @classmethod
-    def for_model(cls, name: str, threshold: float | None, cfg: ModelConfig) -> "Policy":
-        """The policy for a model; threshold None: the model's own (``powerinfer.sparse_threshold``)."""
+    def for_model(cls, name: str, threshold: float | None, cfg: ModelConfig, margin: float = 0.0) -> "Policy":
+        """The policy for a model; threshold None: the model's own (``powerinfer.sparse_threshold``),
+        lowered by ``margin`` (> 0: more neurons)."""
         check_policy(name, cfg)
         thr = cfg.sparse_threshold if threshold is None else threshold
         acts = cfg.ffn_thresholds if name != "dense" else ()
-        return cls(name, 0.0 if thr is None else float(thr), acts, cfg.ffn_threshold_on)
+        return cls(name, (0.0 if thr is None else float(thr)) - margin, acts, cfg.ffn_threshold_on)
 
     def act_threshold(self, l: int) -> float | None:
         """Layer l's SwiGLU activation threshold, or None (no thresholds, or policy 'dense')."""

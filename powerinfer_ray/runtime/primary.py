@@ -44,7 +44,7 @@ class PrimaryExecutor:
     """Runs the whole per-layer pipeline on its device, with the CPU executor as its partner."""
 
     def __init__(self, model: str | WeightSource, plan: Plan, *, device: str = "cpu",
-                 policy: str = "predictor", threshold: float | None = None, slots: int = 8,
+                 policy: str = "predictor", threshold: float | None = None, margin: float = 0.0, slots: int = 8,
                  n_ctx: int | None = None, t_max: int = 128, dtype: str | None = None,
                  timeout_s: float = 60.0, prefill_dense_min: int | None = None,
                  graphs: bool | None = None) -> None:
@@ -57,7 +57,7 @@ class PrimaryExecutor:
         cfg = self.src.config
         self.phases = {"open": time.perf_counter() - t0}
         plan.verify(cfg)
-        self.policy = Policy.for_model(policy, threshold, cfg)
+        self.policy = Policy.for_model(policy, threshold, cfg, margin)
         self.device = torch.device(device)
         dt = DTYPES[dtype or (cfg.float_dtype if self.device.type == "cuda" else "f32")]
         self.t_max, self.timeout_s = t_max, timeout_s
