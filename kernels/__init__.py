@@ -12,7 +12,7 @@
   and positions (Triton on CUDA), for CUDA-graph capture.
 
 Imports torch and numpy only; triton and the C++ compiler are used lazily when present. The one
-environment read is the compiled kernels' cache directory (cpu_library.cache_dir).
+environment read is the compiled kernels' cache folder (cpu_library.cache_root).
 """
 from .attention import decode_attention, head_attention, head_attention_ref, head_attention_step, rope, rope_table
 from .linear import linear, linear_ref

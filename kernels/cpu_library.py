@@ -6,8 +6,8 @@ the parallel regions run on the library's own worker threads, csrc/pool.h) into 
 When no compiler works, `library()` returns None, a warning says so once, and callers fall back
 to the torch path.
 
-Cache directory, the kernels' one environment read: $POWERINFER_RAY_CACHE/kernels, else
-$XDG_CACHE_HOME/powerinfer_ray/kernels, else ~/.cache/powerinfer_ray/kernels. The file name
+Cache directory: kernels/ under `cache_root()` ($POWERINFER_RAY_CACHE, else ~/.cache/powerinfer_ray;
+one of the package's two environment reads, the other is serve/config.py's). The file name
 hashes the sources, the flags, the compiler and the CPU's feature flags, so a home directory
 shared between different CPUs never loads a foreign build.
 
@@ -41,12 +41,14 @@ _lib_cflags: tuple[str, ...] = ()
 _lib_failed = False
 
 
+def cache_root() -> Path:
+    """The project's cache folder: compiled kernels, and solved splits of files in folders we may
+    not write (``runtime.config.split_cache_path``)."""
+    return Path(os.environ.get("POWERINFER_RAY_CACHE") or Path.home() / ".cache" / "powerinfer_ray")
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("POWERINFER_RAY_CACHE")
-    if root:
-        return Path(root) / "kernels"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return Path(xdg or Path.home() / ".cache") / "powerinfer_ray" / "kernels"
+    return cache_root() / "kernels"
 
 
 def _cpu_flags() -> str:

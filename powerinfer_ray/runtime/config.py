@@ -326,13 +326,15 @@ def resolve_plan(ec: EngineConfig, src: WeightSource | None = None) -> Plan:
 def split_cache_path(model: str) -> Path:
     """Where the solved split of a model file is cached: next to the file as upstream does, or in
     the user's cache folder when that folder is the package's own data or is not writable."""
-    from ..model.default import DATA_DIR, cache_dir
+    from ..kernels.cpu_library import cache_root
+    from ..model.default import DATA_DIR
     from ..placement import gpuidx
 
     path = gpuidx.gpuidx_path(model)
     folder = path.resolve().parent
     if folder == DATA_DIR.resolve() or not os.access(folder, os.W_OK):
-        return cache_dir() / path.name
+        cache_root().mkdir(parents=True, exist_ok=True)
+        return cache_root() / path.name
     return path
 
 

@@ -6,7 +6,6 @@ ingress's (``IngressConfig``), by the same names as the CLI's flags.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import fields
 from typing import Any
 
@@ -15,7 +14,7 @@ from ray.actor import ActorHandle
 
 from ..runtime.config import EngineConfig, coerce, exposed_fields
 from . import ENGINE_NAMESPACE
-from .config import DEFAULT_ENGINE, DEFAULT_MAX_IN_FLIGHT, IngressConfig
+from .config import DEFAULT_ENGINE, DEFAULT_MAX_IN_FLIGHT, IngressConfig, environment
 from .ingress import OpenAIIngress, resolve_engine
 
 RESERVE = 64  # requests beyond max_in_flight that the replica takes in, to answer them 429 itself
@@ -57,7 +56,7 @@ def parse_args(args: dict[str, Any]) -> tuple[EngineConfig, IngressConfig]:
     given = {k: v for k, v in args.items() if v is not None}
     engine = {k: coerce(EngineConfig, k, v) for k, v in given.items() if k in engine_names}
     ingress = {k: coerce(IngressConfig, k, v) for k, v in given.items() if k in ingress_names}
-    ingress.setdefault("api_key", os.environ.get("POWERINFER_API_KEY"))  # a secret: rather not in the file
+    ingress.setdefault("api_key", environment()["POWERINFER_API_KEY"])
     return EngineConfig(model=str(given.get("model") or _default_model()), **engine), IngressConfig(**ingress)
 
 

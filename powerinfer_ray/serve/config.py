@@ -2,6 +2,7 @@
 are made from these fields, as the engine's are from ``runtime.config``."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ..runtime.config import check_int, check_number, option
@@ -10,6 +11,15 @@ DEFAULT_ENGINE = "powerinfer-engine"
 DEFAULT_MAX_IN_FLIGHT = 256  # generations admitted by one ingress replica (more: 429)
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # request bodies beyond this get 413
 DEFAULT_BODY_TIMEOUT_S = 10.0  # request bodies slower than this get 408
+ENVIRONMENT = ("RAY_ADDRESS", "POWERINFER_API_KEY")
+
+
+def environment() -> dict[str, str | None]:
+    """The front door's environment, read here only: RAY_ADDRESS (Ray's own: join that cluster
+    rather than start one here) and POWERINFER_API_KEY (the API key when the config names none:
+    a secret is better kept out of files). The package's other read is the compiled kernels'
+    cache folder, $POWERINFER_RAY_CACHE (kernels/cpu_library.py)."""
+    return {name: os.environ.get(name) or None for name in ENVIRONMENT}
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import ray
 
 from ..runtime.config import EngineConfig
 from . import ENGINE_NAMESPACE
+from .config import environment
 
 ENGINE_STOP_S = 30.0  # on Ctrl-C: how long the engine may take to stop before Ray is stopped anyway
 
@@ -33,7 +34,7 @@ def init_ray(num_cpus: int | None = None, dashboard: bool = False, quiet: bool =
 
 def joins_cluster() -> bool:
     """Whether ``init_ray`` joins an existing cluster (RAY_ADDRESS) rather than starting one here."""
-    return bool(os.environ.get("RAY_ADDRESS"))
+    return environment()["RAY_ADDRESS"] is not None
 
 
 def engine_options(ec: EngineConfig) -> dict[str, Any]:

@@ -88,7 +88,7 @@ def test_serve_args_are_the_same_names():
 
 
 def test_split_cache_of_the_packaged_model_goes_to_the_user_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("POWERINFER_RAY_CACHE", str(tmp_path / "cache"))
     packaged = split_cache_path(str(DATA_DIR / "tiny-reglu.powerinfer.gguf"))
-    assert packaged.parent == tmp_path / "cache" / "powerinfer-ray"
+    assert packaged.parent == tmp_path / "cache" and packaged.parent.is_dir()
     assert split_cache_path(str(tmp_path / "m.gguf")) == tmp_path / "m.gguf.generated.gpuidx"
