@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 from transformers import AutoTokenizer  # noqa: E402
-from unit.test_convert_hf import PROMPT, save_hf  # noqa: E402
+from unit.offline.test_convert_hf import PROMPT, save_hf  # noqa: E402
 
 from powerinfer_ray.actors.coordinator import Coordinator  # noqa: E402
 from powerinfer_ray.cli import main  # noqa: E402

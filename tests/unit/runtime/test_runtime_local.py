@@ -424,7 +424,7 @@ def test_cpu_executor_computes_on_the_rows_in_the_file_mapping(tmp_path, variant
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
 def test_a_quantized_file_is_read_in_place_as_its_blocks(tmp_path, qtype):
     """A Q8_0 / Q4_0 file: the CPU executor's FFN rows and its heads' q rows and o columns are the
-    file's blocks in its memory map (tests/unit/test_runtime_quant.py checks these engines'
+    file's blocks in its memory map (tests/unit/runtime/test_runtime_quant.py checks these engines'
     logits on every split)."""
     from powerinfer_ray.model.source import file_mapping
 
