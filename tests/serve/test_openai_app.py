@@ -47,7 +47,7 @@ def _direct(engine, prompt, **kw):
     return ray.get(engine.generate.remote(prompt, **kw))
 
 
-def _wait_idle(engine, timeout=20.0) -> dict:
+def _wait_idle(engine, timeout=90.0) -> dict:
     deadline = time.time() + timeout
     while True:
         st = ray.get(engine.stats.remote())["coordinator"]
@@ -260,7 +260,7 @@ def test_ingress_in_flight_limit_gives_429(engine, url):
     assert "in flight" in err["message"] and r.headers.get("retry-after") == "1"
     held.close()
     assert _wait_idle(engine)["running"] == 0
-    deadline = time.time() + 10
+    deadline = time.time() + 60
     while (code := requests.post(f"{tight}/v1/completions", json=GOOD, timeout=30).status_code) == 429 \
             and time.time() < deadline:
         time.sleep(0.1)  # the ingress frees the slot once the proxy reports the disconnect
