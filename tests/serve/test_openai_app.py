@@ -19,7 +19,7 @@ from powerinfer_ray.serve.app import build_app
 KEY = "sk-test-key"
 MODEL = "tiny-llama-gqa"  # the tiny model's general.name
 ENGINE = "serve-test-engine"
-N_CTX = 4096  # long enough that held generations outlive the overload checks on busy cores
+N_CTX = 16384  # held generations of N_CTX - 8 tokens outlive the overload checks on busy cores
 MAX_BATCH, MAX_WAITING = 8, 16
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -28,7 +28,8 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def engine(engines, tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp("serve") / "m.gguf", "llama-gqa", seed=5, n_layer=2,
                             n_ctx=N_CTX)
-    return engines(ENGINE, path, policy="dense", threads=1, max_batch=MAX_BATCH, max_waiting=MAX_WAITING)
+    return engines(ENGINE, path, policy="dense", threads=1, max_batch=MAX_BATCH, max_waiting=MAX_WAITING,
+                   n_ctx=N_CTX)
 
 
 @pytest.fixture(scope="module")
