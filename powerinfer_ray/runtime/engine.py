@@ -11,17 +11,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, Coroutine
+from typing import TYPE_CHECKING, Any, Coroutine
 
 from ..model.source import WeightSource, open_model, rows_faster_on
 from ..model import gguf_keys as K
 from ..model.tokenizer import Tokenizer
+from .activity import activity_summary, check_counted, engine_activation
 from .config import EngineConfig, engine_n_ctx, resolve_plan, resolve_policy, resolve_prefill_chunk
 from .cpu_executor import CPUExecutor
 from .group import ExecutorGroup, GroupSpec, LocalBackend, start_group
 from .plan import Plan
 from .primary import PrimaryExecutor
 from .scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from ..offline.profile import ActivationStats
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +86,20 @@ class LocalEngine:
             s["cpu"] = self.cpu.stats.as_dict()
             self.primary.stats.peer_neurons = self.cpu.stats.neurons  # for the GPU share
         s["primary"] = self.primary.stats.as_dict()
+        act = self.primary.activity
+        active = act.active() + (self.cpu.activity.active() if self.cpu is not None else 0)
+        cfg = self.primary.cfg
+        s["activation"] = activity_summary(self.primary.policy.name, act.tokens, active, cfg.n_layer, cfg.n_ff)
         return s
+
+    def activation_stats(self, reset: bool = False) -> "ActivationStats":
+        """The activation counts of every token this engine has run (``runtime.activity``), as
+        the offline profile's statistics (``save(dir)`` writes what ``solve --activation`` reads);
+        reset: start counting afresh. ValueError under a policy that keeps no counts."""
+        check_counted(self.primary.policy.name)
+        counts, tokens = self.primary.activation_counts(reset)
+        parts = [counts] + ([self.cpu.activation_counts(reset)] if self.cpu is not None else [])
+        return engine_activation(parts, tokens, self.primary.cfg.name)
 
     def close(self) -> None:
         """Stop the request loop (a step in flight finishes first) and the executors."""
