@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import Any
 
@@ -111,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream", action="store_true", help="print tokens as they come")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, stats")
     p.add_argument("--print-token-ids", action="store_true", help="print the generated token ids after the text")
+    p.add_argument("--save-activation", default=None, metavar="DIR",
+                   help="write the engine's activation counts of the prompt and the generated tokens to DIR "
+                        "(what solve --activation reads; policies oracle and predictor)")
     _sampling_flags(p)
     _engine_flags(p)
 
@@ -246,7 +250,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
     SamplingParams.from_kwargs(**sampling)  # its checks, before Ray
     prep = _prepared(a)
     prep.prompt_ids(a.prompt, a.n_predict)
-    return generate_cli(prep, a.prompt, sampling, stream=a.stream, as_json=a.json, print_token_ids=a.print_token_ids)
+    if a.save_activation:
+        from .runtime.activity import check_counted
+
+        check_counted(prep.policy)
+    save = os.path.abspath(a.save_activation) if a.save_activation else None  # the engine actor's cwd may differ
+    return generate_cli(prep, a.prompt, sampling, stream=a.stream, as_json=a.json, print_token_ids=a.print_token_ids,
+                        save_activation=save)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

@@ -86,10 +86,10 @@ class LocalEngine:
             s["cpu"] = self.cpu.stats.as_dict()
             self.primary.stats.peer_neurons = self.cpu.stats.neurons  # for the GPU share
         s["primary"] = self.primary.stats.as_dict()
-        act = self.primary.activity
-        active = act.active() + (self.cpu.activity.active() if self.cpu is not None else 0)
+        tokens, active = self.primary.activity_totals()
+        active += self.cpu.activity.active() if self.cpu is not None else 0
         cfg = self.primary.cfg
-        s["activation"] = activity_summary(self.primary.policy.name, act.tokens, active, cfg.n_layer, cfg.n_ff)
+        s["activation"] = activity_summary(self.primary.policy.name, tokens, active, cfg.n_layer, cfg.n_ff)
         return s
 
     def activation_stats(self, reset: bool = False) -> "ActivationStats":

@@ -190,6 +190,10 @@ class PrimaryExecutor:
             self.activity.reset()
         return counts, tokens
 
+    def activity_totals(self) -> tuple[int, int]:
+        """(tokens counted, (token, neuron) pairs counted): ``stats()``'s summary, one scalar read."""
+        return self.activity.tokens, self.activity.active()
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
