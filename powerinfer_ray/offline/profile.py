@@ -252,6 +252,13 @@ def run_profile(model: str | Path | ReferenceModel, corpus: Corpus, out_dir: str
     """Profile, print the per-layer table, and write ``out_dir/activation.parquet``,
     ``out_dir/activation/activation_{l}.pt`` and ``out_dir/rank_frequency.png``."""
     stats = profile_activations(model, corpus, max_tokens, seq_len, progress, device=device, fmt=fmt)
+    return write_profile(stats, out_dir, plot, log)
+
+
+def write_profile(stats: ActivationStats, out_dir: str | Path, plot: bool = True,
+                  log: Callable[[str], None] = print) -> ActivationStats:
+    """Write a profile's files to ``out_dir`` (``ActivationStats.save``, and the rank/frequency
+    plot) and print its per-layer table."""
     out = stats.save(out_dir)
     log(f"activation profile of {stats.model or 'model'} over {stats.n_tokens} tokens:")
     log(stats.table())
