@@ -71,6 +71,7 @@ class Coordinator:
         self.prefill_chunk = resolve_prefill_chunk(self.ec, self.device)
         self.spec = executor_spec(self.ec, src, self.plan, self.device, threads=self._cpu_threads())
         self._start_named_executors()
+        self._step_lock = asyncio.Lock()  # held by a step: activation counts are read between steps
         self.core = Scheduler(self._step, self.tokenizer, n_ctx=self.n_ctx, max_batch=self.ec.max_batch,
                               prefill_chunk=self.prefill_chunk, max_waiting=self.ec.max_waiting,
                               n_vocab=self.cfg.n_vocab, on_failure=self._recover, on_finish=self._observe)
@@ -150,7 +151,8 @@ class Coordinator:
                 await asyncio.sleep(0.2)
 
     async def _step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]):  # noqa: ANN202
-        out = await self._running().step(slots, tokens, start_pos)
+        async with self._step_lock:
+            out = await self._running().step(slots, tokens, start_pos)
         self.m_tokens.inc(len(tokens), tags={"engine": self.name})
         return out
 
@@ -223,9 +225,10 @@ class Coordinator:
         (``runtime.activity``) as the profile's statistics; reset: start counting afresh.
         ValueError under a policy that keeps no counts."""
         check_counted(self.policy)
-        g = self._running()
-        counts, tokens = await g.primary.activation_counts.remote(reset)
-        parts = [counts] + ([await g.cpu.activation_counts.remote(reset)] if g.cpu is not None else [])
+        async with self._step_lock:  # between steps: both executors' counts of the same tokens
+            g = self._running()
+            counts, tokens = await g.primary.activation_counts.remote(reset)
+            parts = [counts] + ([await g.cpu.activation_counts.remote(reset)] if g.cpu is not None else [])
         return engine_activation(parts, tokens, self.model_name)
 
     async def save_activation(self, out_dir: str, reset: bool = False) -> dict[str, Any]:

@@ -14,7 +14,8 @@ What is counted, by policy (``COUNTED``):
   dense       nothing: h exists only inside the FFN kernels, which compute every row
 Each executor keeps its counters on its own device (static tensors: the decode graphs add
 their masks into them in place, no host sync per layer); ``model_counts`` maps them back to
-the model's neuron ids, and the engine sums its executors' (their neuron sets are disjoint).
+the model's neuron ids, and the engine sums its executors' (their neuron sets are disjoint),
+read between two steps (the engine holds its step lock) so that both count the same tokens.
 
 Dimension legend: N tokens of a step, n the counted neurons of a layer.
 """

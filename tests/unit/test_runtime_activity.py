@@ -4,6 +4,9 @@ computed from the file's predictors; both through the eager steps and the decode
 neurons on both executors; written out, ``solve`` places neurons from them."""
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -153,6 +156,38 @@ def test_counts_reset_and_policies_without_counts(tmp_path):
             eng.activation_stats()
     finally:
         eng.close()
+
+
+def test_counts_read_and_reset_while_the_engine_generates(tmp_path):
+    """Reads with reset=True while requests run through the engine's scheduler happen between
+    steps: every period is a valid profile (no neuron above its tokens) and the periods add up
+    to the reference's counts over all the tokens the engine ran."""
+    path = write_tiny_model(tmp_path / "m.gguf", "llama-reglu", seed=3, n_layer=2, n_ctx=128)
+    ref = ReferenceModel.from_file(path)
+    eng = LocalEngine(EngineConfig(str(path), plan=_mixed(ref.cfg), policy="oracle", prefill_chunk=8, max_batch=4))
+    prompts = [list(range(10 + i, 30 + 2 * i)) for i in range(3)]
+    outs: list = []
+
+    async def run() -> None:
+        outs.extend(await asyncio.gather(*[eng.generate(prompt_token_ids=p, max_tokens=12, ignore_eos=True)
+                                           for p in prompts]))
+    th = threading.Thread(target=asyncio.run, args=(run(),))
+    th.start()
+    periods = []
+    try:
+        while th.is_alive():
+            periods.append(eng.activation_stats(reset=True))  # raises if counts ran ahead of tokens
+        th.join()
+        periods.append(eng.activation_stats(reset=True))
+    finally:
+        th.join()
+        eng.close()
+    hooks = TrueCounts(ref.cfg.n_layer, ref.cfg.n_ff)
+    ran = [p + o["token_ids"][:-1] for p, o in zip(prompts, outs)]
+    for seq in ran:
+        ref.forward(seq, ref.new_cache(), hooks)
+    assert sum(p.n_tokens for p in periods) == sum(len(r) for r in ran) and len(periods) > 2
+    np.testing.assert_array_equal(sum(p.counts for p in periods), hooks.counts)
 
 
 def test_written_counts_solve_to_a_placement_of_the_hot_neurons(tmp_path):
