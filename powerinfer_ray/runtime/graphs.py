@@ -195,15 +195,17 @@ class DecodeGraphs:
         (replayed in capture order, so sharing the pool is safe)."""
         runs = [self._fns(b) for b in self.blocks if type(b) is list]
         dev = self.w.device
-        counted = self.seg.act.flat.clone()  # the warm-up run counts nothing: the replay after it does
+        counted = self.seg.act.flat.clone()  # the warm-up run counts nothing: the replay (or eager step) does
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for fns in runs:
-                for fn in fns:
-                    fn()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        self.seg.act.flat.copy_(counted)
+        try:
+            with torch.cuda.stream(side):
+                for fns in runs:
+                    for fn in fns:
+                        fn()
+        finally:
+            torch.cuda.current_stream(dev).wait_stream(side)
+            self.seg.act.flat.copy_(counted)
         pool = torch.cuda.graph_pool_handle()
         graphs = []
         for fns in runs:
