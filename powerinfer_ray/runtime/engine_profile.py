@@ -38,7 +38,7 @@ def profile_with_engine(ec: EngineConfig, corpus: Corpus, max_tokens: int = 100_
             raise ValueError(f"model {ec.model!r} has no tokenizer: the corpus cannot be encoded")
         seq_len = min(seq_len, eng.primary.weights.n_ctx)
         windows = token_windows(tok, iter_texts(corpus), seq_len, max_tokens, fmt)
-        run_windows(eng.primary, windows, seq_len, max_tokens if progress else None)
+        step_windows(eng.primary, windows, seq_len, max_tokens if progress else None)
         stats = eng.activation_stats()
     finally:
         eng.close()
@@ -62,7 +62,7 @@ def window_shape(seq_len: int, t_max: int, slots: int) -> tuple[int, int]:
     return max(1, min(slots, t_max // T)), T
 
 
-def run_windows(primary: PrimaryExecutor, windows: Iterable[list[int]], seq_len: int,
+def step_windows(primary: PrimaryExecutor, windows: Iterable[list[int]], seq_len: int,
                 total: int | None = None) -> int:
     """Every window (``seq_len`` tokens each) as a prompt of its own slot, from position 0; a
     progress bar over ``total`` tokens when given. Returns the tokens run."""
