@@ -24,6 +24,8 @@ import ray
 from ray.util import metrics
 
 from ..model.source import open_model
+from ..offline.profile import ActivationStats
+from ..runtime.activity import activity_summary, check_counted, engine_activation
 from ..runtime.config import EngineConfig, engine_n_ctx, resolve_plan, resolve_policy, resolve_prefill_chunk
 from ..runtime.engine import executor_spec, make_tokenizer
 from ..runtime.group import ExecutorGroup, start_group
@@ -69,6 +71,7 @@ class Coordinator:
         self.prefill_chunk = resolve_prefill_chunk(self.ec, self.device)
         self.spec = executor_spec(self.ec, src, self.plan, self.device, threads=self._cpu_threads())
         self._start_named_executors()
+        self._step_lock = asyncio.Lock()  # held by a step: activation counts are read between steps
         self.core = Scheduler(self._step, self.tokenizer, n_ctx=self.n_ctx, max_batch=self.ec.max_batch,
                               prefill_chunk=self.prefill_chunk, max_waiting=self.ec.max_waiting,
                               n_vocab=self.cfg.n_vocab, on_failure=self._recover, on_finish=self._observe)
@@ -148,7 +151,8 @@ class Coordinator:
                 await asyncio.sleep(0.2)
 
     async def _step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]):  # noqa: ANN202
-        out = await self._running().step(slots, tokens, start_pos)
+        async with self._step_lock:
+            out = await self._running().step(slots, tokens, start_pos)
         self.m_tokens.inc(len(tokens), tags={"engine": self.name})
         return out
 
@@ -210,8 +214,30 @@ class Coordinator:
             out["cpu_executor"] = await g.cpu.stats.remote()
             peer = out["cpu_executor"]["neurons"]
         out["gpu_executor"] = await g.primary.stats.remote(peer)
+        tokens, active = await g.primary.activity_totals.remote()
+        active += await g.cpu.activity_active.remote() if g.cpu is not None else 0
+        out["activation"] = activity_summary(self.policy, tokens, active, self.cfg.n_layer, self.cfg.n_ff)
         self.m_requests.set(out["coordinator"]["running"], tags={"engine": self.name})
         return out
+
+    async def activation_stats(self, reset: bool = False) -> ActivationStats:
+        """The activation counts of every token the engine has run since its executors started
+        (``runtime.activity``) as the profile's statistics; reset: start counting afresh.
+        ValueError under a policy that keeps no counts."""
+        check_counted(self.policy)
+        async with self._step_lock:  # between steps: both executors' counts of the same tokens
+            g = self._running()
+            counts, tokens = await g.primary.activation_counts.remote(reset)
+            parts = [counts] + ([await g.cpu.activation_counts.remote(reset)] if g.cpu is not None else [])
+        return engine_activation(parts, tokens, self.model_name)
+
+    async def save_activation(self, out_dir: str, reset: bool = False) -> dict[str, Any]:
+        """Write the counts to ``out_dir`` (activation.parquet and activation/activation_{l}.pt,
+        which ``powerinfer-ray solve --activation out_dir`` reads); their summary and the folder."""
+        st = await self.activation_stats(reset)
+        path = st.save(out_dir)
+        return {"path": str(path), "n_tokens": st.n_tokens,
+                "mean_active_fraction": float(st.active_fraction().mean()) if st.n_tokens else 0.0}
 
     async def set_cpu_threads(self, n: int) -> int:
         """Threads of the CPU executor's kernels from the next layer on (no reload): for tuning

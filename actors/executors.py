@@ -115,6 +115,13 @@ class PrimaryExecutorActor:
                   memory=process_memory())
         return st
 
+    def activation_counts(self, reset: bool = False) -> tuple[Any, int]:
+        """Its activation counts [L, n_ff] and the tokens counted (``runtime.activity``)."""
+        return self.impl.activation_counts(reset)
+
+    def activity_totals(self) -> tuple[int, int]:
+        return self.impl.activity_totals()
+
     def shutdown(self) -> None:
         if self.link is not None:
             self.link.close()
@@ -146,6 +153,13 @@ class CPUExecutorActor:
     def attach(self, spec: ChannelSpec) -> int:
         """Map the channel and serve it (in the executor's worker thread)."""
         return self.impl.attach(spec)
+
+    def activation_counts(self, reset: bool = False) -> Any:  # noqa: ANN401  (numpy [L, n_ff])
+        """The true activity counts of its neurons (policy 'oracle'; ``runtime.activity``)."""
+        return self.impl.activation_counts(reset)
+
+    def activity_active(self) -> int:
+        return self.impl.activity.active()
 
     def stats(self) -> dict[str, Any]:
         st = self.impl.stats.as_dict()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import Any
 
@@ -94,6 +95,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from .bench import DRIVERS, MODEL_MODES
+    from .runtime.config import ExecutorConfig, PlanConfig, SchedulerConfig
     from .serve.config import IngressConfig
 
     ap = argparse.ArgumentParser(prog="powerinfer-ray", description=__doc__,
@@ -111,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream", action="store_true", help="print tokens as they come")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, stats")
     p.add_argument("--print-token-ids", action="store_true", help="print the generated token ids after the text")
+    p.add_argument("--save-activation", default=None, metavar="DIR",
+                   help="write the engine's activation counts of the prompt and the generated tokens to DIR "
+                        "(what solve --activation reads; policies oracle and predictor)")
     _sampling_flags(p)
     _engine_flags(p)
 
@@ -142,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--out-dir", required=True)
     p.add_argument("--max-tokens", type=int, default=200_000)
     _stream_flags(p)
+    p.add_argument("--engine", action="store_true",
+                   help="run the windows through the hybrid engine (policy oracle, placed by the engine flags "
+                        "below, e.g. --vram-budget-gib): for models larger than one device. Default: the dense "
+                        "model on one device")
+    add_config_flags(p, PlanConfig, "placement (with --engine)")
+    add_config_flags(p, ExecutorConfig, "executors (with --engine)")
+    add_config_flags(p, SchedulerConfig, "scheduler (with --engine)")
 
     p = cmd("sparsify", cmd_sparsify, "calibrate per-layer activation thresholds of a SwiGLU model")
     _model_arg(p, required=True)
@@ -246,7 +258,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
     SamplingParams.from_kwargs(**sampling)  # its checks, before Ray
     prep = _prepared(a)
     prep.prompt_ids(a.prompt, a.n_predict)
-    return generate_cli(prep, a.prompt, sampling, stream=a.stream, as_json=a.json, print_token_ids=a.print_token_ids)
+    if a.save_activation:
+        from .runtime.activity import check_counted
+
+        check_counted(prep.policy)
+    save = os.path.abspath(a.save_activation) if a.save_activation else None  # the engine actor's cwd may differ
+    return generate_cli(prep, a.prompt, sampling, stream=a.stream, as_json=a.json, print_token_ids=a.print_token_ids,
+                        save_activation=save)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -282,7 +300,22 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 def cmd_profile(a: argparse.Namespace) -> int:
     from .offline.profile import run_profile
+    from .runtime.config import EngineConfig, exposed_fields
 
+    if a.engine:
+        from .runtime.engine_profile import run_engine_profile
+
+        if a.policy not in (None, "oracle"):
+            raise ValueError(f"--policy {a.policy}: profile --engine counts the true activity (policy oracle); "
+                             "leave --policy out")
+        a.policy = "oracle"
+        run_engine_profile(_prepared(a).config, a.corpus, a.out_dir, max_tokens=a.max_tokens, seq_len=a.seq_len,
+                           fmt=_stream_format(a))
+        return 0
+    for f in exposed_fields(EngineConfig):
+        if getattr(a, f.name) != f.default:
+            raise ValueError(f"--{f.name.replace('_', '-')} is an engine flag: add --engine to profile through the "
+                             "engine, or leave it out")
     run_profile(_resolve_model(a.model), a.corpus, a.out_dir, max_tokens=a.max_tokens, seq_len=a.seq_len,
                 fmt=_stream_format(a))
     return 0

@@ -13,9 +13,10 @@ from .serve.launcher import init_ray, start_engine  # noqa: F401  (init_ray: ben
 
 
 def generate_cli(prep: Prepared, prompt: str, sampling: dict[str, Any], *, stream: bool = False,
-                 as_json: bool = False, print_token_ids: bool = False) -> int:
+                 as_json: bool = False, print_token_ids: bool = False, save_activation: str | None = None) -> int:
     """Generate one completion of ``prompt`` (sampling: SamplingParams keywords) with the engine of
-    an already checked configuration."""
+    an already checked configuration; save_activation: a folder for the engine's activation
+    counts of its tokens (``Coordinator.save_activation``)."""
     import ray
 
     init_ray()
@@ -25,10 +26,14 @@ def generate_cli(prep: Prepared, prompt: str, sampling: dict[str, Any], *, strea
         out = _run(engine, prompt, sampling, stream and not as_json, echo=not as_json)
         wall = time.perf_counter() - t0
         load = ray.get(engine.stats.remote())
+        saved = ray.get(engine.save_activation.remote(save_activation)) if save_activation else None
     finally:
         ray.get(engine.shutdown.remote())
         ray.kill(engine, no_restart=True)
     share = load["gpu_executor"].get("gpu_activation_share", 0.0)
+    if saved is not None:
+        print(f"activation counts of {saved['n_tokens']} tokens (mean active fraction "
+              f"{saved['mean_active_fraction']:.1%}) written to {saved['path']}", file=sys.stderr)
     if as_json:
         print(json.dumps({"model": info["model"], "policy": info["policy"], "device": info["device"],
                           "prompt": prompt, "prompt_token_ids": out["prompt_token_ids"], "text": out["text"],

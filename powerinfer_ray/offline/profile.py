@@ -157,6 +157,16 @@ class ActivationStats:
         n = n_tokens if n_tokens is not None else meta.get("n_tokens", int(arr.max(initial=0)))
         return cls(arr, int(n), meta.get("model", ""))
 
+    # --- both, in a folder -------------------------------------------------------------------
+    def save(self, out_dir: str | Path) -> Path:
+        """Write ``out_dir/activation.parquet`` and ``out_dir/activation/activation_{l}.pt``
+        (``powerinfer-ray solve --activation out_dir`` reads them)."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.save_parquet(out / PARQUET_FILE)
+        self.save_pt(out / PT_DIR)
+        return out
+
     # --- plot -------------------------------------------------------------------------------
     def plot(self, path: str | Path, title: str | None = None) -> Path | None:
         """Log-log rank/frequency plot of each layer's neurons; None (and a message) without
@@ -241,11 +251,15 @@ def run_profile(model: str | Path | ReferenceModel, corpus: Corpus, out_dir: str
                 log: Callable[[str], None] = print, fmt: StreamFormat | None = None) -> ActivationStats:
     """Profile, print the per-layer table, and write ``out_dir/activation.parquet``,
     ``out_dir/activation/activation_{l}.pt`` and ``out_dir/rank_frequency.png``."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     stats = profile_activations(model, corpus, max_tokens, seq_len, progress, device=device, fmt=fmt)
-    stats.save_parquet(out / PARQUET_FILE)
-    stats.save_pt(out / PT_DIR)
+    return write_profile(stats, out_dir, plot, log)
+
+
+def write_profile(stats: ActivationStats, out_dir: str | Path, plot: bool = True,
+                  log: Callable[[str], None] = print) -> ActivationStats:
+    """Write a profile's files to ``out_dir`` (``ActivationStats.save``, and the rank/frequency
+    plot) and print its per-layer table."""
+    out = stats.save(out_dir)
     log(f"activation profile of {stats.model or 'model'} over {stats.n_tokens} tokens:")
     log(stats.table())
     if plot:

@@ -31,6 +31,7 @@ from ..model.reference import ffn_activation
 from ..model.source import WeightSource, file_mapping
 from .channel import pin_host
 from .hostmem import host_memory, on_tmpfs
+from .layers import oracle_mask
 from .plan import Plan
 from .shard import FFNShard, in_place_ffn_shard, load_ffn_shard
 from .sharedshard import SharedShardSpec, attach
@@ -98,12 +99,14 @@ class ColdRows:
         return self.rows is not None and n_tok >= self.min_tokens
 
     def ffn(self, l: int, x: torch.Tensor, mask: torch.Tensor | None, act_threshold: float | None = None,
-            act_on: str = "gate", rows: int = 4096) -> torch.Tensor:
+            act_on: str = "gate", rows: int = 4096, count: torch.Tensor | None = None) -> torch.Tensor:
         """The CPU shard's FFN output [N, D] (fp32) for x [N, D], masked by the predictor's
         mask [N, n] when given and by a sparsified SwiGLU model's activation threshold; rows stream
-        in chunks of ``rows`` (its device memory cost)."""
+        in chunks of ``rows`` (its device memory cost). count [n] int64 (shard order): adds the
+        tokens in which each neuron's h is nonzero (policy 'oracle', ``activity``)."""
         cold, dev = self.rows[l], self.device
         keep = self._keep(l, mask, x.shape[0])  # [N, R] or None (every row)
+        hits = None if count is None else torch.zeros(cold.up.shape[0], dtype=torch.int64, device=dev)  # [R]
         if self._pin_file and l not in self._layer_pinned:
             self._pin_layer(l)
         y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=dev)
@@ -111,7 +114,10 @@ class ColdRows:
         for a, b in self._chunks(l, rows):
             streamed += b - a
             if cold.qtype is not None:
-                y += self._quantized(cold, a, b, x, None if keep is None else keep[:, a:b], act_threshold, act_on)
+                k = None if keep is None else keep[:, a:b]
+                y += self._quantized(cold, a, b, x, k, act_threshold, act_on)
+                if hits is not None:
+                    hits[a:b] += self._active(cold, a, b, x, k, act_threshold, act_on).sum(0)
                 continue
             up = cold.up[a:b].to(dev, x.dtype, non_blocking=True)  # file / shared rows keep their dtype
             gate = cold.gate[a:b].to(dev, x.dtype, non_blocking=True) if cold.gate is not None else None
@@ -124,7 +130,11 @@ class ColdRows:
                 hid = apply_act_threshold(hid, g.float(), act_threshold, act_on)  # the criterion in fp32
             if keep is not None:
                 hid = hid * keep[:, a:b]
+            if hits is not None:
+                hits[a:b] += (hid != 0).sum(0)
             y += (hid @ cold.down_t[a:b].to(dev, hid.dtype, non_blocking=True)).float()
+        if count is not None:
+            count += hits if cold.rows is None else hits[self._sel[l]]
         self.stats.cold_neurons += int(mask.sum()) if mask is not None else x.shape[0] * cold.n
         self.stats.active_bytes += streamed * self.cfg.neuron_bytes
         return y
@@ -182,6 +192,16 @@ class ColdRows:
         idx = torch.arange(b - a, device=dev)
         return sparse_ffn(x, *blocks, idx, mask, self.cfg.ffn_act, bias, qtype=cold.qtype, act_threshold=act_threshold,
                           act_on=act_on).float()
+
+    def _active(self, cold: FFNShard, a: int, b: int, x: torch.Tensor, keep: torch.Tensor | None,
+                act_threshold: float | None, act_on: str) -> torch.Tensor:
+        """Which of the quantized rows a..b are active for each token [N, b-a] (``oracle_mask``
+        over their blocks on the device), within ``keep``."""
+        up, gate = (None if t is None else t[a:b].to(self.device, non_blocking=True) for t in (cold.up, cold.gate))
+        bias = None if cold.up_bias is None else cold.up_bias[a:b].to(self.device, non_blocking=True)
+        chunk = FFNShard(cold.ids[:0], up, gate, up, bias, cold.qtype)  # down rows unused
+        m = oracle_mask(x, chunk, self.cfg.ffn_act, act_threshold, act_on)
+        return m if keep is None else m & keep
 
     def close(self) -> None:
         for addr in self._pinned:

@@ -21,6 +21,7 @@ from ..kernels.cpu_library import configure_threads
 from ..model import gguf_keys as K
 from ..model.quants import row_bytes
 from ..model.source import WeightSource, file_mapping, open_model
+from .activity import ActivityCounts
 from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec
 from .hostmem import process_memory
 from .layers import Policy, attn_partial, ffn_bytes, ffn_partial
@@ -132,6 +133,9 @@ class CPUExecutor:
                                         cache_dtype=torch.float32, out_rows=True) for l in range(cfg.n_layer)]
         self.phases["attention"] = time.perf_counter() - t1
         self.stats = ExecStats()
+        # policy 'oracle': the true activity of the rows it computes (``activity``; the primary
+        # counts the tokens and, under 'predictor', decides these neurons itself)
+        self.activity = ActivityCounts([lp.cpu_neurons for lp in plan.layers], "cpu", policy == "oracle")
         self.channel: Channel | None = None
         self.error: str | None = None
         self.warmer = Warmer(self.ffn).start() if self.ffn_rows == "file" else None
@@ -294,7 +298,8 @@ class CPUExecutor:
         t, on = self.pol.act_threshold(l), self.pol.act_on
         if self.policy == "oracle":  # finds its own active set: the general path
             y, pairs, rows = ffn_partial(ch.x_ffn[:n_tok].float(), sh, cfg.ffn_act, self.policy, None,
-                                         threads=self.threads, act_threshold=t, act_on=on)
+                                         threads=self.threads, act_threshold=t, act_on=on,
+                                         count=self.activity.layers[l])
             out.copy_(y)
             nbytes = ffn_bytes(cfg, rows, rows, rows)
         else:  # one compiled call from the channel's packed mask and x to out (gate-first: every row, gate first)
@@ -312,6 +317,14 @@ class CPUExecutor:
             self.stats.kernel_bytes += nbytes
         self.stats.neurons += pairs
         self.stats.active_bytes += nbytes
+
+    def activation_counts(self, reset: bool = False) -> np.ndarray:
+        """The true activity counts of its neurons under policy 'oracle' [L, n_ff] by model neuron
+        id (int64; zero elsewhere and under other policies); reset: start afresh."""
+        counts = self.activity.model_counts(self.cfg.n_ff)
+        if reset:
+            self.activity.reset()
+        return counts
 
     def stop(self) -> None:
         """After the serving loop answered OP_STOP (or never started): end the worker thread and

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .activity import ActivityCounts
 from .channel import pack_mask
 from .cold import ColdRows
 from .exchange import Exchange
@@ -22,8 +23,8 @@ class EagerStep:
     """One step's state and steps (the names ``schedule.py`` lists); ``logits`` [B, V] after ``head``."""
 
     def __init__(self, w: PrimaryWeights, exchange: Exchange | None, cold: ColdRows, stats: ExecStats,
-                 slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> None:
-        self.w, self.ex, self.cold_rows, self.stats = w, exchange, cold, stats
+                 activity: ActivityCounts, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> None:
+        self.w, self.ex, self.cold_rows, self.stats, self.act = w, exchange, cold, stats, activity
         self.B, self.T = len(tokens), len(tokens[0])
         self.n_seq, self.n_tok = self.B, self.B * self.T
         self.tok = torch.tensor(tokens, dtype=torch.long, device=w.device).reshape(-1)  # [N]
@@ -63,6 +64,7 @@ class EagerStep:
         self.gmask = self.cmask = None
         if w.policy.name == "predictor":
             active = w.predict(s.l, self.h) >= w.policy.threshold  # [N, n_gpu + n_cpu]
+            self.act.add(s.l, active)
             ng = lw.ffn.n
             self.gmask, self.cmask = active[:, :ng], (active[:, ng:] if active.shape[1] > ng else None)
 
@@ -73,15 +75,17 @@ class EagerStep:
 
     def ffn(self, s: Step) -> None:
         w, pol, sh = self.w, self.w.policy, self.w.layers[s.l].ffn
+        count = self.act.layers[s.l][:sh.n] if self.act.on and pol.name == "oracle" else None
         self.f, pairs, rows = ffn_partial(self.x_f, sh, w.cfg.ffn_act, pol.name, self.gmask,
-                                          act_threshold=pol.act_threshold(s.l), act_on=pol.act_on)
+                                          act_threshold=pol.act_threshold(s.l), act_on=pol.act_on, count=count)
         self.stats.neurons += pairs
         gate_rows = sh.n if pol.name == "gate-first" else rows  # gate-first: every gate row, up / down of `rows`
         self.stats.active_bytes += ffn_bytes(w.cfg, gate_rows, rows, rows)  # a row is read once per step
 
     def cold(self, s: Step) -> None:
-        pol = self.w.policy
-        self.c = self.cold_rows.ffn(s.l, self.x_f, self.cmask, pol.act_threshold(s.l), pol.act_on)
+        pol, ng = self.w.policy, self.w.layers[s.l].ffn.n
+        count = self.act.layers[s.l][ng:] if self.act.on and pol.name == "oracle" else None
+        self.c = self.cold_rows.ffn(s.l, self.x_f, self.cmask, pol.act_threshold(s.l), pol.act_on, count=count)
 
     def ffn_out(self, s: Step) -> None:
         a = self.a if self.w.cfg.parallel_attn else None

@@ -11,17 +11,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, Coroutine
+from typing import TYPE_CHECKING, Any, Coroutine
 
 from ..model.source import WeightSource, open_model, rows_faster_on
 from ..model import gguf_keys as K
 from ..model.tokenizer import Tokenizer
+from .activity import activity_summary, check_counted, engine_activation
 from .config import EngineConfig, engine_n_ctx, resolve_plan, resolve_policy, resolve_prefill_chunk
 from .cpu_executor import CPUExecutor
 from .group import ExecutorGroup, GroupSpec, LocalBackend, start_group
 from .plan import Plan
 from .primary import PrimaryExecutor
 from .scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from ..offline.profile import ActivationStats
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +60,22 @@ class LocalEngine:
                                                                               threads=ec.threads))
         self.primary: PrimaryExecutor = self.group.primary
         self.cpu: CPUExecutor | None = self.group.cpu
+        self._step_lock = threading.Lock()  # held by a step: activation counts are read between steps
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="local-engine", daemon=True)
         self._thread.start()
         tok, n_ctx, chunk = make_tokenizer(src.fields), engine_n_ctx(ec, src.config), resolve_prefill_chunk(ec, device)
 
         async def make() -> Scheduler:  # its queues belong to the engine's loop
-            return Scheduler(self.group.step, tok, n_ctx=n_ctx, max_batch=ec.max_batch, prefill_chunk=chunk,
+            return Scheduler(self._step, tok, n_ctx=n_ctx, max_batch=ec.max_batch, prefill_chunk=chunk,
                              n_vocab=src.config.n_vocab)
         self.coordinator = asyncio.run_coroutine_threadsafe(make(), self._loop).result()
+
+    async def _step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> Any:  # noqa: ANN401
+        def run() -> Any:  # noqa: ANN401
+            with self._step_lock:
+                return self.primary.step(slots, tokens, start_pos)
+        return await asyncio.to_thread(run)
 
     async def _in_loop(self, coro: Coroutine) -> Any:  # noqa: ANN401
         """Run coro in the engine's loop; the caller's cancellation cancels it there."""
@@ -82,7 +93,21 @@ class LocalEngine:
             s["cpu"] = self.cpu.stats.as_dict()
             self.primary.stats.peer_neurons = self.cpu.stats.neurons  # for the GPU share
         s["primary"] = self.primary.stats.as_dict()
+        tokens, active = self.primary.activity_totals()
+        active += self.cpu.activity.active() if self.cpu is not None else 0
+        cfg = self.primary.cfg
+        s["activation"] = activity_summary(self.primary.policy.name, tokens, active, cfg.n_layer, cfg.n_ff)
         return s
+
+    def activation_stats(self, reset: bool = False) -> "ActivationStats":
+        """The activation counts of every token this engine has run (``runtime.activity``), as
+        the offline profile's statistics (``save(dir)`` writes what ``solve --activation`` reads);
+        reset: start counting afresh. ValueError under a policy that keeps no counts."""
+        check_counted(self.primary.policy.name)
+        with self._step_lock:  # between steps: both executors' counts of the same tokens
+            counts, tokens = self.primary.activation_counts(reset)
+            parts = [counts] + ([self.cpu.activation_counts(reset)] if self.cpu is not None else [])
+        return engine_activation(parts, tokens, self.primary.cfg.name)
 
     def close(self) -> None:
         """Stop the request loop (a step in flight finishes first) and the executors."""

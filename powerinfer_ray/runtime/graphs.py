@@ -6,7 +6,8 @@ schedule (``schedule.py``) without host syncs or shape changes:
   - the step's inputs (tokens, positions, slots) are copied by the first graph from pinned host
     memory into device buffers; attention reads positions and slots on the device and takes
     its rotary rows from a table (kernels.attention.head_attention_step);
-  - the predictor's split and the sparse FFN keep their counts on the device (n_active); so does
+  - the predictor's split and the sparse FFN keep their counts on the device (n_active), and the
+    predictor's decisions go into the activation counters in place (``activity``); so does
     gate-first (the gate of every row in one GEMV, its packed split by |SiLU(g)| > t, the sparse
     FFN over the rows above the threshold taking their gate values from the GEMV);
   - the CPU executor's inputs (hidden state, bit-packed mask) are staged into the channel's
@@ -31,6 +32,7 @@ from ..kernels.attention import head_attention_step
 from ..kernels.linear import linear
 from ..kernels.predictor import active_of, pack_active_bits, packed_views, split_active_packed
 from ..kernels.sparse_ffn import sparse_ffn
+from .activity import ActivityCounts
 from .exchange import Exchange
 from .layers import ffn_bytes, merge_partials
 from .schedule import Post, Step, run_eager, step_schedule
@@ -50,8 +52,8 @@ class StepSegments:
     past the step's sequences are padding (the caches' scratch slot; no neuron active, so they
     cost no FFN work)."""
 
-    def __init__(self, w: PrimaryWeights, exchange: Exchange | None, B: int) -> None:
-        self.w, self.ex, self.B = w, exchange, B
+    def __init__(self, w: PrimaryWeights, exchange: Exchange | None, B: int, activity: ActivityCounts) -> None:
+        self.w, self.ex, self.B, self.act = w, exchange, B, activity
         self.n_seq = self.n_tok = B
         dev, cfg, pin = w.device, w.cfg, w.device.type == "cuda"
         self.inp_host = torch.zeros(4, B, dtype=torch.long, pin_memory=pin)  # tokens, positions, slots, valid
@@ -119,6 +121,7 @@ class StepSegments:
         if self.B > 1:  # padding rows activate nothing
             self.logits = self.logits.masked_fill(self.inp[3, :, None] == 0, float("-inf"))
         ng, thr = lw.ffn.n, w.policy.threshold
+        self.act.add(s.l, self.logits >= thr)  # [B, n_gpu + n_cpu]; padding rows are -inf: none counts
         if ng:
             part = split_active_packed(self.logits, thr, w.gpu_first[s.l], gpu_capacity=ng, cpu_capacity=0).gpu
             self.g_part = packed_views(part)  # idx, bits, n_active
@@ -167,12 +170,13 @@ class StepSegments:
 class DecodeGraphs:
     """The decode step of up to B sequences as captured graphs (CUDA) or eager segments (CPU)."""
 
-    def __init__(self, w: PrimaryWeights, exchange: Exchange | None, stats: ExecStats, B: int) -> None:
+    def __init__(self, w: PrimaryWeights, exchange: Exchange | None, stats: ExecStats, B: int,
+                 activity: ActivityCounts) -> None:
         if w.policy.name not in GRAPH_POLICIES:
             raise ValueError(f"graph decode supports policies {GRAPH_POLICIES}, not {w.policy.name!r}")
         self.w, self.ex, self.stats, self.B = w, exchange, stats, B
         self.cuda = w.device.type == "cuda"
-        self.seg = StepSegments(w, exchange, B)
+        self.seg = StepSegments(w, exchange, B, activity)
         self.items = step_schedule(w.cfg, w.plan, w.policy.name)
         self.blocks = _blocks(self.items)  # [steps] (one graph each) | Post | Await
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
@@ -191,13 +195,17 @@ class DecodeGraphs:
         (replayed in capture order, so sharing the pool is safe)."""
         runs = [self._fns(b) for b in self.blocks if type(b) is list]
         dev = self.w.device
+        counted = self.seg.act.flat.clone()  # the warm-up run counts nothing: the replay (or eager step) does
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for fns in runs:
-                for fn in fns:
-                    fn()
-        torch.cuda.current_stream(dev).wait_stream(side)
+        try:
+            with torch.cuda.stream(side):
+                for fns in runs:
+                    for fn in fns:
+                        fn()
+        finally:
+            torch.cuda.current_stream(dev).wait_stream(side)
+            self.seg.act.flat.copy_(counted)
         pool = torch.cuda.graph_pool_handle()
         graphs = []
         for fns in runs:

@@ -119,12 +119,13 @@ def oracle_mask(x: torch.Tensor, shard: FFNShard, act: str, act_threshold: float
 def ffn_partial(x: torch.Tensor, shard: FFNShard, act: str, policy: str,
                 mask: torch.Tensor | None = None, out: torch.Tensor | None = None,
                 threads: int | None = None, act_threshold: float | None = None,
-                act_on: str = "gate") -> tuple[torch.Tensor, int, int]:
+                act_on: str = "gate", count: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:
     """The shard's FFN output y [T, D] for x [T, D] (without the down bias), the number of
     (token, neuron) pairs computed, and the number of neuron rows read (each once per call; under
     gate-first the rows above the threshold, besides the gate rows of all n, see ``ffn_bytes``).
     ``mask`` [T, n] bool is the predicted activity (policy 'predictor'); act_threshold, act_on:
-    the layer's SwiGLU activation threshold (``Policy.act_threshold``)."""
+    the layer's SwiGLU activation threshold (``Policy.act_threshold``); count [n] int64: policy
+    'oracle' adds the tokens in which each neuron is active into it (``activity``)."""
     T = x.shape[0]
     if shard.n == 0:
         y = out.zero_() if out is not None else torch.zeros_like(x)
@@ -133,6 +134,8 @@ def ffn_partial(x: torch.Tensor, shard: FFNShard, act: str, policy: str,
         return gate_first_ffn(x, shard, act, act_threshold, out, threads)
     if policy == "oracle":  # the exact mask: no threshold in the kernel, whose rounding may differ
         mask, act_threshold = oracle_mask(x, shard, act, act_threshold, act_on), None
+        if count is not None:
+            count += mask.sum(0).to(count.device)
     if policy == "dense" or mask is None:
         idx = torch.arange(shard.n, device=x.device)
         tok_mask, computed = None, T * shard.n

@@ -21,6 +21,7 @@ import torch
 
 from ..model.config import ModelConfig
 from ..model.source import WeightSource, open_model
+from .activity import COUNTED, ActivityCounts
 from .channel import ChannelSpec
 from .cold import ColdRows
 from .eager import EagerStep
@@ -79,6 +80,9 @@ class PrimaryExecutor:
         self.phases["weights"] = time.perf_counter() - t1
         self.phases.update({f"weights.{k}": v for k, v in self.weights.phases.items()})
         self.cold = ColdRows(self.src, plan, dt, self.device, self.stats, prefill_dense_min)
+        # per layer: the primary's neurons, then the CPU's (the predictor's columns; ``activity``)
+        self.activity = ActivityCounts([np.concatenate([lp.gpu_neurons, lp.cpu_neurons]) for lp in plan.layers],
+                                       self.device, self.policy.name in COUNTED)
         self.exchange: Exchange | None = None
         self.use_graphs = ((self.device.type == "cuda") if graphs is None else bool(graphs)) \
             and self.policy.name in GRAPH_POLICIES
@@ -140,6 +144,8 @@ class PrimaryExecutor:
         if end > self.weights.n_ctx:
             raise ValueError(f"sequence reaches {end} tokens, beyond the context n_ctx={self.weights.n_ctx}")
         t0 = time.perf_counter()
+        if self.activity.on:  # before the step: a concurrent read never sees more counts than tokens
+            self.activity.tokens += B * T
         out = self._graph_step(slots, tokens, start_pos) if T == 1 and self.use_graphs else None
         if out is None:
             out = self._eager_step(slots, tokens, start_pos)
@@ -154,7 +160,7 @@ class PrimaryExecutor:
         bucket = min(1 << (len(tokens) - 1).bit_length(), self.weights.slots)
         g = self.graphs.get(bucket)
         if g is None:
-            g = self.graphs[bucket] = DecodeGraphs(self.weights, self.exchange, self.stats, bucket)
+            g = self.graphs[bucket] = DecodeGraphs(self.weights, self.exchange, self.stats, bucket, self.activity)
         try:
             return g.run(list(slots), [t[0] for t in tokens], list(start_pos))
         except GraphCaptureError as e:  # before any exchange or replay: the eager step is safe
@@ -168,11 +174,25 @@ class PrimaryExecutor:
         items = self._schedules.get(cold)
         if items is None:
             items = self._schedules[cold] = step_schedule(self.cfg, self.plan, self.policy.name, cold)
-        steps = EagerStep(self.weights, self.exchange, self.cold, self.stats, slots, tokens, start_pos)
+        steps = EagerStep(self.weights, self.exchange, self.cold, self.stats, self.activity, slots, tokens,
+                          start_pos)
         if self.exchange is not None:
             self.exchange.set_positions(list(slots), list(start_pos))
         run_eager(items, steps, self.exchange, self.stats, self._sync)
         return steps.logits
+
+    def activation_counts(self, reset: bool = False) -> tuple[np.ndarray, int]:
+        """The activation counts this executor kept (``activity``): [L, n_ff] by model neuron id
+        (int64) and the tokens counted; reset: start afresh."""
+        self._sync()
+        counts, tokens = self.activity.model_counts(self.cfg.n_ff), self.activity.tokens
+        if reset:
+            self.activity.reset()
+        return counts, tokens
+
+    def activity_totals(self) -> tuple[int, int]:
+        """(tokens counted, (token, neuron) pairs counted): ``stats()``'s summary, one scalar read."""
+        return self.activity.tokens, self.activity.active()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

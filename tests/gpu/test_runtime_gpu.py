@@ -113,11 +113,12 @@ def test_cuda_graph_decode_equals_eager_and_reference(tmp_path, variant, dtype, 
             # one capture per batch bucket used (B = 3 -> 4, B = 1), none on replays
             assert eng.primary.stats.graph_captures == (2 if graphs else 0)
             cpu = eng.cpu.stats.neurons if eng.cpu else 0
-            return out, eng.primary.stats.neurons, cpu
+            act = eng.activation_stats() if policy == "predictor" else None
+            return out, eng.primary.stats.neurons, cpu, act
         finally:
             eng.close()
 
-    dense, _, _ = run("dense", True)
+    dense = run("dense", True)[0]
     for slot, p in enumerate(prompts):
         toks = [[11, 12, 13], [40, 41, 42], [7, 8, 9]]
         full = ref.forward(p + [t[slot] for t in toks] + ([77] if slot == 1 else []), ref.new_cache())
@@ -135,6 +136,10 @@ def test_cuda_graph_decode_equals_eager_and_reference(tmp_path, variant, dtype, 
     assert (top_eager == top_graph).mean() >= 0.9, (top_eager, top_graph)
     assert graph[1] > 0 and abs(graph[1] - eager[1]) <= 0.03 * eager[1]
     assert abs(graph[2] - eager[2]) <= 0.03 * max(eager[2], 1)
+    # the activation counts: the graphs add each replay's decisions once (the capture's warm-up
+    # run adds none), padding rows none
+    assert graph[3].n_tokens == eager[3].n_tokens == 19 + 3 * 3 + 1
+    assert abs(int(graph[3].counts.sum()) - int(eager[3].counts.sum())) <= 0.03 * eager[3].counts.sum()
 
 
 @pytest.mark.parametrize("spec", ["tiny", "tiny-falcon", "tiny?dtype=q4_0"])

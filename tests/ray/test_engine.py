@@ -45,6 +45,27 @@ def test_generate_from_a_user_driver_matches_dense_greedy(engine, model):
         == out["token_ids"]
 
 
+def test_activation_counts_of_the_engines_tokens(engine, model, tmp_path):
+    """The engine's counts (policy oracle: the CPU shard's in dense prefill on the primary, then
+    the CPU executor's answers) are the reference's nonzero activations over the tokens it ran;
+    save_activation writes them for ``solve --activation``."""
+    from powerinfer_ray.offline.profile import ActivationStats, CountingHooks
+
+    _, ref = model
+    ray.get(engine.activation_stats.remote(reset=True))  # the earlier tests' tokens
+    prompt = list(range(40, 60))
+    out = ray.get(engine.generate.remote(prompt_token_ids=prompt, max_tokens=6, ignore_eos=True))
+    ran = prompt + out["token_ids"][:-1]  # the last token is sampled, never run
+    hooks = CountingHooks(ref.cfg.n_layer, ref.cfg.n_ff, torch.device("cpu"))
+    ref.forward(ran, ref.new_cache(), hooks)
+    st = ray.get(engine.stats.remote())["activation"]
+    saved = ray.get(engine.save_activation.remote(str(tmp_path / "act")))
+    got = ActivationStats.load_parquet(tmp_path / "act" / "activation.parquet")
+    assert got.n_tokens == saved["n_tokens"] == st["tokens"] == len(ran)
+    assert (got.counts == hooks.counts.numpy()).all() and got.counts.sum() > 0
+    assert st["mean_active_fraction"] == pytest.approx(got.counts.sum() / (len(ran) * got.counts.size))
+
+
 def test_eight_concurrent_requests_equal_running_them_alone(engine, model):
     _, ref = model
     prompts = [list(range(10 + i, 20 + 2 * i)) for i in range(8)]

@@ -78,3 +78,23 @@ def test_generate_prints_token_ids_and_where_the_primary_ran(ray_cluster, hf, ca
     ids = json.loads(out.strip().splitlines()[-1].removeprefix("token ids: "))
     assert ids == _hf_greedy(model, tok(PROMPT).input_ids, N, tok.eos_token_id)
     assert "no GPU: the primary ran on the CPU" in err and "GPU share" not in err
+
+
+def test_generate_saves_the_engines_activation_counts(ray_cluster, hf, capsys, tmp_path):
+    """``--save-activation DIR`` (policy oracle, neurons on both executors): the counts read back
+    from DIR are the reference's nonzero activations over the tokens the engine ran (the prompt
+    and every generated token but the last, which no step takes in)."""
+    from powerinfer_ray.model.reference import ReferenceModel
+    from powerinfer_ray.offline.profile import ActivationStats, CountingHooks
+
+    model, tok, gguf = hf
+    assert cli.main(["generate", "-m", gguf, "-p", PROMPT, "-n", str(N), "--json", "--policy", "oracle",
+                     "--gpu-fraction", "0.5", "--device", "cpu", "--save-activation", str(tmp_path / "act")]) == 0
+    out, err = capsys.readouterr()
+    ran = json.loads(out)["prompt_token_ids"] + json.loads(out)["token_ids"][:-1]
+    got = ActivationStats.load_parquet(tmp_path / "act" / "activation.parquet")
+    ref = ReferenceModel.from_file(gguf)
+    hooks = CountingHooks(ref.cfg.n_layer, ref.cfg.n_ff, torch.device("cpu"))
+    ref.forward(ran, ref.new_cache(), hooks)
+    assert got.n_tokens == len(ran) and f"activation counts of {len(ran)} tokens" in err
+    assert (got.counts == hooks.counts.numpy()).all() and 0 < got.counts.sum() < got.counts.size * len(ran)

@@ -32,6 +32,8 @@ def test_readme_ray_program(tmp_path):
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "'token_ids'" in out.stdout and "'logprobs'" in out.stdout and "gpu_executor" in out.stdout
+    assert "'activation': {'counted': True" in out.stdout  # the embedded model runs its predictors
+    assert (tmp_path / "traffic" / "activation.parquet").is_file()  # what solve --activation reads
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,7 @@ def _run(argv: list[str], capsys) -> str:  # noqa: ANN001
     (["-p", "x" * 100], "prompt has 101 tokens; the context holds 64"),
     (["-n", "500"], "max_tokens is 500, but the prompt has"),
     (["--vram-budget-gib", "0.00001", "--disable-gpu-index"], "the minimum budget that works is"),
+    (["--policy", "dense", "-n", "8", "--save-activation", "out"], "policy 'dense': the engine keeps activation"),
 ])
 def test_generate_refuses_bad_arguments_in_one_line(model, capsys, flags, words):
     line = _run(["generate", "-m", model, *flags], capsys)
