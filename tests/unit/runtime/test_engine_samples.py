@@ -1,16 +1,23 @@
 """Predictor samples through the engine (runtime/engine_samples.py): on a split with neurons on
 both executors, every step dense on the primary, the store receives what the dense reference
 gives it on the same windows, in the same order: the predictor inputs within fp32 rounding, the
-activation codes equal but for a rounding step and for activations within rounding of zero."""
+activation codes equal but for a rounding step and for activations within rounding of zero; and
+``train-predictors --engine`` trains predictors as good as the reference path's."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
 import torch
 
+from powerinfer_ray import cli
+from powerinfer_ray.model.gguf_file import ModelFile
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import write_tiny_model
+from powerinfer_ray.offline.predictors import train_predictors
 from powerinfer_ray.offline.samples import SampleStore, collect_samples, decode_magnitude
+from powerinfer_ray.offline.train_tiny import trained_model_path
 from powerinfer_ray.runtime.config import EngineConfig
 from powerinfer_ray.runtime.engine import LocalEngine
 from powerinfer_ray.runtime.engine_samples import collect_with_engine, engine_collector
@@ -140,3 +147,38 @@ def test_a_sink_needs_dense_steps(tmp_path):
             eng.primary.step([1], [list(range(4))], [0])
     finally:
         eng.close()
+
+
+TRAIN, HELD = "builtin:stdlib:train", "builtin:pydoc:heldout"
+ARGS = ["--heldout", HELD, "--heldout-tokens", "1024", "--max-tokens", "4096", "--seq-len", "128", "--recall", "0.95",
+        "--max-width", "64", "--device", "cpu"]
+
+
+def test_train_predictors_command_through_the_engine(tmp_path):
+    """The embedded tiny model, 40 % of each layer's neurons on the primary and the rest in the CPU
+    executor's shard: the predictors trained on the engine's samples reach the held-out recall and
+    sparsity of those trained on the reference's (the same samples within fp32 rounding)."""
+    want = train_predictors(trained_model_path(), TRAIN, tmp_path / "ref.gguf", target=None, heldout=HELD,
+                            recall_target=0.95, max_tokens=4096, heldout_tokens=1024, seq_len=128, max_width=64,
+                            device="cpu", per_layer=False, progress=False, log=lambda m: None)
+    out, report = tmp_path / "engine.gguf", tmp_path / "engine.json"
+    assert cli.main(["train-predictors", TRAIN, "-o", str(out), *ARGS, "--json", str(report), "--engine",
+                     "--gpu-fraction", "0.4", "--prefill-chunk", "256"]) == 0
+    got = json.loads(report.read_text())
+    assert got["n_train_tokens"] == want.n_train_tokens == 4096 and got["target_met"]
+    assert ModelFile(out).config.predictor_ranks == (64,) * 6
+    for g, w in zip(got["layers"], want.layers, strict=True):
+        assert g["recall"] >= 0.95 and g["recall"] == pytest.approx(w.recall, abs=0.005), (g, w)
+        assert g["kept"] == pytest.approx(w.kept, abs=0.005) and g["kept"] < 0.5, (g, w)
+    assert got["ppl_sparse"] == pytest.approx(want.ppl_sparse, rel=1e-3)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--gpu-fraction", "0.4"], "--gpu-fraction is an engine flag: add --engine to run train-predictors"),
+    (["--engine", "--policy", "predictor"], "--policy predictor: train-predictors --engine needs the true activity"),
+    (["--engine", "--prefill-dense-min", "8"], "prefill_dense_min=8: predictor samples through the engine need"),
+    (["--engine", "-c", "64"], "sequence reaches 128 tokens, beyond the context n_ctx=64"),  # the engine runs them
+])
+def test_train_predictors_refuses_engine_flags_that_do_not_apply(tmp_path, capsys, argv, words):
+    assert cli.main(["train-predictors", TRAIN, "-o", str(tmp_path / "p.gguf"), *ARGS, *argv]) == 2
+    assert words in capsys.readouterr().err
