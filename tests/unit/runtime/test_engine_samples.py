@@ -40,6 +40,16 @@ def _store(cfg) -> SampleStore:
     return SampleStore(cfg.n_layer, cfg.n_embd, cfg.n_ff)
 
 
+def _both(ref, path, windows: list[list[int]], mixed: bool = True, **engine) -> tuple[SampleStore, SampleStore]:
+    """(the engine's samples, the reference's) of ``windows`` on the CPU; ``mixed``: a plan with
+    neurons on both executors, else every neuron on the primary; engine: its options."""
+    want, got = _store(ref.cfg), _store(ref.cfg)
+    collect_samples(ref, windows, want)
+    ec = EngineConfig(str(path), plan=_mixed(ref.cfg) if mixed else None, device="cpu", **engine)
+    assert collect_with_engine(ec, windows, len(windows[0]), got) == len(windows) * len(windows[0])
+    return got, want
+
+
 def assert_same_samples(got: SampleStore, want: SampleStore, n_tokens: int, ties: float = 0.0) -> None:
     """Every layer: the same rows in the same order; x within fp32 rounding; contributions equal
     to a code step (8 per octave) or both within rounding of zero, where at most 1e-4 of the
@@ -69,11 +79,7 @@ def assert_same_samples(got: SampleStore, want: SampleStore, n_tokens: int, ties
 def test_engine_samples_equal_the_reference_samples(tmp_path, variant, seq_len, chunk):
     path = write_tiny_model(tmp_path / "m.gguf", variant, seed=3, n_layer=3, n_ctx=64)
     ref = ReferenceModel.from_file(path)
-    windows = _windows(ref.cfg.n_vocab, 6, seq_len)
-    want, got = _store(ref.cfg), _store(ref.cfg)
-    collect_samples(ref, windows, want)
-    ec = EngineConfig(str(path), plan=_mixed(ref.cfg), prefill_chunk=chunk, max_batch=4, device="cpu")
-    assert collect_with_engine(ec, windows, seq_len, got) == 6 * seq_len
+    got, want = _both(ref, path, _windows(ref.cfg.n_vocab, 6, seq_len), prefill_chunk=chunk, max_batch=4)
     assert_same_samples(got, want, 6 * seq_len)
 
 
@@ -81,11 +87,8 @@ def test_every_neuron_on_the_primary(tmp_path):
     """Without a CPU shard the primary's own neurons are the whole layer."""
     path = write_tiny_model(tmp_path / "m.gguf", "llama-reglu", seed=4, n_layer=2, n_ctx=64)
     ref = ReferenceModel.from_file(path)
-    windows = _windows(ref.cfg.n_vocab, 4, 16, seed=1)
-    want, got = _store(ref.cfg), _store(ref.cfg)
-    collect_samples(ref, windows, want)
-    collect = engine_collector(EngineConfig(str(path), prefill_chunk=32, max_batch=4, device="cpu"))
-    assert collect(windows, 16, got, None, None) == 64
+    got, want = _both(ref, path, _windows(ref.cfg.n_vocab, 4, 16, seed=1), mixed=False, prefill_chunk=32,
+                      max_batch=4)
     assert_same_samples(got, want, 64)
 
 
@@ -99,11 +102,7 @@ def test_quantized_rows(tmp_path):
 
     path = write_tiny_model(tmp_path / "m.gguf", "llama-gqa", seed=1, n_layer=3, n_ctx=64, n_embd=128, dtype="q8_0")
     ref = KernelReference.from_file(path)
-    windows = _windows(ref.cfg.n_vocab, 4, 16, seed=2)
-    want, got = _store(ref.cfg), _store(ref.cfg)
-    collect_samples(ref, windows, want)
-    ec = EngineConfig(str(path), plan=_mixed(ref.cfg), prefill_chunk=32, max_batch=4, device="cpu")
-    collect_with_engine(ec, windows, 16, got)
+    got, want = _both(ref, path, _windows(ref.cfg.n_vocab, 4, 16, seed=2), prefill_chunk=32, max_batch=4)
     assert_same_samples(got, want, 64, ties=5e-3)
 
 
@@ -115,11 +114,7 @@ def test_sparsified_swiglu(tmp_path, on):
 
     path = sparsified(tmp_path / "s.gguf", 0.5, on)
     ref = ReferenceModel.from_file(path)
-    windows = _windows(ref.cfg.n_vocab, 4, 32, seed=3)
-    want, got = _store(ref.cfg), _store(ref.cfg)
-    collect_samples(ref, windows, want)
-    ec = EngineConfig(str(path), plan=_mixed(ref.cfg), prefill_chunk=64, max_batch=2, device="cpu")
-    collect_with_engine(ec, windows, 32, got)
+    got, want = _both(ref, path, _windows(ref.cfg.n_vocab, 4, 32, seed=3), prefill_chunk=64, max_batch=2)
     assert_same_samples(got, want, 128)
 
 
