@@ -88,7 +88,8 @@ class PrimaryExecutor:
             and self.policy.name in GRAPH_POLICIES
         self.graphs: dict[int, DecodeGraphs] = {}  # by batch-size bucket
         self._schedules: dict[bool, list[Item]] = {}  # eager steps, by whether the CPU shard runs here
-        # predictor samples (``runtime.engine_samples``): every step then runs eagerly and densely
+        # predictor samples (``runtime.engine_samples``, policy 'oracle': each neuron's true h): every
+        # step then runs eagerly and densely
         self.sample_sink: Sink | None = None
         self.load_s = time.perf_counter() - t0  # reading (or generating) its shard
 
@@ -145,6 +146,10 @@ class PrimaryExecutor:
         end = max(start_pos) + T
         if end > self.weights.n_ctx:
             raise ValueError(f"sequence reaches {end} tokens, beyond the context n_ctx={self.weights.n_ctx}")
+        if self.sample_sink is not None and self.plan.max_cpu_neurons and not self.cold.dense_for(B * T):
+            raise ValueError(f"a step of {B * T} tokens with a sample sink: the CPU shard's neurons run on the primary "
+                             f"only in steps of at least prefill_dense_min={self.cold.min_tokens} tokens (dense "
+                             f"prefill {'on' if self.cold.rows is not None else 'off'}); set prefill_dense_min=1")
         t0 = time.perf_counter()
         if self.activity.on:  # before the step: a concurrent read never sees more counts than tokens
             self.activity.tokens += B * T
@@ -173,12 +178,7 @@ class PrimaryExecutor:
             return None
 
     def _eager_step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> np.ndarray:
-        n_tok = len(tokens) * len(tokens[0])
-        cold = self.cold.dense_for(n_tok)
-        if self.sample_sink is not None and not cold and self.plan.max_cpu_neurons:
-            raise ValueError(f"a step of {n_tok} tokens with a sample sink: the CPU shard's neurons run on the primary "
-                             f"only in steps of at least prefill_dense_min={self.cold.min_tokens} tokens (dense "
-                             f"prefill {'on' if self.cold.rows is not None else 'off'}); set prefill_dense_min=1")
+        cold = self.cold.dense_for(len(tokens) * len(tokens[0]))
         items = self._schedules.get(cold)
         if items is None:
             items = self._schedules[cold] = step_schedule(self.cfg, self.plan, self.policy.name, cold)
