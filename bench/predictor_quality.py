@@ -80,7 +80,7 @@ def allocation(path: Path, docs: list[str], n_tokens: int) -> list[dict]:
     from powerinfer_ray.model import gguf_keys as K
     from powerinfer_ray.model.reference import ReferenceModel
     from powerinfer_ray.offline.quality import Evaluator, PredictorHooks
-    from powerinfer_ray.offline.samples import CollectHooks, SampleStore, decode_magnitude
+    from powerinfer_ray.offline.samples import CollectHooks, SampleStore, decode_magnitude, down_norms
     from powerinfer_ray.offline.stream import token_windows
 
     mf = ModelFile(path)
@@ -88,7 +88,8 @@ def allocation(path: Path, docs: list[str], n_tokens: int) -> list[dict]:
     fc1 = [mf.layer(K.FC1, l, dtype=torch.float32) for l in range(cfg.n_layer)]
     fc2 = [mf.layer(K.FC2, l, dtype=torch.float32) for l in range(cfg.n_layer)]
     store = SampleStore(cfg.n_layer, cfg.n_embd, cfg.n_ff, 1 << 40)
-    ev = Evaluator(ref, token_windows(Tokenizer(mf.fields), docs, 256, n_tokens, FMT), CollectHooks(store, ref))
+    ev = Evaluator(ref, token_windows(Tokenizer(mf.fields), docs, 256, n_tokens, FMT),
+                   CollectHooks(store, down_norms(ref)))
     curves = []  # per layer: positives' logits, highest first, with cumulative count and mass shares
     for l in range(cfg.n_layer):
         x, q = (torch.from_numpy(a) for a in store.all(l))

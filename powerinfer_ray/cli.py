@@ -30,13 +30,15 @@ def _model_arg(p: argparse.ArgumentParser, required: bool = False) -> None:
                    help="GGUF model path or planted:<shape> spec (default: the embedded tiny model)")
 
 
-def add_config_flags(p: argparse.ArgumentParser, cls: type, title: str) -> None:
-    """One flag per exposed field of config class ``cls``: ``--field-name`` (and the field's
-    llama.cpp spellings), typed, with the field's help and default."""
+def add_config_flags(p: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = ()) -> None:
+    """One flag per exposed field of config class ``cls`` but those in ``skip``: ``--field-name``
+    (and the field's llama.cpp spellings), typed, with the field's help and default."""
     from .runtime.config import exposed_fields
 
     group = p.add_argument_group(title)
     for f in exposed_fields(cls):
+        if f.name in skip:
+            continue
         meta = f.metadata
         short = [s for s in meta["flags"] if not s.startswith("--")]
         flags = [*short, f"--{f.name.replace('_', '-')}", *(s for s in meta["flags"] if s.startswith("--"))]
@@ -84,18 +86,26 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's frequency penalty, [-2, 2]")
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
+def _engine_flags(p: argparse.ArgumentParser, when: str = "", skip: tuple[str, ...] = ()) -> None:
+    """The engine's flags (but ``skip``), in groups whose titles end in ``when``."""
     from .runtime.config import ExecutorConfig, PlanConfig, SchedulerConfig
 
-    _model_arg(p)
-    add_config_flags(p, PlanConfig, "placement")
-    add_config_flags(p, ExecutorConfig, "executors")
-    add_config_flags(p, SchedulerConfig, "scheduler")
+    for cls, title in ((PlanConfig, "placement"), (ExecutorConfig, "executors"), (SchedulerConfig, "scheduler")):
+        add_config_flags(p, cls, title + when, skip)
+
+
+def _offline_engine_flags(p: argparse.ArgumentParser, what: str, skip: tuple[str, ...] = ()) -> None:
+    """--engine (``what`` through the hybrid engine) and the engine's flags, but ``skip``: flags
+    of the command's own, which the engine takes too."""
+    p.add_argument("--engine", action="store_true",
+                   help=f"{what} through the hybrid engine (policy oracle, placed by the engine flags below, e.g. "
+                        "--vram-budget-gib): for models larger than one device. Default: the dense model on one "
+                        "device")
+    _engine_flags(p, " (with --engine)", skip)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from .bench import DRIVERS, MODEL_MODES
-    from .runtime.config import ExecutorConfig, PlanConfig, SchedulerConfig
     from .serve.config import IngressConfig
 
     ap = argparse.ArgumentParser(prog="powerinfer-ray", description=__doc__,
@@ -117,12 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the engine's activation counts of the prompt and the generated tokens to DIR "
                         "(what solve --activation reads; policies oracle and predictor)")
     _sampling_flags(p)
+    _model_arg(p)
     _engine_flags(p)
 
     p = cmd("serve", cmd_serve, "start the OpenAI-compatible Ray Serve app")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all; then set --api-key)")
     p.add_argument("--port", type=int, default=8000)
     add_config_flags(p, IngressConfig, "HTTP")
+    _model_arg(p)
     _engine_flags(p)
 
     p = cmd("convert", cmd_convert, "HF checkpoint -> PowerInfer-compatible GGUF")
@@ -147,13 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--out-dir", required=True)
     p.add_argument("--max-tokens", type=int, default=200_000)
     _stream_flags(p)
-    p.add_argument("--engine", action="store_true",
-                   help="run the windows through the hybrid engine (policy oracle, placed by the engine flags "
-                        "below, e.g. --vram-budget-gib): for models larger than one device. Default: the dense "
-                        "model on one device")
-    add_config_flags(p, PlanConfig, "placement (with --engine)")
-    add_config_flags(p, ExecutorConfig, "executors (with --engine)")
-    add_config_flags(p, SchedulerConfig, "scheduler (with --engine)")
+    _offline_engine_flags(p, "run the windows")
 
     p = cmd("sparsify", cmd_sparsify, "calibrate per-layer activation thresholds of a SwiGLU model")
     _model_arg(p, required=True)
@@ -191,9 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-cap-mb", type=int, default=256,
                    help="training samples held in memory; beyond it they spill to disk")
     p.add_argument("--spill-dir", default=None, help="where samples spill (default: a temporary folder)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    p.add_argument("--device", default=None,
+                   help="cuda or cpu: where predictors train and the held-out check runs the dense model (default: "
+                        "cuda if present); with --engine also the engine's primary executor")
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
     _stream_flags(p)
+    _offline_engine_flags(p, "collect the training samples (every step dense on the primary; the held-out check "
+                          "still runs the dense model on --device)", skip=("device",))
 
     p = cmd("quality", cmd_quality, "perplexity and top-1 agreement of the sparse model against dense on a text")
     _model_arg(p)
@@ -298,24 +308,33 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_profile(a: argparse.Namespace) -> int:
-    from .offline.profile import run_profile
+def _offline_engine(a: argparse.Namespace, own: tuple[str, ...] = ()):  # noqa: ANN202  (EngineConfig | None)
+    """With --engine: the engine's config from its flags, under policy oracle (the true activity);
+    without: None, and no engine flag may be given but the command's ``own``."""
     from .runtime.config import EngineConfig, exposed_fields
 
-    if a.engine:
+    if not a.engine:
+        for f in exposed_fields(EngineConfig):
+            if f.name not in own and getattr(a, f.name) != f.default:
+                raise ValueError(f"--{f.name.replace('_', '-')} is an engine flag: add --engine to run {a.cmd} "
+                                 "through the engine, or leave it out")
+        return None
+    if a.policy not in (None, "oracle"):
+        raise ValueError(f"--policy {a.policy}: {a.cmd} --engine needs the true activity (policy oracle); "
+                         "leave --policy out")
+    a.policy = "oracle"
+    return _prepared(a).config
+
+
+def cmd_profile(a: argparse.Namespace) -> int:
+    from .offline.profile import run_profile
+
+    ec = _offline_engine(a)
+    if ec is not None:
         from .runtime.engine_profile import run_engine_profile
 
-        if a.policy not in (None, "oracle"):
-            raise ValueError(f"--policy {a.policy}: profile --engine counts the true activity (policy oracle); "
-                             "leave --policy out")
-        a.policy = "oracle"
-        run_engine_profile(_prepared(a).config, a.corpus, a.out_dir, max_tokens=a.max_tokens, seq_len=a.seq_len,
-                           fmt=_stream_format(a))
+        run_engine_profile(ec, a.corpus, a.out_dir, max_tokens=a.max_tokens, seq_len=a.seq_len, fmt=_stream_format(a))
         return 0
-    for f in exposed_fields(EngineConfig):
-        if getattr(a, f.name) != f.default:
-            raise ValueError(f"--{f.name.replace('_', '-')} is an engine flag: add --engine to profile through the "
-                             "engine, or leave it out")
     run_profile(_resolve_model(a.model), a.corpus, a.out_dir, max_tokens=a.max_tokens, seq_len=a.seq_len,
                 fmt=_stream_format(a))
     return 0
@@ -336,11 +355,16 @@ def cmd_train_predictors(a: argparse.Namespace) -> int:
     if a.recall is not None and (a.max_ppl_increase is not None or a.min_top1 is not None):
         raise ValueError("--recall chooses thresholds by recall: give it without --max-ppl-increase / --min-top1")
     target = None if a.recall is not None else quality_target(a.max_ppl_increase, a.min_top1)
+    ec, collect = _offline_engine(a, own=("device",)), None
+    if ec is not None:
+        from .runtime.engine_samples import engine_collector
+
+        collect = engine_collector(ec)
     r = train_predictors(_resolve_model(a.model), a.corpus, a.outfile, heldout=a.heldout, target=target,
                          recall_target=a.recall or 0.99, max_tokens=a.max_tokens, heldout_tokens=a.heldout_tokens,
                          seq_len=a.seq_len, fmt=_stream_format(a), max_width=a.max_width,
                          max_predictor_share=parse_fraction(a.max_predictor_share, "--max-predictor-share"),
-                         memory_cap=a.memory_cap_mb << 20, spill_dir=a.spill_dir, device=a.device)
+                         memory_cap=a.memory_cap_mb << 20, spill_dir=a.spill_dir, device=a.device, collect=collect)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(r.to_dict(), fh, indent=1)

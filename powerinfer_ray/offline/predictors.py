@@ -6,8 +6,9 @@ fc2 [F, r] and no biases (upstream PowerInfer's layout); neuron j is computed if
 ``powerinfer.sparse_threshold``.
 
 ``train_predictors`` reads the corpus as the model's token stream, holds out its last documents
-(or a held-out text), collects (x, activation) samples from the dense reference into a store
-that spills to disk, trains each layer (``predictor_fit``), chooses the threshold for a quality
+(or a held-out text), collects (x, activation) samples from the dense reference (or another
+runner: ``collect``, e.g. the engine's, ``runtime.engine_samples``) into a store that spills to
+disk, trains each layer (``predictor_fit``), chooses the threshold for a quality
 target on the held-out text (``thresholds``: by default perplexity at most +0.5 % and top-1
 agreement at least 99 % against dense), writes the model and reports, on the held-out text,
 recall, precision, perplexity increase and top-1 agreement per layer and in all.
@@ -32,7 +33,8 @@ from .corpus import Corpus, iter_texts
 from .predictor_fit import (FitSettings, LayerFit, fit_layer, fit_summary, layer_width, predictor_bytes,
                             selector_matrix, svd_start)
 from .quality import Evaluator, PredictorHooks, Score
-from .samples import DEFAULT_MEMORY_CAP, CollectHooks, LayerData, SampleStore, collect_samples, down_norms
+from .samples import (DEFAULT_MEMORY_CAP, CollectHooks, Collector, LayerData, SampleStore, collect_samples,
+                      down_norms)
 from .stream import StreamFormat, array_pieces, split_heldout, stream_array, windows_of
 from .thresholds import QualityTarget, choose_threshold, per_layer_quality
 
@@ -108,14 +110,15 @@ def train_predictors(model_path: str | Path, corpus: Corpus, out_path: str | Pat
                      max_predictor_share: float | None = DEFAULT_SHARE, settings: FitSettings | None = None,
                      memory_cap: int = DEFAULT_MEMORY_CAP, spill_dir: str | Path | None = None,
                      device: str | torch.device | None = None, per_layer: bool = True, progress: bool = True,
-                     log: Callable[[str], None] = print) -> PredictorResult:
+                     collect: Collector | None = None, log: Callable[[str], None] = print) -> PredictorResult:
     """Train one predictor per layer of the model at ``model_path`` on up to ``max_tokens``
     tokens of ``corpus`` and write the model with them to ``out_path`` (PWRI-stamped).
 
     ``heldout`` (default: the corpus's last documents, ``heldout_tokens`` tokens at most) is the
     text the threshold is chosen on: for ``target`` when given, else so that every layer reaches
     ``recall_target`` (count recall). ``per_layer`` adds each layer's own perplexity increase
-    and top-1 agreement (a sparse pass per layer)."""
+    and top-1 agreement (a sparse pass per layer). ``collect`` gathers the training samples
+    instead of the dense reference (which then loads after it, for the held-out text)."""
     t0 = time.time()
     s = settings or FitSettings()
     if target is None:
@@ -128,7 +131,6 @@ def train_predictors(model_path: str | Path, corpus: Corpus, out_path: str | Pat
     seq_len = min(seq_len, cfg.n_ctx)
     train_ids, held_ids = _token_split(tok, corpus, heldout, fmt, max_tokens, heldout_tokens, seq_len)
     bos = tok.bos_id if fmt.window_bos else None
-    ref = ReferenceModel.from_file(mf, device=dev)
     model_bytes = sum(int(t.n_bytes) for n, t in mf.tensors.items() if not _is_predictor(n))
     width = layer_width(cfg, model_bytes, max_width, max_predictor_share)
     store = SampleStore(cfg.n_layer, cfg.n_embd, cfg.n_ff, memory_cap, spill_dir)
@@ -136,9 +138,15 @@ def train_predictors(model_path: str | Path, corpus: Corpus, out_path: str | Pat
     try:
         log(f"{len(train_ids)} training and {len(held_ids)} held-out tokens ({fmt.describe()}); "
             f"predictor width {width}")
-        n_train = collect_samples(ref, windows_of(array_pieces(train_ids), seq_len, bos), store, len(train_ids),
-                                  "collecting activations" if progress else None)
-        ev = Evaluator(ref, windows_of(array_pieces(held_ids), seq_len, bos), dense_hooks=CollectHooks(held, ref))
+        windows = windows_of(array_pieces(train_ids), seq_len, bos)
+        desc = "collecting activations" if progress else None
+        if collect is not None:  # before the reference loads: the two are never in memory at once
+            n_train = collect(windows, seq_len, store, len(train_ids), desc)
+        ref = ReferenceModel.from_file(mf, device=dev)
+        if collect is None:
+            n_train = collect_samples(ref, windows, store, len(train_ids), desc)
+        ev = Evaluator(ref, windows_of(array_pieces(held_ids), seq_len, bos),
+                       dense_hooks=CollectHooks(held, down_norms(ref)))
         fits = _fit_all(ref, store, held, width, s, dev, progress, log)
     finally:
         store.close()

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 
 from ..model import gguf_keys as K
+from ..model.gguf_file import ModelFile
 from ..model.reference import ReferenceModel
 from .stream import run_windows
 
@@ -196,12 +197,18 @@ def down_norms(ref: ReferenceModel) -> list[torch.Tensor]:
     return [ref.w[K.tensor(K.FFN_DOWN_T, l)].float().norm(dim=1) for l in range(ref.cfg.n_layer)]
 
 
-class CollectHooks:
-    """FFNHooks that observe (predictor input, activation codes) into a store."""
+def file_down_norms(mf: ModelFile, device: str | torch.device = "cpu") -> list[torch.Tensor]:
+    """``down_norms`` read from the model file a layer at a time (no reference model)."""
+    return [mf.layer(K.FFN_DOWN_T, l).float().norm(dim=1).to(device) for l in range(mf.config.n_layer)]
 
-    def __init__(self, store: SampleStore, ref: ReferenceModel) -> None:
+
+class CollectHooks:
+    """FFNHooks that observe (predictor input, activation codes) into a store; ``down_norms``
+    [F] per layer (``down_norms``, ``file_down_norms``), on the device of the activations."""
+
+    def __init__(self, store: SampleStore, down_norms: list[torch.Tensor]) -> None:
         self.store = store
-        self.down_norms = down_norms(ref)
+        self.down_norms = down_norms
 
     def mask(self, layer: int, pred_in: torch.Tensor) -> None:
         return None
@@ -210,8 +217,14 @@ class CollectHooks:
         self.store.add(layer, pred_in, encode_magnitude(h.abs().float() * self.down_norms[layer]))
 
 
+# what collects the samples of windows of seq_len tokens into a store, another runner than the
+# reference: (windows, seq_len, store, total, desc) -> the tokens run (``collect_samples``'s
+# progress bar; ``runtime.engine_samples``)
+Collector = Callable[[Iterable[list[int]], int, SampleStore, int | None, str | None], int]
+
+
 def collect_samples(ref: ReferenceModel, windows: Iterable[list[int]], store: SampleStore,
                     total: int | None = None, desc: str | None = None) -> int:
     """Run the dense reference over ``windows`` and store every position's samples; a progress
     bar titled ``desc`` (over ``total`` tokens) when given. Returns the tokens seen."""
-    return run_windows(ref, windows, CollectHooks(store, ref), total, desc)
+    return run_windows(ref, windows, CollectHooks(store, down_norms(ref)), total, desc)

@@ -31,7 +31,7 @@ from ..model.reference import ffn_activation
 from ..model.source import WeightSource, file_mapping
 from .channel import pin_host
 from .hostmem import host_memory, on_tmpfs
-from .layers import oracle_mask
+from .layers import oracle_mask, shard_activation
 from .plan import Plan
 from .shard import FFNShard, in_place_ffn_shard, load_ffn_shard
 from .sharedshard import SharedShardSpec, attach
@@ -99,14 +99,17 @@ class ColdRows:
         return self.rows is not None and n_tok >= self.min_tokens
 
     def ffn(self, l: int, x: torch.Tensor, mask: torch.Tensor | None, act_threshold: float | None = None,
-            act_on: str = "gate", rows: int = 4096, count: torch.Tensor | None = None) -> torch.Tensor:
+            act_on: str = "gate", rows: int = 4096, count: torch.Tensor | None = None,
+            h_out: torch.Tensor | None = None) -> torch.Tensor:
         """The CPU shard's FFN output [N, D] (fp32) for x [N, D], masked by the predictor's
         mask [N, n] when given and by a sparsified SwiGLU model's activation threshold; rows stream
         in chunks of ``rows`` (its device memory cost). count [n] int64 (shard order): adds the
-        tokens in which each neuron's h is nonzero (policy 'oracle', ``activity``)."""
+        tokens in which each neuron's h is nonzero (policy 'oracle', ``activity``). h_out [N, n]
+        fp32 (shard order): receives the neurons' activations h (predictor samples, ``eager``)."""
         cold, dev = self.rows[l], self.device
         keep = self._keep(l, mask, x.shape[0])  # [N, R] or None (every row)
         hits = None if count is None else torch.zeros(cold.up.shape[0], dtype=torch.int64, device=dev)  # [R]
+        h_rows = None if h_out is None else torch.zeros(x.shape[0], cold.up.shape[0], device=dev)  # [N, R]
         if self._pin_file and l not in self._layer_pinned:
             self._pin_layer(l)
         y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=dev)
@@ -118,6 +121,9 @@ class ColdRows:
                 y += self._quantized(cold, a, b, x, k, act_threshold, act_on)
                 if hits is not None:
                     hits[a:b] += self._active(cold, a, b, x, k, act_threshold, act_on).sum(0)
+                if h_rows is not None:  # the kernel keeps h inside: computed again from the blocks
+                    h = shard_activation(x, self._chunk(cold, a, b), self.cfg.ffn_act, act_threshold, act_on)
+                    h_rows[:, a:b] = h if k is None else h * k
                 continue
             up = cold.up[a:b].to(dev, x.dtype, non_blocking=True)  # file / shared rows keep their dtype
             gate = cold.gate[a:b].to(dev, x.dtype, non_blocking=True) if cold.gate is not None else None
@@ -132,9 +138,13 @@ class ColdRows:
                 hid = hid * keep[:, a:b]
             if hits is not None:
                 hits[a:b] += (hid != 0).sum(0)
+            if h_rows is not None:
+                h_rows[:, a:b] = hid
             y += (hid @ cold.down_t[a:b].to(dev, hid.dtype, non_blocking=True)).float()
         if count is not None:
             count += hits if cold.rows is None else hits[self._sel[l]]
+        if h_out is not None:
+            h_out.copy_(h_rows if cold.rows is None else h_rows[:, self._sel[l]])
         self.stats.cold_neurons += int(mask.sum()) if mask is not None else x.shape[0] * cold.n
         self.stats.active_bytes += streamed * self.cfg.neuron_bytes
         return y
@@ -197,11 +207,15 @@ class ColdRows:
                 act_threshold: float | None, act_on: str) -> torch.Tensor:
         """Which of the quantized rows a..b are active for each token [N, b-a] (``oracle_mask``
         over their blocks on the device), within ``keep``."""
+        m = oracle_mask(x, self._chunk(cold, a, b), self.cfg.ffn_act, act_threshold, act_on)
+        return m if keep is None else m & keep
+
+    def _chunk(self, cold: FFNShard, a: int, b: int) -> FFNShard:
+        """Rows a..b of up / gate (and the bias) on the device, for ``oracle_mask`` and
+        ``shard_activation`` (which read only those; its down rows unused)."""
         up, gate = (None if t is None else t[a:b].to(self.device, non_blocking=True) for t in (cold.up, cold.gate))
         bias = None if cold.up_bias is None else cold.up_bias[a:b].to(self.device, non_blocking=True)
-        chunk = FFNShard(cold.ids[:0], up, gate, up, bias, cold.qtype)  # down rows unused
-        m = oracle_mask(x, chunk, self.cfg.ffn_act, act_threshold, act_on)
-        return m if keep is None else m & keep
+        return FFNShard(cold.ids[:0], up, gate, up, bias, cold.qtype)
 
     def close(self) -> None:
         for addr in self._pinned:

@@ -2,9 +2,16 @@
 and decode steps where they do not run as graphs). Active sets and counts come back to the host
 as they are found; the CPU shard's neurons can run densely here (``cold.ColdRows``).
 
+A sample sink (``Sink``: predictor training samples, ``runtime.engine_samples``) sees, per layer,
+the predictor input and the activations h of every neuron of the layer: the primary's own
+(computed again outside the fused FFN kernel, which keeps them inside) and, in a dense step, the
+CPU shard's (as ``ColdRows`` computes them). Without a sink none of this runs.
+
 Dimension legend: B sequences, T tokens per sequence, N = B*T, D hidden, V vocab.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 import torch
@@ -13,18 +20,25 @@ from .activity import ActivityCounts
 from .channel import pack_mask
 from .cold import ColdRows
 from .exchange import Exchange
-from .layers import attn_partial, ffn_bytes, ffn_partial, merge_partials
+from .layers import attn_partial, ffn_bytes, ffn_partial, merge_partials, shard_activation
 from .schedule import Step
 from .stats import ExecStats
 from .weights import PrimaryWeights
+
+# (layer, predictor input [N, D] fp32, h [N, n_ff] fp32 of every neuron in model order), as
+# ``FFNHooks.observe`` sees them on the dense reference
+Sink = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 class EagerStep:
     """One step's state and steps (the names ``schedule.py`` lists); ``logits`` [B, V] after ``head``."""
 
     def __init__(self, w: PrimaryWeights, exchange: Exchange | None, cold: ColdRows, stats: ExecStats,
-                 activity: ActivityCounts, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> None:
+                 activity: ActivityCounts, slots: list[int], tokens: list[list[int]], start_pos: list[int],
+                 sink: Sink | None = None) -> None:
         self.w, self.ex, self.cold_rows, self.stats, self.act = w, exchange, cold, stats, activity
+        self.sink = sink
+        self.h_own = self.h_cold = None  # with a sink: the layer's h [N, n_gpu], [N, n_cpu]
         self.B, self.T = len(tokens), len(tokens[0])
         self.n_seq, self.n_tok = self.B, self.B * self.T
         self.tok = torch.tensor(tokens, dtype=torch.long, device=w.device).reshape(-1)  # [N]
@@ -81,17 +95,39 @@ class EagerStep:
         self.stats.neurons += pairs
         gate_rows = sh.n if pol.name == "gate-first" else rows  # gate-first: every gate row, up / down of `rows`
         self.stats.active_bytes += ffn_bytes(w.cfg, gate_rows, rows, rows)  # a row is read once per step
+        if self.sink is not None:
+            self.h_own = shard_activation(self.x_f, sh, w.cfg.ffn_act, pol.act_threshold(s.l), pol.act_on)
 
     def cold(self, s: Step) -> None:
         pol, ng = self.w.policy, self.w.layers[s.l].ffn.n
         count = self.act.layers[s.l][ng:] if self.act.on and pol.name == "oracle" else None
-        self.c = self.cold_rows.ffn(s.l, self.x_f, self.cmask, pol.act_threshold(s.l), pol.act_on, count=count)
+        if self.sink is not None:
+            self.h_cold = torch.empty(self.n_tok, self.cold_rows.rows[s.l].n, device=self.w.device)
+        self.c = self.cold_rows.ffn(s.l, self.x_f, self.cmask, pol.act_threshold(s.l), pol.act_on, count=count,
+                                    h_out=self.h_cold)
 
     def ffn_out(self, s: Step) -> None:
+        if self.sink is not None:
+            self._observe(s.l)
         a = self.a if self.w.cfg.parallel_attn else None
         cpu = self.ex.collect(self.n_tok) if s.cpu else None
         self.h = self.h + merge_partials([a, self.f, self.c, cpu], self.w.layers[s.l].ffn_bias)
         self.c = None
+
+    def _observe(self, l: int) -> None:
+        """Hand the sink layer l's predictor input (the residual before the FFN norm, or the layer
+        input with parallel attention: ``h`` until ``ffn_out`` adds to it) and every neuron's h."""
+        parts = [(self.w.layers[l].ffn.ids, self.h_own)]
+        if self.h_cold is not None:
+            parts.append((self.cold_rows.rows[l].ids, self.h_cold))
+        n_ff = self.w.cfg.n_ff
+        assert sum(len(ids) for ids, _ in parts) == n_ff, \
+            f"layer {l}: h of {sum(len(ids) for ids, _ in parts)} of {n_ff} neurons on the primary (a dense step?)"
+        h = torch.empty(self.n_tok, n_ff, device=self.w.device)  # [N, n_ff]
+        for ids, part in parts:
+            h[:, torch.as_tensor(ids, dtype=torch.long, device=h.device)] = part
+        self.sink(l, self.h, h)
+        self.h_own = self.h_cold = None
 
     def head(self, s: Step) -> None:
         last = self.h.view(self.B, self.T, -1)[:, -1]  # [B, D]

@@ -63,15 +63,16 @@ def window_shape(seq_len: int, t_max: int, slots: int) -> tuple[int, int]:
 
 
 def step_windows(primary: PrimaryExecutor, windows: Iterable[list[int]], seq_len: int,
-                total: int | None = None) -> int:
+                total: int | None = None, desc: str = "profiling (engine)") -> int:
     """Every window (``seq_len`` tokens each) as a prompt of its own slot, from position 0; a
-    progress bar over ``total`` tokens when given. Returns the tokens run."""
+    progress bar titled ``desc`` over ``total`` tokens when given. Returns the tokens run. The
+    windows' tokens run in their order (a window's chunks in turn, whole windows side by side)."""
     B, T = window_shape(seq_len, primary.t_max, primary.weights.slots)
     bar = None
     if total is not None:
         from tqdm import tqdm
 
-        bar = tqdm(total=total, desc="profiling (engine)", unit="tok", unit_scale=True)
+        bar = tqdm(total=total, desc=desc, unit="tok", unit_scale=True)
     n = 0
     for batch in _batches(windows, B):
         for start in range(0, seq_len, T):

@@ -103,6 +103,23 @@ def oracle_mask(x: torch.Tensor, shard: FFNShard, act: str, act_threshold: float
     SwiGLU activation threshold the criterion above it (the thresholded model's), as the kernels
     compute it: on quantized rows of a CPU shard, of x rounded to Q8_0 (what the CPU kernel
     multiplies)."""
+    gate, h = _shard_h(x, shard, act)
+    return h != 0 if act_threshold is None else threshold_criterion(act_on, gate, h) > act_threshold
+
+
+def shard_activation(x: torch.Tensor, shard: FFNShard, act: str, act_threshold: float | None = None,
+                     act_on: str = "gate") -> torch.Tensor:
+    """The activations h [T, n] (fp32) of the shard's neurons for inputs x [T, D], computed as
+    ``oracle_mask`` computes them; with a SwiGLU activation threshold, zero where the criterion
+    is not above it (the thresholded model's h)."""
+    gate, h = _shard_h(x, shard, act)
+    if act_threshold is None:
+        return h
+    return torch.where(threshold_criterion(act_on, gate, h) > act_threshold, h, torch.zeros((), device=h.device))
+
+
+def _shard_h(x: torch.Tensor, shard: FFNShard, act: str) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(gate [T, n] or None, h [T, n]) of the shard's neurons, fp32 (``oracle_mask``'s rounding)."""
     q = shard.qtype
     xf = x.float() if q is None or x.is_cuda else round_q8_0(x).float()
     sel = None if shard.rows is None else shard.rows.long()
@@ -112,8 +129,7 @@ def oracle_mask(x: torch.Tensor, shard: FFNShard, act: str, act_threshold: float
     if shard.up_bias is not None:
         up = up + pick(shard.up_bias)
     gate = xf @ rows(shard.gate).T if shard.gate is not None else None  # [T, n]
-    h = ffn_activation(act, up, gate)
-    return h != 0 if act_threshold is None else threshold_criterion(act_on, gate, h) > act_threshold
+    return gate, ffn_activation(act, up, gate)
 
 
 def ffn_partial(x: torch.Tensor, shard: FFNShard, act: str, policy: str,

@@ -24,7 +24,7 @@ from ..model.source import WeightSource, open_model
 from .activity import COUNTED, ActivityCounts
 from .channel import ChannelSpec
 from .cold import ColdRows
-from .eager import EagerStep
+from .eager import EagerStep, Sink
 from .exchange import Exchange
 from .hostmem import process_memory
 from .graphs import GRAPH_POLICIES, DecodeGraphs, GraphCaptureError
@@ -88,6 +88,9 @@ class PrimaryExecutor:
             and self.policy.name in GRAPH_POLICIES
         self.graphs: dict[int, DecodeGraphs] = {}  # by batch-size bucket
         self._schedules: dict[bool, list[Item]] = {}  # eager steps, by whether the CPU shard runs here
+        # predictor samples (``runtime.engine_samples``, policy 'oracle': each neuron's true h): every
+        # step then runs eagerly and densely
+        self.sample_sink: Sink | None = None
         self.load_s = time.perf_counter() - t0  # reading (or generating) its shard
 
     @property
@@ -143,10 +146,15 @@ class PrimaryExecutor:
         end = max(start_pos) + T
         if end > self.weights.n_ctx:
             raise ValueError(f"sequence reaches {end} tokens, beyond the context n_ctx={self.weights.n_ctx}")
+        if self.sample_sink is not None and self.plan.max_cpu_neurons and not self.cold.dense_for(B * T):
+            raise ValueError(f"a step of {B * T} tokens with a sample sink: the CPU shard's neurons run on the primary "
+                             f"only in steps of at least prefill_dense_min={self.cold.min_tokens} tokens (dense "
+                             f"prefill {'on' if self.cold.rows is not None else 'off'}); set prefill_dense_min=1")
         t0 = time.perf_counter()
         if self.activity.on:  # before the step: a concurrent read never sees more counts than tokens
             self.activity.tokens += B * T
-        out = self._graph_step(slots, tokens, start_pos) if T == 1 and self.use_graphs else None
+        graph = T == 1 and self.use_graphs and self.sample_sink is None
+        out = self._graph_step(slots, tokens, start_pos) if graph else None
         if out is None:
             out = self._eager_step(slots, tokens, start_pos)
         st = self.stats
@@ -175,7 +183,7 @@ class PrimaryExecutor:
         if items is None:
             items = self._schedules[cold] = step_schedule(self.cfg, self.plan, self.policy.name, cold)
         steps = EagerStep(self.weights, self.exchange, self.cold, self.stats, self.activity, slots, tokens,
-                          start_pos)
+                          start_pos, self.sample_sink)
         if self.exchange is not None:
             self.exchange.set_positions(list(slots), list(start_pos))
         run_eager(items, steps, self.exchange, self.stats, self._sync)

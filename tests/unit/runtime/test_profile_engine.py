@@ -55,7 +55,7 @@ def test_profile_command_through_the_engine(tmp_path, single_device):
 
 @pytest.mark.parametrize("argv, words", [
     (["--vram-budget-gib", "1"], "--vram-budget-gib is an engine flag: add --engine"),
-    (["--engine", "--policy", "dense"], "--policy dense: profile --engine counts the true activity"),
+    (["--engine", "--policy", "dense"], "--policy dense: profile --engine needs the true activity"),
 ])
 def test_profile_refuses_engine_flags_that_do_not_apply(tmp_path, capsys, argv, words):
     assert cli.main(["profile", CORPUS, "-o", str(tmp_path / "p"), *argv]) == 2
