@@ -28,10 +28,7 @@ def profile_with_engine(ec: EngineConfig, corpus: Corpus, max_tokens: int = 100_
                         progress: bool = True, fmt: StreamFormat | None = None) -> ActivationStats:
     """Count active FFN neurons over up to ``max_tokens`` tokens of ``corpus``'s token stream, in
     independent windows of ``seq_len``, with an engine of config ``ec`` (its policy: 'oracle')."""
-    if ec.policy not in (None, "oracle"):
-        raise ValueError(f"policy={ec.policy!r}: profiling through the engine counts the true activity, policy "
-                         "'oracle'; leave the policy out")
-    eng = LocalEngine(dataclasses.replace(ec, policy="oracle"))
+    eng = LocalEngine(oracle_config(ec, "activation profiles"))
     try:
         tok = make_tokenizer(eng.primary.src.fields)
         if tok is None:
@@ -45,6 +42,15 @@ def profile_with_engine(ec: EngineConfig, corpus: Corpus, max_tokens: int = 100_
     if stats.n_tokens == 0:
         raise ValueError(f"corpus {corpus!r} gave no window of {seq_len} tokens")
     return stats
+
+
+def oracle_config(ec: EngineConfig, what: str) -> EngineConfig:
+    """``ec`` under policy 'oracle', which ``what`` through the engine needs; ValueError for
+    another policy."""
+    if ec.policy not in (None, "oracle"):
+        raise ValueError(f"policy={ec.policy!r}: {what} through the engine are the true activations, policy "
+                         "'oracle'; leave the policy out")
+    return dataclasses.replace(ec, policy="oracle")
 
 
 def run_engine_profile(ec: EngineConfig, corpus: Corpus, out_dir: str | Path, max_tokens: int = 100_000,

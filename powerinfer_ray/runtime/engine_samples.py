@@ -20,7 +20,7 @@ from ..model.gguf_file import ModelFile
 from ..offline.samples import CollectHooks, Collector, SampleStore, file_down_norms
 from .config import EngineConfig
 from .engine import LocalEngine
-from .engine_profile import step_windows
+from .engine_profile import oracle_config, step_windows
 
 
 def engine_collector(ec: EngineConfig) -> Collector:
@@ -33,13 +33,11 @@ def engine_collector(ec: EngineConfig) -> Collector:
 def sample_config(ec: EngineConfig) -> EngineConfig:
     """``ec`` under policy 'oracle' with every step dense on the primary; ValueError for a
     policy or a ``prefill_dense_min`` that would hide activations."""
-    if ec.policy not in (None, "oracle"):
-        raise ValueError(f"policy={ec.policy!r}: predictor samples through the engine are the true activations, "
-                         "policy 'oracle'; leave the policy out")
+    ec = oracle_config(ec, "predictor samples")
     if ec.prefill_dense_min not in (None, 1):
         raise ValueError(f"prefill_dense_min={ec.prefill_dense_min}: predictor samples through the engine need "
                          "every neuron's activation on the primary, in every step (prefill_dense_min 1); leave it out")
-    return dataclasses.replace(ec, policy="oracle", prefill_dense_min=1)
+    return dataclasses.replace(ec, prefill_dense_min=1)
 
 
 def collect_with_engine(ec: EngineConfig, windows: Iterable[list[int]], seq_len: int, store: SampleStore,
