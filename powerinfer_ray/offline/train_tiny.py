@@ -68,19 +68,6 @@ def tiny_trained_config(ffn_act: str = "reglu", n_vocab: int = 1024, n_embd: int
                        name=f"powerinfer-ray-tiny-{ffn_act}")
 
 
-def tiny_reglu_config(n_vocab: int = 1024, n_embd: int = 192, n_layer: int = 6, n_head: int = 4,
-                      n_ff: int = 768, n_ctx: int = 512) -> ModelConfig:
-    """The shape of the embedded default model: ~3.7 M dense parameters (fp16: 7.5 MB)."""
-    return tiny_trained_config("reglu", n_vocab, n_embd, n_layer, n_head, n_ff, n_ctx)
-
-
-def tiny_swiglu_config(n_vocab: int = 1024, n_embd: int = 128, n_layer: int = 4, n_head: int = 4,
-                       n_ff: int = 384, n_ctx: int = 256) -> ModelConfig:
-    """The shape of the embedded SwiGLU model: ~1 M parameters (fp16: 2 MB), n_ff = 3 n_embd
-    (Llama's 8/3, rounded up to a multiple of 128), small enough to train on two CPU cores."""
-    return tiny_trained_config("swiglu", n_vocab, n_embd, n_layer, n_head, n_ff, n_ctx)
-
-
 # ------------------------------------------------------------------------------------------------
 # tokenizer
 # ------------------------------------------------------------------------------------------------

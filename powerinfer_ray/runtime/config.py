@@ -15,7 +15,7 @@ import difflib
 import logging
 import math
 import os
-from dataclasses import MISSING, Field, dataclass, field, fields, replace
+from dataclasses import Field, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -245,10 +245,6 @@ def coerce(cls: type, name: str, value: Any) -> Any:  # noqa: ANN401
         except ValueError:
             pass
     raise _bad(name, value, {bool: "true or false", int: "an integer", float: "a number"}.get(kind, "a string"))
-
-
-def field_default(f: Field) -> Any:  # noqa: ANN401
-    return None if f.default is MISSING else f.default
 
 
 # ------------------------------------------------------------------------------------------------
