@@ -1,8 +1,7 @@
 """The CPU executor's answer for a batch of T sequences whose active rows differ (batched decode):
 each (token, row) of an n = 8600-row fp16 shard (13B shape) active with probability P, so the
 union of rows is large while each row is active for few tokens. Median ms of sparse_ffn_bitmask
-over 4 layers' shards in turn (2 threads). A/B the kernel's per-token path with
---cflags=-DPI_DENSE_TOKENS (always the blocked path). Dev-machine tool: prints, writes nothing.
+over 4 layers' shards in turn (2 threads). Dev-machine tool: prints, writes nothing.
 
     python bench/cpu_batch_masks.py -T 32 -P 0.05
 """

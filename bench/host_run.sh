@@ -109,8 +109,7 @@ batch)  # the batch sweep, hybrid and layer-offload, one engine per (mode, batch
         --shapes 16x32 --batch 1,4,16,32 -t "$THREADS"
     ;;
 cpu)  # the CPU kernel bench (16 threads; the read ceiling the larger of a sum and dense rows), rows in
-    # random and ascending order, then the 13B exchange's kernel builds in ABBA rounds over 12 layers'
-    # shards (now the default, gated rows four per pass, against pairs, the default before c005086)
+    # random and ascending order, then the 13B exchange over 12 layers' shards in 3 rounds
     mkdir -p "$OUT/c1" "$OUT/x"
     echo "== cpu kernels, default build" >> "$log"
     timeout 110 python bench/kernels_bench.py --device cpu -t 16 --tokens 1,8 --densities 10,50 --out "$OUT/c1" >> "$log" 2>&1
@@ -122,19 +121,19 @@ cpu)  # the CPU kernel bench (16 threads; the read ceiling the larger of a sum a
     grep -E "^== cpu|\[cpu\]" "$log" | tail -n 5 | cut -c1-200
     timeout 330 python bench/kernels_bench.py --cpu-exchange -t "$THREADS" --tokens 1 --exchange-k 254,1024 \
         --exchange-layers 12 --exchange-gap-ms 0.3 --exchange-reps 120 --exchange-rounds 3 --exchange-policies unset \
-        --exchange-cflags ";-DPI_T1_PAIRS" --out "$OUT/x" >> "$log" 2>&1
+        --out "$OUT/x" >> "$log" 2>&1
     grep "exchange cold" "$log" | cut -c1-330
     ;;
 cpucost)  # where the Falcon exchange's time goes: K from 112 to 3200 rows (the intercept is the call's
-    # fixed cost; omp_region = the threads' wake-up alone), 8 / 14 / 16 threads, finer chunks (OMP_WAIT_POLICY
+    # fixed cost; omp_region = the threads' wake-up alone), 8 / 14 / 16 threads (OMP_WAIT_POLICY
     # reaches torch's threads only: the kernels run on their own, csrc/pool.h)
     for t in 14 16 8; do
-        pol=unset; cf=""
-        [ "$t" = 14 ] && pol=unset,ACTIVE && cf=";-DPI_CHUNKS=24"
+        pol=unset
+        [ "$t" = 14 ] && pol=unset,ACTIVE
         mkdir -p "$OUT/t$t"
         timeout 150 python bench/kernels_bench.py --cpu-exchange -t "$t" --tokens 1 --exchange-k 112,224,400,800,1600,3200 \
             --exchange-act relu --exchange-dim 8192 --exchange-n 31000 --exchange-layers 4 --exchange-shm \
-            --exchange-gap-ms 0.3 --exchange-reps 60 --exchange-policies "$pol" --exchange-cflags "$cf" \
+            --exchange-gap-ms 0.3 --exchange-reps 60 --exchange-policies "$pol" \
             --out "$OUT/t$t" >> "$log" 2>&1
     done
     grep "exchange cold" "$log" | cut -c1-400

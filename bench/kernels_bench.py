@@ -95,8 +95,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "runtime's cold working set, beyond any L3): sparse_ffn_bitmask per work split only")
     p.add_argument("--exchange-cflags", default=None,
                    help="--cpu-exchange: ';'-separated kernel builds to compare (extra compiler flags of "
-                        "cpu_library.select_build each, '' = the default), e.g. ';-DPI_ONE_ROW' (a value starting "
-                        "with '-' needs '=': --exchange-cflags=-DPI_ONE_ROW;); one worker process per build and policy")
+                        "cpu_library.select_build each, '' = the default), e.g. ';-mno-avx512f' (a value starting "
+                        "with '-' needs '=': --exchange-cflags=-mno-avx512f;); one worker process per build and policy")
     p.add_argument("--exchange-act", choices=["reglu", "relu"], default="reglu",
                    help="--cpu-exchange with --exchange-layers > 1: the FFN (relu: no gate, as OPT / Falcon)")
     p.add_argument("--exchange-dim", type=int, default=5120,

@@ -12,8 +12,8 @@ hashes the sources, the flags, the compiler and the CPU's feature flags, so a ho
 shared between different CPUs never loads a foreign build.
 
 A process uses one build: the default one, or a variant that `select_build(cflags)` loads before
-the first kernel call (extra compiler flags: the A/B macros of csrc/sparse_ffn.cpp for benchmarks,
-or e.g. -mno-avx512f for the tests of each vector path).
+the first kernel call (extra compiler flags, e.g. -mno-avx512f for the tests and benchmarks of
+each vector path).
 """
 from __future__ import annotations
 

@@ -30,9 +30,8 @@
 //
 // Parallel regions run on a persistent team of worker threads (pool.h), not OpenMP's fork-join:
 // the workers of an exchange spin between calls and start within a cache miss.
-// Built at first use by kernels/cpu_library.py with `g++ -O3 -march=native -fopenmp`; the vector
-// code is chosen at compile time (simd.h, quant.h). Macros for A/B builds: PI_ONE_ROW,
-// PI_T1_PAIRS, PI_CHUNKS, PI_NO_NEXT_PF, PI_DENSE_TOKENS (cpu_library.select_build).
+// Built at first use by kernels/cpu_library.py with `g++ -O3 -march=native -pthread`; the vector
+// code is chosen at compile time (simd.h, quant.h).
 
 #include <vector>
 
@@ -215,10 +214,8 @@ void dot_all_tokens(const typename W::T* up, const typename W::T* gate, const fl
     }
 }
 
-#ifndef PI_ONE_ROW
 // T == 1, NR rows in one pass over x, so a thread keeps 2 NR weight streams in flight (NR without
-// a gate): more reads in flight than one row at a time (-DPI_ONE_ROW builds the one-row loop,
-// -DPI_T1_PAIRS pairs instead of quads, for A/B builds). u, g get NR values (g 0 without a gate).
+// a gate): more reads in flight than one row at a time. u, g get NR values (g 0 without a gate).
 template <class W, bool GATE, int NR>
 void dotn_t1(const typename W::T* const* up, const typename W::T* const* gate, const float* x, int64_t D,
              float* u, float* g, const Pf* pf = nullptr) {
@@ -276,7 +273,6 @@ inline void dots_t1(const typename W::T* const* up, const typename W::T* const* 
         dotn_t1<W, GATE, NR>(up, gate, x, D, u, g);
     }
 }
-#endif
 
 inline float activate(int act, float u, float g) {
     switch (act) {
@@ -448,8 +444,6 @@ inline bool mask_at(const Args& a, int64_t t, int64_t k) {
 // and one axpy each, instead of for all T in register blocks and masked after. At batch 32 the
 // union of the sequences' active cold rows covers most of the CPU shard while each row is active
 // for a few sequences: the blocked path spent its FMAs on masked tokens.
-// (-DPI_DENSE_TOKENS: always the blocked path, for A/B runs.)
-#ifndef PI_DENSE_TOKENS
 inline bool few_tokens(const Args& a, int64_t k, uint64_t* bits) {
     if (a.T < 4 || a.T > 64 || (a.mask_mode != MASK_BITS && a.mask_mode != MASK_BITS64)) return false;
     const uint64_t b = a.mask_mode == MASK_BITS ? (uint64_t)(uint32_t)((const int32_t*)a.mask)[k]
@@ -457,9 +451,6 @@ inline bool few_tokens(const Args& a, int64_t k, uint64_t* bits) {
     *bits = b;
     return 2 * __builtin_popcountll(b) <= a.T;
 }
-#else
-inline bool few_tokens(const Args&, int64_t, uint64_t*) { return false; }
-#endif
 
 // out [m, T] = rows[j] . x[t] for m <= R rows of one matrix (no gate): at T = 1 in fours and twos
 // (dots_t1), else row by row.
@@ -467,12 +458,10 @@ template <class W>
 void dot_rows_of(const typename W::T* const* rows, int m, const float* x, int64_t T, int64_t D, float* out) {
     float unused[R * 64];
     int j = 0;
-#ifndef PI_ONE_ROW
     if (T == 1) {
         for (; j + 4 <= m; j += 4) dots_t1<W, false, 4>(rows + j, nullptr, x, D, out + j, unused);
         for (; j + 2 <= m; j += 2) dots_t1<W, false, 2>(rows + j, nullptr, x, D, out + j, unused);
     }
-#endif
     for (; j < m; ++j) dot_all_tokens<W, false>(rows[j], nullptr, x, T, D, out + j * T, unused);
 }
 
@@ -528,8 +517,6 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g,
     };
     auto entry = [&](int j) { return j < m ? row_id(a, k0 + j) : (j == m ? nx : -1); };
     int j = 0;
-#ifndef PI_ONE_ROW
-#ifndef PI_T1_PAIRS
     if (T == 1)  // four rows per pass: eight weight streams with a gate, four without
         for (; j + 4 <= m; j += 4) {
             const int64_t r[4] = {row_id(a, k0 + j), row_id(a, k0 + j + 1), row_id(a, k0 + j + 2),
@@ -538,7 +525,6 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g,
             const WT* gates[4] = {row_gate(r[0]), row_gate(r[1]), row_gate(r[2]), row_gate(r[3])};
             dots_t1<W, GATE, 4>(ups, gates, xin<W>(a), D, u + j, g + j);
         }
-#endif
     if (T == 1)
         for (; j + 2 <= m; j += 2) {
             const int64_t r0 = row_id(a, k0 + j), r1 = row_id(a, k0 + j + 1);
@@ -546,7 +532,6 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g,
             const WT* gates[2] = {row_gate(r0), row_gate(r1)};
             dots_t1<W, GATE, 2>(ups, gates, xin<W>(a), D, u + j, g + j);
         }
-#endif
     for (; j < m; ++j) {
         prefetch_heads(entry(j + 1));
         dot_all_tokens<W, GATE>(row_up(row_id(a, k0 + j)), row_gate(row_id(a, k0 + j)), xin<W>(a), T, D, u + j * T,
@@ -556,19 +541,16 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g,
 
 // What to prefetch while idx entry k's dots run for T > 1 tokens: the up / gate rows of entry
 // k + 1 (if < k1) and, with_down, entry k's own down row (its axpy follows the block).
-// -DPI_NO_NEXT_PF: none (the A/B's other side).
 template <class W, bool GATE>
 Pf next_rows(const Args& a, int64_t k, int64_t k1, bool with_down) {
     typedef typename W::T WT;
     Pf pf{{nullptr, nullptr, nullptr}, 0};
-#ifndef PI_NO_NEXT_PF
     if (with_down) pf.p[pf.n++] = (const char*)((const WT*)a.down + row_id(a, k) * a.ld_down);
     if (k + 1 < k1) {
         const int64_t nx = row_id(a, k + 1);
         pf.p[pf.n++] = (const char*)((const WT*)a.up + nx * a.ld_up);
         if (GATE) pf.p[pf.n++] = (const char*)((const WT*)a.gate + nx * a.ld_gate);
     }
-#endif
     return pf;
 }
 
@@ -863,13 +845,11 @@ void run_rows(const Args& a) {
         std::memset(A, 0, TD * sizeof(float));
         prepare_x<W>(a, c);
         // Chunks of CH rows handed out dynamically: a thread that the OS preempts (cores shared
-        // with other processes) delays the barrier by one chunk, not by a whole slice. ~PI_CHUNKS
+        // with other processes) delays the barrier by one chunk, not by a whole slice. ~CHUNKS
         // chunks per thread (2 .. 4R rows each), so few active rows still keep every thread
         // reading and the last chunks even out.
-#ifndef PI_CHUNKS
-#define PI_CHUNKS 8
-#endif
-        int64_t CH = K / (PI_CHUNKS * n);
+        constexpr int64_t CHUNKS = 8;
+        int64_t CH = K / (CHUNKS * n);
         CH = CH < 2 ? 2 : (CH > 4 * R ? 4 * R : CH);
         const int64_t nch = (K + CH - 1) / CH;
         int64_t n_down = 0;
@@ -983,13 +963,11 @@ void linear_rows(const float* x, int64_t T, int64_t D, const typename W::T* w, i
                  int64_t r0, int64_t r1, float* y) {
     float u[64], g[64];
     int64_t r = r0;
-#ifndef PI_ONE_ROW
     if (T == 1)
         for (; r + 4 <= r1; r += 4) {
             const typename W::T* rows4[4] = {w + r * ld_w, w + (r + 1) * ld_w, w + (r + 2) * ld_w, w + (r + 3) * ld_w};
             dots_t1<W, false, 4>(rows4, nullptr, x, D, y + r, g);
         }
-#endif
     for (; r < r1; ++r) {
         dot_all_tokens<W, false>(w + r * ld_w, nullptr, x, T, D, u, g);
         for (int64_t t = 0; t < T; ++t) y[t * R + r] = u[t];
