@@ -56,26 +56,20 @@ class LocalEngine:
         src = open_model(ec.model)
         plan = resolve_plan(ec, src)
         device = ec.device or ("cuda" if _cuda() else "cpu")
-        self.group: ExecutorGroup = start_group(LocalBackend(), executor_spec(ec, src, plan, device, model=src,
-                                                                              threads=ec.threads))
+        self._backend = LocalBackend()  # its step lock: activation counts are read between steps
+        self.group: ExecutorGroup = start_group(self._backend, executor_spec(ec, src, plan, device, model=src,
+                                                                             threads=ec.threads))
         self.primary: PrimaryExecutor = self.group.primary
         self.cpu: CPUExecutor | None = self.group.cpu
-        self._step_lock = threading.Lock()  # held by a step: activation counts are read between steps
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="local-engine", daemon=True)
         self._thread.start()
         tok, n_ctx, chunk = make_tokenizer(src.fields), engine_n_ctx(ec, src.config), resolve_prefill_chunk(ec, device)
 
         async def make() -> Scheduler:  # its queues belong to the engine's loop
-            return Scheduler(self._step, tok, n_ctx=n_ctx, max_batch=ec.max_batch, prefill_chunk=chunk,
+            return Scheduler(self.group.step, tok, n_ctx=n_ctx, max_batch=ec.max_batch, prefill_chunk=chunk,
                              n_vocab=src.config.n_vocab)
         self.coordinator = asyncio.run_coroutine_threadsafe(make(), self._loop).result()
-
-    async def _step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> Any:  # noqa: ANN401
-        def run() -> Any:  # noqa: ANN401
-            with self._step_lock:
-                return self.primary.step(slots, tokens, start_pos)
-        return await asyncio.to_thread(run)
 
     async def _in_loop(self, coro: Coroutine) -> Any:  # noqa: ANN401
         """Run coro in the engine's loop; the caller's cancellation cancels it there."""
@@ -104,7 +98,7 @@ class LocalEngine:
         the offline profile's statistics (``save(dir)`` writes what ``solve --activation`` reads);
         reset: start counting afresh. ValueError under a policy that keeps no counts."""
         check_counted(self.primary.policy.name)
-        with self._step_lock:  # between steps: both executors' counts of the same tokens
+        with self._backend.step_lock:  # between steps: both executors' counts of the same tokens
             counts, tokens = self.primary.activation_counts(reset)
             parts = [counts] + ([self.cpu.activation_counts(reset)] if self.cpu is not None else [])
         return engine_activation(parts, tokens, self.primary.cfg.name)

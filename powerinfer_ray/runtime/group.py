@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
@@ -155,9 +156,13 @@ def _fill(g: ExecutorGroup, backend: Backend) -> None:
 
 
 class LocalBackend:
-    """The members as objects of this process; steps run in a worker thread."""
+    """The members as objects of this process; steps run in a worker thread, each holding
+    ``step_lock`` (what reads the members between two steps takes too)."""
 
     task_error = Exception
+
+    def __init__(self) -> None:
+        self.step_lock = threading.Lock()
 
     def create(self, role: str, spec: GroupSpec) -> Any:  # noqa: ANN401
         if role == "primary":
@@ -168,8 +173,12 @@ class LocalBackend:
         return [getattr(member, method)(*args) for member, method, args in calls]
 
     def step_fn(self, primary: PrimaryExecutor) -> StepFn:
+        def locked(slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> np.ndarray:
+            with self.step_lock:
+                return primary.step(slots, tokens, start_pos)
+
         async def step(slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> np.ndarray:
-            return await asyncio.to_thread(primary.step, slots, tokens, start_pos)
+            return await asyncio.to_thread(locked, slots, tokens, start_pos)
         return step
 
     def close(self, group: ExecutorGroup) -> None:
