@@ -121,11 +121,12 @@ class StepSegments:
         if self.B > 1:  # padding rows activate nothing
             self.logits = self.logits.masked_fill(self.inp[3, :, None] == 0, float("-inf"))
         ng, thr = lw.ffn.n, w.policy.threshold
-        self.act.add(s.l, self.logits >= thr)  # [B, n_gpu + n_cpu]; padding rows are -inf: none counts
+        active = self.logits >= thr  # [B, n_gpu + n_cpu]; padding rows are -inf: none active
+        self.act.add(s.l, active)
         if ng:
             part = split_active_packed(self.logits, thr, w.gpu_first[s.l], gpu_capacity=ng, cpu_capacity=0).gpu
             self.g_part = packed_views(part)  # idx, bits, n_active
-            self.counts[0] += (self.logits[:, :ng] >= thr).sum()
+            self.counts[0] += active[:, :ng].sum()
             self.counts[1] += self.g_part[2][0]
 
     def stage_ffn(self, s: Step) -> None:
