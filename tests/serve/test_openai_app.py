@@ -48,13 +48,19 @@ def _direct(engine, prompt, **kw):
     return ray.get(engine.generate.remote(prompt, **kw))
 
 
-def _wait_idle(engine, timeout=90.0) -> dict:
+def _wait_for(engine, running: int, waiting: int, timeout=90.0) -> dict:
+    """The engine's counters once it runs ``running`` and queues ``waiting`` requests (or at the
+    deadline: the caller asserts)."""
     deadline = time.time() + timeout
     while True:
         st = ray.get(engine.stats.remote())["coordinator"]
-        if st["running"] == 0 and st["waiting"] == 0 or time.time() > deadline:
+        if (st["running"], st["waiting"]) == (running, waiting) or time.time() > deadline:
             return st
         time.sleep(0.05)
+
+
+def _wait_idle(engine, timeout=90.0) -> dict:
+    return _wait_for(engine, 0, 0, timeout)
 
 
 def _assert_openai_error(r: requests.Response, status: int, param: str | None = "__any__", type_=None) -> dict:
@@ -269,19 +275,21 @@ def test_ingress_in_flight_limit_gives_429(engine, url):
 
 
 def test_full_engine_queue_gives_429(engine, url):
-    # hold every slot and fill the waiting queue with long generations called directly, then wait
-    # until the engine says so (a state, not a time: the suite runs on two busy cores)
+    # hold every slot with long generations called directly, then fill the waiting queue, each
+    # time until the engine says so (states, not times: on two busy cores a step can outlast the
+    # submissions, and 24 at once would find the queue full before any of them runs)
     prompt = [7, 8, 9]
-    held = [(f"hold-{i}", engine.generate.remote(prompt_token_ids=prompt, max_tokens=N_CTX - 8, ignore_eos=True,
-                                                 request_id=f"hold-{i}"))
-            for i in range(MAX_BATCH + MAX_WAITING)]
-    deadline = time.time() + 120
-    while True:
-        st = ray.get(engine.stats.remote())["coordinator"]
-        if st["running"] == MAX_BATCH and st["waiting"] == MAX_WAITING or time.time() > deadline:
-            break
-        time.sleep(0.05)
+
+    def hold(i: int) -> tuple[str, ray.ObjectRef]:
+        return f"hold-{i}", engine.generate.remote(prompt_token_ids=prompt, max_tokens=N_CTX - 8, ignore_eos=True,
+                                                   request_id=f"hold-{i}")
+
+    held = [hold(i) for i in range(MAX_BATCH)]
+    st = _wait_for(engine, MAX_BATCH, 0, timeout=120)
     try:
+        assert (st["running"], st["waiting"]) == (MAX_BATCH, 0), st
+        held += [hold(i) for i in range(MAX_BATCH, MAX_BATCH + MAX_WAITING)]
+        st = _wait_for(engine, MAX_BATCH, MAX_WAITING, timeout=120)
         assert (st["running"], st["waiting"]) == (MAX_BATCH, MAX_WAITING), st
         with pytest.raises(EngineOverloaded):  # one more, called directly: rejected
             ray.get(engine.generate.remote(prompt_token_ids=prompt, max_tokens=4), timeout=60)
