@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gpukern|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|swiglu
+#       bash bench/host_run.sh verify|gpukern|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qkern|swiglu
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gpukern|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|swiglu"
+stages="verify|gpukern|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qkern|swiglu"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -175,11 +175,21 @@ falconfile)  # Falcon-40B from the file at 24 GiB (issue 22): hybrid and layer-o
     summary "$OUT"/runtime-falcon40b-${BF}gib-file-h200.json | cut -c1-400
     ;;
 q4)  # quantized (issue 19): the Q4_0 13B at 4 GiB, hybrid and its own layer-offload (cpu_kernel_gbps: the
-    # CPU kernel's rate on compressed bytes), then the Q8_0 13B at 8 GiB
-    suite runtime-13b-q4-4gib-h200 300 -m "planted:llama2-13b?dtype=q4_0" --vram-budget 4 \
+    # CPU kernel's rate on compressed bytes)
+    suite runtime-13b-q4-4gib-h200 560 -m "planted:llama2-13b?dtype=q4_0" --vram-budget 4 \
         --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
-    suite runtime-13b-q8-8gib-h200 270 -m "planted:llama2-13b?dtype=q8_0" --vram-budget 8 \
+    ;;
+q8)  # the Q8_0 13B at 8 GiB, hybrid and layer-offload
+    suite runtime-13b-q8-8gib-h200 560 -m "planted:llama2-13b?dtype=q8_0" --vram-budget 8 \
         --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
+    ;;
+qkern)  # the Triton kernels on Q4_0 / Q8_0 rows: their GPU tests, then the FFN (fused and two stages at
+    # T == 1) and the dense GEMV against fp16 at the 13B shape
+    timeout -s INT 240 python -m pytest tests/gpu/test_kernels_gpu.py -q -rf -k "quantized" > "$OUT/gpu-tests.log" 2>&1
+    tail -n 3 "$OUT/gpu-tests.log" | cut -c1-300
+    timeout 300 powerinfer-ray bench kernels --device cuda --gpu-dtypes fp16,q4_0,q8_0 --tokens 1,8 --densities 10,50 \
+        --out "$OUT" >> "$log" 2>&1
+    grep -E "^\[gpu( linear)?\] (fp16|q4_0|q8_0)" "$log" | cut -c1-160
     ;;
 swiglu)  # issue 20: planted:llama3-8b (SwiGLU sparsified at 50 %) at 8 GiB, prompt 64, 128 generated, one
     # engine each: hybrid in the predicted mode, hybrid gate-first, the dense hybrid, layer-offload

@@ -841,7 +841,7 @@ def gpu_case(tf, dname, w, layers, cfg, T, pct, ceiling, gen, args) -> dict:
     if t_s is not None:  # per layer inside a graph of len(layers) layers
         row.update(seq_layer_us=round(t_s * 1e6, 2), seq_GBps=round(row["GBps"] * t_k / t_s, 1),
                    seq_frac_ceiling=round(row["frac_ceiling"] * t_k / t_s, 3))
-    print(f"[gpu] {dname} T={T} {pct:g}%: {row['median_us']:.1f} us {row['GBps']:.0f} GB/s "
+    print(f"[gpu] {dname} T={T} {pct:g}%{' fused' if cfg.fused else ''}: {row['median_us']:.1f} us {row['GBps']:.0f} GB/s "
           f"({row['frac_ceiling']:.0%} of copy; up {t_up*1e6:.1f} + down {t_dn*1e6:.1f} us alone); "
           f"torch {row['baseline_median_us']:.1f} us -> x{row['speedup_vs_baseline']:.1f}; "
           f"wall {wall*1e6:.1f} us/call; graph replay {row.get('graph_median_us', float('nan')):.1f} us "
@@ -900,8 +900,11 @@ def bench_gpu(args) -> dict:
             configs = sweep.pop("_configs")
         layers = gpu_layers(w, args.seq_layers)
         for T, pct in itertools.product(map(int, args.tokens.split(",")), map(float, args.densities.split(","))):
-            rows.append(gpu_case(tf, dname, w, layers, configs["gemv" if T == 1 else "dot"], T, pct, ceiling, gen,
-                                 args))
+            # quantized rows at T == 1: the default (two stages) and the fused kernel, both
+            names = ["gemv-q", "gemv"] if T == 1 and dname in QTYPES else ["gemv" if T == 1 else "dot"]
+            for name in names:
+                cfg = configs.get(name) or dataclasses.replace(configs["gemv"], fused_r=0)
+                rows.append(gpu_case(tf, dname, w, layers, cfg, T, pct, ceiling, gen, args))
         del w, layers
     qtypes = [d for d in args.gpu_dtypes.split(",") if d in QTYPES]
     linear_rows = bench_gpu_linear(qtypes, ceiling, gen, args.quick) if qtypes else []

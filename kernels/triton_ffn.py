@@ -1,8 +1,9 @@
 """The GPU path of the sparse FFN: which Triton kernel runs a call (imported lazily: triton is
 optional).
 
-T == 1 (decode of one sequence): the fused kernel (triton_fused.py), one launch. T > 1: the
-two-stage kernels (triton_stages.py), up stage then down stage, tl.dot over tokens padded to 16.
+T == 1 (decode of one sequence): the fused kernel (triton_fused.py), one launch; on quantized rows
+the two-stage elementwise kernels. T > 1: the two-stage kernels (triton_stages.py), up stage then
+down stage, tl.dot over tokens padded to 16.
 Calls of more than MAX_T tokens run in blocks of MAX_T. Weights are fp32 / fp16 / bf16 rows or
 ggml Q4_0 / Q8_0 rows (qtype), dequantized in registers by the same kernels.
 
@@ -10,12 +11,14 @@ ggml Q4_0 / Q8_0 rows (qtype), dequantized in registers by the same kernels.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .triton_fused import sparse_ffn_fused
 from .triton_stages import Config, launch_down, launch_up
 
-__all__ = ["CONFIGS", "Config", "MAX_T", "launch_down", "launch_up", "sparse_ffn_triton"]
+__all__ = ["CONFIGS", "Config", "MAX_T", "config_for", "launch_down", "launch_up", "sparse_ffn_triton"]
 
 # Tokens per launch: the T > 1 kernels keep [TP, BD] token tiles in shared memory. Not 64: with
 # TP = 64 the H200 gave wrong results (GPU test test_triton_at_llama13b_shape), likely where Triton
@@ -31,6 +34,14 @@ CONFIGS = {
                    up_dot=False, down_dot=False, fused_r=2, fused_warps=4, fused_progs=2, eager_down=False),
     "dot": Config(up_bk=32, up_bd=256, up_warps=8, down_bk=256, down_bd=32, down_warps=4, down_stages=4),
 }
+# Quantized rows at T == 1 run the two stages: the fused kernel keeps whole dequantized rows in
+# registers, which ptxas spills at the 13B shape (1.2 KB per thread for Q4_0, 8.9 KB for Q8_0).
+CONFIGS["gemv-q"] = replace(CONFIGS["gemv"], fused_r=0)
+
+
+def config_for(T: int, qtype: str | None) -> Config:
+    """The default tiles of a call of T tokens on rows of qtype (None: float rows)."""
+    return CONFIGS["dot" if T > 1 else "gemv" if qtype is None else "gemv-q"]
 
 
 def sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active,
@@ -49,7 +60,7 @@ def sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_activ
                               gate_pre=None if gate_pre is None else gate_pre[sl])
         return y
     swiglu = dict(act_threshold=act_threshold, act_on=act_on, gate_pre=gate_pre)
-    cfg = cfg or CONFIGS["gemv" if T == 1 else "dot"]
+    cfg = cfg or config_for(T, qtype)
     x = x.contiguous()
     idx = idx if idx.is_contiguous() else idx.contiguous()
     if mask is not None:

@@ -16,17 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_stages import ACT_CODE, QT_CODE, Config, _act, _block_rows, _thresholded, _w_tile, mask_args, swiglu_args
+from .triton_stages import (ACT_CODE, QT_CODE, Config, _act, _block_rows, _thresholded, _tile_cols, _w_tile, mask_args,
+                            swiglu_args, w_arg)
 
 
 @triton.jit
 def _rows_tile(ptr, rows, stride, rmask, c0, D, W: tl.constexpr, CMASK: tl.constexpr, QT: tl.constexpr):
-    """[R, W] tile of the given rows, columns [c0, c0 + W) (masked to < D when CMASK)."""
-    offs = c0 + tl.arange(0, W)
-    m = rmask[:, None]
-    if CMASK:
-        m = m & (offs[None, :] < D)
-    return _w_tile(ptr, rows, stride, offs, m, QT)
+    """[R, W] tile of the given rows, columns `_tile_cols(c0, W, QT)` (masked to < D when CMASK)."""
+    return _w_tile(ptr, rows, stride, c0, D, rmask, W, QT, CMASK)
 
 
 @triton.jit
@@ -84,14 +81,15 @@ def _fused_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, down_ptr, idx_ptr, nact_ptr
         kc = tl.minimum(tl.load(nact_ptr), K)
     nblk = tl.cdiv(kc, R)
     ca = tl.arange(0, DA)
-    xa = tl.load(x_ptr + ca).to(tl.float32)
+    wa = _tile_cols(0, DA, QT)  # the columns of the tiles' entries (a permutation of ca)
+    xa = tl.load(x_ptr + wa).to(tl.float32)
     ya = tl.zeros((DA,), tl.float32)
     offs_r, rmask, rows = _block_rows(idx_ptr, pid, kc, R)
     ua, ga, da, ub, gb, db = _block_tiles(up_ptr, gate_ptr, down_ptr, rows, rmask, s_up, s_gate, s_down, D,
                                           HAS_GATE, EAGER, DA, DB, QT)
     if DB > 0:
-        cb = DA + tl.arange(0, DB)
-        xb = tl.load(x_ptr + cb, mask=cb < D, other=0.0).to(tl.float32)
+        wb = _tile_cols(DA, DB, QT)
+        xb = tl.load(x_ptr + wb, mask=wb < D, other=0.0).to(tl.float32)
         yb = tl.zeros((DB,), tl.float32)
     for b in range(pid, nblk, P):
         # the next block's rows go in flight before this block's arithmetic
@@ -125,9 +123,9 @@ def _fused_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, down_ptr, idx_ptr, nact_ptr
                 yb += tl.sum(h[:, None] * dlb.to(tl.float32), axis=0)
         offs_r, rmask, rows, ua, ga, da, ub, gb, db = n_offs, n_rmask, n_rows, n_ua, n_ga, n_da, n_ub, n_gb, n_db
     if pid < nblk:
-        tl.atomic_add(y32_ptr + ca, ya, sem="relaxed")
+        tl.atomic_add(y32_ptr + wa, ya, sem="relaxed")
         if DB > 0:
-            tl.atomic_add(y32_ptr + cb, yb, mask=cb < D, sem="relaxed")
+            tl.atomic_add(y32_ptr + wb, yb, mask=wb < D, sem="relaxed")
     if FENCE:
         _fence_gpu(tl.full((1,), 0, tl.int32))
     tl.debug_barrier()
@@ -179,12 +177,14 @@ def sparse_ffn_fused(x, up, gate, up_bias, down_t, idx, mask, n_active, act, y, 
     dummy = idx
     mode, mask, _ = mask_args(mask, dummy)
     sw, gp, _, thr = swiglu_args(act_threshold, act_on, gate_pre, dummy)
-    g = gate if gate is not None else up
+    up_w, s_up = w_arg(up, qtype)
+    gate_w, s_gate = w_arg(gate, qtype) if gate is not None else (up_w, s_up)
+    down_w, s_down = w_arg(down_t, qtype)
     grid = (min(triton.cdiv(K, cfg.fused_r), cfg.fused_progs * _n_sm(x.device)),)
     _fused_kernel[grid](
-        x, up, g, up_bias if up_bias is not None else dummy, down_t, idx,
+        x, up_w, gate_w, up_bias if up_bias is not None else dummy, down_w, idx,
         n_active if n_active is not None else dummy, mask, y32, y, cnt, gp,
-        D, K, up.stride(0), g.stride(0), down_t.stride(0), thr, ACT=ACT_CODE[act],
+        D, K, s_up, s_gate, s_down, thr, ACT=ACT_CODE[act],
         HAS_GATE=gate is not None and gate_pre is None, HAS_BIAS=up_bias is not None, MASK_MODE=mode,
         HAS_NACT=n_active is not None, EAGER=cfg.eager_down, FENCE=x.is_cuda, QT=QT_CODE[qtype], R=cfg.fused_r,
         DA=da, DB=db, num_warps=cfg.fused_warps, num_stages=1, **sw)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_ffn import CONFIGS, MAX_T
+from .triton_ffn import MAX_T, config_for
 from .triton_stages import launch_up
 
 _ROWS: dict[tuple[str, int], torch.Tensor] = {}
@@ -34,6 +34,6 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tens
     x = x.contiguous()
     for t0 in range(0, T, MAX_T):
         t1 = min(T, t0 + MAX_T)
-        cfg = CONFIGS["gemv" if t1 - t0 == 1 else "dot"]
+        cfg = config_for(t1 - t0, qtype)
         launch_up(x[t0:t1], w, None, bias, rows, None, None, "none", y[t0:t1], cfg, qtype)
     return y

@@ -17,7 +17,10 @@ stage multiplies fp32 h with the weights widened to fp32 under tf32 (fp16 / bf16
 in tf32) or tf32x3 (fp32 and quantized weights).
 
 Weights are plain rows (QT 0) or ggml blocks (QT 1 q4_0, QT 2 q8_0; quant.py): `_w_tile` loads a
-tile of either as values, dequantizing blocks in registers, so every FFN kernel serves both.
+tile of either as values, dequantizing blocks in registers, so every FFN kernel serves both. Block
+rows are read as 16-bit words (`w_arg`: a block is its f16 scale word, then 8 / 16 words of
+quants), one load per word; a Q4_0 tile's entries come out in the words' order, a fixed
+permutation of each block's 32 columns (`_tile_cols`), at which the kernels load x and store y.
 
 SwiGLU sparsity (sparse_ffn.py): THR 1 / 2 zero h where |SiLU(g)| / |h| is not above `thr`;
 GPRE takes g from a precomputed fp32 [T, N] (the gate-first mode) instead of the gate rows
@@ -70,24 +73,44 @@ class Config:
 
 
 @triton.jit
-def _w_tile(ptr, rows, stride, cols, mask, QT: tl.constexpr):
-    """[R, C] tile of weight rows `rows` [R] at columns `cols` [C] (mask [R, C]): the stored values
-    (QT 0), or for ggml blocks (QT 1 q4_0, QT 2 q8_0; row stride in bytes) the dequantized fp32
-    values: the block's f16 scale d times (nibble - 8) or the int8 q."""
+def _tile_cols(c0, C: tl.constexpr, QT: tl.constexpr):
+    """[C] the weight columns of the entries of a `_w_tile` tile starting at column c0: c0 .. c0 +
+    C - 1, except Q4_0 (QT 1), whose entry p of a block of 32 holds column 2 (p // 4) + (p // 2) % 2
+    + 16 (p % 2) of the block (the order its 16-bit words unpack in)."""
+    p = tl.arange(0, C)
+    if QT == 1:
+        q = p % 32
+        p = p - q + 2 * (q // 4) + (q // 2) % 2 + 16 * (q % 2)
+    return c0 + p
+
+
+@triton.jit
+def _w_tile(ptr, rows, stride, c0, D, rmask, C: tl.constexpr, QT: tl.constexpr, CMASK: tl.constexpr = True):
+    """[R, C] tile of weight rows `rows` [R] (rmask [R]) at columns `_tile_cols(c0, C, QT)`, masked to
+    columns < D (CMASK; else every column is < D): the stored values (QT 0), or for ggml blocks (QT 1
+    q4_0, QT 2 q8_0; c0 and C multiples of 32, ptr and stride as `w_arg` gives them: int16 words)
+    the dequantized fp32 values, the block's f16 scale d times (nibble - 8) or the int8 q."""
     if QT == 0:
-        w = tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+        cols = c0 + tl.arange(0, C)
+        m = rmask[:, None]
+        if CMASK:
+            m = m & (cols < D)[None, :]
+        w = tl.load(ptr + rows[:, None] * stride + cols[None, :], mask=m, other=0.0)
     else:
-        blk = ptr + rows[:, None] * stride + (cols // 32 * (2 + 16 * QT))[None, :]  # [R, C] block starts (18 / 34 B)
-        lo = tl.load(blk, mask=mask, other=0).to(tl.uint16)
-        hi = tl.load(blk + 1, mask=mask, other=0).to(tl.uint16)
-        d = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
-        i = cols % 32
-        if QT == 1:  # byte i % 16: element i in the low nibble, i + 16 in the high one
-            byte = tl.load(blk + 2 + (i % 16)[None, :], mask=mask, other=0)
-            q = tl.where((i < 16)[None, :], byte & 15, byte >> 4).to(tl.int32) - 8
-        else:
-            q = tl.load(blk + 2 + i[None, :], mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.int32)
-        w = q.to(tl.float32) * d
+        NB: tl.constexpr = C // 32  # blocks in the tile
+        WB: tl.constexpr = 8 * QT  # words of quants per block (Q4_0: 8, Q8_0: 16), after the scale word
+        b = c0 // 32 + tl.arange(0, NB)  # [NB]
+        bm = rmask[:, None] & (b < D // 32)[None, :]  # [R, NB]
+        blk = ptr + rows[:, None] * stride + (b * (WB + 1))[None, :]  # [R, NB] scale words
+        d = tl.load(blk, mask=bm, other=0).to(tl.float16, bitcast=True).to(tl.float32)
+        wo = 1 + tl.arange(0, WB)
+        v = tl.load(blk[:, :, None] + wo[None, None, :], mask=bm[:, :, None], other=0).to(tl.int32) & 0xFFFF
+        if QT == 1:  # word j: bytes 2j, 2j + 1 = columns 2j, 2j + 16 and 2j + 1, 2j + 17 (low, high nibbles)
+            q = tl.join(tl.join(v & 15, (v >> 8) & 15), tl.join((v >> 4) & 15, v >> 12))  # [R, NB, WB, 2, 2]
+            w = tl.reshape((q - 8).to(tl.float32) * d[:, :, None, None, None], (rows.shape[0], C))
+        else:  # word j: columns 2j, 2j + 1 (int8 each)
+            q = tl.join(((v & 255) ^ 128) - 128, ((v >> 8) ^ 128) - 128)  # [R, NB, WB, 2]
+            w = tl.reshape(q.to(tl.float32) * d[:, :, None, None], (rows.shape[0], C))
     return w
 
 
@@ -131,14 +154,12 @@ def _rows_dot_x(x_ptr, up_ptr, gate_ptr, rows, kmask, D, s_up, s_gate,
     acc_u = tl.zeros((BK, BD), dtype=tl.float32)
     acc_g = tl.zeros((BK, BD), dtype=tl.float32)
     for d0 in range(0, D, BD):
-        offs_d = d0 + tl.arange(0, BD)  # [BD]
-        dmask = offs_d < D
-        xv = tl.load(x_ptr + offs_d, mask=dmask, other=0.0).to(tl.float32)  # [BD]
-        wmask = kmask[:, None] & dmask[None, :]
-        wu = _w_tile(up_ptr, rows, s_up, offs_d, wmask, QT)  # [BK, BD]
+        cols = _tile_cols(d0, BD, QT)  # [BD]
+        xv = tl.load(x_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)  # [BD]
+        wu = _w_tile(up_ptr, rows, s_up, d0, D, kmask, BD, QT)  # [BK, BD]
         acc_u += wu.to(tl.float32) * xv[None, :]
         if HAS_GATE:
-            wg = _w_tile(gate_ptr, rows, s_gate, offs_d, wmask, QT)
+            wg = _w_tile(gate_ptr, rows, s_gate, d0, D, kmask, BD, QT)
             acc_g += wg.to(tl.float32) * xv[None, :]
     return tl.sum(acc_u, axis=1), tl.sum(acc_g, axis=1)
 
@@ -200,19 +221,17 @@ def _up_dot_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_pt
     acc_u = tl.zeros((BK, TP), dtype=tl.float32)
     acc_g = tl.zeros((BK, TP), dtype=tl.float32)
     for d0 in range(0, D, BD):
-        offs_d = d0 + tl.arange(0, BD)
-        dmask = offs_d < D
-        xt = tl.load(x_ptr + offs_t[:, None] * s_x + offs_d[None, :],
-                     mask=tmask[:, None] & dmask[None, :], other=0.0)  # [TP, BD]
-        wmask = kmask[:, None] & dmask[None, :]
-        wu = _w_tile(up_ptr, rows, s_up, offs_d, wmask, QT)  # [BK, BD]
+        cols = _tile_cols(d0, BD, QT)
+        xt = tl.load(x_ptr + offs_t[:, None] * s_x + cols[None, :],
+                     mask=tmask[:, None] & (cols < D)[None, :], other=0.0)  # [TP, BD]
+        wu = _w_tile(up_ptr, rows, s_up, d0, D, kmask, BD, QT)  # [BK, BD]
         if DOT_F32:
             xf = tl.trans(xt.to(tl.float32))  # [BD, TP]
             acc_u = tl.dot(wu.to(tl.float32), xf, acc_u, input_precision="tf32x3")
         else:
             acc_u = tl.dot(wu, tl.trans(xt), acc_u)
         if HAS_GATE:
-            wg = _w_tile(gate_ptr, rows, s_gate, offs_d, wmask, QT)
+            wg = _w_tile(gate_ptr, rows, s_gate, d0, D, kmask, BD, QT)
             if DOT_F32:
                 acc_g = tl.dot(wg.to(tl.float32), tl.trans(xt.to(tl.float32)), acc_g, input_precision="tf32x3")
             else:
@@ -232,8 +251,7 @@ def _down_gemv_kernel(h_ptr, down_ptr, idx_ptr, nact_ptr, y_ptr, D, K, s_down,
     pid = tl.program_id(0)
     if HAS_NACT:
         K = tl.minimum(tl.load(nact_ptr), K)
-    offs_d = pid * BD + tl.arange(0, BD)  # [BD]
-    dmask = offs_d < D
+    cols = _tile_cols(pid * BD, BD, QT)  # [BD]
     acc = tl.zeros((BK, BD), dtype=tl.float32)
     for k0 in range(0, K, BK):
         offs_k = k0 + tl.arange(0, BK)  # [BK]
@@ -241,9 +259,9 @@ def _down_gemv_kernel(h_ptr, down_ptr, idx_ptr, nact_ptr, y_ptr, D, K, s_down,
         rows = tl.load(idx_ptr + offs_k, mask=kmask, other=0).to(tl.int64)
         h = tl.load(h_ptr + offs_k, mask=kmask, other=0.0)  # [BK]
         live = kmask & (h != 0)  # zero activation: skip the row's bytes
-        w = _w_tile(down_ptr, rows, s_down, offs_d, live[:, None] & dmask[None, :], QT)  # [BK, BD]
+        w = _w_tile(down_ptr, rows, s_down, pid * BD, D, live, BD, QT)  # [BK, BD]
         acc += h[:, None] * w.to(tl.float32)
-    tl.store(y_ptr + offs_d, tl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=dmask)
+    tl.store(y_ptr + cols, tl.sum(acc, axis=0).to(y_ptr.dtype.element_ty), mask=cols < D)
 
 
 @triton.jit
@@ -254,8 +272,7 @@ def _down_dot_kernel(h_ptr, down_ptr, idx_ptr, nact_ptr, y_ptr, T, D, K, s_down,
     pid = tl.program_id(0)
     if HAS_NACT:
         K = tl.minimum(tl.load(nact_ptr), K)
-    offs_d = pid * BD + tl.arange(0, BD)
-    dmask = offs_d < D
+    cols = _tile_cols(pid * BD, BD, QT)  # [BD]
     offs_t = tl.arange(0, TP)
     tmask = offs_t < T
     acc = tl.zeros((TP, BD), dtype=tl.float32)
@@ -266,10 +283,25 @@ def _down_dot_kernel(h_ptr, down_ptr, idx_ptr, nact_ptr, y_ptr, T, D, K, s_down,
         h = tl.load(h_ptr + offs_t[:, None] * s_h + offs_k[None, :],
                     mask=tmask[:, None] & kmask[None, :], other=0.0)  # [TP, BK]
         live = kmask & (tl.max(tl.abs(h), axis=0) > 0)  # [BK]
-        w = _w_tile(down_ptr, rows, s_down, offs_d, live[:, None] & dmask[None, :], QT)  # [BK, BD]
+        w = _w_tile(down_ptr, rows, s_down, pid * BD, D, live, BD, QT)  # [BK, BD]
         acc = tl.dot(h, w.to(tl.float32), acc, input_precision=PREC)
-    tl.store(y_ptr + offs_t[:, None] * s_y + offs_d[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=tmask[:, None] & dmask[None, :])
+    tl.store(y_ptr + offs_t[:, None] * s_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=tmask[:, None] & (cols < D)[None, :])
+
+
+def w_arg(w: torch.Tensor, qtype: str | None) -> tuple[torch.Tensor, int]:
+    """(the tensor a kernel reads for weight rows w, its row stride in the kernel's elements): w
+    itself, or a qtype's uint8 block rows as int16 words (whole blocks are an even number of bytes)."""
+    if qtype is None:
+        return w, w.stride(0)
+    assert w.stride(0) % 2 == 0 and w.storage_offset() % 2 == 0, \
+        f"{qtype} rows of stride {w.stride(0)} at offset {w.storage_offset()}: expected whole blocks"
+    return w.view(torch.int16), w.stride(0) // 2
+
+
+def tile_width(bd: int, qtype: str | None) -> int:
+    """A tile's columns: bd, at least one block (32 columns) for quantized rows."""
+    return bd if qtype is None else max(32, bd)
 
 
 def mask_args(mask: torch.Tensor | None, dummy: torch.Tensor) -> tuple[int, torch.Tensor, int]:
@@ -304,21 +336,23 @@ def launch_up(x, up, gate, up_bias, idx, mask, n_active, act, h, cfg: Config, qt
     sw, gp, s_gp, thr = swiglu_args(act_threshold, act_on, gate_pre, dummy)
     common = dict(ACT=ACT_CODE[act], HAS_GATE=gate is not None and gate_pre is None, HAS_BIAS=up_bias is not None,
                   MASK_MODE=mode, HAS_NACT=n_active is not None, QT=QT_CODE[qtype], **sw)
-    ptrs = (x, up, gate if gate is not None else up, up_bias if up_bias is not None else dummy, idx,
+    dot_f32 = x.dtype != up.dtype or up.dtype == torch.float32  # (quantized rows: uint8 != x's dtype)
+    up_w, s_up = w_arg(up, qtype)
+    gate_w, s_gate = w_arg(gate, qtype) if gate is not None else (up_w, s_up)
+    ptrs = (x, up_w, gate_w, up_bias if up_bias is not None else dummy, idx,
             n_active if n_active is not None else dummy, mask, h, gp)
-    s_gate = (gate if gate is not None else up).stride(0)
     if T == 1 and not cfg.up_dot:
         grid = (triton.cdiv(K, cfg.up_bk),)
-        _up_gemv_kernel[grid](*ptrs, D, K, up.stride(0), s_gate, thr,
-                              BK=cfg.up_bk, BD=cfg.up_bd, num_warps=cfg.up_warps, num_stages=cfg.up_stages, **common)
+        _up_gemv_kernel[grid](*ptrs, D, K, s_up, s_gate, thr, BK=cfg.up_bk, BD=tile_width(cfg.up_bd, qtype),
+                              num_warps=cfg.up_warps, num_stages=cfg.up_stages, **common)
     else:
         bk = max(16, cfg.up_bk)
         tp = max(16, triton.next_power_of_2(T))
-        dot_f32 = x.dtype != up.dtype or up.dtype == torch.float32  # (quantized rows: uint8 != x's dtype)
         bd = min(cfg.up_bd, 64) if dot_f32 else cfg.up_bd  # tf32x3 tiles spill registers beyond 64
         _up_dot_kernel[(triton.cdiv(K, bk),)](
-            *ptrs, T, D, K, x.stride(0), up.stride(0), s_gate, s_mask, h.stride(0), s_gp, thr,
-            DOT_F32=dot_f32, TP=tp, BK=bk, BD=bd, num_warps=cfg.up_warps, num_stages=cfg.up_stages, **common)
+            *ptrs, T, D, K, x.stride(0), s_up, s_gate, s_mask, h.stride(0), s_gp, thr,
+            DOT_F32=dot_f32, TP=tp, BK=bk, BD=tile_width(bd, qtype), num_warps=cfg.up_warps,
+            num_stages=cfg.up_stages, **common)
 
 
 def launch_down(h, down_t, idx, n_active, y, cfg: Config, qtype: str | None = None) -> None:
@@ -327,15 +361,17 @@ def launch_down(h, down_t, idx, n_active, y, cfg: Config, qtype: str | None = No
     T, D = y.shape
     K = idx.shape[0]
     nact = n_active if n_active is not None else idx
+    down_w, s_down = w_arg(down_t, qtype)
     if T == 1 and not cfg.down_dot:
-        _down_gemv_kernel[(triton.cdiv(D, cfg.down_bd),)](
-            h, down_t, idx, nact, y, D, K, down_t.stride(0), HAS_NACT=n_active is not None, QT=QT_CODE[qtype],
-            BK=cfg.down_bk, BD=cfg.down_bd, num_warps=cfg.down_warps, num_stages=cfg.down_stages)
+        bd = tile_width(cfg.down_bd, qtype)
+        _down_gemv_kernel[(triton.cdiv(D, bd),)](
+            h, down_w, idx, nact, y, D, K, s_down, HAS_NACT=n_active is not None, QT=QT_CODE[qtype],
+            BK=cfg.down_bk, BD=bd, num_warps=cfg.down_warps, num_stages=cfg.down_stages)
     else:
         tp = max(16, triton.next_power_of_2(T))
         prec = "tf32" if down_t.dtype in (torch.float16, torch.bfloat16) and qtype is None else "tf32x3"
-        bd = max(16, cfg.down_bd)
+        bd = tile_width(max(16, cfg.down_bd), qtype)
         _down_dot_kernel[(triton.cdiv(D, bd),)](
-            h, down_t, idx, nact, y, T, D, K, down_t.stride(0), h.stride(0), y.stride(0),
+            h, down_w, idx, nact, y, T, D, K, s_down, h.stride(0), y.stride(0),
             HAS_NACT=n_active is not None, PREC=prec, QT=QT_CODE[qtype], TP=tp, BK=max(16, cfg.down_bk), BD=bd,
             num_warps=cfg.down_warps, num_stages=cfg.down_stages)

@@ -256,8 +256,8 @@ def what_differs(y: torch.Tensor, ref: torch.Tensor) -> str:
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("act", ["relu", "reglu", "swiglu"])
 def test_sparse_ffn_on_quantized_rows(qtype, act):
-    """sparse_ffn with a qtype (the default configs: fused at T == 1, two stages above), every
-    density and mask form, 1 / 8 / 32 / 40 tokens, fp16 and fp32 x."""
+    """sparse_ffn with a qtype (the default configs: two stages, elementwise at T == 1 and tl.dot
+    above), every density and mask form, 1 / 8 / 32 / 40 tokens, fp16 and fp32 x."""
     gen = torch.Generator().manual_seed(len(act) * 7 + len(qtype))
     N, D = 1024, 640
     up, down_t = q_rows(N, D, qtype, gen, D ** -0.5), q_rows(N, D, qtype, gen)
@@ -284,9 +284,10 @@ def test_sparse_ffn_on_quantized_rows(qtype, act):
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_quantized_ffn_at_llama13b_shape_and_in_a_graph(qtype, T):
-    """The 13B shard at 10 % density on quantized rows, then the packed form with the device count
-    replayed from a CUDA graph for new x (T == 1: the fused kernel's scratch must come back zero)."""
-    from powerinfer_ray.kernels import triton_fused
+    """The 13B shard at 10 % density on quantized rows (T == 1: the default two stages and the fused
+    kernel), then the packed form with the device count replayed from a CUDA graph for new x (the
+    fused kernel's scratch must come back zero)."""
+    from powerinfer_ray.kernels import triton_ffn, triton_fused
 
     gen = torch.Generator().manual_seed(T + len(qtype))
     N, D = 13824, 5120
@@ -296,6 +297,11 @@ def test_quantized_ffn_at_llama13b_shape_and_in_a_graph(qtype, T):
     y = sparse_ffn(x, up, gate, down_t, idx, out=poisoned((T, D), torch.float16, DEV), qtype=qtype)
     ref = sparse_ffn_ref(x, up, gate, down_t, idx, qtype=qtype)
     assert rel_err(y, ref) < Q_TOL[torch.float16], f"{qtype} T={T}: " + what_differs(y, ref)
+    if T == 1:
+        yf = triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, None, "reglu", None,
+                                          poisoned((T, D), torch.float16, DEV), None, triton_ffn.CONFIGS["gemv"],
+                                          qtype=qtype)
+        assert rel_err(yf, ref) < Q_TOL[torch.float16], f"{qtype} fused: " + what_differs(yf, ref)
     if T > 32:
         return
     mask = token_bits((torch.rand(T, idx.numel(), generator=gen) < 0.5).to(DEV))

@@ -196,14 +196,17 @@ def test_triton_sparse_ffn_on_quantized_rows(qtype, act):
     mask forms, a device count, OPT's up bias, fp32 and fp16 x."""
     gen = torch.Generator().manual_seed(len(act) + len(qtype))
     N, K = 60, 23
-    t1 = [triton_ffn.Config(4, 32, 4, 16, 32, 4), triton_ffn.Config(4, 32, 4, 16, 32, 4, up_dot=False, down_dot=False),
+    # tiles of one block and of two (the Q4_0 tiles' column order within and across blocks)
+    t1 = [triton_ffn.Config(4, 64, 4, 16, 64, 4), triton_ffn.Config(4, 32, 4, 16, 32, 4),
+          triton_ffn.Config(4, 32, 4, 16, 32, 4, up_dot=False, down_dot=False),
+          triton_ffn.Config(4, 64, 4, 16, 64, 4, up_dot=False, down_dot=False),
           triton_ffn.Config(4, 32, 4, 16, 32, 4, fused_r=2, fused_warps=2, fused_progs=1, eager_down=False)]
     for D in (96, 64):
         up, down_t = q_rows(N, D, qtype, gen, D ** -0.5), q_rows(N, D, qtype, gen)
         gate = None if act == "relu" else q_rows(N, D, qtype, gen, D ** -0.5)
         b = torch.randn(N, generator=gen) * 0.5 if act == "relu" else None
         idx = make_idx(K, N, gen, torch.int32)
-        for T, cfgs in ((1, t1), (3, t1[:1])):
+        for T, cfgs in ((1, t1), (3, t1[:2])):
             cases = [(None, None), (torch.rand(T, K, generator=gen) < 0.6, None),
                      (token_bits(torch.rand(T, K, generator=gen) < 0.6), torch.tensor([15], dtype=torch.int32))]
             for cfg, (mask, n_act) in itertools.product(cfgs, cases):
