@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gpukern|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qkern|swiglu
+#       bash bench/host_run.sh verify|gpukern|gpurt|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qkern|swiglu
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gpukern|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qkern|swiglu"
+stages="verify|gpukern|gpurt|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qkern|swiglu"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -74,6 +74,12 @@ gpukern)  # the Triton kernels alone: their GPU tests, then the sweep (fused and
     tail -n 5 "$OUT/gpu-tests.log" | cut -c1-300
     timeout 400 powerinfer-ray bench kernels --device cuda --sweep --out "$OUT" >> "$log" 2>&1
     grep -E "^\[(sweep|gpu)\]" "$log" | tail -n 20 | cut -c1-400
+    ;;
+gpurt)  # the runtime's GPU tests (engines on the GPU: every split, quantized, SwiGLU), their own call: the
+    # whole tests/gpu serially outlasts one (31 passed in 250 s at 6add009, cut inside a Triton compile)
+    timeout -s INT 560 python -m pytest tests/gpu/test_runtime_gpu.py tests/gpu/test_runtime_quant_gpu.py \
+        tests/gpu/test_swiglu_gpu.py -q -rf > "$OUT/gpu-tests.log" 2>&1
+    tail -n 8 "$OUT/gpu-tests.log" | cut -c1-300
     ;;
 13b)  # the headline, the three engines in one run (the step-link A/B ran at da49b8d:
     # bench/results/runtime-13b-16gib-raycall-h200.json)
