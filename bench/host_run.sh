@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gpukern|gpurt|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qkern|swiglu
+#       bash bench/host_run.sh verify|gpukern|gpurt|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qkern|swiglu|offline|offtrain
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gpukern|gpurt|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qkern|swiglu"
+stages="verify|gpukern|gpurt|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qkern|swiglu|offline|offtrain"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -48,6 +48,14 @@ for path in sys.argv[1:]:
               f"(private {r['private_gib']:.2f}, shm +{r['shm_added_gib']:.2f}), file {r['model_file_gib'] or 0:.1f} GiB, "
               f"host {r['host_total_gib']:.0f} GiB")
 PY
+}
+offbench() {  # timeout args...: bench/offline_bench.py on the 13B file at $B13 GiB, its JSON into $OUT
+    local limit=$1
+    shift
+    echo "== offline_bench: $*" >> "$log"
+    timeout -s INT "$limit" python bench/offline_bench.py -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+        -t "$THREADS" --out-dir "$OUT" --name "13b-${B13}gib-h200" "$@" >> "$log" 2>&1
+    grep -E "^(profile|predictors) |Error|error:" "$log" | tail -n 4 | cut -c1-400
 }
 write_file() {  # spec timeout: the planted model as a file in $SHM (not written again when it matches)
     echo "== file $1" >> "$log"
@@ -201,6 +209,26 @@ swiglu)  # issue 20: planted:llama3-8b (SwiGLU sparsified at 50 %) at 8 GiB, pro
     # engine each: hybrid in the predicted mode, hybrid gate-first, the dense hybrid, layer-offload
     suite runtime-llama3-8b-8gib-h200 580 -m "$M8" --vram-budget "$B8" \
         --modes hybrid,hybrid-gate-first,hybrid-dense,layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
+    ;;
+offline)  # issue 23: the 13B profiled through the engine at 16 GiB from its file on /dev/shm (the write first,
+    # ~200 s). 1M tokens at the issue's 2,000 tok/s bar is 500 s, more than a call leaves after the write: the
+    # stage measures the rate on 300k tokens (1M take load_s + 1e6 / run_tok_s of the record). Windows of 256,
+    # 8 a step (--prefill-chunk 2048): each pass of the CPU shard's rows to the GPU serves 2048 tokens
+    memory before
+    write_file "$M13" 200 || exit 0
+    offbench 340 --phases profile --profile-tokens 300000 --prefill-chunk 2048
+    memory "profiled"
+    ;;
+offtrain)  # issue 23: predictors for the 13B's 40 layers, samples through the engine at 16 GiB from the file
+    # (train-predictors reads a file: the write first, ~200 s). A sample is x [5120] f32 + a code [13824] per
+    # token and layer, 1.4 MB a token: 20k training and 2k held-out tokens spill 30 GB to /dev/shm beside the
+    # 26 GB file; the model with predictors (26 GB) goes to the disk. The held-out check runs the dense
+    # reference (f32 on the GPU, 52 GB) ~50 times: per layer, and the threshold's search
+    memory before
+    write_file "$M13" 200 || exit 0
+    offbench 340 --phases train --train-tokens 20000 --prefill-chunk 2048 --work-dir /tmp/offtrain \
+        --train-args "--heldout-tokens 2048 --spill-dir $SHM/offtrain-spill"
+    memory "trained"
     ;;
 *)
     echo "unknown stage $stage: expected $stages" >&2

@@ -2,27 +2,20 @@
 by its spec, read back bit for bit, not rewritten when it matches, and run by the engine."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
+from powerinfer_ray.bench import load_driver
 from powerinfer_ray.model import gguf_keys as K
 from powerinfer_ray.model.gguf_file import ModelFile
 from powerinfer_ray.model.planted import planted_model
 from powerinfer_ray.offline.solve import load_counts
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def pf():
-    spec = importlib.util.spec_from_file_location("planted_file", ROOT / "bench" / "planted_file.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_driver("planted_file")
 
 
 def test_file_names_keep_the_shape(pf):

@@ -10,7 +10,8 @@ from powerinfer_ray import cli
 from powerinfer_ray.model.default import default_model_path
 from powerinfer_ray.offline.profile import ActivationStats, profile_activations
 from powerinfer_ray.runtime.config import EngineConfig
-from powerinfer_ray.runtime.engine_profile import profile_with_engine, window_shape
+from powerinfer_ray.runtime.engine import LocalEngine
+from powerinfer_ray.runtime.engine_profile import oracle_config, profile_engine, profile_with_engine, window_shape
 
 CORPUS, MAX, SEQ = "builtin:heldout", 2048, 64
 
@@ -36,6 +37,27 @@ def _close(got: ActivationStats, want: ActivationStats) -> None:
 def test_engine_profile_counts_the_single_device_profile(single_device, kw):
     got = profile_with_engine(EngineConfig(str(default_model_path()), **kw), CORPUS, MAX, SEQ, progress=False)
     _close(got, single_device)
+
+
+def test_profile_engine_counts_the_windows_alone(single_device):
+    """On an engine already open that has run other tokens: the profile is the windows' alone."""
+    ec = EngineConfig(str(default_model_path()), gpu_fraction=0.4, prefill_chunk=32, max_batch=4)
+    eng = LocalEngine(oracle_config(ec, "a profile"))
+    try:
+        eng.primary.step([0], [list(range(5, 37))], [0])
+        assert eng.activation_stats().n_tokens == 32
+        _close(profile_engine(eng, CORPUS, MAX, SEQ, progress=False), single_device)
+    finally:
+        eng.close()
+
+
+def test_profile_engine_refuses_an_engine_that_does_not_count_the_true_activations():
+    eng = LocalEngine(EngineConfig(str(default_model_path()), policy="dense", max_batch=1))
+    try:
+        with pytest.raises(ValueError, match="policy 'dense': an activation profile counts the true activations"):
+            profile_engine(eng, CORPUS, MAX, SEQ, progress=False)
+    finally:
+        eng.close()
 
 
 def test_window_shape():
