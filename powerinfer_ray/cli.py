@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -417,9 +418,18 @@ def user_error(exc: BaseException) -> str | None:
     return " ".join(line.strip() for line in str(cause).splitlines() if line.strip()) or type(cause).__name__
 
 
+def check_outfile(path: str | None) -> None:
+    """Refuse an output file whose folder does not exist before any work (a long command would
+    otherwise lose what it computed at the end)."""
+    if path and not Path(path).resolve().parent.is_dir():
+        raise ValueError(f"-o {path}: the folder {Path(path).resolve().parent} does not exist; create it or "
+                         "choose another path")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_outfile(getattr(args, "outfile", None))
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130

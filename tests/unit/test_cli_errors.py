@@ -75,6 +75,15 @@ def test_bad_model_files(tmp_path, capsys):
     assert "no such file" in _run(["serve", "-m", str(tmp_path / "missing.gguf")], capsys)
 
 
+@pytest.mark.parametrize("cmd", [["train-predictors", "builtin"], ["sparsify", "builtin"], ["quantize"]])
+def test_an_output_file_in_a_missing_folder_is_refused_before_any_work(model, tmp_path, capsys, cmd):
+    out = tmp_path / "no-such-folder" / "out.gguf"
+    argv = [cmd[0], "-m", model, *cmd[1:], "-o", str(out)] if cmd[0] != "quantize" else \
+        ["quantize", model, str(out), "q8_0"]
+    line = _run(argv, capsys)
+    assert f"the folder {out.parent} does not exist" in line, line
+
+
 def test_serve_checks_its_own_flags(model, capsys):
     assert "max_in_flight=0" in _run(["serve", "-m", model, "--max-in-flight", "0"], capsys)
 
