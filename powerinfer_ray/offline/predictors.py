@@ -193,6 +193,7 @@ def _token_split(tok: Tokenizer, corpus: Corpus, heldout: Corpus | None, fmt: St
     else:
         arr, starts = stream_array(tok, iter_texts(corpus), fmt, max_tokens + heldout_tokens)
         train, held = split_heldout(arr, starts, min(heldout_tokens, int(HELDOUT_SHARE * len(arr))))
+        train = train[:max_tokens]  # the held-out share may have left more than max_tokens before it
     for name, ids in (("corpus", train), ("held-out text", held)):
         if len(ids) < seq_len:
             raise ValueError(f"the {name} gave {len(ids)} tokens, fewer than one window of {seq_len}: "

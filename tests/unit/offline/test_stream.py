@@ -108,3 +108,18 @@ def test_heldout_is_the_last_documents():
     assert len(held) == 20 and len(train) == 80
     with pytest.raises(ValueError, match="heldout_tokens"):
         split_heldout(arr, starts, 100)
+
+
+def test_training_tokens_stay_within_max_tokens_when_the_corpus_gives_the_heldout_text(tmp_path):
+    """train-predictors without --heldout: the held-out text is the corpus's last documents (from
+    the document start at or before HELDOUT_SHARE of what was read, when that is less than
+    heldout_tokens); the training tokens are the stream's start, never more than max_tokens."""
+    from powerinfer_ray.offline.predictors import HELDOUT_SHARE, _token_split
+
+    fmt = StreamFormat(doc_sep="eos", window_bos=False)
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " * 40}) + "\n" for i in range(200)))
+    arr, _ = stream_array(BYTES, iter_texts(str(corpus)), fmt, 4000 + 8192)
+    train, held = _token_split(BYTES, str(corpus), None, fmt, 4000, 8192, 64)
+    assert len(train) == 4000 and np.array_equal(train, arr[:4000])
+    assert len(held) >= int(HELDOUT_SHARE * len(arr)) and np.array_equal(held, arr[len(arr) - len(held):])
