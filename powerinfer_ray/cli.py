@@ -324,6 +324,10 @@ def _offline_engine(a: argparse.Namespace, own: tuple[str, ...] = ()):  # noqa: 
         raise ValueError(f"--policy {a.policy}: {a.cmd} --engine needs the true activity (policy oracle); "
                          "leave --policy out")
     a.policy = "oracle"
+    if a.n_ctx is None:  # no window is longer: a longer context would take VRAM from the neurons
+        from .model.source import open_model
+
+        a.n_ctx = min(a.seq_len, open_model(_resolve_model(a.model)).config.n_ctx)
     return _prepared(a).config
 
 

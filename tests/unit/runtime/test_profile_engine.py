@@ -82,3 +82,16 @@ def test_profile_command_through_the_engine(tmp_path, single_device):
 def test_profile_refuses_engine_flags_that_do_not_apply(tmp_path, capsys, argv, words):
     assert cli.main(["profile", CORPUS, "-o", str(tmp_path / "p"), *argv]) == 2
     assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, want", [(["--seq-len", "48"], 48), (["--seq-len", "100000"], None),
+                                         (["--seq-len", "48", "-c", "96"], 96)])
+def test_engine_context_is_the_window_unless_given(tmp_path, flags, want):
+    """profile / train-predictors --engine size the engine's context (its KV cache in the VRAM budget)
+    to a window, at most the model's context, unless -c says otherwise."""
+    from powerinfer_ray.model.source import open_model
+
+    model_ctx = open_model(str(default_model_path())).config.n_ctx
+    for cmd in (["profile", CORPUS, "-o", str(tmp_path / "p")], ["train-predictors", CORPUS, "-o", str(tmp_path / "m")]):
+        a = cli.build_parser().parse_args([*cmd, "--engine", "--device", "cpu", *flags])
+        assert cli._offline_engine(a).n_ctx == (want or model_ctx) < 100000, cmd
