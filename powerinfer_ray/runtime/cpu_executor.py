@@ -114,7 +114,9 @@ class CPUExecutor:
         self.skip_zero = policy != "dense"
         self.threads = threads or torch.get_num_threads()
         self._cpus = sorted(os.sched_getaffinity(0))  # before any pinning of this thread
-        self._apply_threads()
+        # loading (a planted model's rows are generated) runs torch's threads on every CPU of the
+        # process, before this thread is pinned for serving (``_apply_threads``, below)
+        torch.set_num_threads(self.threads)
         wdt = DTYPES[dtype or cfg.float_dtype]
         n_ctx = min(n_ctx or cfg.n_ctx, cfg.n_ctx)
         self.phases = {"open": time.perf_counter() - t0}
@@ -139,6 +141,7 @@ class CPUExecutor:
         self.channel: Channel | None = None
         self.error: str | None = None
         self.warmer = Warmer(self.ffn).start() if self.ffn_rows == "file" else None
+        self._apply_threads()
 
     def _ffn_in_place(self, wdt: torch.dtype) -> list[FFNShard] | None:
         """Every layer's FFN rows as views of the model file's memory map (no copy), or None
@@ -204,13 +207,17 @@ class CPUExecutor:
         return n
 
     def _apply_threads(self) -> None:
-        """torch's threads, and the kernels' workers: pinned to the last ``threads`` CPUs of this
-        process when at least two more are left for the others (the primary's driver thread, Ray),
-        so they spin on cores of their own; else unpinned (they yield when a core is shared).
-        Runs in the worker thread, which becomes the kernels' thread 0."""
-        torch.set_num_threads(self.threads)
+        """The kernels' workers, and torch's threads, for serving: the workers pinned to the last
+        ``threads`` CPUs of this process when at least two more are left for the others (the
+        primary's driver thread, Ray), so they spin on cores of their own; else unpinned (they
+        yield when a core is shared). Runs in the worker thread, which becomes the kernels' thread
+        0. Pinned, torch runs this thread's few ops (the attention's rotary, softmax and cache
+        writes) in this thread alone: a thread starts with its creator's CPUs, so the OpenMP
+        workers a pinned thread starts would share its one core, and the other pinned cores are
+        the kernels' workers', spinning after each call. Unpinned, torch gets ``threads``."""
         cpus = self._cpus
         self.pinned = cpus[-self.threads:] if self.threads + 2 <= len(cpus) else []
+        torch.set_num_threads(1 if self.pinned else self.threads)
         configure_threads(WORKER_SPIN_US, self.pinned)
 
     def _ids_and_bias(self, l: int) -> tuple[np.ndarray, np.ndarray | None]:

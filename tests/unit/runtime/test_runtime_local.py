@@ -3,6 +3,7 @@ executor serves in a thread), checked against the dense reference forward."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -592,5 +593,38 @@ def test_cpu_executor_loads_and_computes_in_its_one_thread(models, monkeypatch):
         worker = eng.cpu._omp.thread.ident
         assert threads["load"] and threads["kernel"] and threads["attention"]
         assert threads["load"] | threads["kernel"] | threads["attention"] == {worker} != {threading.get_ident()}
+    finally:
+        eng.close()
+
+
+def _threads_on(cpus: set[int]) -> list[int]:
+    """Native ids of this process's threads that may run on exactly ``cpus``."""
+    out = []
+    for tid in sorted(os.listdir("/proc/self/task"), key=int):
+        with open(f"/proc/self/task/{tid}/status") as f:
+            allowed = next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list"))
+        got: set[int] = set()
+        for part in allowed.split(","):
+            a, _, b = part.partition("-")
+            got |= set(range(int(a), int(b or a) + 1))
+        if got == cpus:
+            out.append(int(tid))
+    return out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 4, reason="threads=2 pins only with two more CPUs left")
+def test_a_pinned_cpu_executor_shares_its_core_with_no_other_thread(models):
+    """threads=2 on a host of four CPUs or more: the CPU executor pins its thread and the kernels'
+    worker to the last two CPUs. After prefill and decode steps of its heads and neurons (torch's
+    attention ops between the kernels' calls), its thread is the only one confined to its CPU:
+    torch's OpenMP workers, had its thread started them after pinning, would be confined there too
+    (a thread starts with its creator's CPUs) and spin on that one core."""
+    path = models["llama-gqa"]
+    plan = _plans(ReferenceModel.from_file(path).cfg)["split-heads"]
+    eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="dense", prefill_chunk=16, max_batch=2, threads=2))
+    try:
+        _run_steps(eng, list(range(3, 35)), [35, 36, 37], 16)
+        assert eng.cpu.stats.attn_s > 0 and eng.cpu.pinned == sorted(os.sched_getaffinity(0))[-2:]
+        assert _threads_on({eng.cpu.pinned[0]}) == [eng.cpu._omp.thread.native_id]
     finally:
         eng.close()

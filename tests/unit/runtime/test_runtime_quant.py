@@ -25,8 +25,11 @@ def _plan(cfg, split: str) -> Plan:
     rng = np.random.default_rng(0)
     masks = [rng.random(cfg.n_ff) < 0.3 for _ in range(cfg.n_layer)]
     half = [np.arange(cfg.n_head_kv) < max(1, cfg.n_head_kv // 2)] * cfg.n_layer
+    k = cfg.n_layer // 2  # layer-offload (bench/model_bench.py's baseline): layers 0 .. k-1 whole on the primary
+    whole = [np.full(cfg.n_ff, l < k) for l in range(cfg.n_layer)], [np.full(cfg.n_head_kv, l < k)
+                                                                     for l in range(cfg.n_layer)]
     return {"all-gpu": Plan.all_gpu(cfg), "all-cpu": Plan.all_cpu(cfg), "mixed": Plan.from_masks(masks, None, cfg),
-            "split-heads": Plan.from_masks(masks, half, cfg)}[split]
+            "split-heads": Plan.from_masks(masks, half, cfg), "layer-offload": Plan.from_masks(*whole, cfg)}[split]
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +149,37 @@ def test_dense_prefill_of_a_quantized_cpu_shard(tmp_path, qtype):
         # policy 'dense' reads each of the CPU's up and down rows per decode step: 128 weights each,
         # as stored (4 blocks of 34 or 18 bytes)
         assert eng.cpu.stats.kernel_bytes == len(decode) * n_cpu * 2 * 4 * {"q8_0": 34, "q4_0": 18}[qtype]
+    finally:
+        eng.close()
+    errs, flips = match_rounding(ref, prompt + decode, got, at)
+    assert max(errs) < TOL, (errs, flips)
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "falcon-gqa"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "segments"])
+def test_layer_offload_split_equals_the_kernels_reference(models, variant, qtype, graphs):
+    """The layer-offload baseline on quantized weights: policy 'dense' over whole layers, the first
+    on the primary (heads and every neuron), the last on the CPU executor; prefill chunks, then
+    decode steps eager or as the graph segments: every step's logits equal the reference, and
+    each executor computes every neuron and reads every row of its own layers at every step."""
+    path = models[variant, qtype]
+    ref = KernelReference.from_file(path)
+    cfg = ref.cfg
+    plan = _plan(cfg, "layer-offload")
+    mine = [l for l in range(cfg.n_layer) if len(plan[l].gpu_neurons)]
+    assert mine == [0] and not len(plan[1].gpu_groups) and not len(plan[2].gpu_groups)
+    eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="dense", prefill_chunk=8, max_batch=2,
+                                   graphs=graphs))
+    try:
+        prompt, decode = list(range(3, 20)), [7, 99, 150]
+        got, at = _steps(eng, prompt, decode, 8)
+        steps, tokens = len(got), len(prompt) + len(decode)
+        assert [a.n_groups for a in eng.cpu.attn] == [0, cfg.n_head_kv, cfg.n_head_kv]
+        assert eng.primary.stats.neurons == tokens * cfg.n_ff and eng.cpu.stats.neurons == tokens * cfg.n_ff * 2
+        # one exchange per layer with parallel attention (falcon), two (heads, then neurons) otherwise
+        assert eng.cpu.stats.exchanges == steps * 2 * (1 if cfg.parallel_attn else 2)
+        assert eng.cpu.stats.kernel_bytes == steps * 2 * cfg.n_ff * cfg.neuron_bytes  # as stored, every row
     finally:
         eng.close()
     errs, flips = match_rounding(ref, prompt + decode, got, at)
