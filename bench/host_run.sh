@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gpukern|gpurt|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qkern|swiglu|offline|offtrain
+#       bash bench/host_run.sh verify|gpukern|gpurt|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gpukern|gpurt|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qkern|swiglu|offline|offtrain"
+stages="verify|gpukern|gpurt|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -196,6 +196,16 @@ q4)  # quantized (issue 19): the Q4_0 13B at 4 GiB, hybrid and its own layer-off
 q8)  # the Q8_0 13B at 8 GiB, hybrid and layer-offload
     suite runtime-13b-q8-8gib-h200 560 -m "planted:llama2-13b?dtype=q8_0" --vram-budget 8 \
         --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
+    ;;
+qcpu)  # the CPU exchange on Q4_0 rows against fp16 at the 13B shape (12 layers' shards on /dev/shm, K from
+    # 254 to 1600 rows: the intercept is the call's fixed cost, the slope its rate on compressed bytes)
+    for dt in q4_0 fp16; do
+        mkdir -p "$OUT/$dt"
+        timeout 250 python bench/kernels_bench.py --cpu-exchange -t "$THREADS" --tokens 1 --exchange-k 254,400,800,1600 \
+            --exchange-layers 12 --exchange-n 8600 --exchange-shm --exchange-dtype "$dt" --exchange-gap-ms 0.3 \
+            --exchange-reps 60 --exchange-policies unset --out "$OUT/$dt" >> "$log" 2>&1
+    done
+    grep "exchange cold" "$log" | cut -c1-400
     ;;
 qkern)  # the Triton kernels on Q4_0 / Q8_0 rows: their GPU tests, then the FFN (fused and two stages at
     # T == 1) and the dense GEMV against fp16 at the 13B shape

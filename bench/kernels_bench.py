@@ -104,6 +104,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--exchange-n", type=int, default=None,
                    help="--cpu-exchange with --exchange-layers > 1: rows per layer's shard (default 8600, the "
                         "13B CPU shard; Falcon-40B at 24 GiB: ~31000)")
+    p.add_argument("--exchange-dtype", choices=["fp16", "q4_0", "q8_0"], default="fp16",
+                   help="--cpu-exchange with --exchange-layers > 1: the shards' weights (quantized: random blocks)")
     p.add_argument("--exchange-shm", action="store_true",
                    help="--cpu-exchange with --exchange-layers > 1: the shards in one /dev/shm file (tmpfs pages, "
                         "as a model file on /dev/shm or the runtime's shared copy), instead of private memory")
@@ -140,19 +142,19 @@ def make_weights(dtype: torch.dtype, device: str, gen: torch.Generator):
     return r(False), r(True), r(False)
 
 
-def make_qweights(qtype: str, device: str, gen: torch.Generator):
-    """make_weights as random ggml blocks of qtype (uint8 [N, D // 32 * block bytes]): random
-    integers, scales of ~1/sqrt(D) per weight; gate's values >= 0 (q8_0 q in 0..127, q4_0 nibbles
+def make_qweights(qtype: str, device: str, gen: torch.Generator, n: int = N, d: int = D):
+    """make_weights as random ggml blocks of qtype (uint8 [n, d // 32 * block bytes]): random
+    integers, scales of ~1/sqrt(d) per weight; gate's values >= 0 (q8_0 q in 0..127, q4_0 nibbles
     >= 8), so with x > 0 every active neuron's activation is nonzero."""
-    bb, nb = quant.BLOCK_BYTES[qtype], D // quant.QK
-    scale = torch.full((N, nb, 1), D ** -0.5 / (64 if qtype == "q8_0" else 4), dtype=torch.float16)
+    bb, nb = quant.BLOCK_BYTES[qtype], d // quant.QK
+    scale = torch.full((n, nb, 1), d ** -0.5 / (64 if qtype == "q8_0" else 4), dtype=torch.float16)
 
     def r(pos: bool) -> torch.Tensor:
-        b = torch.randint(0, 256, (N, nb, bb), generator=gen, dtype=torch.uint8)
+        b = torch.randint(0, 256, (n, nb, bb), generator=gen, dtype=torch.uint8)
         if pos:
             b[..., 2:] = b[..., 2:] & 0x7F if qtype == "q8_0" else b[..., 2:] | 0x88
         b[..., :2] = scale.view(torch.uint8)
-        return b.reshape(N, nb * bb).to(device)
+        return b.reshape(n, nb * bb).to(device)
 
     return r(False), r(True), r(False)
 
@@ -462,18 +464,26 @@ def _exchange_cold(args) -> dict:
     torch.set_num_threads(threads)
     L, act, dim, n = args.exchange_layers, args.exchange_act, args.exchange_dim, args.exchange_n or EX_N
     gen = torch.Generator().manual_seed(2)
-    base = [(torch.randn(n, dim, generator=gen) * dim ** -0.5).half() for _ in range(3)]
-    base[1].abs_()  # gate positive: every active row's down row is read
+    qtype = args.exchange_dtype if args.exchange_dtype in QTYPES else None
+    if qtype is None:
+        base = [(torch.randn(n, dim, generator=gen) * dim ** -0.5).half() for _ in range(3)]
+        base[1].abs_()  # gate positive: every active row's down row is read
+        if act == "relu":
+            base[0].abs_()  # ReLU of up positive likewise
+    else:  # up, gate (values >= 0), down as random blocks
+        base = list(make_qweights(qtype, "cpu", gen, n, dim))
+        if act == "relu":
+            base[0] = base[1]
     if act == "relu":
-        base[0].abs_()  # ReLU of up positive likewise
         base[1] = None
+    row_width = dim if qtype is None else quant.row_bytes(qtype, dim)
     if args.exchange_shm:
         from powerinfer_ray.runtime.shard import FFNShard
         from powerinfer_ray.runtime.sharedshard import share
 
         ids = np.arange(n)
-        shared = share([n] * L, act != "relu", dim, torch.float16,
-                       lambda l: FFNShard(ids, base[0], base[1], base[2], None))
+        shared = share([n] * L, act != "relu", row_width, base[0].dtype,
+                       lambda l: FFNShard(ids, base[0], base[1], base[2], None, qtype), qtype=qtype)
         if shared is None:
             raise RuntimeError("--exchange-shm: /dev/shm has no room for the shards (see the warning above)")
         layers = [[sh.up, sh.gate, sh.down_t] for sh in shared[0]]
@@ -503,18 +513,19 @@ def _exchange_cold(args) -> dict:
                 if v == "omp_region":  # the kernel's threads doing nothing: wake-up + fork/join
                     lib.pi_read_sum(tiny.data_ptr(), tiny.numel(), threads)
                 elif v == "contiguous":  # no mask: rows 0 .. K-1, every one
-                    cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, None, K, act, None, out, threads)
+                    cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, None, K, act, None, out, threads, qtype=qtype)
                 else:
-                    cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, m[:1, :B], n, act, None, out, threads, split=v)
+                    cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, m[:1, :B], n, act, None, out, threads, split=v,
+                                               qtype=qtype)
                 if i >= 5:
                     times[v].append(time.perf_counter() - t0)
-        nbytes = (2 if act == "relu" else 3) * K * dim * 2
+        nbytes = (2 if act == "relu" else 3) * K * row_width * base[0].element_size()
         for v, ts in times.items():
             rows_out.append(dict(variant=v if v == "omp_region" else f"bitmask_{v}", T=1, K=K, layers=L, act=act,
-                                 D=dim, n=n, shm=bool(args.exchange_shm),
+                                 D=dim, n=n, weights=args.exchange_dtype, shm=bool(args.exchange_shm),
                                  **_call_times(ts, None if v == "omp_region" else nbytes)))
         print(f"[exchange cold {os.environ.get('OMP_WAIT_POLICY', 'unset')} "
-              f"{args.exchange_build or 'default build'}] {act} D={dim} n={n} t={threads} "
+              f"{args.exchange_build or 'default build'}] {act} {args.exchange_dtype} D={dim} n={n} t={threads} "
               f"L={L}{' shm' if args.exchange_shm else ''} K={K}: " + ", ".join(
             f"{r['variant']} {r['median_us']:.0f} us" + (f" ({r['GBps']} GB/s)" if r["GBps"] else "")
             for r in rows_out[-len(times):]), flush=True)
@@ -532,7 +543,10 @@ def bench_cpu_exchange(args) -> dict:
     Each variant runs in two processes, OMP_WAIT_POLICY unset and ACTIVE (libgomp reads it at load)."""
     if not cpu_library.available():
         return {"error": "compiled CPU kernel unavailable (no compiler); nothing measured"}
-    res = dict(shape=dict(D=args.exchange_dim, n=args.exchange_n or EX_N, act=args.exchange_act, weights="fp16",
+    if args.exchange_dtype != "fp16" and args.exchange_layers <= 1:
+        raise ValueError(f"--exchange-dtype {args.exchange_dtype}: quantized shards need --exchange-layers > 1")
+    res = dict(shape=dict(D=args.exchange_dim, n=args.exchange_n or EX_N, act=args.exchange_act,
+                          weights=args.exchange_dtype,
                           x="fp16 (channel)", out="fp32 (channel)"),
                gap_ms=args.exchange_gap_ms,
                timing=("median wall time per call over interleaved calls (variants in a new random order "
@@ -595,6 +609,7 @@ def _exchange_run(args, cflags: str | None, pol: str, reps: int) -> dict:
         cmd += ["--quick"] if args.quick else []
         cmd += ["--exchange-n", str(args.exchange_n)] if args.exchange_n else []
         cmd += ["--exchange-shm"] if args.exchange_shm else []
+        cmd += ["--exchange-dtype", args.exchange_dtype]
         cmd += ["--threads", str(args.threads)] if args.threads else []
         cmd += ["--pool-spin-us", str(args.pool_spin_us)] if args.pool_spin_us is not None else []
         cmd += ["--pool-pin"] if args.pool_pin else []
