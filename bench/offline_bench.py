@@ -191,10 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     model_source(a)
     if "train" in phases and a.model.startswith("planted:"):
         raise ValueError(f"-m {a.model}: train-predictors reads a GGUF file; add --as-file DIR (e.g. /dev/shm)")
-    if a.n_ctx is None:  # no window is longer: a longer KV cache would only take VRAM from the neurons
-        from powerinfer_ray.model.source import open_model
+    from powerinfer_ray.runtime.engine_profile import window_n_ctx
 
-        a.n_ctx = min(a.seq_len, open_model(a.model).config.n_ctx)
+    a.n_ctx = window_n_ctx(a.model, a.seq_len, a.n_ctx)
     ec = engine_config(a)
     name = a.name or Path(a.model.removeprefix("planted:").split("?")[0]).name.split(".")[0] + (
         f"-{ec.vram_budget_gib:g}gib" if ec.vram_budget_gib is not None else "")

@@ -324,10 +324,9 @@ def _offline_engine(a: argparse.Namespace, own: tuple[str, ...] = ()):  # noqa: 
         raise ValueError(f"--policy {a.policy}: {a.cmd} --engine needs the true activity (policy oracle); "
                          "leave --policy out")
     a.policy = "oracle"
-    if a.n_ctx is None:  # no window is longer: a longer context would take VRAM from the neurons
-        from .model.source import open_model
+    from .runtime.engine_profile import window_n_ctx
 
-        a.n_ctx = min(a.seq_len, open_model(_resolve_model(a.model)).config.n_ctx)
+    a.n_ctx = window_n_ctx(_resolve_model(a.model), a.seq_len, a.n_ctx)
     return _prepared(a).config
 
 

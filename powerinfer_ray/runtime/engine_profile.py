@@ -65,6 +65,14 @@ def oracle_config(ec: EngineConfig, what: str) -> EngineConfig:
     return dataclasses.replace(ec, policy="oracle")
 
 
+def window_n_ctx(model: str, seq_len: int, n_ctx: int | None) -> int:
+    """The engine's context for windows of ``seq_len``: ``n_ctx`` when given, else one window (at
+    most the model's context): no window is longer, and a longer KV cache takes VRAM from neurons."""
+    from ..model.source import open_model
+
+    return n_ctx or min(seq_len, open_model(model).config.n_ctx)
+
+
 def run_engine_profile(ec: EngineConfig, corpus: Corpus, out_dir: str | Path, max_tokens: int = 100_000,
                        seq_len: int = 256, progress: bool = True, plot: bool = True,
                        fmt: StreamFormat | None = None) -> ActivationStats:
