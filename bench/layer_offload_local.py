@@ -4,7 +4,7 @@ per exchange in its FFN kernel and in the attention of its heads. For finding wh
 time goes without the actors, on any host (the primary on CUDA when there is one).
 
 layer-offload: policy 'dense', layers 0 .. --gpu-layers - 1 whole on the primary, the rest whole
-on the CPU executor (``model_bench.whole_layers_plan``); hybrid: policy 'predictor', the hottest
+on the CPU executor (``Plan.whole_layers``); hybrid: policy 'predictor', the hottest
 --gpu-fraction of each layer's neurons and every head on the primary.
 
     python bench/layer_offload_local.py -m "planted:llama2-13b?layers=2" --dtypes q4_0,q8_0,f16 \\
@@ -21,10 +21,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_bench import whole_layers_plan, write_results  # noqa: E402
+from model_bench import write_results  # noqa: E402
 
 from powerinfer_ray.model.source import open_model  # noqa: E402
 from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine  # noqa: E402
+from powerinfer_ray.runtime.plan import Plan  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,7 +40,7 @@ def with_dtype(model: str, dtype: str) -> str:
 def measure(model: str, mode: str, a: argparse.Namespace) -> dict:
     """One engine: load, a prompt of --prompt tokens, --tokens decode steps (the median step)."""
     cfg = open_model(model).config
-    kw = dict(policy="dense", plan=whole_layers_plan(cfg, a.gpu_layers)) if mode == "layer-offload" \
+    kw = dict(policy="dense", plan=Plan.whole_layers(cfg, a.gpu_layers)) if mode == "layer-offload" \
         else dict(policy="predictor", gpu_fraction=a.gpu_fraction)
     t0 = time.perf_counter()
     eng = LocalEngine(EngineConfig(model, max_batch=1, n_ctx=a.prompt + a.tokens + 8, prefill_chunk=a.prompt,

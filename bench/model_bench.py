@@ -93,8 +93,9 @@ def layer_offload_plan(model: str, budget_gib: float, n_ctx: int, batch: int):  
     """llama.cpp -ngl: as many whole layers (attention + dense FFN) on the GPU as the budget
     holds after the embeddings/head, the KV cache of those layers and the workspace; the rest
     entirely on the CPU."""
-    from powerinfer_ray.model.source import open_model
     from powerinfer_ray.model.costs import model_costs
+    from powerinfer_ray.model.source import open_model
+    from powerinfer_ray.runtime.plan import Plan
 
     cfg = open_model(model).config
     c = model_costs(cfg.with_(predictor_ranks=()), n_ctx, batch)
@@ -105,16 +106,7 @@ def layer_offload_plan(model: str, budget_gib: float, n_ctx: int, batch: int):  
     while k < cfg.n_layer and room >= per_layer[k]:
         room -= per_layer[k]
         k += 1
-    return whole_layers_plan(cfg, k), k
-
-
-def whole_layers_plan(cfg, k: int):  # noqa: ANN001, ANN201
-    """Layers 0 .. k-1 whole on the primary (heads and every neuron), the rest on the CPU executor."""
-    from powerinfer_ray.runtime.plan import Plan
-
-    on = [np.full(cfg.n_ff, l < k) for l in range(cfg.n_layer)]
-    groups = [np.full(cfg.n_head_kv, l < k) for l in range(cfg.n_layer)]
-    return Plan.from_masks(on, groups, cfg)
+    return Plan.whole_layers(cfg, k), k
 
 
 def engine_kwargs(mode: str, a: argparse.Namespace, n_ctx: int, batch: int,

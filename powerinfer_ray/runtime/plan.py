@@ -80,6 +80,13 @@ class Plan:
                               [np.zeros(cfg.n_head_kv, bool)] * cfg.n_layer, cfg)
 
     @classmethod
+    def whole_layers(cls, cfg: ModelConfig, k: int) -> "Plan":
+        """Layers 0 .. k-1 whole on the primary (heads and every neuron), the rest on the CPU
+        executor: llama.cpp's -ngl, the layer-offload baseline."""
+        return cls.from_masks([np.full(cfg.n_ff, l < k) for l in range(cfg.n_layer)],
+                              [np.full(cfg.n_head_kv, l < k) for l in range(cfg.n_layer)], cfg)
+
+    @classmethod
     def hottest(cls, cfg: ModelConfig, gpu_fraction: float, counts: list[np.ndarray] | None = None,
                 cpu_groups: int = 0) -> "Plan":
         """The ``gpu_fraction`` most active neurons of each layer on the primary (by ``counts``;

@@ -25,11 +25,8 @@ def _plan(cfg, split: str) -> Plan:
     rng = np.random.default_rng(0)
     masks = [rng.random(cfg.n_ff) < 0.3 for _ in range(cfg.n_layer)]
     half = [np.arange(cfg.n_head_kv) < max(1, cfg.n_head_kv // 2)] * cfg.n_layer
-    k = cfg.n_layer // 2  # layer-offload (bench/model_bench.py's baseline): layers 0 .. k-1 whole on the primary
-    whole = [np.full(cfg.n_ff, l < k) for l in range(cfg.n_layer)], [np.full(cfg.n_head_kv, l < k)
-                                                                     for l in range(cfg.n_layer)]
     return {"all-gpu": Plan.all_gpu(cfg), "all-cpu": Plan.all_cpu(cfg), "mixed": Plan.from_masks(masks, None, cfg),
-            "split-heads": Plan.from_masks(masks, half, cfg), "layer-offload": Plan.from_masks(*whole, cfg)}[split]
+            "split-heads": Plan.from_masks(masks, half, cfg), "layer-offload": Plan.whole_layers(cfg, cfg.n_layer // 2)}[split]
 
 
 @pytest.fixture(scope="module")
