@@ -915,11 +915,10 @@ def bench_gpu(args) -> dict:
             configs = sweep.pop("_configs")
         layers = gpu_layers(w, args.seq_layers)
         for T, pct in itertools.product(map(int, args.tokens.split(",")), map(float, args.densities.split(","))):
-            # quantized rows at T == 1: the default (two stages) and the fused kernel, both
-            names = ["gemv-q", "gemv"] if T == 1 and dname in QTYPES else ["gemv" if T == 1 else "dot"]
-            for name in names:
-                cfg = configs.get(name) or dataclasses.replace(configs["gemv"], fused_r=0)
-                rows.append(gpu_case(tf, dname, w, layers, cfg, T, pct, ceiling, gen, args))
+            cfg = configs["gemv" if T == 1 else "dot"]
+            if dname in QTYPES:  # quantized rows run the two stages
+                cfg = dataclasses.replace(cfg, fused_r=0)
+            rows.append(gpu_case(tf, dname, w, layers, cfg, T, pct, ceiling, gen, args))
         del w, layers
     qtypes = [d for d in args.gpu_dtypes.split(",") if d in QTYPES]
     linear_rows = bench_gpu_linear(qtypes, ceiling, gen, args.quick) if qtypes else []

@@ -11,8 +11,6 @@ ggml Q4_0 / Q8_0 rows (qtype), dequantized in registers by the same kernels.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from .triton_fused import sparse_ffn_fused
@@ -34,14 +32,11 @@ CONFIGS = {
                    up_dot=False, down_dot=False, fused_r=2, fused_warps=4, fused_progs=2, eager_down=False),
     "dot": Config(up_bk=32, up_bd=256, up_warps=8, down_bk=256, down_bd=32, down_warps=4, down_stages=4),
 }
-# Quantized rows at T == 1 run the two stages: the fused kernel keeps whole dequantized rows in
-# registers, which ptxas spills at the 13B shape (1.2 KB per thread for Q4_0, 8.9 KB for Q8_0).
-CONFIGS["gemv-q"] = replace(CONFIGS["gemv"], fused_r=0)
 
 
-def config_for(T: int, qtype: str | None) -> Config:
-    """The default tiles of a call of T tokens on rows of qtype (None: float rows)."""
-    return CONFIGS["dot" if T > 1 else "gemv" if qtype is None else "gemv-q"]
+def config_for(T: int) -> Config:
+    """The default tiles of a call of T tokens."""
+    return CONFIGS["dot" if T > 1 else "gemv"]
 
 
 def sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active,
@@ -60,7 +55,7 @@ def sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_activ
                               gate_pre=None if gate_pre is None else gate_pre[sl])
         return y
     swiglu = dict(act_threshold=act_threshold, act_on=act_on, gate_pre=gate_pre)
-    cfg = cfg or config_for(T, qtype)
+    cfg = cfg or config_for(T)
     x = x.contiguous()
     idx = idx if idx.is_contiguous() else idx.contiguous()
     if mask is not None:
@@ -68,8 +63,8 @@ def sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_activ
     if n_active is not None:
         n_active = n_active.reshape(1).to(torch.int32)
     y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
-    if T == 1 and cfg.fused:
-        sparse_ffn_fused(x, up, gate, up_bias, down_t, idx, mask, n_active, act, y, cfg, qtype, **swiglu)
+    if T == 1 and cfg.fused and qtype is None:  # quantized rows: the two stages
+        sparse_ffn_fused(x, up, gate, up_bias, down_t, idx, mask, n_active, act, y, cfg, **swiglu)
         return y
     h = torch.empty((T, max(1, idx.shape[0])), dtype=torch.float32, device=x.device)  # [T, K]
     launch_up(x, up, gate, up_bias, idx, mask, n_active, act, h, cfg, qtype, **swiglu)

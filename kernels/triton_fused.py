@@ -16,40 +16,39 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_stages import (ACT_CODE, QT_CODE, Config, _act, _block_rows, _thresholded, _tile_cols, _w_tile, mask_args,
-                            swiglu_args, w_arg)
+from .triton_stages import ACT_CODE, Config, _act, _block_rows, _thresholded, _w_tile, mask_args, swiglu_args
 
 
 @triton.jit
-def _rows_tile(ptr, rows, stride, rmask, c0, D, W: tl.constexpr, CMASK: tl.constexpr, QT: tl.constexpr):
-    """[R, W] tile of the given rows, columns `_tile_cols(c0, W, QT)` (masked to < D when CMASK)."""
-    return _w_tile(ptr, rows, stride, c0, D, rmask, W, QT, CMASK)
+def _rows_tile(ptr, rows, stride, rmask, c0, D, W: tl.constexpr, CMASK: tl.constexpr):
+    """[R, W] tile of the given rows, columns c0 .. c0 + W - 1 (masked to < D when CMASK)."""
+    return _w_tile(ptr, rows, stride, c0, D, rmask, W, 0, CMASK)
 
 
 @triton.jit
 def _block_tiles(up_ptr, gate_ptr, down_ptr, rows, rmask, s_up, s_gate, s_down, D, HAS_GATE: tl.constexpr,
-                 EAGER: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, QT: tl.constexpr):
+                 EAGER: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr):
     """A block's up, gate, down tiles of both column pieces, [R, DA] and [R, DB] (loads issued, not
     waited for). Tiles a configuration does not read (no gate, lazy down, DB = 0) are the up tile of
     that piece, unused."""
-    ua = _rows_tile(up_ptr, rows, s_up, rmask, 0, D, DA, False, QT)
+    ua = _rows_tile(up_ptr, rows, s_up, rmask, 0, D, DA, False)
     ga = ua
     da = ua
     if HAS_GATE:
-        ga = _rows_tile(gate_ptr, rows, s_gate, rmask, 0, D, DA, False, QT)
+        ga = _rows_tile(gate_ptr, rows, s_gate, rmask, 0, D, DA, False)
     if EAGER:
-        da = _rows_tile(down_ptr, rows, s_down, rmask, 0, D, DA, False, QT)
+        da = _rows_tile(down_ptr, rows, s_down, rmask, 0, D, DA, False)
     ub = ua
     gb = ua
     db = ua
     if DB > 0:
-        ub = _rows_tile(up_ptr, rows, s_up, rmask, DA, D, DB, True, QT)
+        ub = _rows_tile(up_ptr, rows, s_up, rmask, DA, D, DB, True)
         gb = ub
         db = ub
         if HAS_GATE:
-            gb = _rows_tile(gate_ptr, rows, s_gate, rmask, DA, D, DB, True, QT)
+            gb = _rows_tile(gate_ptr, rows, s_gate, rmask, DA, D, DB, True)
         if EAGER:
-            db = _rows_tile(down_ptr, rows, s_down, rmask, DA, D, DB, True, QT)
+            db = _rows_tile(down_ptr, rows, s_down, rmask, DA, D, DB, True)
     return ua, ga, da, ub, gb, db
 
 
@@ -65,7 +64,7 @@ def _fence_gpu(v):
 def _fused_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, down_ptr, idx_ptr, nact_ptr, mask_ptr, y32_ptr, y_ptr,
                   cnt_ptr, gpre_ptr, D, K, s_up, s_gate, s_down, thr,
                   ACT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_BIAS: tl.constexpr, MASK_MODE: tl.constexpr,
-                  HAS_NACT: tl.constexpr, EAGER: tl.constexpr, FENCE: tl.constexpr, QT: tl.constexpr,
+                  HAS_NACT: tl.constexpr, EAGER: tl.constexpr, FENCE: tl.constexpr,
                   THR: tl.constexpr, GPRE: tl.constexpr, R: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr):
     """T == 1, the whole FFN in one launch: each program walks blocks pid, pid + P, ... of R active
     rows; a block's up, gate (and, EAGER, down) rows are loaded whole -- as two power-of-two column
@@ -81,21 +80,20 @@ def _fused_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, down_ptr, idx_ptr, nact_ptr
         kc = tl.minimum(tl.load(nact_ptr), K)
     nblk = tl.cdiv(kc, R)
     ca = tl.arange(0, DA)
-    wa = _tile_cols(0, DA, QT)  # the columns of the tiles' entries (a permutation of ca)
-    xa = tl.load(x_ptr + wa).to(tl.float32)
+    xa = tl.load(x_ptr + ca).to(tl.float32)
     ya = tl.zeros((DA,), tl.float32)
     offs_r, rmask, rows = _block_rows(idx_ptr, pid, kc, R)
     ua, ga, da, ub, gb, db = _block_tiles(up_ptr, gate_ptr, down_ptr, rows, rmask, s_up, s_gate, s_down, D,
-                                          HAS_GATE, EAGER, DA, DB, QT)
+                                          HAS_GATE, EAGER, DA, DB)
     if DB > 0:
-        wb = _tile_cols(DA, DB, QT)
-        xb = tl.load(x_ptr + wb, mask=wb < D, other=0.0).to(tl.float32)
+        cb = DA + tl.arange(0, DB)
+        xb = tl.load(x_ptr + cb, mask=cb < D, other=0.0).to(tl.float32)
         yb = tl.zeros((DB,), tl.float32)
     for b in range(pid, nblk, P):
         # the next block's rows go in flight before this block's arithmetic
         n_offs, n_rmask, n_rows = _block_rows(idx_ptr, b + P, kc, R)
         n_ua, n_ga, n_da, n_ub, n_gb, n_db = _block_tiles(up_ptr, gate_ptr, down_ptr, n_rows, n_rmask, s_up, s_gate,
-                                                          s_down, D, HAS_GATE, EAGER, DA, DB, QT)
+                                                          s_down, D, HAS_GATE, EAGER, DA, DB)
         u = tl.sum(ua.to(tl.float32) * xa[None, :], axis=1)  # [R]
         g = tl.sum(ga.to(tl.float32) * xa[None, :], axis=1)
         if DB > 0:
@@ -116,16 +114,16 @@ def _fused_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, down_ptr, idx_ptr, nact_ptr
             if DB > 0:
                 yb += tl.sum(h[:, None] * db.to(tl.float32), axis=0)
         else:  # a zero activation's down row is not read
-            dl = _rows_tile(down_ptr, rows, s_down, h != 0, 0, D, DA, False, QT)
+            dl = _rows_tile(down_ptr, rows, s_down, h != 0, 0, D, DA, False)
             ya += tl.sum(h[:, None] * dl.to(tl.float32), axis=0)
             if DB > 0:
-                dlb = _rows_tile(down_ptr, rows, s_down, h != 0, DA, D, DB, True, QT)
+                dlb = _rows_tile(down_ptr, rows, s_down, h != 0, DA, D, DB, True)
                 yb += tl.sum(h[:, None] * dlb.to(tl.float32), axis=0)
         offs_r, rmask, rows, ua, ga, da, ub, gb, db = n_offs, n_rmask, n_rows, n_ua, n_ga, n_da, n_ub, n_gb, n_db
     if pid < nblk:
-        tl.atomic_add(y32_ptr + wa, ya, sem="relaxed")
+        tl.atomic_add(y32_ptr + ca, ya, sem="relaxed")
         if DB > 0:
-            tl.atomic_add(y32_ptr + wb, yb, mask=wb < D, sem="relaxed")
+            tl.atomic_add(y32_ptr + cb, yb, mask=cb < D, sem="relaxed")
     if FENCE:
         _fence_gpu(tl.full((1,), 0, tl.int32))
     tl.debug_barrier()
@@ -135,10 +133,9 @@ def _fused_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, down_ptr, idx_ptr, nact_ptr
         tl.store(y_ptr + ca, v.to(y_ptr.dtype.element_ty))
         tl.store(y32_ptr + ca, tl.zeros((DA,), tl.float32))
         if DB > 0:
-            cb2 = DA + tl.arange(0, DB)
-            vb = tl.load(y32_ptr + cb2, mask=cb2 < D, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptr + cb2, vb.to(y_ptr.dtype.element_ty), mask=cb2 < D)
-            tl.store(y32_ptr + cb2, tl.zeros((DB,), tl.float32), mask=cb2 < D)
+            vb = tl.load(y32_ptr + cb, mask=cb < D, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + cb, vb.to(y_ptr.dtype.element_ty), mask=cb < D)
+            tl.store(y32_ptr + cb, tl.zeros((DB,), tl.float32), mask=cb < D)
         tl.store(cnt_ptr, 0)
 
 
@@ -160,12 +157,12 @@ def _n_sm(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def sparse_ffn_fused(x, up, gate, up_bias, down_t, idx, mask, n_active, act, y, cfg: Config,
-                     qtype: str | None = None, *, act_threshold: float | None = None, act_on: str = "gate",
+def sparse_ffn_fused(x, up, gate, up_bias, down_t, idx, mask, n_active, act, y, cfg: Config, *,
+                     act_threshold: float | None = None, act_on: str = "gate",
                      gate_pre: torch.Tensor | None = None) -> None:
-    """T == 1 through the fused kernel: y [1, D] (y's dtype). Grid: fused_progs programs per SM, at
-    most one per block of fused_r rows. The SwiGLU options as sparse_ffn takes them (gate_pre: the
-    gate rows are not read)."""
+    """T == 1 through the fused kernel, on float rows: y [1, D] (y's dtype). Grid: fused_progs
+    programs per SM, at most one per block of fused_r rows. The SwiGLU options as sparse_ffn takes
+    them (gate_pre: the gate rows are not read)."""
     D = x.shape[1]
     K = idx.shape[0]
     if K == 0:
@@ -177,14 +174,12 @@ def sparse_ffn_fused(x, up, gate, up_bias, down_t, idx, mask, n_active, act, y, 
     dummy = idx
     mode, mask, _ = mask_args(mask, dummy)
     sw, gp, _, thr = swiglu_args(act_threshold, act_on, gate_pre, dummy)
-    up_w, s_up = w_arg(up, qtype)
-    gate_w, s_gate = w_arg(gate, qtype) if gate is not None else (up_w, s_up)
-    down_w, s_down = w_arg(down_t, qtype)
+    gate_w = gate if gate is not None else up
     grid = (min(triton.cdiv(K, cfg.fused_r), cfg.fused_progs * _n_sm(x.device)),)
     _fused_kernel[grid](
-        x, up_w, gate_w, up_bias if up_bias is not None else dummy, down_w, idx,
+        x, up, gate_w, up_bias if up_bias is not None else dummy, down_t, idx,
         n_active if n_active is not None else dummy, mask, y32, y, cnt, gp,
-        D, K, s_up, s_gate, s_down, thr, ACT=ACT_CODE[act],
+        D, K, up.stride(0), gate_w.stride(0), down_t.stride(0), thr, ACT=ACT_CODE[act],
         HAS_GATE=gate is not None and gate_pre is None, HAS_BIAS=up_bias is not None, MASK_MODE=mode,
-        HAS_NACT=n_active is not None, EAGER=cfg.eager_down, FENCE=x.is_cuda, QT=QT_CODE[qtype], R=cfg.fused_r,
+        HAS_NACT=n_active is not None, EAGER=cfg.eager_down, FENCE=x.is_cuda, R=cfg.fused_r,
         DA=da, DB=db, num_warps=cfg.fused_warps, num_stages=1, **sw)

@@ -34,6 +34,6 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tens
     x = x.contiguous()
     for t0 in range(0, T, MAX_T):
         t1 = min(T, t0 + MAX_T)
-        cfg = config_for(t1 - t0, qtype)
+        cfg = config_for(t1 - t0)
         launch_up(x[t0:t1], w, None, bias, rows, None, None, "none", y[t0:t1], cfg, qtype)
     return y

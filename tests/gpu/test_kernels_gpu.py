@@ -284,10 +284,8 @@ def test_sparse_ffn_on_quantized_rows(qtype, act):
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("T", [1, 8, 64])
 def test_quantized_ffn_at_llama13b_shape_and_in_a_graph(qtype, T):
-    """The 13B shard at 10 % density on quantized rows (T == 1: the default two stages and the fused
-    kernel), then the packed form with the device count replayed from a CUDA graph for new x (the
-    fused kernel's scratch must come back zero)."""
-    from powerinfer_ray.kernels import triton_ffn, triton_fused
+    """The 13B shard at 10 % density on quantized rows, then the packed form with the device count
+    replayed from a CUDA graph for new x."""
 
     gen = torch.Generator().manual_seed(T + len(qtype))
     N, D = 13824, 5120
@@ -297,11 +295,6 @@ def test_quantized_ffn_at_llama13b_shape_and_in_a_graph(qtype, T):
     y = sparse_ffn(x, up, gate, down_t, idx, out=poisoned((T, D), torch.float16, DEV), qtype=qtype)
     ref = sparse_ffn_ref(x, up, gate, down_t, idx, qtype=qtype)
     assert rel_err(y, ref) < Q_TOL[torch.float16], f"{qtype} T={T}: " + what_differs(y, ref)
-    if T == 1:
-        yf = triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, None, "reglu", None,
-                                          poisoned((T, D), torch.float16, DEV), None, triton_ffn.CONFIGS["gemv"],
-                                          qtype=qtype)
-        assert rel_err(yf, ref) < Q_TOL[torch.float16], f"{qtype} fused: " + what_differs(yf, ref)
     if T > 32:
         return
     mask = token_bits((torch.rand(T, idx.numel(), generator=gen) < 0.5).to(DEV))
@@ -317,8 +310,6 @@ def test_quantized_ffn_at_llama13b_shape_and_in_a_graph(qtype, T):
         torch.cuda.synchronize()
         ref = sparse_ffn_ref(x, up, gate, down_t, idx, mask, n_active=nact, qtype=qtype)
         assert rel_err(out, ref) < Q_TOL[torch.float16], f"{qtype} T={T} graph replay: " + what_differs(out, ref)
-    y32, cnt = triton_fused._fused_scratch(x.device, D)
-    assert not y32.any() and int(cnt) == 0, "the fused kernel left its scratch dirty"
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])

@@ -190,10 +190,10 @@ def q_rows(N: int, D: int, qtype: str, gen: torch.Generator, scale: float = 1.0)
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("act", ["relu", "reglu", "swiglu"])
 def test_triton_sparse_ffn_on_quantized_rows(qtype, act):
-    """Every FFN kernel (fused, elementwise and tl.dot two-stage at T == 1, tl.dot at T > 1) on
-    ggml blocks dequantized in registers, against float64 over the dequantized rows (x as it is):
-    D with an odd block count and a power-of-two one (the fused kernel's two column pieces), both
-    mask forms, a device count, OPT's up bias, fp32 and fp16 x."""
+    """Every FFN kernel quantized rows run (elementwise and tl.dot two-stage at T == 1, tl.dot at
+    T > 1; a fused configuration runs the two stages) on ggml blocks dequantized in registers,
+    against float64 over the dequantized rows (x as it is): D with an odd block count and a
+    power-of-two one, both mask forms, a device count, OPT's up bias, fp32 and fp16 x."""
     gen = torch.Generator().manual_seed(len(act) + len(qtype))
     N, K = 60, 23
     # tiles of one block and of two (the Q4_0 tiles' column order within and across blocks)
