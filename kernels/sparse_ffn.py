@@ -33,7 +33,8 @@ registers (the CPU kernel multiplies a Q8_0-quantized x, as ggml does), the torc
 and dequantizes them.
 
 Backends (`sparse_ffn` picks): CUDA tensors -> Triton kernels (triton_ffn.py), falling back to
-torch; CPU tensors -> the compiled OpenMP kernel (cpu_ffn.py), falling back to torch. The torch
+torch, and for GEMM_MIN_T tokens or more the matrix multiplies of torch_ffn.sparse_ffn_gemm over
+every row in the compute dtype (h zeroed outside the active rows); CPU tensors -> the compiled OpenMP kernel (cpu_ffn.py), falling back to torch. The torch
 path gathers the active rows (index_select) and multiplies: correct everywhere, but it reads the
 active bytes twice and writes them once.
 
@@ -49,9 +50,13 @@ import torch
 
 from . import cpu_ffn
 from .quant import check_matrix, check_qtype, row_bytes
-from .torch_ffn import ACT_ON, ACTS, sparse_ffn_torch
+from .torch_ffn import ACT_ON, ACTS, sparse_ffn_gemm, sparse_ffn_torch
 
-BACKENDS = ("auto", "triton", "cpu", "torch")
+BACKENDS = ("auto", "triton", "gemm", "cpu", "torch")
+# More tokens than the Triton kernels take in one launch (triton_ffn.MAX_T): on CUDA such a call
+# (a prompt chunk) runs as matrix multiplies over every row (torch_ffn.sparse_ffn_gemm), each row
+# read once, instead of Triton launches that read every active row once per MAX_T tokens.
+GEMM_MIN_T = 33
 
 _triton_failed = False
 
@@ -132,7 +137,9 @@ def sparse_ffn(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, dow
     [N, D // 32 * block bytes] of qtype ('q4_0' | 'q8_0'); idx [K] int, 0 <= idx < N, any
     order; mask None | bool [T, K] | int32 bits [K]; up_bias [N] or None; out [T, D] (x's dtype,
     contiguous) or None; n_active: one-element int tensor, use only idx[:n_active]; threads: CPU
-    kernel threads (default torch.get_num_threads()); backend: 'auto' | 'triton' | 'cpu' | 'torch';
+    kernel threads (default torch.get_num_threads()); backend: 'auto' | 'triton' | 'gemm' | 'cpu' |
+    'torch' (auto: gemm for a CUDA call of GEMM_MIN_T tokens or more without n_active, else triton;
+    the CPU kernel on the CPU);
     act_threshold (act='swiglu'), act_on ('gate' | 'h'), gate_pre float32 [T, N]: see the module
     docstring. Out-of-range idx raise IndexError on the CPU kernel; on the GPU they are a
     precondition (checking would cost a host sync).
@@ -147,7 +154,9 @@ def sparse_ffn(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, dow
         return out.zero_() if out is not None else torch.zeros_like(x)
     if backend == "auto":
         backend = "torch"
-        if x.is_cuda and not _triton_failed:
+        if x.is_cuda and T >= GEMM_MIN_T and n_active is None:
+            backend = "gemm"
+        elif x.is_cuda and not _triton_failed:
             backend = "triton"
         elif x.device.type == "cpu" and gate_pre is None and (qtype is not None or up.dtype in (
                 torch.float32, torch.float16, torch.bfloat16)):
@@ -167,6 +176,10 @@ def sparse_ffn(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, dow
             return sparse_ffn_torch(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype, **swiglu)
         return triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype=qtype,
                                             **swiglu)
+    if backend == "gemm":
+        if n_active is not None:
+            raise ValueError("sparse_ffn: backend 'gemm' takes no n_active (pass idx[:n] instead)")
+        return sparse_ffn_gemm(x, up, gate, down_t, idx, mask, act, up_bias, out, qtype, **swiglu)
     if backend == "cpu":
         if n_active is not None:
             K = min(int(n_active.reshape(-1)[0]), idx.shape[0])

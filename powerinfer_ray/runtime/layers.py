@@ -27,7 +27,8 @@ from ..kernels.cpu_ffn import sparse_ffn_bitmask
 from ..kernels.linear import linear
 from ..kernels.predictor import active_of
 from ..kernels.quant import dequantize, round_q8_0
-from ..kernels.sparse_ffn import sparse_ffn
+from ..kernels.sparse_ffn import GEMM_MIN_T, sparse_ffn
+from ..kernels.torch_ffn import sparse_ffn_gemm
 from ..model.config import ModelConfig
 from ..model.reference import ffn_activation, threshold_criterion
 from .shard import AttnShard, FFNShard
@@ -148,6 +149,14 @@ def ffn_partial(x: torch.Tensor, shard: FFNShard, act: str, policy: str,
         return y, 0, 0
     if policy == "gate-first":
         return gate_first_ffn(x, shard, act, act_threshold, out, threads)
+    gemm = x.is_cuda and T >= GEMM_MIN_T  # sparse_ffn's path for a prompt chunk: every row read once
+    if policy == "oracle" and gemm and shard.rows is None:  # h once, the active rows counted where computed
+        hits = torch.zeros(shard.n, dtype=torch.int64, device=x.device)
+        y = sparse_ffn_gemm(x, shard.up, shard.gate, shard.down_t, torch.arange(shard.n, device=x.device), None,
+                            act, shard.up_bias, out, shard.qtype, act_threshold, act_on, count=hits)
+        if count is not None:
+            count += hits.to(count.device)
+        return y, int(hits.sum()), shard.n
     if policy == "oracle":  # the exact mask: no threshold in the kernel, whose rounding may differ
         mask, act_threshold = oracle_mask(x, shard, act, act_threshold, act_on), None
         if count is not None:
@@ -160,7 +169,7 @@ def ffn_partial(x: torch.Tensor, shard: FFNShard, act: str, policy: str,
         computed = int(mask.sum()) if tok_mask is not None else idx.numel()
     y = sparse_ffn(x, shard.up, shard.gate, shard.down_t, shard.row_index(idx), tok_mask, act, shard.up_bias,
                    out, threads=threads, qtype=shard.qtype, act_threshold=act_threshold, act_on=act_on)
-    return y, computed, idx.numel()
+    return y, computed, shard.n if gemm else idx.numel()
 
 
 def gate_first_ffn(x: torch.Tensor, shard: FFNShard, act: str, t: float, out: torch.Tensor | None = None,

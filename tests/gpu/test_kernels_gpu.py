@@ -56,15 +56,20 @@ def test_triton_sparse_ffn_other_dtypes_and_token_counts(dtype):
     _check_ffn(dtype, "reglu", (1, 2, 17, 32), torch.Generator().manual_seed(2))
 
 
-@pytest.mark.parametrize("T", [1, 8, 64, 256])  # 64, 256: prefill chunks, run in blocks of MAX_T tokens
+@pytest.mark.parametrize("T", [1, 8, 64, 256])
 def test_triton_at_llama13b_shape(T):
+    """At the 13B shape; 64 and 256 tokens (prompt chunks) through both paths: the matrix
+    multiplies sparse_ffn picks for them and the Triton kernels in blocks of MAX_T tokens."""
     gen = torch.Generator().manual_seed(T)
     N, D = 13824, 5120
     up, gate, down_t, _ = make_shard(N, D, torch.float16, "reglu", False, gen, DEV)
     x = torch.randn(T, D, generator=gen).half().to(DEV)
     idx = make_idx(N // 10, N, gen, torch.int32, DEV)
-    y = sparse_ffn(x, up, gate, down_t, idx, out=poisoned((T, D), torch.float16, DEV))
-    assert rel_err(y, sparse_ffn_ref(x, up, gate, down_t, idx)) < GPU_TOL[torch.float16]
+    mask = (torch.rand(T, idx.numel(), generator=gen) < 0.5).to(DEV)
+    ref = sparse_ffn_ref(x, up, gate, down_t, idx, mask)
+    for backend in ("auto", "triton") if T > 32 else ("auto",):
+        y = sparse_ffn(x, up, gate, down_t, idx, mask, out=poisoned((T, D), torch.float16, DEV), backend=backend)
+        assert rel_err(y, ref) < GPU_TOL[torch.float16], backend
 
 
 def test_sparse_ffn_with_packed_inputs_replays_in_a_cuda_graph():

@@ -8,6 +8,8 @@ import torch
 
 from powerinfer_ray.kernels import bits_to_mask, sparse_ffn, sparse_ffn_ref, token_bits
 from powerinfer_ray.kernels import cpu_ffn
+from powerinfer_ray.kernels.quant import dequantize
+from powerinfer_ray.model.reference import ffn_activation, threshold_criterion
 
 from kernel_checks import (DENSITIES, DTYPES, TOL, make_idx, make_shard, n_active, poisoned, rel_err, swiglu_case,
                            swiglu_oracle)
@@ -16,8 +18,10 @@ ACTS = ("relu", "reglu", "drelu", "swiglu")
 needs_compiler = pytest.mark.skipif(not cpu_ffn.available(), reason="no C++ compiler: compiled kernel unavailable")
 
 
-def _backends():
-    return [pytest.param("cpu", marks=needs_compiler), "torch"]
+def _backends(gemm: bool = True):
+    """The backends a CPU test runs: the compiled kernel, torch, and (gemm) the matrix multiplies a
+    CUDA call of many tokens takes, which run on any device."""
+    return [pytest.param("cpu", marks=needs_compiler), "torch"] + (["gemm"] if gemm else [])
 
 
 def _check_case(backend, dtype, act, N, D, T, density, mask_kind, bias, gen, threads=None):
@@ -110,7 +114,7 @@ def test_shard_rows_with_local_ids_equal_global_rows():
     assert rel_err(y_shard, y_full) < 1e-3
 
 
-@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("backend", _backends(gemm=False))
 def test_n_active_uses_only_the_first_entries(backend):
     gen = torch.Generator().manual_seed(9)
     N, D, T = 64, 32, 4
@@ -211,3 +215,44 @@ def test_precomputed_gate_values_replace_the_gate_rows(dtype):
     y = sparse_ffn(x, up, None, down_t, idx, bits, "swiglu", gate_pre=g, act_threshold=t)
     want = sparse_ffn_ref(x, up, gate, down_t, idx, bits, "swiglu", act_threshold=t)
     assert rel_err(y, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("qtype", [None, "q4_0", "q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_gemm_path_reads_rows_in_chunks_and_counts_active_rows(qtype, dtype):
+    """sparse_ffn_gemm (the path of a CUDA call of many tokens) in its smallest chunks, so the
+    chunk edges fall inside idx: a subset of rows in random order with a bool mask, OPT's up bias
+    and the SwiGLU threshold, against float64; count adds each row's tokens with h != 0, which
+    for every row and no mask is the shard's true activity."""
+    from powerinfer_ray.kernels.torch_ffn import sparse_ffn_gemm
+
+    from test_cpu_quant import q_shard
+
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{qtype}{dtype}".encode()))
+    N, D, T = 96, 64, 40
+    for act in ("relu", "swiglu"):
+        if qtype is None:
+            up, gate, down_t, bias = make_shard(N, D, dtype, act, act == "relu", gen)
+        else:
+            (up, gate, down_t), bias = q_shard(N, D, qtype, act, gen), None
+        x = torch.randn(T, D, generator=gen).to(dtype)
+        t = 0.05 if act == "swiglu" else None
+        idx = make_idx(70, N, gen)
+        mask = torch.rand(T, 70, generator=gen) < 0.6
+        count = torch.zeros(N, dtype=torch.int64)
+        y = sparse_ffn_gemm(x, up, gate, down_t, idx, mask, act, bias, poisoned((T, D), dtype), qtype,
+                            act_threshold=t, count=count, chunk_bytes=1)  # chunks of 64 rows
+        ref = sparse_ffn_ref(x, up, gate, down_t, idx, mask, act, bias, qtype=qtype, act_threshold=t)
+        assert rel_err(y, ref) < TOL[dtype], (act, rel_err(y, ref))
+        assert count.sum() <= int(mask.sum()) and not count[torch.ones(N, dtype=torch.bool).index_fill_(
+            0, idx, False)].any(), "rows outside idx counted"
+        every = torch.zeros(N, dtype=torch.int64)
+        sparse_ffn_gemm(x, up, gate, down_t, torch.arange(N), None, act, bias, None, qtype, act_threshold=t,
+                        count=every)
+        w = (lambda m: m.double()) if qtype is None else (lambda m: dequantize(m, qtype, torch.float64))
+        u = x.double() @ w(up).T + (0 if bias is None else bias.double())
+        g = None if gate is None else x.double() @ w(gate).T
+        h = ffn_activation(act, u, g)
+        active = h != 0 if t is None else threshold_criterion("gate", g, h) > t
+        # rows whose activity differs only by the compute dtype's rounding of a value near zero
+        assert (every != active.sum(0)).sum() <= (1 if dtype == torch.float16 else 0), (every, active.sum(0))
