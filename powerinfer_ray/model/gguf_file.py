@@ -25,10 +25,17 @@ _PWRI_U32 = int.from_bytes(K.PWRI_MAGIC, "little")
 
 
 class _Reader(GGUFReader):
-    """gguf's reader, taught to accept upstream PowerInfer's ``PWRI`` magic."""
+    """gguf's reader, taught to accept upstream PowerInfer's ``PWRI`` magic, slicing a plain
+    ndarray view of its map (the header's values are two slices per string, 64k for a 32k-token
+    vocabulary; a np.memmap's own slices cost several times more)."""
 
     def _get(self, offset, dtype, count=1, override_order=None):  # noqa: ANN001
-        arr = super()._get(offset, dtype, count, override_order)
+        if "_plain" not in self.__dict__:
+            self._plain = self.data.view(np.ndarray)
+        count = int(count)
+        dt = np.dtype(dtype)
+        arr = self._plain[offset:offset + dt.itemsize * count].view(dt)[:count]
+        arr = arr.view(dt.newbyteorder(self.byte_order if override_order is None else override_order))
         if offset == 0 and count == 1 and len(arr) and int(arr[0]) == _PWRI_U32:
             return np.array([_GGUF_MAGIC_U32], dtype=arr.dtype)
         return arr

@@ -73,7 +73,9 @@ def test_lazy_row_access_matches_full_tensor(tmp_path):
     rows = [7, 3, 200, 3]
     full = weights[K.tensor(K.FFN_DOWN_T, 1)].half()
     assert torch.equal(mf.layer(K.FFN_DOWN_T, 1, rows=rows), full[rows])
-    assert isinstance(mf.raw(K.tensor(K.FFN_UP, 0)), np.memmap)  # no copy until asked
+    raw = mf.raw(K.tensor(K.FFN_UP, 0))  # no copy until asked: a view of the file's map
+    assert isinstance(mf.reader.data, np.memmap) and np.shares_memory(raw, mf.reader.data)
+    assert not raw.flags.writeable
 
 
 def test_standard_ffn_down_and_fused_qkv_layouts_are_read(tmp_path):
