@@ -149,8 +149,8 @@ class ExecutorConfig:
         None, "which FFN neurons are computed: the predictors' choice (on a sparsified SwiGLU model: the predicted "
         "mode, thresholds applied to their h), those whose |SiLU(gate)| passes the sparsified model's threshold "
         "(gate-first: each device computes its gate rows first; no predictor), the truly active ones (oracle), or "
-        "all (dense, thresholds unused) (default: predictor when the model has predictors, else gate-first when "
-        "it is sparsified, else dense)", choices=POLICIES)
+        "all (dense, thresholds unused) (default: gate-first when the model is sparsified on |SiLU(gate)|, else "
+        "predictor when it has predictors, else oracle when it is sparsified on |h|, else dense)", choices=POLICIES)
     threshold: float | None = option(None, "predictor threshold (default: the model's sparse_threshold)",
                                      kind=float)
     predictor_margin: float = option(0.0, "lowers the predictor threshold by this many logits: > 0 computes more "

@@ -109,8 +109,9 @@ def test_exact_modes_equal_the_thresholded_reference_on_every_split(trained, pol
 def test_the_metadata_selects_the_mode_and_the_flag_overrides_it(trained, with_predictors, tmp_path):
     ec = lambda m, **kw: EngineConfig(str(m.path), **kw)  # noqa: E731
     assert resolve_policy(ec(trained), trained.config) == "gate-first"
-    assert resolve_policy(ec(with_predictors), with_predictors.config) == "predictor"
-    assert resolve_policy(ec(with_predictors, policy="gate-first"), with_predictors.config) == "gate-first"
+    # with predictors too: gate-first read less than the predicted mode on every SwiGLU model measured
+    assert resolve_policy(ec(with_predictors), with_predictors.config) == "gate-first"
+    assert resolve_policy(ec(with_predictors, policy="predictor"), with_predictors.config) == "predictor"
     dense = ModelFile(trained_swiglu_path())
     assert resolve_policy(ec(dense), dense.config) == "dense"
     with pytest.raises(ValueError, match="sparsify"):
