@@ -230,13 +230,14 @@ offline)  # issue 23: the 13B profiled through the engine at 16 GiB from its fil
     memory "profiled"
     ;;
 offtrain)  # issue 23: predictors for the 13B's 40 layers, samples through the engine at 16 GiB from the file
-    # (train-predictors reads a file: the write first, ~200 s). A sample is x [5120] f32 + a code [13824] per
+    # (train-predictors reads a file: the write first, ~35 s on the H200; run the stage as its own call: at
+    # 494cc6c sampling took ~70 s and training ~230 s, and 340 s ended it before the held-out check). A sample is x [5120] f32 + a code [13824] per
     # token and layer, 1.4 MB a token: 20k training and 2k held-out tokens spill 30 GB to /dev/shm beside the
     # 26 GB file; the model with predictors (26 GB) goes to the disk. The held-out check runs the dense
     # reference (f32 on the GPU, 52 GB) ~50 times: per layer, and the threshold's search
     memory before
     write_file "$M13" 200 || exit 0
-    offbench 340 --phases train --train-tokens 20000 --prefill-chunk 2048 --work-dir /tmp/offtrain \
+    offbench 520 --phases train --train-tokens 20000 --prefill-chunk 2048 --work-dir /tmp/offtrain \
         --train-args "--heldout-tokens 2048 --spill-dir $SHM/offtrain-spill"
     memory "trained"
     ;;
