@@ -58,6 +58,11 @@ BACKENDS = ("auto", "triton", "gemm", "cpu", "torch")
 # read once, instead of Triton launches that read every active row once per MAX_T tokens.
 GEMM_MIN_T = 33
 
+
+def takes_gemm(x: torch.Tensor) -> bool:
+    """Whether sparse_ffn (backend auto) runs a call on x [T, D] as the matrix multiplies."""
+    return x.is_cuda and x.shape[0] >= GEMM_MIN_T
+
 _triton_failed = False
 
 
@@ -154,7 +159,7 @@ def sparse_ffn(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, dow
         return out.zero_() if out is not None else torch.zeros_like(x)
     if backend == "auto":
         backend = "torch"
-        if x.is_cuda and T >= GEMM_MIN_T and n_active is None:
+        if takes_gemm(x) and n_active is None:
             backend = "gemm"
         elif x.is_cuda and not _triton_failed:
             backend = "triton"

@@ -27,7 +27,7 @@ from ..kernels.cpu_ffn import sparse_ffn_bitmask
 from ..kernels.linear import linear
 from ..kernels.predictor import active_of
 from ..kernels.quant import dequantize, round_q8_0
-from ..kernels.sparse_ffn import GEMM_MIN_T, sparse_ffn
+from ..kernels.sparse_ffn import sparse_ffn, takes_gemm
 from ..kernels.torch_ffn import sparse_ffn_gemm
 from ..model.config import ModelConfig
 from ..model.reference import ffn_activation, threshold_criterion
@@ -150,7 +150,7 @@ def ffn_partial(x: torch.Tensor, shard: FFNShard, act: str, policy: str,
         return y, 0, 0
     if policy == "gate-first":
         return gate_first_ffn(x, shard, act, act_threshold, out, threads)
-    gemm = x.is_cuda and T >= GEMM_MIN_T  # sparse_ffn's path for a prompt chunk: every row read once
+    gemm = takes_gemm(x)  # sparse_ffn's path for a prompt chunk: every row read once
     if policy == "oracle" and gemm and shard.rows is None:  # h once, the active rows counted where computed
         hits = torch.zeros(shard.n, dtype=torch.int64, device=x.device)
         y = sparse_ffn_gemm(x, shard.up, shard.gate, shard.down_t, torch.arange(shard.n, device=x.device), None,

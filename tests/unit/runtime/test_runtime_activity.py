@@ -5,6 +5,7 @@ neurons on both executors; written out, ``solve`` places neurons from them."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 
 import numpy as np
@@ -15,6 +16,7 @@ from powerinfer_ray.model import gguf_keys as K
 from powerinfer_ray.model.costs import model_costs
 from powerinfer_ray.model.gguf_file import ModelFile
 from powerinfer_ray.model.reference import ReferenceModel
+from powerinfer_ray.kernels import sparse_ffn
 from powerinfer_ray.model.tiny import write_tiny_model
 from powerinfer_ray.offline.profile import ActivationStats
 from powerinfer_ray.offline.solve import solve_for_model
@@ -237,3 +239,34 @@ def test_oracle_counts_of_a_quantized_model(tmp_path, qtype, dense_prefill):
     for s, p in enumerate(PROMPTS):
         ref.forward(p + [t[s] for t in NEXT], ref.new_cache(), hooks)
     np.testing.assert_array_equal(got.counts, hooks.counts)
+
+
+@pytest.mark.parametrize("variant", ["llama-reglu", "opt"])
+def test_the_matrix_multiply_path_counts_and_computes_as_the_kernels(tmp_path, monkeypatch, variant):
+    """The path a prompt chunk takes on a GPU (sparse_ffn_gemm: every row multiplied, h zeroed
+    outside the active rows; under 'oracle' h and the counts from the same multiplies), forced
+    for every call here: the oracle counts are the dense reference's true activity and every
+    step's logits those of the kernels' path."""
+    from powerinfer_ray.runtime import layers
+
+    kernel_module = sys.modules[sparse_ffn.__module__]  # the package exports the function under its name
+    path = write_tiny_model(tmp_path / "m.gguf", variant, seed=3, n_layer=3, n_ctx=64)
+    cfg = ReferenceModel.from_file(path).cfg
+    logits = {}
+    for gemm in (False, True):
+        for module in (kernel_module, layers):
+            monkeypatch.setattr(module, "takes_gemm", lambda x, g=gemm: g)
+        eng = LocalEngine(EngineConfig(str(path), plan=_mixed(cfg), policy="oracle", prefill_chunk=8, max_batch=4,
+                                       graphs=False))
+        try:
+            outs = []
+            step = eng.primary.step
+            eng.primary.step = lambda *a, _s=step: outs.append(np.array(_s(*a), copy=True)) or outs[-1]
+            got = _engine_counts(eng)
+        finally:
+            eng.close()
+        np.testing.assert_array_equal(got.counts, _reference_counts(path, predictors=False))
+        logits[gemm] = outs
+    assert len(logits[True]) == len(logits[False]) > 0
+    for a, b in zip(logits[False], logits[True]):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
