@@ -105,9 +105,16 @@ def mapped_tensor(src: WeightSource, name: str) -> torch.Tensor | None:
 def layer_rows(src: WeightSource, template: str, bid: int, rows: Any = None, dtype: torch.dtype | None = None,
                bias: bool = False, device: str | torch.device = "cpu") -> torch.Tensor:
     """``src.layer(...)`` (a copy of the rows), gathering a file's float rows straight out of its
-    memory map with torch's threads (``torch.set_num_threads``), then converting and moving them."""
+    memory map with torch's threads (``torch.set_num_threads``), then converting and moving them.
+    All rows, or a run of consecutive ones, go to another device straight from the map (no host
+    copy) and are converted there."""
     view = mapped_tensor(src, K.tensor(template, bid, bias))
     if view is None or view.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return src.layer(template, bid, rows=rows, dtype=dtype, bias=bias, device=device)
-    t = view.clone() if rows is None else view.index_select(0, torch.as_tensor(np.asarray(rows, np.int64)))
+    ids = None if rows is None else np.asarray(rows, np.int64)
+    run = ids is None or (ids.size > 0 and ids[-1] - ids[0] == ids.size - 1 and bool((np.diff(ids) == 1).all()))
+    if run and torch.device(device).type != "cpu":
+        part = view if ids is None else view[int(ids[0]):int(ids[-1]) + 1]
+        return part.to(device=device).to(dtype or part.dtype)
+    t = view.clone() if ids is None else view.index_select(0, torch.as_tensor(ids))
     return t.to(device=device, dtype=dtype or t.dtype)

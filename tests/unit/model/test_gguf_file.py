@@ -220,3 +220,22 @@ def test_reader_is_gguf_compatible(tmp_path):
     names = [t.name for t in r.tensors]
     assert names[0] == "token_embd.weight"
     assert K.tensor(K.FFN_DOWN_T, 0) in names
+
+
+def test_layer_rows_copies_rows_and_sends_runs_from_the_map(tmp_path):
+    """layer_rows: on the CPU a copy of the rows (all, a run, any order), converted; to another
+    device a run or all rows go straight from the map (here the meta device: shape and dtype)."""
+    from powerinfer_ray.model.source import layer_rows, open_model
+
+    cfg = tiny_config("llama-gqa", dtype="f16")
+    weights = tiny_weights(cfg)
+    src = open_model(str(write_model(tmp_path / "m.gguf", cfg, weights)))
+    full = weights[K.tensor(K.FFN_UP, 1)].half()
+    raw = src.raw(K.tensor(K.FFN_UP, 1))
+    for rows in (None, range(4, 9), [9, 3, 4]):
+        want = full if rows is None else full[list(rows)]
+        got = layer_rows(src, K.FFN_UP, 1, rows=rows, dtype=torch.float32)
+        assert got.dtype == torch.float32 and torch.equal(got, want.float())
+        assert not np.shares_memory(got.numpy(), raw)  # a copy: the map's pages are read-only
+        meta = layer_rows(src, K.FFN_UP, 1, rows=rows, dtype=torch.float32, device="meta")
+        assert meta.is_meta and meta.dtype == torch.float32 and meta.shape == want.shape
