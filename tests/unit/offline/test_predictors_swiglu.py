@@ -1,6 +1,6 @@
 """train-predictors on a sparsified SwiGLU model learns the thresholded mask: its truth is the
 neurons above the thresholds (half of them at target sparsity 0.5, not SiLU's almost-never-zero
-h), and the written file keeps the thresholds beside the predictors (the predicted mode)."""
+h), and the written file keeps the thresholds beside the predictors (the predicted mode, on request)."""
 from __future__ import annotations
 
 import pytest
@@ -22,4 +22,5 @@ def test_predictors_of_a_sparsified_model_learn_its_thresholded_mask(tmp_path, t
         assert r.recall >= 0.95, r
     mf = ModelFile(res.path)
     assert mf.config.has_predictors and mf.config.ffn_thresholds == ModelFile(sparse).config.ffn_thresholds
-    assert resolve_policy(EngineConfig(str(res.path)), mf.config) == "predictor"
+    # the predicted mode runs when asked (gate-first stays the default of a gate-thresholded model)
+    assert resolve_policy(EngineConfig(str(res.path), policy="predictor"), mf.config) == "predictor"
