@@ -61,15 +61,33 @@ class Coordinator:
         self.n_ctx = engine_n_ctx(self.ec, self.cfg)
         self.policy = resolve_policy(self.ec, self.cfg)
         self._check_device()
-        t0 = time.perf_counter()
-        self.plan = resolve_plan(self.ec, src)
-        self.plan_s = time.perf_counter() - t0
-        self.tokenizer = make_tokenizer(src.fields)
+        self.device = self._device()
         self.group: ExecutorGroup | None = None
         self.restarts = 0
-        self.device = self._device()
-        self.prefill_chunk = resolve_prefill_chunk(self.ec, self.device)
-        self.spec = executor_spec(self.ec, src, self.plan, self.device, threads=self._cpu_threads())
+        # the members' processes start (imports, CUDA context) while the placement is solved; the
+        # CPU executor's when a budget makes a hybrid split likely
+        self.backend: RayBackend | None = RayBackend(self.name, self.ec.vram_budget_bytes)
+        threads, fits = self._cpu_threads()
+        for role in ("primary", "cpu") if self.ec.vram_budget_bytes and fits else ("primary",):
+            try:
+                self.backend.start(role, self.device, threads)
+            except ValueError:  # the name is still held by a predecessor: started with the group
+                pass
+        try:
+            t0 = time.perf_counter()
+            self.plan = resolve_plan(self.ec, src)
+            self.plan_s = time.perf_counter() - t0
+            if self.plan.needs_cpu_executor and not fits:  # it would wait forever for CPUs
+                n_cpus = int(ray.cluster_resources().get("CPU", 2))
+                raise ValueError(f"threads={threads}: the CPU executor reserves one CPU per thread and the GPU "
+                                 f"executor one more, but the Ray cluster has {n_cpus} CPUs; use threads <= "
+                                 f"{n_cpus - 1} (or start Ray with more CPUs)")
+            self.tokenizer = make_tokenizer(src.fields)
+            self.prefill_chunk = resolve_prefill_chunk(self.ec, self.device)
+            self.spec = executor_spec(self.ec, src, self.plan, self.device, threads=threads)
+        except BaseException:  # the members started stop with this start (an actor still waiting for
+            self.backend.discard_started()  # resources would hold this one's end)
+            raise
         self._start_named_executors()
         self._step_lock = asyncio.Lock()  # held by a step: activation counts are read between steps
         self.core = Scheduler(self._step, self.tokenizer, n_ctx=self.n_ctx, max_batch=self.ec.max_batch,
@@ -118,19 +136,16 @@ class Coordinator:
             return self.ec.device
         return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
 
-    def _cpu_threads(self) -> int:
-        """The CPU executor's threads: all the cluster's CPUs but the primary's and one more,
-        unless set; it reserves one CPU per thread."""
+    def _cpu_threads(self) -> tuple[int, bool]:
+        """The CPU executor's threads (all the cluster's CPUs but the primary's and one more,
+        unless set), and whether the cluster has them: it reserves one CPU per thread."""
         n_cpus = int(ray.cluster_resources().get("CPU", 2))
         threads = self.ec.threads or max(1, n_cpus - 2)
-        if self.plan.needs_cpu_executor and threads + 1 > n_cpus:  # it would wait forever for CPUs
-            raise ValueError(f"threads={threads}: the CPU executor reserves one CPU per thread and the GPU "
-                             f"executor one more, but the Ray cluster has {n_cpus} CPUs; use threads <= "
-                             f"{n_cpus - 1} (or start Ray with more CPUs)")
-        return threads
+        return threads, threads + 1 <= n_cpus
 
     def _start_executors(self) -> None:
-        self.group = start_group(RayBackend(self.name, self.ec.vram_budget_bytes), self.spec)
+        backend, self.backend = self.backend or RayBackend(self.name, self.ec.vram_budget_bytes), None
+        self.group = start_group(backend, self.spec)
 
     def _kill_executors(self) -> None:
         if self.group is not None:

@@ -59,24 +59,51 @@ class ExecutorMetrics:
             self.sync.set(st["per_exchange_sync_us"], tags=t)
 
 
+class LoadedLater:
+    """An executor's actor is started empty (its process and imports, and a CUDA context: what can
+    run while the coordinator still solves the placement); ``load`` then builds the executor. A
+    load that failed is raised again by ``loaded``, which ready() calls: the group waits on ready()."""
+
+    impl: Any = None
+    load_error: BaseException | None = None
+
+    def _load(self, make: Any) -> None:  # noqa: ANN401
+        try:
+            self.impl = make()
+        except BaseException as e:
+            self.load_error = e
+            raise
+
+    def loaded(self) -> Any:  # noqa: ANN401
+        if self.impl is None:
+            raise self.load_error or RuntimeError(f"{type(self).__name__} was never loaded")
+        return self.impl
+
+
 @ray.remote
-class PrimaryExecutorActor:
+class PrimaryExecutorActor(LoadedLater):
     """The primary executor: the only process that drives its GPU (or the CPU primary)."""
 
-    def __init__(self, name: str, model: Any, plan: Plan, budget_bytes: int | None = None, **kw: Any) -> None:
+    def __init__(self, name: str, device: str, budget_bytes: int | None = None) -> None:
         logging.basicConfig(level=logging.INFO)
-        self.name = name
-        self.impl = PrimaryExecutor(model, plan, **kw)
-        self.device = str(self.impl.device)
-        self.metrics = ExecutorMetrics(name, self.device)
-        self.budget = budget_bytes
-        self.metrics.mem.set(self.impl.weight_bytes(), tags=self.metrics.tags)
-        if budget_bytes:
-            self.metrics.budget.set(budget_bytes, tags=self.metrics.tags)
+        self.name, self.budget = name, budget_bytes
         self.link: StepServer | None = None
+        if device == "cuda":
+            import torch
+
+            torch.zeros(1, device="cuda")
+
+    def load(self, model: Any, plan: Plan, **kw: Any) -> None:  # noqa: ANN401
+        self._load(lambda: PrimaryExecutor(model, plan, **kw))
+        self.device = str(self.impl.device)
+        self.metrics = ExecutorMetrics(self.name, self.device)
+        self.metrics.mem.set(self.impl.weight_bytes(), tags=self.metrics.tags)
+        if self.budget:
+            self.metrics.budget.set(self.budget, tags=self.metrics.tags)
 
     def ready(self) -> dict[str, Any]:
-        return {**self.impl.ready(), "pid": os.getpid(), "vram_used_bytes": _vram_used(self.impl.device)}
+        impl = self.loaded()
+        return {**impl.ready(), "pid": os.getpid(), "vram_used_bytes": _vram_used(impl.device)}
 
     def open_step_link(self) -> str:
         """Serve `step` over a Unix socket (runtime.steplink); its path."""
@@ -125,22 +152,25 @@ class PrimaryExecutorActor:
     def shutdown(self) -> None:
         if self.link is not None:
             self.link.close()
-        self.impl.close()
+        if self.impl is not None:
+            self.impl.close()
 
 
 @ray.remote
-class CPUExecutorActor:
+class CPUExecutorActor(LoadedLater):
     """Cold neurons and CPU-placed heads; serves the channel in a background thread."""
 
-    def __init__(self, name: str, model: Any, plan: Plan, **kw: Any) -> None:
+    def __init__(self, name: str) -> None:
         logging.basicConfig(level=logging.INFO)
         self.name = name
-        self.impl = CPUExecutor(model, plan, **kw)
-        self.metrics = ExecutorMetrics(name, "cpu")
+
+    def load(self, model: Any, plan: Plan, **kw: Any) -> None:  # noqa: ANN401
+        self._load(lambda: CPUExecutor(model, plan, **kw))
+        self.metrics = ExecutorMetrics(self.name, "cpu")
         self.metrics.mem.set(self.impl.weight_bytes(), tags=self.metrics.tags)
 
     def ready(self) -> dict[str, Any]:
-        return {**self.impl.ready(), "pid": os.getpid()}
+        return {**self.loaded().ready(), "pid": os.getpid()}
 
     def filled(self, by_primary: bool = True) -> None:
         """The primary wrote the shared rows (ready()'s needs_fill): touch them before serving;
@@ -179,16 +209,35 @@ class RayBackend:
     def __init__(self, engine_name: str, budget_bytes: int | None = None) -> None:
         self.engine_name, self.budget_bytes = engine_name, budget_bytes
         self.link: StepClient | None = None
+        self.started: dict[str, Any] = {}  # role -> an actor started before its spec was known
+
+    def start(self, role: str, device: str, threads: int) -> Any:  # noqa: ANN401
+        """Start a member's process now; it loads when ``create`` hands it the spec."""
+        if role == "primary":
+            cuda = device == "cuda"
+            name = f"{self.engine_name}.gpu-executor.{'cuda0' if cuda else 'cpu'}"
+            actor = PrimaryExecutorActor.options(name=name, num_gpus=1 if cuda else 0, num_cpus=1).remote(
+                name, device, budget_bytes=self.budget_bytes)
+        else:
+            name = f"{self.engine_name}.cpu-executor.0"
+            actor = CPUExecutorActor.options(name=name, num_cpus=threads).remote(name)
+        self.started[role] = actor
+        return actor
 
     def create(self, role: str, spec: GroupSpec) -> Any:  # noqa: ANN401
-        if role == "primary":
-            cuda = spec.device == "cuda"
-            name = f"{self.engine_name}.gpu-executor.{'cuda0' if cuda else 'cpu'}"
-            return PrimaryExecutorActor.options(name=name, num_gpus=1 if cuda else 0, num_cpus=1).remote(
-                name, spec.model, spec.plan, budget_bytes=self.budget_bytes, **spec.primary_kwargs())
-        name = f"{self.engine_name}.cpu-executor.0"
-        return CPUExecutorActor.options(name=name, num_cpus=spec.threads).remote(name, spec.model, spec.plan,
-                                                                                 **spec.cpu_kwargs())
+        if not spec.plan.needs_cpu_executor:  # started early, for a split that turned out all on the GPU
+            self.discard_started("cpu")
+        actor = self.started.pop(role, None) or self.start(role, spec.device, spec.threads)
+        kw = spec.primary_kwargs() if role == "primary" else spec.cpu_kwargs()
+        actor.load.remote(spec.model, spec.plan, **kw)  # runs before any later call of the group's
+        return actor
+
+    def discard_started(self, *roles: str) -> None:
+        """Kill the members of these roles (default: all) started but not created."""
+        for role in roles or list(self.started):
+            actor = self.started.pop(role, None)
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
 
     def call(self, calls: list[tuple[Any, str, tuple]]) -> list[Any]:
         return ray.get([getattr(member, method).remote(*args) for member, method, args in calls])
@@ -199,7 +248,9 @@ class RayBackend:
         return self.link.call
 
     def close(self, group: ExecutorGroup) -> None:
-        """Kill the actors; the dead primary cannot remove its channel's file, so do it here."""
+        """Kill the actors (those started for the group too); the dead primary cannot remove its
+        channel's file, so do it here."""
+        self.discard_started()
         for a in (group.primary, group.cpu):
             if a is not None:
                 try:

@@ -46,6 +46,9 @@ class InfeasibleBudgetError(ValueError):
         super().__init__(message)
         self.min_budget_bytes = min_budget_bytes
 
+    def __reduce__(self):  # noqa: ANN204  (pickled across Ray with both arguments)
+        return type(self), (str(self), self.min_budget_bytes)
+
 
 class StatsError(ValueError):
     """Activation statistics that do not match the model."""

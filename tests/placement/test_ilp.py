@@ -1,5 +1,6 @@
 """The placement ILP against hand-solved optima, a brute-force oracle and the greedy baseline."""
 import itertools
+import pickle
 
 import numpy as np
 import pytest
@@ -103,6 +104,8 @@ def test_infeasible_budget_names_the_minimum():
     with pytest.raises(InfeasibleBudgetError, match=r"1124 bytes") as err:
         solve_placement(counts, 100, costs, 1123)
     assert err.value.min_budget_bytes == 1124 and "GiB" in str(err.value)
+    back = pickle.loads(pickle.dumps(err.value))  # as Ray carries it from the engine to the caller
+    assert str(back) == str(err.value) and back.min_budget_bytes == 1124
     at_min = solve_placement(counts, 100, costs, 1124)
     assert at_min.gpu_counts() == [0, 0] and not at_min.gpu_attention.any()
     # keeping all attention (4 groups x (192 + 96) B) on the GPU needs 1124 + 1152
