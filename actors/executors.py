@@ -2,8 +2,9 @@
 
 ``PrimaryExecutorActor`` and ``CPUExecutorActor`` wrap ``runtime.primary.PrimaryExecutor`` and
 ``runtime.cpu_executor.CPUExecutor``: distinct classes per role, so the dashboard's ``Component``
-label (the class name) says the role; actor names say role and device. The real executor is
-built inside the actor after Ray has set CUDA_VISIBLE_DEVICES. Ray carries control only (the
+label (the class name) says the role; actor names say role and device. An actor starts empty
+(``RayBackend.start``, while the coordinator still solves the placement) and ``load`` builds the
+real executor inside it, after Ray has set CUDA_VISIBLE_DEVICES. Ray carries control only (the
 group's start script, stats, stop); the per-layer data goes through the shared-memory channel
 and the steps through the step link. Metrics (``ray.util.metrics``) are tagged by actor and
 device and show on the node's /metrics endpoint and in the dashboard.
