@@ -34,9 +34,10 @@ and dequantizes them.
 
 Backends (`sparse_ffn` picks): CUDA tensors -> Triton kernels (triton_ffn.py), falling back to
 torch, and for GEMM_MIN_T tokens or more the matrix multiplies of torch_ffn.sparse_ffn_gemm over
-every row in the compute dtype (h zeroed outside the active rows); CPU tensors -> the compiled OpenMP kernel (cpu_ffn.py), falling back to torch. The torch
-path gathers the active rows (index_select) and multiplies: correct everywhere, but it reads the
-active bytes twice and writes them once.
+every row in the compute dtype (h zeroed outside the active rows); CPU tensors -> the compiled
+OpenMP kernel (cpu_ffn.py), falling back to torch. The torch path gathers the active rows
+(index_select) and multiplies: correct everywhere, but it reads the active bytes twice and
+writes them once.
 
 Masks come in two forms: bool [T, K] or int32 [K] token bitmasks (bit t set = active for token
 t, T <= 32), the form `predictor.split_active_packed` produces without a host sync. With
