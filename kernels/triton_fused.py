@@ -20,35 +20,29 @@ from .triton_stages import ACT_CODE, Config, _act, _block_rows, _thresholded, _w
 
 
 @triton.jit
-def _rows_tile(ptr, rows, stride, rmask, c0, D, W: tl.constexpr, CMASK: tl.constexpr):
-    """[R, W] tile of the given rows, columns c0 .. c0 + W - 1 (masked to < D when CMASK)."""
-    return _w_tile(ptr, rows, stride, c0, D, rmask, W, 0, CMASK)
-
-
-@triton.jit
 def _block_tiles(up_ptr, gate_ptr, down_ptr, rows, rmask, s_up, s_gate, s_down, D, HAS_GATE: tl.constexpr,
                  EAGER: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr):
     """A block's up, gate, down tiles of both column pieces, [R, DA] and [R, DB] (loads issued, not
     waited for). Tiles a configuration does not read (no gate, lazy down, DB = 0) are the up tile of
     that piece, unused."""
-    ua = _rows_tile(up_ptr, rows, s_up, rmask, 0, D, DA, False)
+    ua = _w_tile(up_ptr, rows, s_up, 0, D, rmask, DA, 0, False)
     ga = ua
     da = ua
     if HAS_GATE:
-        ga = _rows_tile(gate_ptr, rows, s_gate, rmask, 0, D, DA, False)
+        ga = _w_tile(gate_ptr, rows, s_gate, 0, D, rmask, DA, 0, False)
     if EAGER:
-        da = _rows_tile(down_ptr, rows, s_down, rmask, 0, D, DA, False)
+        da = _w_tile(down_ptr, rows, s_down, 0, D, rmask, DA, 0, False)
     ub = ua
     gb = ua
     db = ua
     if DB > 0:
-        ub = _rows_tile(up_ptr, rows, s_up, rmask, DA, D, DB, True)
+        ub = _w_tile(up_ptr, rows, s_up, DA, D, rmask, DB, 0, True)
         gb = ub
         db = ub
         if HAS_GATE:
-            gb = _rows_tile(gate_ptr, rows, s_gate, rmask, DA, D, DB, True)
+            gb = _w_tile(gate_ptr, rows, s_gate, DA, D, rmask, DB, 0, True)
         if EAGER:
-            db = _rows_tile(down_ptr, rows, s_down, rmask, DA, D, DB, True)
+            db = _w_tile(down_ptr, rows, s_down, DA, D, rmask, DB, 0, True)
     return ua, ga, da, ub, gb, db
 
 
@@ -114,10 +108,10 @@ def _fused_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, down_ptr, idx_ptr, nact_ptr
             if DB > 0:
                 yb += tl.sum(h[:, None] * db.to(tl.float32), axis=0)
         else:  # a zero activation's down row is not read
-            dl = _rows_tile(down_ptr, rows, s_down, h != 0, 0, D, DA, False)
+            dl = _w_tile(down_ptr, rows, s_down, 0, D, h != 0, DA, 0, False)
             ya += tl.sum(h[:, None] * dl.to(tl.float32), axis=0)
             if DB > 0:
-                dlb = _rows_tile(down_ptr, rows, s_down, h != 0, DA, D, DB, True)
+                dlb = _w_tile(down_ptr, rows, s_down, DA, D, h != 0, DB, 0, True)
                 yb += tl.sum(h[:, None] * dlb.to(tl.float32), axis=0)
         offs_r, rmask, rows, ua, ga, da, ub, gb, db = n_offs, n_rmask, n_rows, n_ua, n_ga, n_da, n_ub, n_gb, n_db
     if pid < nblk:
