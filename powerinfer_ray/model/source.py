@@ -112,7 +112,7 @@ def layer_rows(src: WeightSource, template: str, bid: int, rows: Any = None, dty
     if view is None or view.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return src.layer(template, bid, rows=rows, dtype=dtype, bias=bias, device=device)
     ids = None if rows is None else np.asarray(rows, np.int64)
-    run = ids is None or (ids.size > 0 and ids[-1] - ids[0] == ids.size - 1 and bool((np.diff(ids) == 1).all()))
+    run = ids is None or (ids.size > 0 and bool((np.diff(ids) == 1).all()))
     if run and torch.device(device).type != "cpu":
         part = view if ids is None else view[int(ids[0]):int(ids[-1]) + 1]
         return part.to(device=device).to(dtype or part.dtype)
