@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gpukern|gpurt|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain
+#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gpukern|gpurt|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain"
+stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -75,6 +75,14 @@ verify)  # the GPU tests, the sync microbenchmark, the Triton sweep (split varia
     timeout 60 python bench/cpu_attention.py --shape falcon-40b -t "$THREADS" --out-dir "$OUT" \
         --name cpu-attention-falcon-h200 >> "$log" 2>&1  # the CPU attention's parts vs a dense FFN layer
     grep "cpu attention" "$log"
+    ;;
+gputests)  # every GPU test in one call: the kernel tests and the runtime tests as two processes side by
+    # side (serially they outlast a call: the kernels' Triton compiles take ~3 min, the runtime ~2)
+    timeout -s INT 570 python -m pytest tests/gpu/test_kernels_gpu.py -q -rf > "$OUT/gpu-kernel-tests.log" 2>&1 &
+    timeout -s INT 570 python -m pytest tests/gpu/test_runtime_gpu.py tests/gpu/test_runtime_quant_gpu.py \
+        tests/gpu/test_swiglu_gpu.py -q -rf > "$OUT/gpu-runtime-tests.log" 2>&1
+    wait
+    tail -n 4 "$OUT"/gpu-kernel-tests.log "$OUT"/gpu-runtime-tests.log | cut -c1-300
     ;;
 gpukern)  # the Triton kernels alone: their GPU tests, then the sweep (fused and split variants as graph
     # replays against the two-stage winner) and the densities with the winner
