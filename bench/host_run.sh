@@ -229,24 +229,22 @@ swiglu)  # issue 20: planted:llama3-8b (SwiGLU sparsified at 50 %) at 8 GiB, pro
         --modes hybrid,hybrid-gate-first,hybrid-dense,layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
     ;;
 offline)  # issue 23: the 13B profiled through the engine at 16 GiB from its file on /dev/shm (the write first,
-    # ~200 s). 1M tokens at the issue's 2,000 tok/s bar is 500 s, more than a call leaves after the write: the
-    # stage measures the rate on 300k tokens (1M take load_s + 1e6 / run_tok_s of the record). Windows of 256,
-    # 8 a step (--prefill-chunk 2048): each pass of the CPU shard's rows to the GPU serves 2048 tokens
+    # ~40 s), 1M tokens (~310 s at a72f488). Windows of 256, 8 a step (--prefill-chunk 2048): each pass of the
+    # CPU shard's rows to the GPU serves 2048 tokens
     memory before
     write_file "$M13" 200 || exit 0
-    offbench 340 --phases profile --profile-tokens 300000 --prefill-chunk 2048
+    offbench 520 --phases profile --profile-tokens 1000000 --prefill-chunk 2048
     memory "profiled"
     ;;
 offtrain)  # issue 23: predictors for the 13B's 40 layers, samples through the engine at 16 GiB from the file
-    # (train-predictors reads a file: the write first, ~35 s on the H200; run the stage as its own call: at
-    # 494cc6c sampling took ~70 s and training ~230 s, and 340 s ended it before the held-out check). A sample is x [5120] f32 + a code [13824] per
-    # token and layer, 1.4 MB a token: 20k training and 2k held-out tokens spill 30 GB to /dev/shm beside the
-    # 26 GB file; the model with predictors (26 GB) goes to the disk. The held-out check runs the dense
-    # reference (f32 on the GPU, 52 GB) ~50 times: per layer, and the threshold's search
+    # (train-predictors reads a file: the write first, ~35 s on the H200; run the stage as its own call). A
+    # sample is x [5120] f32 + a code [13824] per token and layer, 1.4 MB a token: 10k training and 1k held-out
+    # tokens spill 15 GB to /dev/shm beside the 26 GB file; the model with predictors (26 GB) goes to the disk.
+    # The held-out check runs the dense reference (f32 on the GPU, 52 GB): per layer, and the threshold's search
     memory before
     write_file "$M13" 200 || exit 0
-    offbench 520 --phases train --train-tokens 20000 --prefill-chunk 2048 --work-dir /tmp/offtrain \
-        --train-args "--heldout-tokens 2048 --spill-dir $SHM/offtrain-spill"
+    offbench 520 --phases train --train-tokens 10000 --prefill-chunk 2048 --work-dir /tmp/offtrain \
+        --train-args "--heldout-tokens 1024 --spill-dir $SHM/offtrain-spill"
     memory "trained"
     ;;
 *)

@@ -101,14 +101,32 @@ def selector_matrix(ref: ReferenceModel, l: int) -> torch.Tensor:
     return m - m.mean(dim=1, keepdim=True) if cfg.norm == "layer" else m
 
 
-def svd_start(m: torch.Tensor, width: int, x: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """fc1 [width, D], fc2 [F, width] computing the best rank-width/2 approximation of
-    x -> M x, scaled so its logits on the sample inputs x [N, D] have spread INIT_LOGIT_STD;
-    rows past 2 min(F, D) start small and random."""
+def top_singular(m: torch.Tensor, r: int, dev: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(a [r, D], b [F, r]), float32 on the CPU, with a = V_r^T and b = U_r S_r of the top r singular
+    triplets of m [F, D] (b @ a is its best rank-r approximation), from the eigenvectors of the
+    smaller Gram matrix in float64 on ``dev`` (one [min(F, D)]^2 eigendecomposition, cheaper than
+    a full SVD and run on the training device)."""
     F, D = m.shape
-    u, s, vh = torch.linalg.svd(m.cpu(), full_matrices=False)
-    r = min(width // 2, s.numel())
-    a, b = vh[:r], u[:, :r] * s[:r]  # [r, D], [F, r]
+    m64 = m.to(dev, torch.float64)
+    if D <= F:
+        _, v = torch.linalg.eigh(m64.T @ m64)  # ascending
+        v = v[:, D - r:].flip(1)  # [D, r]
+        a, b = v.T, m64 @ v
+    else:
+        e, u = torch.linalg.eigh(m64 @ m64.T)
+        u, s = u[:, F - r:].flip(1), e[F - r:].flip(0).clamp_min(0).sqrt()  # [F, r], [r]
+        a, b = (u.T @ m64) / s.clamp_min(1e-30)[:, None], u * s
+    return a.float().cpu(), b.float().cpu()
+
+
+def svd_start(m: torch.Tensor, width: int, x: torch.Tensor, gen: torch.Generator,
+              dev: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """fc1 [width, D], fc2 [F, width] computing the best rank-width/2 approximation of
+    x -> M x (``top_singular`` on ``dev``), scaled so its logits on the sample inputs x [N, D] have
+    spread INIT_LOGIT_STD; rows past 2 min(F, D) start small and random."""
+    F, D = m.shape
+    r = min(width // 2, F, D)
+    a, b = top_singular(m, r, dev)  # [r, D], [F, r]
     spread = float((x.cpu().float() @ (b @ a).T).std().clamp_min(1e-12))
     fc1 = torch.cat([a, -a, torch.randn(width - 2 * r, D, generator=gen) * 0.01 / math.sqrt(D)])
     fc2 = torch.cat([b, -b, torch.zeros(F, width - 2 * r)], dim=1) * (INIT_LOGIT_STD / spread)

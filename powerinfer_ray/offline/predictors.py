@@ -217,7 +217,7 @@ def _fit_all(ref: ReferenceModel, store: SampleStore, held: SampleStore, width: 
         data = LayerData(store, l, dev)
         hx, hq = held.all(l)
         ex, eq = torch.from_numpy(hx).to(dev), torch.from_numpy(hq).to(dev)
-        start = svd_start(selector_matrix(ref, l), width, data.head(4096), gen)
+        start = svd_start(selector_matrix(ref, l), width, data.head(4096), gen, dev)
         fit = fit_layer(data, (ex, eq), start, s, cfg.dtype, bar.update if bar is not None else None)
         fits.append(fit)
         log(f"layer {l}: active {100 * data.active_share:.2f} %, kept {100 * fit.kept:.2f} % at held-out recall "

@@ -16,7 +16,7 @@ from powerinfer_ray.model.tiny import tiny_config, tiny_weights, write_tiny_mode
 from powerinfer_ray.model.tokenizer import byte_level_fields
 from powerinfer_ray.offline.corpus import frozen_documents
 from powerinfer_ray.offline.predictor_fit import (FitSettings, fit_layer, kept_at_recall, layer_width,
-                                                  selector_matrix, svd_start)
+                                                  selector_matrix, svd_start, top_singular)
 from powerinfer_ray.offline.predictors import train_predictors
 from powerinfer_ray.offline.profile import profile_activations
 from powerinfer_ray.offline.quality import PredictorHooks, quality_report
@@ -66,6 +66,21 @@ def test_svd_start_at_full_rank_is_the_gate(tmp_path):
     assert int(differ.sum()) == 0 or float(gate[differ].abs().max()) < 1e-4  # fp rounding at gate ~ 0 only
     narrow = svd_start(selector_matrix(ref, 1), 32, x, torch.Generator().manual_seed(0))
     assert not torch.equal(torch.relu(x @ narrow[0].T) @ narrow[1].T > 0, q > 0)  # rank 16 of 64: not exact
+
+
+@pytest.mark.parametrize("shape", [(96, 40), (40, 96)])
+def test_top_singular_is_the_best_rank_r_approximation(shape):
+    """Against a float64 SVD: b @ a equals U_r S_r V_r^T, a's rows are orthonormal, b = m a^T."""
+    g = torch.Generator().manual_seed(1)
+    m = torch.randn(*shape, generator=g, dtype=torch.float64) @ torch.diag(torch.linspace(3, 0.1, shape[1], dtype=torch.float64))
+    u, s, vh = torch.linalg.svd(m, full_matrices=False)
+    for r in (5, 17, min(shape)):
+        a, b = top_singular(m.float(), r)
+        best = (u[:, :r] * s[:r]) @ vh[:r]
+        assert a.shape == (r, shape[1]) and b.shape == (shape[0], r)
+        assert torch.allclose((b @ a).double(), best, atol=1e-4 * float(s[0]))
+        assert torch.allclose((a @ a.T).double(), torch.eye(r, dtype=torch.float64), atol=1e-4)
+        assert torch.allclose(b.double(), m @ a.double().T, atol=1e-4 * float(s[0]))
 
 
 def token_windows_of(path, n):
