@@ -47,7 +47,6 @@ import time
 import warnings
 from dataclasses import dataclass
 
-import cvxpy as cp
 import numpy as np
 
 from .costs import GIB
@@ -149,6 +148,8 @@ def _solve_once(problem: PlacementProblem, capacity: int, time_limit_s: float, m
                 verbose: bool) -> tuple[np.ndarray, np.ndarray, str] | None:
     """One HiGHS solve: (a [L, Gm] bool, h [L, K] bool, status), or None at the time limit
     without a solution."""
+    import cvxpy as cp  # here, not at import: it takes ~2 s, and a cached split needs no solve
+
     model = _Model(problem, capacity)
     with warnings.catch_warnings():  # cvxpy warns at HiGHS's time limit; our status says it
         warnings.filterwarnings("ignore", message="Solution may be inaccurate")
@@ -175,6 +176,8 @@ class _Model:
         free = st.full & ~block  # [L, Gm] full groups past the block
         has_small = st.small_col >= 0
         rows = np.arange(L)
+        import cvxpy as cp
+
         self.y = y = cp.Variable(L, boolean=True)  # eq. 7
         self.n = n = cp.Variable(L, integer=True, bounds=[np.zeros(L), free.sum(axis=1)])
         a = cp.Variable(free.shape, bounds=[np.zeros(free.shape), free.astype(float)])  # eq. 8 via n
@@ -255,6 +258,8 @@ def _byte_unit(problem: PlacementProblem) -> int:
 def _check_status(prob: cp.Problem, problem: PlacementProblem, time_limit_s: float) -> str | None:
     """Our status for cvxpy's: 'optimal' (within the MIP gap), 'time_limit' (an incumbent), None
     (time limit without a solution); raise on infeasible or failed solves."""
+    import cvxpy as cp
+
     if prob.status in (cp.OPTIMAL, cp.OPTIMAL_INACCURATE):
         return "optimal"
     if prob.status == cp.USER_LIMIT:

@@ -70,6 +70,21 @@ def test_budget_solves_caches_and_reuses_the_split(model, host):
     assert not split.exists()
 
 
+def test_a_cached_split_loads_without_the_solver(model, host):
+    """A load that reuses the cached split imports no cvxpy (its import alone takes seconds)."""
+    import subprocess
+    import sys
+
+    cfg = open_model(model).config
+    budget = _budget(cfg, 0.3)
+    solved = resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, host_profile=host))
+    code = ("import sys; from powerinfer_ray.runtime.engine import EngineConfig, resolve_plan; "
+            f"p = resolve_plan(EngineConfig({str(model)!r}, vram_budget_gib={budget!r}, host_profile={host!r})); "
+            "print(sum(len(lp.gpu_neurons) for lp in p.layers), 'cvxpy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [str(sum(len(lp.gpu_neurons) for lp in solved.layers)), "False"]
+
+
 def test_sync_cost_keeps_small_layers_whole(model):
     """At the default 45 us per sync, none of the tiny model's layers is worth splitting: each
     goes whole to the GPU (no sync then) or stays whole on the CPU. With room for 30 % of the FFN
