@@ -46,6 +46,7 @@ TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 @ray.remote(max_restarts=-1)
 class Coordinator:
     def __init__(self, model: str | None = None, *, name: str | None = None, **options: Any) -> None:
+        self.started_at = time.time()  # wall clock: a caller on this host subtracts its own start
         logging.basicConfig(level=logging.INFO)
         if model is None:
             from ..model.default import default_model_path
@@ -94,6 +95,7 @@ class Coordinator:
                               prefill_chunk=self.prefill_chunk, max_waiting=self.ec.max_waiting,
                               n_vocab=self.cfg.n_vocab, on_failure=self._recover, on_finish=self._observe)
         self._metrics()
+        self.init_s = time.time() - self.started_at
 
     def _check_device(self) -> None:
         """A CUDA primary needs a GPU in the cluster: without one its actor would wait forever."""
@@ -188,6 +190,7 @@ class Coordinator:
         g = self.group
         return {"model": self.model_name, "n_ctx": self.n_ctx, "policy": self.policy, "device": self.device,
                 "executors": ["gpu"] + (["cpu"] if g and g.cpu else []), "plan_s": self.plan_s,
+                "started_at": self.started_at, "init_s": self.init_s,
                 "load_s": g.load_s if g else {}, "dense_prefill": g.dense_prefill if g else None,
                 "pid": os.getpid(),
                 # each executor's load phases and memory at its start (its ready() without the shard layout)

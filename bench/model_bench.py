@@ -252,13 +252,15 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
     from powerinfer_ray.runtime.hostmem import host_memory
 
     a.shm_before = host_memory().shm_used
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     engine = Coordinator.options(name=f"bench-{mode}", max_concurrency=1000).remote(a.model, **kw)
     info = ray.get(engine.ready.remote())
     load_s = time.perf_counter() - t0
     tag = f"[{mode}{'' if mode == 'dense-gpu' else f' {budget:g} GiB'}]"
     print(f"{tag} loaded in {load_s:.1f} s: {info}", flush=True)
-    load = {"load_phases_s": info.get("load_s"),
+    # the coordinator's process start (Ray's worker, imports) and its __init__ around the plan and the group
+    load = {"load_phases_s": info.get("load_s"), "coordinator_start_s": info["started_at"] - wall0,
+            "coordinator_init_s": info["init_s"],
             "executor_phases_s": [i.get("phases") for i in info.get("executors_ready", [])],
             "ffn_rows": next((i.get("ffn_rows") for i in info.get("executors_ready", []) if "ffn_rows" in i), None)}
     # warm up at the measured shapes (kernel compilation, graph capture): the longest prompt's
