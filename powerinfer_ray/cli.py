@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=100_000, help="training tokens")
     p.add_argument("--max-width", type=int, default=None, help="widest predictor (hidden units) of a layer")
     p.add_argument("--max-predictor-share", default="20%",
-                   help="all predictors together at most this share of the model's bytes (default 20%%)")
+                   help="all predictors together at most this share of the model's bytes")
     p.add_argument("--memory-cap-mb", type=int, default=256,
                    help="training samples held in memory; beyond it they spill to disk")
     p.add_argument("--spill-dir", default=None, help="where samples spill (default: a temporary folder)")
