@@ -104,15 +104,20 @@ gpurt)  # the runtime's GPU tests (engines on the GPU: every split, quantized, S
     ;;
 13bfile)  # the 13B from a file on /dev/shm, as users run it (issue 22): hybrid with the CPU's rows in
     # place in the file and layer-offload, then the hybrid of the planted fill (rows copied into shared
-    # memory) as the second row; memory beyond the file and the load's phases in every record
+    # memory) as the second row, then both hybrids again (ABAB: calls vary); memory beyond the file and the
+    # load's phases in every record (~300 s at a72f488)
     memory before
     write_file "$M13" 200 || exit 0
     memory "file written"
-    suite runtime-13b-${B13}gib-file-h200 250 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+    suite runtime-13b-${B13}gib-file-h200 200 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
         --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
-    suite runtime-13b-${B13}gib-planted-h200 140 -m "$M13" --vram-budget "$B13" --modes hybrid \
+    suite runtime-13b-${B13}gib-planted-h200 110 -m "$M13" --vram-budget "$B13" --modes hybrid \
         --shapes 64x128 --batch 1 -t "$THREADS"
-    summary "$OUT"/runtime-13b-${B13}gib-{file,planted}-h200.json | cut -c1-400
+    suite runtime-13b-${B13}gib-file-h200-2 100 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+        --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS"
+    suite runtime-13b-${B13}gib-planted-h200-2 100 -m "$M13" --vram-budget "$B13" --modes hybrid \
+        --shapes 64x128 --batch 1 -t "$THREADS"
+    summary "$OUT"/runtime-13b-${B13}gib-{file,planted}-h200{,-2}.json | cut -c1-400
     ;;
 b32)  # batch 32 (the CPU's per-token path) and long prompts
     suite runtime-13b-16gib-b32-h200 300 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload \
