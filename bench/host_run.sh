@@ -186,8 +186,8 @@ falcon24)  # Falcon-40B at the issue's 24 GiB, planted fill: the ILP keeps atten
     suite runtime-falcon40b-24gib-h200 380 -m "$MF" --vram-budget 24 \
         --modes hybrid,layer-offload --shapes 64x32 -t "$THREADS"
     ;;
-falconwrite)  # the Falcon-40B-shape file (~90 GB) on /dev/shm, once: its own call (writing may take most
-    # of one); the writer refuses, naming the sizes, when /dev/shm lacks the room
+falconwrite)  # the Falcon-40B-shape file (83.7 GiB) on /dev/shm, once (103 s at a72f488: falconfile fits in
+    # the same call); the writer refuses, naming the sizes, when /dev/shm lacks the room
     memory before
     write_file "$MF" 560
     memory "file written"
