@@ -169,6 +169,8 @@ class _Model:
     """
 
     def __init__(self, problem: PlacementProblem, capacity: int):
+        import cvxpy as cp
+
         self.problem, self.st = problem, _Structure.of(problem)
         st, L = self.st, problem.costs.n_layer
         unit = _byte_unit(problem)
@@ -176,8 +178,6 @@ class _Model:
         free = st.full & ~block  # [L, Gm] full groups past the block
         has_small = st.small_col >= 0
         rows = np.arange(L)
-        import cvxpy as cp
-
         self.y = y = cp.Variable(L, boolean=True)  # eq. 7
         self.n = n = cp.Variable(L, integer=True, bounds=[np.zeros(L), free.sum(axis=1)])
         a = cp.Variable(free.shape, bounds=[np.zeros(free.shape), free.astype(float)])  # eq. 8 via n
