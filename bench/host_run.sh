@@ -246,12 +246,13 @@ offtrain)  # issue 23: predictors for the 13B's 40 layers, samples through the e
     # sample is x [5120] f32 + a code [13824] per token and layer, 1.4 MB a token: 10k training and 1k held-out
     # tokens spill 15 GB to /dev/shm beside the 26 GB file; the model with predictors (26 GB) goes to the disk.
     # The held-out check runs the dense reference (f32 on the GPU, 52 GB). The threshold is the one at which every
-    # layer reaches held-out recall 0.95 (issue 23's bar): the quality target (perplexity, top-1) is noise on
-    # planted weights (a 4-layer planted 13B's dense perplexity is ~5e5)
+    # layer reaches held-out recall 0.96 on the dense pass's samples, a margin over issue 23's bar of 0.95 for the
+    # report's all-sparse pass; the quality target (perplexity, top-1) is noise on planted weights (a 4-layer
+    # planted 13B's dense perplexity is ~5e5)
     memory before
     write_file "$M13" 200 || exit 0
     offbench 520 --phases train --train-tokens 10000 --prefill-chunk 2048 --work-dir /tmp/offtrain \
-        --train-args "--heldout-tokens 1024 --recall 0.95 --spill-dir $SHM/offtrain-spill"
+        --train-args "--heldout-tokens 1024 --recall 0.96 --spill-dir $SHM/offtrain-spill"
     memory "trained"
     ;;
 *)
