@@ -1,7 +1,7 @@
 """The scheduler: the request loop of the engine, as a plain asyncio class.
 
-It owns the request queue, continuous batching (a prefill chunk of one request, then one decode
-step of every running request, in turn), sampling, stop conditions, log-probabilities,
+It owns the request queue, continuous batching (a prefill chunk of the prompts that can share a
+step, then one decode step of every running request, in turn), sampling, stop conditions, log-probabilities,
 streaming and per-request statistics; prompts are checked and tokenized off its event loop
 (``runtime.prompt``). It talks to the primary executor once per step through ``step_fn`` (the
 step link in the actor, a direct call in tests). Executors do the per-layer work.
@@ -222,9 +222,9 @@ class Scheduler:
         """Schedule (admit waiting requests into free slots), execute one prefill chunk and one
         decode step of the running requests, make output (sample, detokenize, stop, stream)."""
         self._admit()
-        pre = next((r for r in self.running if r.prefilling), None)
-        if pre is not None:
-            await self._prefill(pre)
+        group, size = self._prefill_group()
+        if group:
+            await self._prefill(group, size)
         dec = [r for r in self.running if not r.prefilling and not r.done][: self.max_batch]
         if dec:
             t0 = time.perf_counter()
@@ -238,25 +238,48 @@ class Scheduler:
                     self._emit(r, lg)
         self.running = [r for r in self.running if not r.done]
 
-    async def _prefill(self, req: Request) -> None:
-        """One prompt chunk of ``req``: one token when it asks for prompt log-probabilities (the
-        executor returns the last position's logits, which score the next prompt token)."""
-        size = 1 if req.params.prompt_logprobs is not None else self.prefill_chunk
-        chunk = req.prompt_ids[req.pos: req.pos + size]
+    def _prefill_group(self) -> tuple[list[Request], int]:
+        """The prompts one prefill step runs, and the tokens each gives it. A step runs sequences
+        of equal token counts, at most ``prefill_chunk`` tokens in all: of the first B prefilling
+        requests (in arrival order), each gives min(the fewest tokens any of them has left,
+        prefill_chunk // B); B is the count that runs the most tokens (the fewest requests on a
+        tie). A request scoring its prompt tokens goes one token a step, alone."""
+        pre = [r for r in self.running if r.prefilling]
+        if not pre:
+            return [], 0
+        if pre[0].params.prompt_logprobs is not None:
+            return pre[:1], 1
+        best, left = (0, 0, 0), self.prefill_chunk  # (tokens, B, T)
+        for b, r in enumerate(itertools.takewhile(lambda r: r.params.prompt_logprobs is None, pre), 1):
+            left = min(left, len(r.prompt_ids) - r.pos)
+            t = min(left, self.prefill_chunk // b)
+            if t == 0:
+                break
+            if b * t > best[0]:
+                best = (b * t, b, t)
+        return pre[:best[1]], best[2]
+
+    async def _prefill(self, group: list[Request], size: int) -> None:
+        """One prompt chunk of ``size`` tokens of each request of ``group``; a request that asks
+        for prompt log-probabilities comes alone with size 1 (the executor returns the last
+        position's logits, which score the next prompt token)."""
+        chunks = [r.prompt_ids[r.pos: r.pos + size] for r in group]
         t0 = time.perf_counter()
-        logits = await self._execute([req], [chunk])
+        logits = await self._execute(group, chunks)
         self.counters["prefill_s"] += time.perf_counter() - t0
-        if req.params.prompt_logprobs is not None:
-            if req.pos == 0:  # nothing scores the first token
-                first = req.prompt_ids[0]
-                req.prompt_logprobs.append({"token_id": first, "token": self._piece(first), "logprob": None, "top": []})
-            if req.pos + 1 < len(req.prompt_ids):
-                req.prompt_logprobs.append(self._logprob_entry(logits[0], req.prompt_ids[req.pos + 1],
-                                                               req.params.prompt_logprobs))
-        req.pos += len(chunk)
-        self.counters["prompt_tokens"] += len(chunk)
-        if not req.prefilling and not req.done:
-            self._emit(req, logits[0])
+        for req, chunk, lg in zip(group, chunks, logits):
+            if req.params.prompt_logprobs is not None:
+                if req.pos == 0:  # nothing scores the first token
+                    first = req.prompt_ids[0]
+                    req.prompt_logprobs.append({"token_id": first, "token": self._piece(first), "logprob": None,
+                                                "top": []})
+                if req.pos + 1 < len(req.prompt_ids):
+                    req.prompt_logprobs.append(self._logprob_entry(lg, req.prompt_ids[req.pos + 1],
+                                                                   req.params.prompt_logprobs))
+            req.pos += len(chunk)
+            self.counters["prompt_tokens"] += len(chunk)
+            if not req.prefilling and not req.done:
+                self._emit(req, lg)
 
     def _admit(self) -> None:
         self.running = [r for r in self.running if not r.done]

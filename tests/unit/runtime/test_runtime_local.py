@@ -126,6 +126,25 @@ def test_batched_decode_equals_single_sequences(models):
         eng.close()
 
 
+@pytest.mark.parametrize("split", ["mixed", "split-heads"])
+def test_prompt_chunks_of_several_sequences_in_one_step_equal_single_sequences(models, split):
+    """A prefill step of several sequences (equal token counts, each from its own position, as
+    the scheduler groups queued prompts) gives each sequence its own logits."""
+    path = models["llama-gqa"]
+    ref = ReferenceModel.from_file(path)
+    eng = LocalEngine(EngineConfig(str(path), plan=_plans(ref.cfg)[split], policy="oracle", prefill_chunk=16,
+                                   max_batch=3))
+    try:
+        prompts = [list(range(10, 22)), [5, 6, 7, 8, 9, 30, 31], [200, 1, 2, 3, 4, 5]]
+        eng.primary.step([0], [prompts[0][:6]], [0])  # the first sequence is 6 tokens into its prompt
+        got = eng.primary.step([0, 1, 2], [prompts[0][6:10], prompts[1][:4], prompts[2][:4]], [6, 0, 0])
+        for slot, (p, end) in enumerate(zip(prompts, (10, 4, 4))):
+            want = ref.forward(p[:end], ref.new_cache())[-1]
+            torch.testing.assert_close(torch.from_numpy(got[slot]), want, rtol=1e-4, atol=1e-4)
+    finally:
+        eng.close()
+
+
 def _decode_batch(eng: LocalEngine, prompts: list[list[int]], nxt: list[list[int]]) -> list[np.ndarray]:
     """Prefill each prompt in its slot, then decode steps of all sequences together (each at
     its own position), then one step of the first sequence alone; the logits of every step."""

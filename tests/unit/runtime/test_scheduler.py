@@ -193,3 +193,39 @@ def test_each_finished_request_reports_its_timings(model):
     for r in seen:
         t = r.timings()
         assert 0 <= t["queue_s"] <= t["ttft_s"] <= t["total_s"] and t["tpot_s"] > 0
+
+
+class RecordedSteps(ReferenceSteps):
+    """ReferenceSteps that keep each step's shape (sequences, tokens each)."""
+
+    def __init__(self, ref: ReferenceModel) -> None:
+        super().__init__(ref)
+        self.shapes = []
+
+    def step(self, slots, tokens, start):
+        self.shapes.append((len(tokens), len(tokens[0])))
+        return super().step(slots, tokens, start)
+
+
+@pytest.mark.parametrize("lengths, first", [((3, 3, 3, 3), (4, 2)), ((9, 2, 5), (1, 8)), ((2, 6, 6), (3, 2))])
+def test_prompts_queued_together_prefill_in_shared_steps(model, lengths, first):
+    """Prompts queued at once share prefill steps (prefill_chunk 8: B sequences x T tokens <= 8, T
+    at most the fewest any of them has left, the B that runs the most tokens); each request's
+    greedy tokens equal its own run alone, and every prompt token is computed once."""
+    ref, tok = model
+    prompts = [[5 + 3 * i + j for j in range(n)] for i, n in enumerate(lengths)]
+
+    async def run(ps):
+        steps = RecordedSteps(ref)
+        sched = Scheduler(steps, tok, n_ctx=N_CTX, max_batch=4, prefill_chunk=8, n_vocab=ref.cfg.n_vocab)
+        outs = await asyncio.gather(*(sched.generate(prompt_token_ids=p, max_tokens=4, temperature=0,
+                                                      ignore_eos=True) for p in ps))
+        return [o["token_ids"] for o in outs], steps.shapes, sched.stats()
+
+    together, shapes, stats = asyncio.run(run(prompts))
+    assert shapes[0] == first
+    assert all(b * t <= 8 for b, t in shapes)
+    assert stats["prompt_tokens"] == sum(lengths)
+    for p, ids in zip(prompts, together):
+        alone, _, _ = asyncio.run(run([p]))
+        assert ids == alone[0]
