@@ -3,8 +3,9 @@
 It owns the request queue, continuous batching (a prefill chunk of the prompts that can share a
 step, then one decode step of every running request, in turn), sampling, stop conditions,
 log-probabilities, streaming and per-request statistics; prompts are checked and tokenized off
-its event loop (``runtime.prompt``). It talks to the primary executor once per step through ``step_fn`` (the
-step link in the actor, a direct call in tests). Executors do the per-layer work.
+its event loop (``runtime.prompt``). It talks to the primary executor once per step through
+``step_fn`` (the step link in the actor, a direct call in tests). Executors do the per-layer
+work.
 
 ``step()`` reads like its docstring: schedule, execute, make output.
 """
