@@ -22,6 +22,8 @@ M8=${M8:-"planted:llama3-8b?dtype=f16"}  # the SwiGLU stage's (dry run: planted:
 B8=${B8:-8}
 SHM=${SHM:-/dev/shm}  # where the model files go
 THREADS=${THREADS:-14}  # CPU executor threads (the H200 host: 14 of 16 cores)
+KERNEL_TESTS=tests/gpu/test_kernels_gpu.py  # the Triton kernels' GPU tests
+RUNTIME_TESTS="tests/gpu/test_runtime_gpu.py tests/gpu/test_runtime_quant_gpu.py tests/gpu/test_swiglu_gpu.py"
 log=$OUT/$stage.log
 suite() {  # name timeout args...: one bench suite into $OUT/<name>.json, its lines into the stage log
     local name=$1 limit=$2
@@ -78,23 +80,21 @@ verify)  # the GPU tests, the sync microbenchmark, the Triton sweep (split varia
     ;;
 gputests)  # every GPU test in one call: the kernel tests and the runtime tests as two processes side by
     # side (serially they outlast a call: the kernels' Triton compiles take ~3 min, the runtime ~2)
-    timeout -s INT 570 python -m pytest tests/gpu/test_kernels_gpu.py -q -rf > "$OUT/gpu-kernel-tests.log" 2>&1 &
-    timeout -s INT 570 python -m pytest tests/gpu/test_runtime_gpu.py tests/gpu/test_runtime_quant_gpu.py \
-        tests/gpu/test_swiglu_gpu.py -q -rf > "$OUT/gpu-runtime-tests.log" 2>&1
+    timeout -s INT 570 python -m pytest $KERNEL_TESTS -q -rf > "$OUT/gpu-kernel-tests.log" 2>&1 &
+    timeout -s INT 570 python -m pytest $RUNTIME_TESTS -q -rf > "$OUT/gpu-runtime-tests.log" 2>&1
     wait
     tail -n 4 "$OUT"/gpu-kernel-tests.log "$OUT"/gpu-runtime-tests.log | cut -c1-300
     ;;
 gpukern)  # the Triton kernels alone: their GPU tests, then the sweep (fused and split variants as graph
     # replays against the two-stage winner) and the densities with the winner
-    timeout -s INT 150 python -m pytest tests/gpu/test_kernels_gpu.py -q -rf -x > "$OUT/gpu-tests.log" 2>&1
+    timeout -s INT 150 python -m pytest $KERNEL_TESTS -q -rf -x > "$OUT/gpu-tests.log" 2>&1
     tail -n 5 "$OUT/gpu-tests.log" | cut -c1-300
     timeout 400 powerinfer-ray bench kernels --device cuda --sweep --out "$OUT" >> "$log" 2>&1
     grep -E "^\[(sweep|gpu)\]" "$log" | tail -n 20 | cut -c1-400
     ;;
 gpurt)  # the runtime's GPU tests (engines on the GPU: every split, quantized, SwiGLU), their own call: the
     # whole tests/gpu serially outlasts one (31 passed in 250 s at 6add009, cut inside a Triton compile)
-    timeout -s INT 560 python -m pytest tests/gpu/test_runtime_gpu.py tests/gpu/test_runtime_quant_gpu.py \
-        tests/gpu/test_swiglu_gpu.py -q -rf > "$OUT/gpu-tests.log" 2>&1
+    timeout -s INT 560 python -m pytest $RUNTIME_TESTS -q -rf > "$OUT/gpu-tests.log" 2>&1
     tail -n 8 "$OUT/gpu-tests.log" | cut -c1-300
     ;;
 13b)  # the headline, the three engines in one run (the step-link A/B ran at da49b8d:
@@ -229,7 +229,7 @@ qcpu)  # the CPU exchange on Q4_0 rows against fp16 at the 13B shape (12 layers'
     ;;
 qkern)  # the Triton kernels on Q4_0 / Q8_0 rows: their GPU tests, then the FFN (fused and two stages at
     # T == 1) and the dense GEMV against fp16 at the 13B shape
-    timeout -s INT 240 python -m pytest tests/gpu/test_kernels_gpu.py -q -rf -k "quantized" > "$OUT/gpu-tests.log" 2>&1
+    timeout -s INT 240 python -m pytest $KERNEL_TESTS -q -rf -k "quantized" > "$OUT/gpu-tests.log" 2>&1
     tail -n 3 "$OUT/gpu-tests.log" | cut -c1-300
     timeout 300 powerinfer-ray bench kernels --device cuda --gpu-dtypes fp16,q4_0,q8_0 --tokens 1,8 --densities 10,50 \
         --out "$OUT" >> "$log" 2>&1
