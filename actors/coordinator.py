@@ -20,7 +20,9 @@ import os
 import time
 from typing import Any, AsyncIterator
 
-import ray
+IMPORT_STARTED = time.time()  # wall clock: this process began importing the engine (torch among it)
+
+import ray  # noqa: E402
 from ray.util import metrics
 
 from ..model.source import open_model
@@ -190,7 +192,7 @@ class Coordinator:
         g = self.group
         return {"model": self.model_name, "n_ctx": self.n_ctx, "policy": self.policy, "device": self.device,
                 "executors": ["gpu"] + (["cpu"] if g and g.cpu else []), "plan_s": self.plan_s,
-                "started_at": self.started_at, "init_s": self.init_s,
+                "imported_at": IMPORT_STARTED, "started_at": self.started_at, "init_s": self.init_s,
                 "load_s": g.load_s if g else {}, "dense_prefill": g.dense_prefill if g else None,
                 "pid": os.getpid(),
                 # each executor's load phases and memory at its start (its ready() without the shard layout)

@@ -16,7 +16,9 @@ import os
 import time
 from typing import Any
 
-import ray
+IMPORT_STARTED = time.time()  # wall clock: this process began importing the executors (torch among them)
+
+import ray  # noqa: E402
 from ray.util import metrics
 
 from ..runtime.channel import ChannelSpec
@@ -67,13 +69,19 @@ class LoadedLater:
 
     impl: Any = None
     load_error: BaseException | None = None
+    marks: dict[str, float]  # wall clock: import began, __init__ began and ended, load began and ended
+
+    def _started(self, init_at: float) -> None:
+        self.marks = {"import": IMPORT_STARTED, "init": init_at, "started": time.time()}
 
     def _load(self, make: Any) -> None:  # noqa: ANN401
+        self.marks["load"] = time.time()
         try:
             self.impl = make()
         except BaseException as e:
             self.load_error = e
             raise
+        self.marks["loaded"] = time.time()
 
     def loaded(self) -> Any:  # noqa: ANN401
         if self.impl is None:
@@ -86,6 +94,7 @@ class PrimaryExecutorActor(LoadedLater):
     """The primary executor: the only process that drives its GPU (or the CPU primary)."""
 
     def __init__(self, name: str, device: str, budget_bytes: int | None = None) -> None:
+        t0 = time.time()
         logging.basicConfig(level=logging.INFO)
         self.name, self.budget = name, budget_bytes
         self.link: StepServer | None = None
@@ -93,6 +102,7 @@ class PrimaryExecutorActor(LoadedLater):
             import torch
 
             torch.zeros(1, device="cuda")
+        self._started(t0)
 
     def load(self, model: Any, plan: Plan, **kw: Any) -> None:  # noqa: ANN401
         self._load(lambda: PrimaryExecutor(model, plan, **kw))
@@ -104,7 +114,7 @@ class PrimaryExecutorActor(LoadedLater):
 
     def ready(self) -> dict[str, Any]:
         impl = self.loaded()
-        return {**impl.ready(), "pid": os.getpid(), "vram_used_bytes": _vram_used(impl.device)}
+        return {**impl.ready(), "pid": os.getpid(), "vram_used_bytes": _vram_used(impl.device), "marks": self.marks}
 
     def open_step_link(self) -> str:
         """Serve `step` over a Unix socket (runtime.steplink); its path."""
@@ -162,8 +172,10 @@ class CPUExecutorActor(LoadedLater):
     """Cold neurons and CPU-placed heads; serves the channel in a background thread."""
 
     def __init__(self, name: str) -> None:
+        t0 = time.time()
         logging.basicConfig(level=logging.INFO)
         self.name = name
+        self._started(t0)
 
     def load(self, model: Any, plan: Plan, **kw: Any) -> None:  # noqa: ANN401
         self._load(lambda: CPUExecutor(model, plan, **kw))
@@ -171,7 +183,7 @@ class CPUExecutorActor(LoadedLater):
         self.metrics.mem.set(self.impl.weight_bytes(), tags=self.metrics.tags)
 
     def ready(self) -> dict[str, Any]:
-        return {**self.loaded().ready(), "pid": os.getpid()}
+        return {**self.loaded().ready(), "pid": os.getpid(), "marks": self.marks}
 
     def filled(self, by_primary: bool = True) -> None:
         """The primary wrote the shared rows (ready()'s needs_fill): touch them before serving;

@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain
+#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain"
+stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -125,6 +125,19 @@ load)  # issue 21: the 13B file's weights from its mapping to the GPU, today's c
     f=$(python bench/planted_file.py "$M13" --dir "$SHM" --check | cut -d' ' -f1)
     timeout 300 python bench/load_bench.py "$f" --gib 6 --out-dir "$OUT" --name load-13b-h200 >> "$log" 2>&1
     grep -E "GB/s|failed|Error" "$log" | cut -c1-200
+    ;;
+loadfile)  # issue 21's load: the pinned-staging GPU test, then the 13B hybrid from its file twice (the
+    # first start on a fresh host builds the CPU kernels: its cpu phase 'kernels'; the second is the
+    # load users see after that); the marks of every process's start in the records
+    timeout -s INT 200 python -m pytest tests/gpu/test_runtime_gpu.py -q -rf -k "staging or (matches_reference and llama-gqa and mixed)" \
+        > "$OUT/gpu-staging-tests.log" 2>&1
+    tail -n 2 "$OUT/gpu-staging-tests.log"
+    write_file "$M13" 200 || exit 0
+    suite runtime-13b-${B13}gib-file-load-h200 150 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+        --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS"
+    suite runtime-13b-${B13}gib-file-load-h200-2 120 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+        --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS"
+    summary "$OUT"/runtime-13b-${B13}gib-file-load-h200{,-2}.json | cut -c1-400
     ;;
 b32)  # batch 32 (the CPU's per-token path) and long prompts
     suite runtime-13b-16gib-b32-h200 300 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload \

@@ -8,6 +8,7 @@ loads only its neuron rows and attention heads. Writing lives in ``gguf_writer``
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -20,6 +21,7 @@ from . import gguf_keys as K
 from .gguf_config import ModelFileError, check_tensors, config_from_fields
 from .gguf_writer import LazyTensor
 from .quants import KIND_OF, QTYPES, QuantRows, dequantize, unsupported_type_message
+from .staging import copy_rows
 
 _PWRI_U32 = int.from_bytes(K.PWRI_MAGIC, "little")
 
@@ -127,8 +129,14 @@ class ModelFile:
         if kind not in QTYPES:
             raise self.error(f"tensor {name!r} is stored as {kind}, not in blocks of {QTYPES}")
         arr = self.raw(name)
+        if torch.device(device).type != "cpu":  # gathered on the way (through pinned buffers when staging)
+            with warnings.catch_warnings():  # the mapping's pages are read-only: they are only read
+                warnings.simplefilter("ignore", UserWarning)
+                view = torch.from_numpy(arr)
+            return QuantRows(copy_rows(view, None if rows is None else torch.as_tensor(np.asarray(rows, np.int64)),
+                                       device), kind)
         arr = np.array(arr) if rows is None else arr[np.asarray(rows, dtype=np.int64)]  # a copy
-        return QuantRows(torch.from_numpy(arr).to(device), kind)
+        return QuantRows(torch.from_numpy(arr), kind)
 
     def layer(self, template: str, bid: int, rows: Any = None, dtype: torch.dtype | None = None,
               bias: bool = False, device: str | torch.device = "cpu") -> torch.Tensor:

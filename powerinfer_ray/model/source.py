@@ -21,6 +21,7 @@ from . import gguf_keys as K
 from .config import ModelConfig
 from .gguf_file import ModelFile
 from .quants import QuantRows
+from .staging import copy_rows
 
 PLANTED_PREFIX = "planted:"
 
@@ -105,16 +106,13 @@ def mapped_tensor(src: WeightSource, name: str) -> torch.Tensor | None:
 def layer_rows(src: WeightSource, template: str, bid: int, rows: Any = None, dtype: torch.dtype | None = None,
                bias: bool = False, device: str | torch.device = "cpu") -> torch.Tensor:
     """``src.layer(...)`` (a copy of the rows), gathering a file's float rows straight out of its
-    memory map with torch's threads (``torch.set_num_threads``), then converting and moving them.
-    All rows, or a run of consecutive ones, go to another device straight from the map (no host
-    copy) and are converted there."""
+    memory map with torch's threads (``torch.set_num_threads``), then converting them on the
+    device (``staging.copy_rows``: through pinned buffers inside ``staging.pinned_staging``)."""
     view = mapped_tensor(src, K.tensor(template, bid, bias))
     if view is None or view.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return src.layer(template, bid, rows=rows, dtype=dtype, bias=bias, device=device)
     ids = None if rows is None else np.asarray(rows, np.int64)
-    run = ids is None or (ids.size > 0 and bool((np.diff(ids) == 1).all()))
-    if run and torch.device(device).type != "cpu":
-        part = view if ids is None else view[int(ids[0]):int(ids[-1]) + 1]
-        return part.to(device=device).to(dtype or part.dtype)
-    t = view.clone() if ids is None else view.index_select(0, torch.as_tensor(ids))
-    return t.to(device=device, dtype=dtype or t.dtype)
+    if ids is not None and ids.size > 0 and bool((np.diff(ids) == 1).all()) and torch.device(device).type != "cpu":
+        view, ids = view[int(ids[0]):int(ids[-1]) + 1], None  # a run of rows: a slice of the map
+    t = copy_rows(view, None if ids is None else torch.as_tensor(ids), device)
+    return t.to(dtype or t.dtype)

@@ -141,7 +141,9 @@ class CPUExecutor:
         self.channel: Channel | None = None
         self.error: str | None = None
         self.warmer = Warmer(self.ffn).start() if self.ffn_rows == "file" else None
-        self._apply_threads()
+        t1 = time.perf_counter()
+        self._apply_threads()  # loads the compiled kernels (built on a host's first start, then cached)
+        self.phases["kernels"] = time.perf_counter() - t1
 
     def _ffn_in_place(self, wdt: torch.dtype) -> list[FFNShard] | None:
         """Every layer's FFN rows as views of the model file's memory map (no copy), or None

@@ -23,6 +23,7 @@ from ..kernels.quant import dequantize
 from ..model import gguf_keys as K
 from ..model.reference import layer_norm, rms_norm
 from ..model.source import WeightSource, layer_rows
+from ..model.staging import pinned_staging
 from .layers import Policy
 from .plan import Plan
 from .shard import AttnShard, FFNShard, load_attn_shard, load_ffn_shard
@@ -58,16 +59,18 @@ class PrimaryWeights:
         self.src, self.cfg, self.plan, self.policy = src, src.config, plan, policy
         self.device, self.dtype, self.slots, self.n_ctx = device, dtype, slots, n_ctx
         cfg, dev = self.cfg, device
-        # host seconds of each kind of tensor (H2D copies from pageable memory are synchronous)
+        # host seconds of each kind of tensor (a file's rows go through pinned buffers: a copy waits
+        # only for the one before the last)
         self.phases = {"globals": 0.0, "predictors": 0.0, "attention": 0.0, "ffn": 0.0}
-        t0 = time.perf_counter()
-        self.embd, self.embd_q = self._global(K.TOKEN_EMBD)  # [V, D]
-        self.pos_embd, self.pos_q = self._global(K.POS_EMBD) if cfg.arch == "opt" else (None, None)
-        self.out_norm = self._norm_pair(K.OUTPUT_NORM, None)
-        untied = src.has(K.global_tensor(K.OUTPUT)) and not cfg.tied_output
-        self.out_w, self.out_q = self._global(K.OUTPUT) if untied else (self.embd, self.embd_q)  # [V, D]
-        self.phases["globals"] += time.perf_counter() - t0
-        self.layers = [self._layer(l) for l in range(cfg.n_layer)]
+        with pinned_staging(dev):
+            t0 = time.perf_counter()
+            self.embd, self.embd_q = self._global(K.TOKEN_EMBD)  # [V, D]
+            self.pos_embd, self.pos_q = self._global(K.POS_EMBD) if cfg.arch == "opt" else (None, None)
+            self.out_norm = self._norm_pair(K.OUTPUT_NORM, None)
+            untied = src.has(K.global_tensor(K.OUTPUT)) and not cfg.tied_output
+            self.out_w, self.out_q = self._global(K.OUTPUT) if untied else (self.embd, self.embd_q)  # [V, D]
+            self.phases["globals"] += time.perf_counter() - t0
+            self.layers = [self._layer(l) for l in range(cfg.n_layer)]
         # what the fixed-shape decode step reads: rotary rows of every position, the predictor's
         # GPU rows (they come first in fc2), every GPU row (policy 'dense')
         self.rope_cos = self.rope_sin = None

@@ -170,3 +170,30 @@ def test_cuda_primary_fills_the_cpu_shard_of_a_planted_model(spec):
         primary.close()
         own.stop()
         deferred.stop()
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+def test_cuda_pinned_staging_copies_the_files_rows(tmp_path, dtype, monkeypatch):
+    """The primary's loader inside pinned_staging (buffers of a few rows here: many chunks, both
+    buffers in turn): whole matrices, runs and gathers, float rows and Q8_0 blocks, equal to the
+    host's own copy of the rows."""
+    from powerinfer_ray.model import gguf_keys as K
+    from powerinfer_ray.model import staging
+    from powerinfer_ray.model.source import layer_rows, open_model
+
+    monkeypatch.setattr(staging, "STAGE_BYTES", 3 * 128 * 2 + 5)
+    src = open_model(str(write_tiny_model(tmp_path / "m.gguf", "llama-gqa", seed=1, n_layer=2, dtype=dtype,
+                                          n_embd=128, n_ff=512)))
+    rng = np.random.default_rng(0)
+    cases = [None, np.arange(40, 97), rng.choice(512, 200, replace=False)]
+    with staging.pinned_staging("cuda"):
+        assert staging._active is not None
+        for rows in cases:
+            if dtype == "f16":
+                got = layer_rows(src, K.FFN_UP, 1, rows=rows, dtype=torch.float16, device="cuda")
+                want = layer_rows(src, K.FFN_UP, 1, rows=rows, dtype=torch.float16)
+            else:
+                got = src.layer_blocks(K.FFN_UP, 1, rows=rows, device="cuda").blocks
+                want = src.layer_blocks(K.FFN_UP, 1, rows=rows).blocks
+            assert got.is_cuda and torch.equal(got.cpu(), want)
+    assert staging._active is None
