@@ -11,6 +11,10 @@ loop (``runtime.scheduler.Scheduler``), talking to the primary once per step ove
 (a Unix socket the primary opens, ``runtime.steplink``). When an executor dies, in-flight
 requests fail with a clear error, the executors are rebuilt and the next request is served.
 When the engine itself dies, Ray restarts it (``max_restarts=-1``) under the same name and handle.
+
+The module imports no torch (the runtime is imported inside the methods that use it): the engine's
+process starts its executors' processes before it imports the runtime, so their imports (~4 s
+each on the GPU host) run beside its own.
 """
 from __future__ import annotations
 
@@ -18,23 +22,20 @@ import asyncio
 import logging
 import os
 import time
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
-IMPORT_STARTED = time.time()  # wall clock: this process began importing the engine (torch among it)
+IMPORT_STARTED = time.time()  # wall clock: this process began importing the engine
 
 import ray  # noqa: E402
 from ray.util import metrics
 
-from ..model.source import open_model
-from ..offline.profile import ActivationStats
-from ..runtime.activity import activity_summary, check_counted, engine_activation
 from ..runtime.config import EngineConfig, engine_n_ctx, resolve_plan, resolve_policy, resolve_prefill_chunk
-from ..runtime.engine import executor_spec, make_tokenizer
-from ..runtime.group import ExecutorGroup, start_group
-from ..runtime.hostmem import process_memory
-from ..runtime.scheduler import Request, Scheduler
-from ..runtime.shmfiles import sweep_stale
 from .executors import RayBackend
+
+if TYPE_CHECKING:
+    from ..offline.profile import ActivationStats
+    from ..runtime.group import ExecutorGroup
+    from ..runtime.scheduler import Request
 
 log = logging.getLogger(__name__)
 DEFAULT_NAME = "powerinfer-engine"
@@ -58,17 +59,14 @@ class Coordinator:
         # the executors are named after the engine: its own actor name unless given, so two
         # engines in one cluster never collide
         self.name = name or ray.get_runtime_context().get_actor_name() or DEFAULT_NAME
-        src = open_model(self.ec.model)
-        self.cfg = src.config
-        self.model_name = self.cfg.name or str(model)
-        self.n_ctx = engine_n_ctx(self.ec, self.cfg)
-        self.policy = resolve_policy(self.ec, self.cfg)
         self._check_device()
         self.device = self._device()
         self.group: ExecutorGroup | None = None
         self.restarts = 0
-        # the members' processes start (imports, CUDA context) while the placement is solved; the
-        # CPU executor's when a budget makes a hybrid split likely
+        # the members' processes start first (Ray's workers, their imports, a CUDA context): their
+        # imports run beside this one's of the runtime and torch (deferred to here: the module
+        # itself stays light) and the placement's solve; the CPU executor's when a budget makes a
+        # hybrid split likely
         self.backend: RayBackend | None = RayBackend(self.name, self.ec.vram_budget_bytes)
         threads, fits = self._cpu_threads()
         for role in ("primary", "cpu") if self.ec.vram_budget_bytes and fits else ("primary",):
@@ -77,6 +75,15 @@ class Coordinator:
             except ValueError:  # the name is still held by a predecessor: started with the group
                 pass
         try:
+            from ..model.source import open_model
+            from ..runtime.engine import executor_spec, make_tokenizer
+            from ..runtime.scheduler import Scheduler
+
+            src = open_model(self.ec.model)
+            self.cfg = src.config
+            self.model_name = self.cfg.name or str(model)
+            self.n_ctx = engine_n_ctx(self.ec, self.cfg)
+            self.policy = resolve_policy(self.ec, self.cfg)
             t0 = time.perf_counter()
             self.plan = resolve_plan(self.ec, src)
             self.plan_s = time.perf_counter() - t0
@@ -115,6 +122,8 @@ class Coordinator:
                 if "already" not in str(e) or attempt == 99:
                     raise
                 time.sleep(0.2)
+        from ..runtime.shmfiles import sweep_stale
+
         sweep_stale()
 
     def _metrics(self) -> None:
@@ -148,6 +157,8 @@ class Coordinator:
         return threads, threads + 1 <= n_cpus
 
     def _start_executors(self) -> None:
+        from ..runtime.group import start_group
+
         backend, self.backend = self.backend or RayBackend(self.name, self.ec.vram_budget_bytes), None
         self.group = start_group(backend, self.spec)
 
@@ -226,6 +237,9 @@ class Coordinator:
 
     async def stats(self) -> dict[str, Any]:
         """Scheduler counters and each executor's load (neurons, bytes, busy s, sync, memory)."""
+        from ..runtime.activity import activity_summary
+        from ..runtime.hostmem import process_memory
+
         out: dict[str, Any] = {"coordinator": {**self.core.stats(), "memory": process_memory()},
                                "restarts": self.restarts, "policy": self.policy, "n_ctx": self.n_ctx,
                                "device": self.device}
@@ -244,6 +258,8 @@ class Coordinator:
         """The activation counts of every token the engine has run since its executors started
         (``runtime.activity``) as the profile's statistics; reset: start counting afresh.
         ValueError under a policy that keeps no counts."""
+        from ..runtime.activity import check_counted, engine_activation
+
         check_counted(self.policy)
         async with self._step_lock:  # between steps: both executors' counts of the same tokens
             g = self._running()

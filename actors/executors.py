@@ -14,20 +14,19 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 IMPORT_STARTED = time.time()  # wall clock: this process began importing the executors (torch among them)
 
 import ray  # noqa: E402
 from ray.util import metrics
 
-from ..runtime.channel import ChannelSpec
-from ..runtime.cpu_executor import CPUExecutor
-from ..runtime.group import ExecutorGroup, GroupSpec, StepFn
-from ..runtime.hostmem import process_memory
-from ..runtime.plan import Plan
-from ..runtime.primary import PrimaryExecutor
 from ..runtime.steplink import StepClient, StepServer
+
+if TYPE_CHECKING:
+    from ..runtime.channel import ChannelSpec
+    from ..runtime.group import ExecutorGroup, GroupSpec, StepFn
+    from ..runtime.plan import Plan
 
 log = logging.getLogger(__name__)
 TAGS = ("actor", "device")
@@ -98,6 +97,9 @@ class PrimaryExecutorActor(LoadedLater):
         logging.basicConfig(level=logging.INFO)
         self.name, self.budget = name, budget_bytes
         self.link: StepServer | None = None
+        from ..runtime.primary import PrimaryExecutor  # torch and the runtime, while the plan is solved
+
+        self.make = PrimaryExecutor
         if device == "cuda":
             import torch
 
@@ -105,7 +107,7 @@ class PrimaryExecutorActor(LoadedLater):
         self._started(t0)
 
     def load(self, model: Any, plan: Plan, **kw: Any) -> None:  # noqa: ANN401
-        self._load(lambda: PrimaryExecutor(model, plan, **kw))
+        self._load(lambda: self.make(model, plan, **kw))
         self.device = str(self.impl.device)
         self.metrics = ExecutorMetrics(self.name, self.device)
         self.metrics.mem.set(self.impl.weight_bytes(), tags=self.metrics.tags)
@@ -144,6 +146,8 @@ class PrimaryExecutorActor(LoadedLater):
 
     def stats(self, peer_neurons: int | None = None) -> dict[str, Any]:
         """Counters; ``peer_neurons`` (the CPU executor's) completes the GPU share of activations."""
+        from ..runtime.hostmem import process_memory
+
         if peer_neurons is not None:
             self.impl.stats.peer_neurons = peer_neurons
         st = self.impl.stats.as_dict()
@@ -175,10 +179,13 @@ class CPUExecutorActor(LoadedLater):
         t0 = time.time()
         logging.basicConfig(level=logging.INFO)
         self.name = name
+        from ..runtime.cpu_executor import CPUExecutor  # torch and the runtime, while the plan is solved
+
+        self.make = CPUExecutor
         self._started(t0)
 
     def load(self, model: Any, plan: Plan, **kw: Any) -> None:  # noqa: ANN401
-        self._load(lambda: CPUExecutor(model, plan, **kw))
+        self._load(lambda: self.make(model, plan, **kw))
         self.metrics = ExecutorMetrics(self.name, "cpu")
         self.metrics.mem.set(self.impl.weight_bytes(), tags=self.metrics.tags)
 

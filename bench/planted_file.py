@@ -23,7 +23,7 @@ import torch
 from powerinfer_ray.model import gguf_keys as K
 from powerinfer_ray.model.gguf_file import ModelFileError
 from powerinfer_ray.model.planted import PlantedModel, parse_spec
-from powerinfer_ray.model.quants import tensor_bytes
+from powerinfer_ray.model.qtypes import tensor_bytes
 from powerinfer_ray.model.source import PLANTED_PREFIX
 
 N_TOKENS = 100_000  # the statistics' token count: what the engine uses for a planted model

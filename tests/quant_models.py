@@ -16,7 +16,7 @@ from gguf import quants as gq
 from powerinfer_ray.kernels import quantize_q8_0
 from powerinfer_ray.model import gguf_keys as K
 from powerinfer_ray.model.gguf_file import ModelFile
-from powerinfer_ray.model.quants import QTYPES
+from powerinfer_ray.model.qtypes import QTYPES
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import tiny_weights
 

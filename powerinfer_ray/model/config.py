@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .quants import BLOCK_BYTES, QK, QTYPES, row_bytes
+from .qtypes import BLOCK_BYTES, QK, QTYPES, row_bytes
 
 ARCHS = ("llama", "qwen2", "opt", "falcon")
 FFN_ACTS = ("relu", "reglu", "drelu", "swiglu")

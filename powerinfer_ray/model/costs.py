@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from . import gguf_keys as K
 from .config import ModelConfig
 from .gguf_config import expected_shapes
-from .quants import BLOCK_BYTES, ELEMENT_BYTES, QK, QTYPES, storage_kind
+from .qtypes import BLOCK_BYTES, ELEMENT_BYTES, QK, QTYPES, storage_kind
 
 if TYPE_CHECKING:
     from ..placement.costs import ModelCosts

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from . import gguf_keys as K
 from .config import ARCHS, ConfigError, ModelConfig
-from .quants import KIND_OF
+from .qtypes import KIND_OF
 
 
 class ModelFileError(ValueError):

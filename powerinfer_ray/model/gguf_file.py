@@ -20,7 +20,8 @@ from gguf.constants import GGUF_MAGIC as _GGUF_MAGIC_U32
 from . import gguf_keys as K
 from .gguf_config import ModelFileError, check_tensors, config_from_fields
 from .gguf_writer import LazyTensor
-from .quants import KIND_OF, QTYPES, QuantRows, dequantize, unsupported_type_message
+from .qtypes import KIND_OF, QTYPES, unsupported_type_message
+from .quants import QuantRows, dequantize
 from .staging import copy_rows
 
 _PWRI_U32 = int.from_bytes(K.PWRI_MAGIC, "little")

@@ -18,7 +18,8 @@ from gguf.gguf_writer import GGUFValue
 from . import gguf_keys as K
 from .config import ModelConfig
 from .gguf_config import ModelFileError, check_tensors, config_to_fields
-from .quants import GGML_TYPES, TORCH_DTYPES, QuantError, quantize, row_bytes, storage_kind, tensor_bytes
+from .qtypes import GGML_TYPES, QuantError, row_bytes, storage_kind, tensor_bytes
+from .quants import quantize
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class LazyTensor:
 
 
 TensorLike = np.ndarray | torch.Tensor | LazyTensor
+
+TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16, "i32": torch.int32}
 
 
 def write_model(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping[str, TensorLike],

@@ -69,7 +69,8 @@ from .planted_random import splitmix64, std_normal, stream_key
 from .planted_rows import RowGenerators, assemble, row_ids, zeros
 from .planted_spec import PRESETS, SWIGLU_GATE, TORCH_DT, PlantedSpec, PlantedSpecError, parse_spec, preset_config
 from .planted_stats import ATTN_VAR, FFN_VAR, P_MAX, POS_VAR, LayerPlan, calibrate, down_plan
-from .quants import QTYPES, QuantRows, dequantize, storage_kind
+from .qtypes import QTYPES, storage_kind
+from .quants import QuantRows, dequantize
 from .tokenizer import BYTE_VOCAB_SIZE, byte_level_fields
 
 JITTER_MEAN, JITTER_SHARE = 0.06, 0.015  # per-layer variation: log-mean std, top-share std

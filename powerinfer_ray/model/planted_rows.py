@@ -13,7 +13,8 @@ from .config import ModelConfig
 from .planted_random import BLOCK_ROWS, VAR8, block_ints, row_norm, splitmix64, stream_key
 from .planted_spec import PlantedSpec
 from .planted_stats import ATTN_VAR, POS_VAR, LayerPlan
-from .quants import quantize, row_bytes
+from .qtypes import row_bytes
+from .quants import quantize
 
 CHANNEL = 0  # the residual dim used as the constant bias channel
 C_VALUE = 1.0  # its value in every embedding row (same scale as the other dims)

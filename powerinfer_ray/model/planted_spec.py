@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .config import ModelConfig
-from .quants import QTYPES
+from .qtypes import QTYPES
 
 TORCH_DT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 

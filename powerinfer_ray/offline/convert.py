@@ -20,7 +20,7 @@ import torch
 from ..model import gguf_keys as K
 from ..model.config import ConfigError, ModelConfig
 from ..model.gguf_writer import LazyTensor, TensorLike, write_model
-from ..model.quants import FILE_TYPE, storage_kind
+from ..model.qtypes import FILE_TYPE, storage_kind
 from ..model.tokenizer import hf_tokenizer_fields
 from .hf_archs import Plan, planner_for
 from .hf_checkpoint import Checkpoint, ConvertError, HFConfig

@@ -27,7 +27,7 @@ from gguf.gguf_writer import GGUFValue
 from ..model import gguf_keys as K
 from ..model.gguf_file import ModelFile, open_gguf
 from ..model.gguf_writer import LazyTensor, write_gguf
-from ..model.quants import FILE_TYPE, KIND_OF, QTYPES, storage_kind
+from ..model.qtypes import FILE_TYPE, KIND_OF, QTYPES, storage_kind
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import torch
 from ..kernels.cpu_ffn import linear as cpu_linear, sparse_ffn_bitmask
 from ..kernels.cpu_library import configure_threads
 from ..model import gguf_keys as K
-from ..model.quants import row_bytes
+from ..model.qtypes import row_bytes
 from ..model.source import WeightSource, file_mapping, open_model
 from .activity import ActivityCounts
 from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec

@@ -23,7 +23,7 @@ import torch
 
 from ..model import gguf_keys as K
 from ..model.config import ModelConfig
-from ..model.quants import BLOCK_BYTES, QK, row_bytes
+from ..model.qtypes import BLOCK_BYTES, QK, row_bytes
 from ..model.source import WeightSource, layer_rows, mapped_tensor
 
 

@@ -128,3 +128,15 @@ def test_only_actors_and_the_front_door_import_ray_and_kernels_import_only_torch
     bad += [f"{m} imports {x}" for m, ext in external.items() if layer(m) == "kernels"
             for x in sorted(ext - stdlib - KERNEL_DEPS)]
     assert not bad, "\n".join(sorted(bad))
+
+
+def test_the_engine_actors_and_the_config_import_without_torch():
+    """The engine's process starts its executors' processes before it imports torch (their
+    imports then run beside its own), and the command line builds its flags from the config: a
+    fresh interpreter imports these modules without torch."""
+    import subprocess
+
+    mods = ["powerinfer_ray.actors.coordinator", "powerinfer_ray.actors.executors", "powerinfer_ray.runtime.config"]
+    code = f"import sys; import {', '.join(mods)}; print([m for m in sys.modules if m == 'torch' or m.startswith('torch.')][:3])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", f"torch imported: {out.stdout.strip()}"
