@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain
+#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain"
+stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -138,6 +138,16 @@ loadfile)  # issue 21's load: the pinned-staging GPU test, then the 13B hybrid f
     suite runtime-13b-${B13}gib-file-load-h200-2 120 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
         --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS"
     summary "$OUT"/runtime-13b-${B13}gib-file-load-h200{,-2}.json | cut -c1-400
+    ;;
+segment)  # issue 21's GPU segment (attention + predictor, ~155 us a layer against ~70 at HBM speed): the
+    # kernels of 4 decode layers of the 13B shape under torch.profiler, eager (each kernel apart) and in
+    # graphs (the step's time), predictor policy with half the FFN rows on the GPU
+    for g in --no-graphs ""; do
+        echo "== profile_step $g" >> "$log"
+        timeout -s INT 200 python bench/profile_step.py -m "planted:llama2-13b?dtype=f16&layers=4" --policy predictor \
+            --gpu-fraction 0.5 -t "$THREADS" --rows 40 $g >> "$log" 2>&1
+    done
+    grep -E "decode step|Self CUDA time total" "$log"
     ;;
 b32)  # batch 32 (the CPU's per-token path) and long prompts
     suite runtime-13b-16gib-b32-h200 300 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload \

@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--gpu-fraction", type=float, default=None)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rows", type=int, default=25)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--prefill", action="store_true", help="profile a 64-token prefill instead of decode steps")
     ap.add_argument("--no-graphs", action="store_true", help="eager decode steps (no CUDA graphs)")
     a = ap.parse_args()
