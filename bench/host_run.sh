@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain
+#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain"
+stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -148,6 +148,18 @@ segment)  # issue 21's GPU segment (attention + predictor, ~155 us a layer again
             --gpu-fraction 0.5 -t "$THREADS" --rows 40 $g >> "$log" 2>&1
     done
     grep -E "decode step|Self CUDA time total" "$log"
+    ;;
+zerocopy)  # issue 21: can the GPU read some of the cold rows straight from the file's pages over PCIe
+    # while the CPU kernel reads others (more bandwidth for the cold path than the CPU's alone)? Then the
+    # CPU kernel at batch 1, 8 and 32 with batched masks (union of rows, few tokens each), 14 threads
+    write_file "$M13" 200 || exit 0
+    f=$(python bench/planted_file.py "$M13" --dir "$SHM" --check | cut -d' ' -f1)
+    timeout -s INT 240 python bench/zerocopy_bench.py "$f" --threads "$THREADS" --out-dir "$OUT" \
+        --name zerocopy-13b-h200 >> "$log" 2>&1
+    for T in 1 8 32; do
+        timeout -s INT 60 python bench/cpu_batch_masks.py -T $T -P 0.05 -t "$THREADS" >> "$log" 2>&1
+    done
+    grep -E "registered|GB/s|union|Error" "$log" | cut -c1-200
     ;;
 b32)  # batch 32 (the CPU's per-token path) and long prompts
     suite runtime-13b-16gib-b32-h200 300 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload \
