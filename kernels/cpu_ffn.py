@@ -249,13 +249,70 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
     run on integers, as ggml's. Bad arguments raise ValueError naming the field. Without a compiler:
     numpy decoding and the torch path, same results up to rounding.
     """
+    call = prepare_bitmask(x, up, gate, down_t, packed_mask, n, act, up_bias, out, split=split, skip_zero=skip_zero,
+                           qtype=qtype, rows=rows, act_threshold=act_threshold, act_on=act_on)
+    return call(x.shape[0], threads)
+
+
+def prepare_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor, packed_mask,
+                    n: int, act: str, up_bias: torch.Tensor | None, out: torch.Tensor, *, split: str = "auto",
+                    skip_zero: bool = True, qtype: str | None = None, rows: torch.Tensor | None = None,
+                    act_threshold: float | None = None, act_on: str = "gate"):  # noqa: ANN201
+    """``sparse_ffn_bitmask`` checked once for buffers that every call reuses (the CPU
+    executor's channel: x, the packed mask and out at their capacity of T rows): returns
+    ``call(T, threads=None)``, the same call on their first T rows (row strides as given; the
+    mask's row stride is its bytes per row when T = 1), without the checks."""
+    sh, rows_ptr, addr, ld, sp = _validate(x, up, gate, down_t, packed_mask, n, act, up_bias, out, split, qtype, rows,
+                                          act_threshold, act_on)
+    cap, D = x.shape
+    ld_x = x.stride(0) if cap > 1 else D
+    x_dt, y_dt, wcode = _W_DT[x.dtype], _W_DT[out.dtype], sh.args[3]
+    lib = library()
+    thr = _THR[act_on if act_threshold is not None else None]
+    x_ptr, out_ptr = x.data_ptr(), out.data_ptr()
+    head = (x_ptr, x_dt, ld_x)  # then T, D
+    tail = (D, *sh.args, addr, ld, n, rows_ptr, _ACT[act], out_ptr, y_dt)  # then scratch, threads
+    scratch_bytes: dict[tuple[int, int], int] = {}
+
+    def call(T: int, threads: int | None = None) -> tuple[int, ...]:
+        if not 0 <= T <= cap:
+            raise _bad("T", T, f"an int in [0, {cap}] (the buffers' rows)")
+        if T == 0:
+            return 0, 0, 0
+        if lib is None:
+            return _bitmask_torch(x[:T], up, gate, down_t, None if packed_mask is None else packed_mask[:T], n, act,
+                                  up_bias, out[:T], qtype, rows, act_threshold, act_on)
+        nthreads = int(threads or torch.get_num_threads())
+        with _lock:
+            nb = scratch_bytes.get((T, nthreads))
+            if nb is None:
+                key = (T, D, n, nthreads, y_dt, sp, wcode)
+                nb = _scratch_bytes.get(key)
+                if nb is None:
+                    nb = _scratch_bytes[key] = lib.pi_scratch_bytes(T, D, n, nthreads, y_dt, sp, 1, wcode)
+                scratch_bytes[(T, nthreads)] = nb
+            rc = lib.pi_sparse_ffn_bitmask(*head, T, *tail, _scratch_for(nb), nthreads, sp, int(not skip_zero),
+                                           _stats, float(act_threshold or 0.0), thr)
+            if rc != 0:
+                raise ValueError(f"sparse_ffn_bitmask: the kernel rejected its arguments (rc {rc}): T={T}, D={D}, "
+                                 f"n={n}, threads={nthreads}")
+            if act_threshold is not None:
+                return _stats[0], _stats[1], _stats[2], _stats[3]
+            return _stats[0], _stats[1], _stats[2]
+
+    return call
+
+
+def _validate(x, up, gate, down_t, packed_mask, n, act, up_bias, out, split, qtype, rows, act_threshold,  # noqa: ANN001, ANN202
+              act_on):
+    """sparse_ffn_bitmask's checks (ValueError naming the field); (shard, rows address, mask
+    address, mask row stride, split code)."""
     sh = _shard(up, gate, down_t, up_bias, act, qtype)
     rows_ptr, n_max = _row_ids(rows, sh.N) if rows is not None else (None, sh.N)
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != sh.D:
         raise _bad("x.shape", tuple(getattr(x, "shape", ())), f"[T, {sh.D}]")
     T, D = x.shape
-    x_dt = _W_DT.get(x.dtype)
-    if x_dt is None:
+    if _W_DT.get(x.dtype) is None:
         raise _bad("x.dtype", x.dtype, "float32, float16 or bfloat16")
     ld_x = x.stride(0) if T > 1 else D
     if (D > 1 and x.stride(1) != 1) or ld_x < D or not x.is_cpu:
@@ -274,30 +331,9 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
     sp = SPLITS.get(split)
     if sp is None:
         raise _bad("split", repr(split), f"one of {tuple(SPLITS)}")
-    if T == 0:
-        return 0, 0, 0
     if act_threshold is not None:
         _check_threshold(act, act_threshold, act_on)
-    lib = library()
-    if lib is None:
-        return _bitmask_torch(x, up, gate, down_t, packed_mask, n, act, up_bias, out, qtype, rows, act_threshold,
-                              act_on)
-    nthreads = int(threads or torch.get_num_threads())
-    with _lock:
-        key = (T, D, n, nthreads, y_dt, sp, sh.args[3])
-        nb = _scratch_bytes.get(key)
-        if nb is None:
-            nb = _scratch_bytes[key] = lib.pi_scratch_bytes(T, D, n, nthreads, y_dt, sp, 1, sh.args[3])
-        rc = lib.pi_sparse_ffn_bitmask(x.data_ptr(), x_dt, ld_x, T, D, *sh.args, addr, ld, n, rows_ptr, _ACT[act],
-                                       out.data_ptr(), y_dt, _scratch_for(nb), nthreads, sp, int(not skip_zero),
-                                       _stats, float(act_threshold or 0.0),
-                                       _THR[act_on if act_threshold is not None else None])
-        if rc != 0:
-            raise ValueError(f"sparse_ffn_bitmask: the kernel rejected its arguments (rc {rc}): T={T}, D={D}, "
-                             f"n={n}, threads={nthreads}")
-        if act_threshold is not None:
-            return _stats[0], _stats[1], _stats[2], _stats[3]
-        return _stats[0], _stats[1], _stats[2]
+    return sh, rows_ptr, addr, ld, sp
 
 
 def _check_threshold(act: str, t, on: str) -> None:

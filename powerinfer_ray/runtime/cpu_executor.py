@@ -16,7 +16,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..kernels.cpu_ffn import linear as cpu_linear, sparse_ffn_bitmask
+from ..kernels.cpu_ffn import linear as cpu_linear, prepare_bitmask
 from ..kernels.cpu_library import configure_threads
 from ..model import gguf_keys as K
 from ..model.qtypes import row_bytes
@@ -251,6 +251,7 @@ class CPUExecutor:
         """Map the primary's channel and serve it in the worker thread until OP_STOP (the caller
         stays responsive); every request posted after this call is served. Returns our pid."""
         self.channel = Channel.attach(spec)
+        self._calls: dict[tuple[int, int], Callable] = {}  # the FFN kernel's call per (layer, mask width)
         last = int(self.channel.header[0])  # read here, not when the worker gets to it
         self._serving = self._omp.submit(lambda: self.serve(last))
         self._serving.add_done_callback(_log_failure)
@@ -282,42 +283,43 @@ class CPUExecutor:
     @torch.no_grad()
     def _compute(self, op: int, l: int, n_seq: int, n_tok: int, n_mask: int) -> None:
         ch, cfg = self.channel, self.cfg
-        out = ch.out[:n_tok]  # [N, D] (x's dtype): the partial outputs are written (and summed) in place
-        wrote = False
-        if op in (OP_FFN, OP_ATTN_FFN) and self.ffn[l].n:
-            self._ffn(l, n_tok, n_mask, out)
-            wrote = True
+        # the partial outputs are written (and summed) in place in ch.out[:n_tok] [N, D] (x's dtype)
+        wrote = op in (OP_FFN, OP_ATTN_FFN) and self.ffn[l].n > 0
+        if wrote:
+            self._ffn(l, n_tok, n_mask)
         if op in (OP_ATTN, OP_ATTN_FFN) and self.attn[l].n_groups:
             x = ch.x_attn[:n_tok].float().view(n_seq, n_tok // n_seq, cfg.n_embd)
             slots, start = ch.slots[:n_seq].tolist(), ch.start_pos[:n_seq].tolist()
             t_a = time.monotonic_ns()
             a = attn_partial(x, self.attn[l], cfg, slots, start, self._linear).view(n_tok, cfg.n_embd)
             self.stats.attn_s += (time.monotonic_ns() - t_a) * 1e-9
-            out.add_(a) if wrote else out.copy_(a)
+            ch.out[:n_tok].add_(a) if wrote else ch.out[:n_tok].copy_(a)
             self.stats.active_bytes += self.attn[l].weight_bytes  # read in full by every step
             wrote = True
         if not wrote:
-            out.zero_()
+            ch.out[:n_tok].zero_()
         self.stats.exchanges += 1
         self.stats.tokens += n_tok if l == 0 else 0
 
-    def _ffn(self, l: int, n_tok: int, n_mask: int, out: torch.Tensor) -> None:
-        """Layer l's FFN share of the channel's x_ffn, written to out [N, D]."""
+    def _ffn(self, l: int, n_tok: int, n_mask: int) -> None:
+        """Layer l's FFN share of the channel's x_ffn, written to its out [N, D]."""
         ch, cfg, sh = self.channel, self.cfg, self.ffn[l]
-        t, on = self.pol.act_threshold(l), self.pol.act_on
         if self.policy == "oracle":  # finds its own active set: the general path
             y, pairs, rows = ffn_partial(ch.x_ffn[:n_tok].float(), sh, cfg.ffn_act, self.policy, None,
-                                         threads=self.threads, act_threshold=t, act_on=on,
-                                         count=self.activity.layers[l])
-            out.copy_(y)
+                                         threads=self.threads, act_threshold=self.pol.act_threshold(l),
+                                         act_on=self.pol.act_on, count=self.activity.layers[l])
+            ch.out[:n_tok].copy_(y)
             nbytes = ffn_bytes(cfg, rows, rows, rows)
         else:  # one compiled call from the channel's packed mask and x to out (gate-first: every row, gate first)
-            packed = ch.mask_rows(n_tok, n_mask) if self.policy == "predictor" else None
+            call = self._calls.get((l, n_mask))
+            if call is None:  # checked once per layer: the channel's buffers at their capacity
+                packed = ch.mask_rows(ch.spec.t_max, n_mask) if self.policy == "predictor" else None
+                call = self._calls[(l, n_mask)] = prepare_bitmask(
+                    ch.x_ffn, sh.up, sh.gate, sh.down_t, packed, n_mask if packed is not None else sh.n,
+                    cfg.ffn_act, sh.up_bias, ch.out, skip_zero=self.skip_zero, qtype=sh.qtype, rows=sh.rows,
+                    act_threshold=self.pol.act_threshold(l), act_on=self.pol.act_on)
             t_k = time.monotonic_ns()
-            counts = sparse_ffn_bitmask(
-                ch.x_ffn[:n_tok], sh.up, sh.gate, sh.down_t, packed, n_mask if packed is not None else sh.n,
-                cfg.ffn_act, sh.up_bias, out, self.threads, skip_zero=self.skip_zero, qtype=sh.qtype,
-                rows=sh.rows, act_threshold=t, act_on=on)
+            counts = call(n_tok, self.threads)
             self.stats.kernel_s += (time.monotonic_ns() - t_k) * 1e-9
             pairs, rows, down_rows = counts[:3]
             up_rows = counts[3] if len(counts) > 3 else rows  # gate first: only rows whose gate passes

@@ -113,6 +113,38 @@ def test_channel_views_strided_mask_strided_x_torch_mask():
           packed=torch.from_numpy(wide)[:T, :12], n=n)
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_prepared_call_on_the_first_rows_of_the_buffers(compiled, monkeypatch):
+    """prepare_bitmask over buffers of 8 rows (the channel's x, packed mask and out at their
+    capacity), called for T = 1, 3, 8 of their first rows, new values written between calls: each
+    equals the float64 reference of those rows; out's later rows untouched; T past the capacity
+    is refused. Also without the compiled kernel."""
+    if compiled and not cpu_ffn.available():
+        pytest.skip("no C++ compiler: compiled kernel unavailable")
+    if not compiled:
+        monkeypatch.setattr(cpu_ffn, "library", lambda: None)
+    gen = torch.Generator().manual_seed(21)
+    N, D, cap, n = 120, 64, 8, 101
+    up, gate, down_t, b = make_shard(N, D, torch.float16, "reglu", True, gen)
+    x = torch.zeros(cap, D, dtype=torch.float16)
+    wide = np.zeros((cap, 16), dtype=np.uint8)  # rows of ceil(101 / 8) = 13 bytes used, as the channel's
+    packed = wide.reshape(-1)[: cap * 13].reshape(cap, 13)
+    out = torch.zeros(cap, D, dtype=torch.float16)
+    call = cpu_ffn.prepare_bitmask(x, up, gate, down_t, packed, n, "reglu", b, out)
+    for T in (1, 3, 8, 3):
+        x[:T] = torch.randn(T, D, generator=gen).half()
+        mask = token_mask(T, n, 0.2, gen)
+        packed[:T] = pack(mask)
+        out.fill_(7.0)
+        pairs, rows, _ = call(T, 2)
+        ref, ref_pairs, ref_rows = reference(x[:T], up, gate, down_t, mask, "reglu", b)
+        assert (pairs, rows) == (ref_pairs, ref_rows)
+        assert rel_err(out[:T], ref) < TOL[torch.float16]
+        assert torch.equal(out[T:], torch.full_like(out[T:], 7.0))
+    with pytest.raises(ValueError, match="T is 9"):
+        call(9)
+
+
 @needs_compiler
 def test_no_mask_is_every_row_of_n():
     gen = torch.Generator().manual_seed(13)

@@ -602,7 +602,8 @@ def test_cpu_executor_loads_and_computes_in_its_one_thread(models, monkeypatch):
         return wrapped
 
     monkeypatch.setattr(executor, "in_place_ffn_shard", spy("load", executor.in_place_ffn_shard))  # its FFN rows
-    monkeypatch.setattr(executor, "sparse_ffn_bitmask", spy("kernel", executor.sparse_ffn_bitmask))
+    prepare = executor.prepare_bitmask
+    monkeypatch.setattr(executor, "prepare_bitmask", lambda *a, **kw: spy("kernel", prepare(*a, **kw)))
     monkeypatch.setattr(executor, "cpu_linear", spy("attention", executor.cpu_linear))
     path = models["llama-reglu"]
     plan = _plans(ReferenceModel.from_file(path).cfg)["split-heads"]  # CPU neurons and heads
