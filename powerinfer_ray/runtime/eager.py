@@ -20,7 +20,7 @@ from .activity import ActivityCounts
 from .channel import pack_mask
 from .cold import ColdRows
 from .exchange import Exchange
-from .layers import attn_partial, ffn_bytes, ffn_partial, merge_partials, shard_activation
+from .layers import add_partials, attn_partial, ffn_bytes, ffn_partial, shard_activation
 from .schedule import Step
 from .stats import ExecStats
 from .weights import PrimaryWeights
@@ -69,7 +69,7 @@ class EagerStep:
 
     def attn_out(self, s: Step) -> None:
         cpu = self.ex.collect(self.n_tok) if s.cpu else None
-        self.h = self.h + merge_partials([self.a, cpu], self.w.layers[s.l].attn_bias)
+        self.h = add_partials(self.h.clone(), [self.a, cpu], self.w.layers[s.l].attn_bias)
 
     def ffn_in(self, s: Step) -> None:
         """FFN norm, and the predictor's split: the primary's active neurons and the CPU's."""
@@ -111,7 +111,7 @@ class EagerStep:
             self._observe(s.l)
         a = self.a if self.w.cfg.parallel_attn else None
         cpu = self.ex.collect(self.n_tok) if s.cpu else None
-        self.h = self.h + merge_partials([a, self.f, self.c, cpu], self.w.layers[s.l].ffn_bias)
+        self.h = add_partials(self.h.clone(), [a, self.f, self.c, cpu], self.w.layers[s.l].ffn_bias)
         self.c = None
 
     def _observe(self, l: int) -> None:

@@ -34,7 +34,7 @@ from ..kernels.predictor import active_of, pack_active_bits, packed_views, split
 from ..kernels.sparse_ffn import sparse_ffn
 from .activity import ActivityCounts
 from .exchange import Exchange
-from .layers import ffn_bytes, merge_partials
+from .layers import add_partials, ffn_bytes
 from .schedule import Post, Step, run_eager, step_schedule
 from .stats import ExecStats
 from .weights import PrimaryWeights
@@ -106,7 +106,7 @@ class StepSegments:
 
     def attn_out(self, s: Step) -> None:
         cpu = self.ex.collect(self.B) if s.cpu else None
-        self.h += merge_partials([self.a, cpu], self.w.layers[s.l].attn_bias)
+        add_partials(self.h, [self.a, cpu], self.w.layers[s.l].attn_bias)
 
     def ffn_in(self, s: Step) -> None:
         """FFN norm, and the predictor's split: the GPU's active rows packed on the device."""
@@ -161,7 +161,7 @@ class StepSegments:
     def ffn_out(self, s: Step) -> None:
         a = self.a if self.w.cfg.parallel_attn else None
         cpu = self.ex.collect(self.B) if s.cpu else None
-        self.h += merge_partials([a, self.f, cpu], self.w.layers[s.l].ffn_bias)
+        add_partials(self.h, [a, self.f, cpu], self.w.layers[s.l].ffn_bias)
 
     def head(self, s: Step) -> None:
         self.logits_host.copy_(self.w.head(self.h), non_blocking=True)  # [B, V]

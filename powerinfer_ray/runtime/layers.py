@@ -1,7 +1,7 @@
 """Per-layer partial computations over an executor's shard, and the one merge function.
 
 ``ffn_partial`` and ``attn_partial`` compute an executor's share of a layer; partial outputs
-over disjoint neuron / head sets add up to the dense layer, which ``merge_partials`` does (with
+over disjoint neuron / head sets add up to the dense layer, which ``add_partials`` does (with
 the biases that belong to the whole layer added exactly once).
 
 Predictor policies (the coordinator chooses one per engine):
@@ -216,14 +216,16 @@ def attn_partial(x: torch.Tensor, shard: AttnShard, cfg: ModelConfig, slots: lis
                           linear=linear, qtype=shard.qtype)
 
 
-def merge_partials(parts: list[torch.Tensor | None], bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Sum of the partial outputs [T, D] of disjoint shards (None = a shard with nothing to add),
-    plus the layer's output bias once. This is where executors' results meet."""
-    present = [p for p in parts if p is not None]
-    assert present, "merge_partials needs at least one partial output"
-    y = present[0].float().clone()
-    for p in present[1:]:
-        y += p.to(device=y.device, dtype=torch.float32)
+def add_partials(h: torch.Tensor, parts: list[torch.Tensor | None], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """h += the partial outputs [T, D] of disjoint shards (None = a shard with nothing to add) and
+    the layer's output bias once, in place in the fp32 residual h (returned): one add per part,
+    whatever its dtype (the add converts). This is where executors' results meet."""
+    assert any(p is not None for p in parts), "add_partials needs at least one partial output"
+    for p in parts:
+        if p is not None:
+            h += p
     if bias is not None:
-        y += bias.float()
-    return y
+        h += bias
+    return h
+
+

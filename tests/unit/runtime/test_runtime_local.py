@@ -17,7 +17,7 @@ from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import write_tiny_model
 from powerinfer_ray.runtime.channel import OP_FFN, Channel, pack_mask, unpack_mask
 from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
-from powerinfer_ray.runtime.layers import merge_partials
+from powerinfer_ray.runtime.layers import add_partials
 from powerinfer_ray.runtime.plan import Plan
 from powerinfer_ray.runtime.shard import load_attn_shard, load_ffn_shard
 
@@ -270,13 +270,13 @@ def test_merge_of_disjoint_shards_equals_dense_layer(models):
     parts = [ffn_partial(x, load_ffn_shard(mf, l, np.sort(s), torch.float32, torch.device("cpu")),
                          cfg.ffn_act, "dense")[0] for s in np.array_split(ids, 3)]
     want = ref.ffn(l, x)
-    torch.testing.assert_close(merge_partials(parts, ref.w[K.tensor(K.FFN_DOWN_T, l, bias=True)]), want,
+    torch.testing.assert_close(add_partials(torch.zeros_like(want), parts, ref.w[K.tensor(K.FFN_DOWN_T, l, bias=True)]), want,
                                rtol=1e-5, atol=1e-5)
     shards = [load_attn_shard(mf, l, g, torch.float32, torch.device("cpu"), 1, 16)
               for g in (np.array([0, 2]), np.array([1, 3]))]
     att = [attn_partial(x[None], s, cfg, [0], [0])[0] for s in shards]
     want = ref.attention(l, x, torch.arange(5), ref.new_cache())
-    torch.testing.assert_close(merge_partials(att, ref.w[K.tensor(K.ATTN_OUT, l, bias=True)]), want,
+    torch.testing.assert_close(add_partials(torch.zeros_like(want), att, ref.w[K.tensor(K.ATTN_OUT, l, bias=True)]), want,
                                rtol=1e-5, atol=1e-5)
 
 
