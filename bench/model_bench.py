@@ -176,9 +176,12 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
     # densely for a long prompt, count as the CPU's)
     gn, cn = _delta(g1, g0, "neurons"), _delta(cpu1, cpu0, "neurons") + _delta(g1, g0, "cold_neurons")
     n_layer = a.n_layer
-    # host time per layer: attn / ffn (eager steps), wait (for the CPU executor's answer),
-    # gpu_wait (graph steps: for the GPU's segment before a post)
-    per_layer = {k: 1e6 * (g1["layer_s"][k] - g0["layer_s"].get(k, 0.0)) / max(steps * n_layer, 1)
+    # host time per layer of the steps that spend it: attn / ffn per layer of the eager steps
+    # (prefill chunks), launch / gpu_wait (for the GPU's segment before a post) per layer of the
+    # graph steps (decode), wait (for the CPU executor's answer) per layer of all steps
+    graph_steps = _delta(g1, g0, "graph_steps")
+    of_kind = {"attn": steps - graph_steps, "ffn": steps - graph_steps, "launch": graph_steps, "gpu_wait": graph_steps}
+    per_layer = {k: 1e6 * (g1["layer_s"][k] - g0["layer_s"].get(k, 0.0)) / max(of_kind.get(k, steps) * n_layer, 1)
                  for k in g1["layer_s"]}
     generated = sum(o["stats"]["completion_tokens"] for o in outs)
     assert generated == batch * output_len, f"lost tokens: {generated} of {batch * output_len}"

@@ -155,9 +155,10 @@ class PrimaryExecutor:
             self.activity.tokens += B * T
         graph = T == 1 and self.use_graphs and self.sample_sink is None
         out = self._graph_step(slots, tokens, start_pos) if graph else None
+        st = self.stats
+        st.graph_steps += out is not None
         if out is None:
             out = self._eager_step(slots, tokens, start_pos)
-        st = self.stats
         st.steps += 1
         st.tokens += B * T
         st.busy_s += time.perf_counter() - t0

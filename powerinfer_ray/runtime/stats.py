@@ -9,6 +9,7 @@ class ExecStats:
     """Load of one executor since it started."""
 
     steps: int = 0
+    graph_steps: int = 0  # of which decode steps of the fixed-shape segments (CUDA graphs on a GPU)
     tokens: int = 0
     neurons: int = 0  # (token, neuron) pairs computed
     # weight bytes read: active rows once per step (the CPU executor's kernel: without the down rows it

@@ -171,6 +171,8 @@ def test_graph_decode_segments_equal_dense_reference(models, variant, split):
         prompts, nxt = [[5, 6, 7], list(range(10, 22)), [200, 1, 2, 3]], [[11, 12, 13], [40, 41, 42]]
         got = _decode_batch(eng, prompts, nxt)
         assert set(eng.primary.graphs) == {1, 4}  # the segment path, 3 sequences padded to 4
+        # the steps counted by kind: 3 prompts (eager), 2 batched decode steps and one alone (segments)
+        assert (eng.primary.stats.steps, eng.primary.stats.graph_steps) == (len(prompts) + len(nxt) + 1, len(nxt) + 1)
         for slot, p in enumerate(prompts):
             full = ref.forward(p + [t[slot] for t in nxt] + ([8] if slot == 0 else []), ref.new_cache())
             for j in range(len(nxt)):
