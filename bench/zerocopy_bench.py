@@ -118,7 +118,7 @@ def main() -> int:
     from powerinfer_ray.kernels.sparse_ffn import sparse_ffn
     from powerinfer_ray.model import gguf_keys as K
     from powerinfer_ray.model.source import mapped_tensor, open_model
-    from powerinfer_ray.runtime.channel import pin_host
+    from powerinfer_ray.runtime.cold import pin_mapped
 
     src = open_model(a.model)
     cfg = src.config
@@ -131,7 +131,7 @@ def main() -> int:
     torch.empty(1, device="cuda")
     records: list[dict] = []
     t0 = time.perf_counter()
-    ok = all(pin_host(v.data_ptr(), v.numel() * v.element_size(), "a layer's rows", read_only=True) for v in host)
+    ok = pin_mapped(host, "a layer's rows", [])
     reg_s = time.perf_counter() - t0
     nbytes = sum(v.numel() * v.element_size() for v in host)
     records.append({"kind": "register", "bytes": nbytes, "seconds": reg_s, "gbps": nbytes / reg_s / 1e9, "ok": ok})

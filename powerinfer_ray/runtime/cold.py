@@ -40,6 +40,26 @@ from .stats import ExecStats
 log = logging.getLogger(__name__)
 
 
+def pin_mapped(views: list[torch.Tensor], what: str, pinned: list[int]) -> bool:
+    """Page-lock (read-only cudaHostRegister) the pages of these views of a file's mapping, merged
+    into runs (neighbouring tensors share pages; a page cannot be registered twice); the addresses
+    registered go to ``pinned`` (for cudaHostUnregister). False when one failed."""
+    page = mmap.PAGESIZE
+    spans = sorted((t.data_ptr() // page * page, -(-(t.data_ptr() + t.numel() * t.element_size()) // page) * page)
+                   for t in views)
+    merged: list[list[int]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    for a, b in merged:
+        if not pin_host(a, b - a, what, read_only=True):
+            return False
+        pinned.append(a)
+    return True
+
+
 class ColdRows:
     """The CPU shard's rows as the primary sees them, for prompts of at least ``min_tokens``
     tokens (None: 32 on CUDA, off on the CPU; 0: off)."""
@@ -174,22 +194,12 @@ class ColdRows:
         return [c for c, u in zip(chunks, used) if u]
 
     def _pin_layer(self, l: int) -> None:
-        """Page-lock layer l's matrices in the file's mapping (read-only), merged into page runs."""
+        """Page-lock layer l's matrices in the file's mapping (read-only)."""
         self._layer_pinned.add(l)
-        cold, page = self.rows[l], mmap.PAGESIZE
-        spans = sorted((t.data_ptr() // page * page, -(-(t.data_ptr() + t.numel() * t.element_size()) // page) * page)
-                       for t in (cold.up, cold.gate, cold.down_t) if t is not None)
-        merged: list[list[int]] = []
-        for a, b in spans:
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
-        for a, b in merged:
-            if not pin_host(a, b - a, f"layer {l}'s FFN rows in the model file (dense prefill)", read_only=True):
-                self._pin_file = False  # said once; the rest copy from pageable pages
-                return
-            self._pinned.append(a)
+        cold = self.rows[l]
+        if not pin_mapped([t for t in (cold.up, cold.gate, cold.down_t) if t is not None],
+                          f"layer {l}'s FFN rows in the model file (dense prefill)", self._pinned):
+            self._pin_file = False  # said once; the rest copy from pageable pages
 
     def _quantized(self, cold: FFNShard, a: int, b: int, x: torch.Tensor, mask: torch.Tensor | None,
                    act_threshold: float | None = None, act_on: str = "gate") -> torch.Tensor:
