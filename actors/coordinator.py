@@ -79,7 +79,7 @@ class Coordinator:
             from ..runtime.engine import executor_spec, make_tokenizer
             from ..runtime.scheduler import Scheduler
 
-            src = open_model(self.ec.model)
+            self.src = src = open_model(self.ec.model)  # kept: the executors' start checks it (restarts too)
             self.cfg = src.config
             self.model_name = self.cfg.name or str(model)
             self.n_ctx = engine_n_ctx(self.ec, self.cfg)
@@ -160,7 +160,7 @@ class Coordinator:
         from ..runtime.group import start_group
 
         backend, self.backend = self.backend or RayBackend(self.name, self.ec.vram_budget_bytes), None
-        self.group = start_group(backend, self.spec)
+        self.group = start_group(backend, self.spec, self.src)
 
     def _kill_executors(self) -> None:
         if self.group is not None:

@@ -26,7 +26,7 @@ from typing import Any, Awaitable, Callable, Protocol
 import numpy as np
 
 from .channel import ChannelSpec
-from ..model.source import open_model
+from ..model.source import WeightSource, open_model
 from .cpu_executor import CPUExecutor
 from .hostmem import check_fits, host_need
 from .plan import Plan
@@ -101,16 +101,17 @@ class ExecutorGroup:
         self.backend.close(self)
 
 
-def start_group(backend: Backend, spec: GroupSpec) -> ExecutorGroup:
+def start_group(backend: Backend, spec: GroupSpec, src: WeightSource | None = None) -> ExecutorGroup:
     """Run the start script (see the module docstring); all or nothing: a failure closes what
-    was started (a half-built group would hold the actor names a retry needs)."""
+    was started (a half-built group would hold the actor names a retry needs). src: the model
+    as this process already opened it (default: opened from spec.model)."""
     g = ExecutorGroup(backend)
 
     def call(member: Any, method: str, *args: Any) -> Any:  # noqa: ANN401
         return backend.call([(member, method, args)])[0]
 
     t0 = time.perf_counter()
-    src = open_model(spec.model)
+    src = src or open_model(spec.model)
     check_fits(host_need(src, spec.plan, spec.slots, spec.n_ctx), spec.host_memory_bytes,
                f"the model {src.config.name or spec.model}")
     g.load_s["check"] = round(time.perf_counter() - t0, 2)
