@@ -239,3 +239,37 @@ def test_layer_rows_copies_rows_and_sends_runs_from_the_map(tmp_path):
         assert not np.shares_memory(got.numpy(), raw)  # a copy: the map's pages are read-only
         meta = layer_rows(src, K.FFN_UP, 1, rows=rows, dtype=torch.float32, device="meta")
         assert meta.is_meta and meta.dtype == torch.float32 and meta.shape == want.shape
+
+
+def test_reader_parses_arrays_as_gguf_does(tmp_path):
+    """The reader's one-pass arrays (strings, numbers, empty strings, unicode) give every field the
+    contents, item access and types gguf's own parsing gives, for a written file."""
+    from gguf import GGUFReader
+
+    from powerinfer_ray.model.gguf_file import _Reader
+
+    class Stock(_Reader):  # the same reader with gguf's field parsing
+        _get_field_parts = GGUFReader._get_field_parts
+
+    path = tmp_path / "a.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_array("t.strings", ["", "a", "héllo ▁wörld", "x" * 300] * 50)
+    w.add_array("t.ints", list(range(-5, 995)))
+    w.add_array("t.floats", [0.5 * i for i in range(77)])
+    w.add_array("t.empty", [])
+    w.add_string("t.name", "tiny")
+    w.add_uint32("t.n", 7)
+    w.add_tensor("w", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    fast, stock = _Reader(path), Stock(path)
+    assert list(fast.fields) == list(stock.fields)
+    for name, f in stock.fields.items():
+        g = fast.fields[name]
+        assert g.contents() == f.contents() and g.types == f.types and len(g.data) == len(f.data), name
+        if len(f.data) > 3:
+            assert g.contents(3) == f.contents(3) and g.contents(slice(1, 4)) == f.contents(slice(1, 4)), name
+    assert fast.fields["t.strings"].contents()[2] == "héllo ▁wörld"
+    assert np.array_equal(fast.tensors[0].data, stock.tensors[0].data)
