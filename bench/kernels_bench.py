@@ -424,8 +424,8 @@ def _exchange_worker(args) -> dict:
         variants = {"exchange_ffn_partial": old_path, "decode_python": decode_only, "omp_region": omp_region}
         for sp in splits:
             variants[f"kernel_call_{sp}"] = lambda sp=sp: kernel_only(sp)
-        variants["exchange_bitmask"] = lambda: cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, m_ch[:T, :B], EX_N,
-                                                                         "reglu", None, out, threads)
+        exchange = cpu_ffn.prepare_bitmask(x, up, gate, down_t, m_ch[:T, :B], EX_N, "reglu", None, out)
+        variants["exchange_bitmask"] = lambda: exchange(T, threads)
         times = {v: [] for v in variants}
         for v in variants.values():  # warm-up (the kernel's build, page faults)
             load()
@@ -539,7 +539,8 @@ def bench_cpu_exchange(args) -> dict:
     decode_python = its Python decoding alone (unpackbits + active_rows); kernel_call_<split> = the
     ctypes kernel call alone (inputs decoded beforehand) with the work split over rows (per-thread
     accumulators + reduction) or columns; omp_region = an empty parallel region of the kernel's
-    threads (fork/join and wake-up after the gap); exchange_bitmask = kernels.cpu_ffn.sparse_ffn_bitmask.
+    threads (fork/join and wake-up after the gap); exchange_bitmask = the CPU executor's call
+    (kernels.cpu_ffn.prepare_bitmask, checked once).
     Each variant runs in two processes, OMP_WAIT_POLICY unset and ACTIVE (libgomp reads it at load)."""
     if not cpu_library.available():
         return {"error": "compiled CPU kernel unavailable (no compiler); nothing measured"}
