@@ -13,8 +13,8 @@ requests fail with a clear error, the executors are rebuilt and the next request
 When the engine itself dies, Ray restarts it (``max_restarts=-1``) under the same name and handle.
 
 The module imports no torch (the runtime is imported inside the methods that use it): the engine's
-process starts its executors' processes before it imports the runtime, so their imports (~4 s
-each on the GPU host) run beside its own.
+process starts its executors' processes before it imports the runtime, so their imports (torch
+takes seconds) run beside its own.
 """
 from __future__ import annotations
 

@@ -30,8 +30,8 @@ _PWRI_U32 = int.from_bytes(K.PWRI_MAGIC, "little")
 class _Reader(GGUFReader):
     """gguf's reader, taught to accept upstream PowerInfer's ``PWRI`` magic, slicing a plain
     ndarray view of its map (a np.memmap's own slices cost several times more), and reading an
-    array in one pass (gguf's reader parses each item as a field of its own: ~0.3 s for a
-    32k-token vocabulary, in every process that opens the file; here ~0.05 s)."""
+    array in one pass (gguf's reader parses each item as a field of its own, which for a
+    tokenizer's vocabulary is most of the time every process takes to open the file)."""
 
     def _get(self, offset, dtype, count=1, override_order=None):  # noqa: ANN001
         if "_plain" not in self.__dict__:

@@ -3,9 +3,8 @@
 To a CUDA device inside ``pinned_staging(device)`` the rows go through two pinned host buffers:
 the host copies (or gathers) a chunk of rows into one while the other's copy to the GPU runs, so
 the transfer runs at the link's pinned speed with the gather hidden behind it. Outside it, a copy
-from the mapping's pageable pages is synchronous and several times slower (bench/load_bench.py:
-5.9 GB/s whole and 2.9 GB/s gathered, against 17.6 and 18.8 staged, for the 13B file on the GPU
-host). The primary executor loads its weights inside ``pinned_staging``.
+from the mapping's pageable pages is synchronous and several times slower (bench/load_bench.py).
+The primary executor loads its weights inside ``pinned_staging``.
 """
 from __future__ import annotations
 
