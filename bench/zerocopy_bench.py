@@ -3,10 +3,10 @@ kernel reading others: does the GPU add bandwidth the CPU's cold path cannot use
 
     python bench/zerocopy_bench.py /dev/shm/llama2-13b-f16.gguf --out-dir bench/results --name zerocopy-13b-h200
 
-A decode step's CPU share reads ~8 MB of active cold rows per layer at ~45 GB/s (batch 1), ~166 MB
-at 50 GB/s (batch 32), while the GPU waits. The file's pages on tmpfs can be page-locked in place
-(read-only cudaHostRegister, as dense prefill already does) and then read by a GPU kernel: the
-project's Triton sparse FFN over CUDA views of the mapping. Measured here, one layer of the file:
+While the CPU executor reads a layer's active cold rows the GPU mostly waits. The file's pages on
+tmpfs can be page-locked in place (read-only cudaHostRegister, as dense prefill already does) and
+then read by a GPU kernel: the project's Triton sparse FFN over CUDA views of the mapping.
+Measured here, one layer of the file:
 
 - ``register``: seconds to page-lock a layer's ffn_up / ffn_gate / ffn_down_t (a load-time cost);
 - ``gpu``: ``kernels.sparse_ffn.sparse_ffn`` (Triton) over K random rows, T tokens, every token
