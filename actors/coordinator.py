@@ -12,9 +12,10 @@ loop (``runtime.scheduler.Scheduler``), talking to the primary once per step ove
 requests fail with a clear error, the executors are rebuilt and the next request is served.
 When the engine itself dies, Ray restarts it (``max_restarts=-1``) under the same name and handle.
 
-The module imports no torch (the runtime is imported inside the methods that use it): the engine's
-process starts its executors' processes before it imports the runtime, so their imports (torch
-takes seconds) run beside its own.
+The module imports no torch (the runtime is imported inside the methods that use it): a worker
+loading the class (Ray ships it with the modules its methods name) starts it without torch, and
+its ``__init__`` starts the executors' processes before it imports the runtime, so their imports
+(torch takes seconds) run beside its own.
 """
 from __future__ import annotations
 
@@ -24,9 +25,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
-IMPORT_STARTED = time.time()  # wall clock: this process began importing the engine
-
-import ray  # noqa: E402
+import ray
 from ray.util import metrics
 
 from ..runtime.config import EngineConfig, engine_n_ctx, resolve_plan, resolve_policy, resolve_prefill_chunk
@@ -203,7 +202,7 @@ class Coordinator:
         g = self.group
         return {"model": self.model_name, "n_ctx": self.n_ctx, "policy": self.policy, "device": self.device,
                 "executors": ["gpu"] + (["cpu"] if g and g.cpu else []), "plan_s": self.plan_s,
-                "imported_at": IMPORT_STARTED, "started_at": self.started_at, "init_s": self.init_s,
+                "started_at": self.started_at, "init_s": self.init_s,
                 "load_s": g.load_s if g else {}, "dense_prefill": g.dense_prefill if g else None,
                 "pid": os.getpid(),
                 # each executor's load phases and memory at its start (its ready() without the shard layout)

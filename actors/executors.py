@@ -16,9 +16,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-IMPORT_STARTED = time.time()  # wall clock: this process began importing the executors (torch among them)
-
-import ray  # noqa: E402
+import ray
 from ray.util import metrics
 
 from ..runtime.steplink import StepClient, StepServer
@@ -68,10 +66,10 @@ class LoadedLater:
 
     impl: Any = None
     load_error: BaseException | None = None
-    marks: dict[str, float]  # wall clock: import began, __init__ began and ended, load began and ended
+    marks: dict[str, float]  # wall clock: __init__ began (its class loaded) and ended, load began and ended
 
     def _started(self, init_at: float) -> None:
-        self.marks = {"import": IMPORT_STARTED, "init": init_at, "started": time.time()}
+        self.marks = {"init": init_at, "started": time.time()}
 
     def _load(self, make: Any) -> None:  # noqa: ANN401
         self.marks["load"] = time.time()

@@ -261,11 +261,10 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
     load_s = time.perf_counter() - t0
     tag = f"[{mode}{'' if mode == 'dense-gpu' else f' {budget:g} GiB'}]"
     print(f"{tag} loaded in {load_s:.1f} s: {info}", flush=True)
-    # the coordinator's process start (Ray's worker, then its imports) and its __init__ around the
-    # plan and the group; each executor's marks (import, __init__, load) from the same wall0
+    # the coordinator's start (Ray's worker and the modules its class names) and its __init__
+    # around the plan and the group; each executor's marks (__init__, load) from the same wall0
     ready = info.get("executors_ready", [])
     load = {"load_phases_s": info.get("load_s"), "coordinator_start_s": info["started_at"] - wall0,
-            "coordinator_import_s": info["started_at"] - info["imported_at"],
             "coordinator_init_s": info["init_s"],
             "executor_marks_s": [{k: round(t - wall0, 2) for k, t in i.get("marks", {}).items()} for i in ready],
             "executor_phases_s": [i.get("phases") for i in ready],
