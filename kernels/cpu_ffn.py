@@ -272,7 +272,6 @@ def prepare_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None
     x_ptr, out_ptr = x.data_ptr(), out.data_ptr()
     head = (x_ptr, x_dt, ld_x)  # then T, D
     tail = (D, *sh.args, addr, ld, n, rows_ptr, _ACT[act], out_ptr, y_dt)  # then scratch, threads
-    scratch_bytes: dict[tuple[int, int], int] = {}
 
     def call(T: int, threads: int | None = None) -> tuple[int, ...]:
         if not 0 <= T <= cap:
@@ -284,13 +283,10 @@ def prepare_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None
                                   up_bias, out[:T], qtype, rows, act_threshold, act_on)
         nthreads = int(threads or torch.get_num_threads())
         with _lock:
-            nb = scratch_bytes.get((T, nthreads))
+            key = (T, D, n, nthreads, y_dt, sp, wcode)
+            nb = _scratch_bytes.get(key)
             if nb is None:
-                key = (T, D, n, nthreads, y_dt, sp, wcode)
-                nb = _scratch_bytes.get(key)
-                if nb is None:
-                    nb = _scratch_bytes[key] = lib.pi_scratch_bytes(T, D, n, nthreads, y_dt, sp, 1, wcode)
-                scratch_bytes[(T, nthreads)] = nb
+                nb = _scratch_bytes[key] = lib.pi_scratch_bytes(T, D, n, nthreads, y_dt, sp, 1, wcode)
             rc = lib.pi_sparse_ffn_bitmask(*head, T, *tail, _scratch_for(nb), nthreads, sp, int(not skip_zero),
                                            _stats, float(act_threshold or 0.0), thr)
             if rc != 0:

@@ -121,6 +121,17 @@ class ModelFile:
         data = self.tensors[name].data
         return data.view(np.uint16) if self.dtype_of(name) == "bf16" else data  # gguf shows BF16 as bytes
 
+    def view(self, name: str) -> torch.Tensor:
+        """The tensor as a torch view of the memory map, no copy (numpy's shape; bf16 as
+        torch.bfloat16, block types as uint8 [rows, row bytes]). The pages are read-only: writing
+        to the view kills the process."""
+        arr = self.raw(name)
+        with warnings.catch_warnings():  # torch warns that the array is not writable: it is not written
+            warnings.simplefilter("ignore", UserWarning)
+            if self.dtype_of(name) == "bf16":
+                return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+            return torch.from_numpy(arr)
+
     def dtype_of(self, name: str) -> str:
         """How the file stores the tensor: f32 | f16 | bf16 | i32 | q8_0 | q4_0 | q6_k."""
         return KIND_OF[self.tensors[name].tensor_type]
@@ -154,13 +165,10 @@ class ModelFile:
         kind = self.dtype_of(name) if name in self.tensors else None
         if kind not in QTYPES:
             raise self.error(f"tensor {name!r} is stored as {kind}, not in blocks of {QTYPES}")
-        arr = self.raw(name)
         if torch.device(device).type != "cpu":  # gathered on the way (through pinned buffers when staging)
-            with warnings.catch_warnings():  # the mapping's pages are read-only: they are only read
-                warnings.simplefilter("ignore", UserWarning)
-                view = torch.from_numpy(arr)
-            return QuantRows(copy_rows(view, None if rows is None else torch.as_tensor(np.asarray(rows, np.int64)),
-                                       device), kind)
+            ids = None if rows is None else torch.as_tensor(np.asarray(rows, np.int64))
+            return QuantRows(copy_rows(self.view(name), ids, device), kind)
+        arr = self.raw(name)
         arr = np.array(arr) if rows is None else arr[np.asarray(rows, dtype=np.int64)]  # a copy
         return QuantRows(torch.from_numpy(arr), kind)
 

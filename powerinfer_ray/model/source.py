@@ -10,7 +10,6 @@ a path -> ``ModelFile``; ``planted:<shape>[?key=value&...]`` -> ``bench.planted`
 """
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -95,12 +94,7 @@ def mapped_tensor(src: WeightSource, name: str) -> torch.Tensor | None:
     view kills the process. None when ``src`` has no file or no such tensor."""
     if not isinstance(src, ModelFile) or not src.has(name):
         return None
-    arr = src.raw(name)
-    with warnings.catch_warnings():  # torch warns that the array is not writable: it is not written
-        warnings.simplefilter("ignore", UserWarning)
-        if src.dtype_of(name) == "bf16":
-            return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(arr)
+    return src.view(name)
 
 
 def layer_rows(src: WeightSource, template: str, bid: int, rows: Any = None, dtype: torch.dtype | None = None,

@@ -84,7 +84,7 @@ def copy_rows(view: torch.Tensor, ids: torch.Tensor | None, device: torch.device
     device = _indexed(device)
     if device.type == "cpu":
         return view.clone() if ids is None else view.index_select(0, ids)
-    row_fits = view.dim() == 0 or view[0].numel() * view.element_size() <= STAGE_BYTES
-    if _active is not None and _active.device == device and view.dim() > 0 and row_fits and view.is_contiguous():
+    staged = _active is not None and _active.device == device and view.dim() > 0 and view.is_contiguous()
+    if staged and view[0].numel() * view.element_size() <= STAGE_BYTES:  # a row fits a buffer
         return _active.copy(view, ids)
     return (view if ids is None else view.index_select(0, ids)).to(device)

@@ -139,6 +139,7 @@ class CPUExecutor:
         # counts the tokens and, under 'predictor', decides these neurons itself)
         self.activity = ActivityCounts([lp.cpu_neurons for lp in plan.layers], "cpu", policy == "oracle")
         self.channel: Channel | None = None
+        self._calls: dict[tuple[int, int], Callable] = {}  # the FFN kernel's call per (layer, mask width)
         self.error: str | None = None
         self.warmer = Warmer(self.ffn).start() if self.ffn_rows == "file" else None
         t1 = time.perf_counter()
@@ -251,7 +252,7 @@ class CPUExecutor:
         """Map the primary's channel and serve it in the worker thread until OP_STOP (the caller
         stays responsive); every request posted after this call is served. Returns our pid."""
         self.channel = Channel.attach(spec)
-        self._calls: dict[tuple[int, int], Callable] = {}  # the FFN kernel's call per (layer, mask width)
+        self._calls.clear()  # they were prepared for the channel's buffers
         last = int(self.channel.header[0])  # read here, not when the worker gets to it
         self._serving = self._omp.submit(lambda: self.serve(last))
         self._serving.add_done_callback(_log_failure)

@@ -227,5 +227,3 @@ def add_partials(h: torch.Tensor, parts: list[torch.Tensor | None], bias: torch.
     if bias is not None:
         h += bias
     return h
-
-
