@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain
+#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain"
+stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -160,6 +160,21 @@ zerocopy)  # issue 21: can the GPU read some of the cold rows straight from the 
         timeout -s INT 60 python bench/cpu_batch_masks.py -T $T -P 0.05 -t "$THREADS" >> "$log" 2>&1
     done
     grep -E "registered|GB/s|union|Error" "$log" | cut -c1-200
+    ;;
+zc)  # issue 21: zero-copy decode on the 13B file (the GPU computes a share of the CPU shard's neurons from
+    # the file's page-locked rows): its GPU test, then the share at batch 1 (0, 0.5, 0.3, 0.7), batch 8 and 32 (0, 0.5)
+    timeout -s INT 120 python -m pytest tests/gpu/test_runtime_gpu.py -q -rf -k zero_copy > "$OUT/gpu-zc-tests.log" 2>&1
+    tail -n 2 "$OUT/gpu-zc-tests.log"
+    write_file "$M13" 200 || exit 0
+    for z in 0 0.5 0.3 0.7; do
+        suite runtime-13b-${B13}gib-file-zc$z-h200 90 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" --zero-copy $z
+    done
+    for z in 0 0.5; do
+        suite runtime-13b-${B13}gib-file-batch-zc$z-h200 150 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+            --modes hybrid --shapes 16x32 --batch 8,32 -t "$THREADS" --zero-copy $z
+    done
+    grep -E "tok/s" "$log" | sed -E 's/, layer .*//' | cut -c1-330
     ;;
 b32)  # batch 32 (the CPU's per-token path) and long prompts
     suite runtime-13b-16gib-b32-h200 300 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload \

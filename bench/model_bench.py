@@ -115,6 +115,8 @@ def engine_kwargs(mode: str, a: argparse.Namespace, n_ctx: int, batch: int,
     kw: dict[str, Any] = dict(max_batch=batch, n_ctx=n_ctx, prefill_chunk=a.prefill_chunk,
                               threads=max(a.threads) if a.threads else None, timeout_s=600.0)
     extra: dict[str, Any] = {}
+    if mode in HYBRID_POLICY and a.zero_copy is not None:
+        kw["zero_copy"] = a.zero_copy
     if mode == "hybrid" and a.gpu_fraction is not None:  # the hottest fraction per layer, no solver
         kw.update(gpu_fraction=a.gpu_fraction, policy="predictor")
     elif mode in HYBRID_POLICY:
@@ -211,6 +213,8 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
         "graph_captures": int(_delta(g1, g0, "graph_captures")), "capture_s": _delta(g1, g0, "capture_s"),
         "gpu_gbps": gpu_bytes / decode_s / 1e9 if decode_s else 0.0,
         "cpu_gbps": cpu_bytes / decode_s / 1e9 if decode_s else 0.0,
+        # the CPU shard's rows the GPU read in host memory over PCIe (zero-copy decode)
+        "zero_copy_gbps": _delta(g1, g0, "host_read_bytes") / decode_s / 1e9 if decode_s else 0.0,
         "gpu_bytes_per_token": gpu_bytes / max(steps, 1) / batch,
         "cpu_bytes_per_token": cpu_bytes / max(steps, 1) / batch,
         "vram_used_gib": g1.get("vram_used_bytes", 0) / GIB,
@@ -282,10 +286,11 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
         r = run_config(engine, a, batch, p, o, cfg.n_vocab)
         r.update(mode=mode, policy=info.get("policy"), model=a.model, planted=a.planted,
                  vram_budget_gib=budget if mode != "dense-gpu" else None, load_s=load_s, plan_s=info.get("plan_s"),
+                 zero_copy=a.zero_copy,
                  **load, **extra)
         print(f"{tag} B={batch} prompt={p} out={o} threads={r['cpu_threads']}: decode {r['decode_tok_s']:.2f} tok/s, "
               f"e2e {r['e2e_tok_s']:.2f}, prefill {r['prefill_tok_s']:.1f}, GPU {r['gpu_gbps']:.0f} GB/s, "
-              f"CPU {r['cpu_gbps']:.1f} GB/s, GPU share {r['gpu_activation_share']:.1%}, "
+              f"CPU {r['cpu_gbps']:.1f} GB/s, zero-copy {r['zero_copy_gbps']:.1f} GB/s, GPU share {r['gpu_activation_share']:.1%}, "
               f"sync {r['per_layer_sync_us']:.0f} us, GPU compute {r['gpu_compute_us_per_layer']:.0f} us/layer, "
               f"CPU compute {r['cpu_compute_us_per_exchange']:.0f} us/exchange "
               f"(kernel {r['cpu_kernel_us_per_exchange']:.0f} at {r['cpu_kernel_gbps']:.1f} GB/s, "
@@ -320,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CPU executor threads; comma-separated: a sweep on one engine (set live)")
     ap.add_argument("--prefill-chunk", type=int, default=None, help="default: the engine's (256 on CUDA, 64 on CPU)")
     ap.add_argument("--method", default="ilp", choices=("ilp", "greedy"))
+    ap.add_argument("--zero-copy", type=float, default=None,
+                    help="hybrid modes: the share of the CPU shard's neurons the GPU computes in decode steps "
+                         "(default: the engine's)")
     ap.add_argument("--gpu-fraction", type=float, default=None,
                     help="hybrid: put this fraction of each layer's hottest neurons on the GPU instead of solving")
     ap.add_argument("--as-file", default=None, metavar="DIR",

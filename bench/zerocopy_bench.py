@@ -41,7 +41,7 @@ class DeviceView:
     def __init__(self, t: torch.Tensor) -> None:
         typestr = {torch.float16: "<f2", torch.bfloat16: "<V2", torch.float32: "<f4", torch.uint8: "|u1"}[t.dtype]
         self.__cuda_array_interface__ = {"shape": tuple(t.shape), "typestr": typestr,
-                                         "data": (t.data_ptr(), True), "version": 3,
+                                         "data": (t.data_ptr(), False), "version": 3,
                                          "strides": tuple(s * t.element_size() for s in t.stride())}
 
 

@@ -70,7 +70,8 @@ def split_pack(logits: torch.Tensor, threshold: float, gpu_mask: torch.Tensor, l
 
 
 @triton.jit
-def _pack_bits_kernel(logits_ptr, out_ptr, s_l, s_o, col0, n, thr, BY: tl.constexpr):
+def _pack_bits_kernel(logits_ptr, skip_ptr, out_ptr, s_l, s_o, col0, n, thr, HAS_SKIP: tl.constexpr,
+                      BY: tl.constexpr):
     b = tl.program_id(0)
     offs_byte = tl.program_id(1) * BY + tl.arange(0, BY)  # [BY]
     bit = tl.arange(0, 8)  # [8]
@@ -78,17 +79,21 @@ def _pack_bits_kernel(logits_ptr, out_ptr, s_l, s_o, col0, n, thr, BY: tl.conste
     m = j < n
     lg = tl.load(logits_ptr + b * s_l + col0 + j, mask=m, other=0.0).to(tl.float32)
     on = (lg >= thr) & m
+    if HAS_SKIP:
+        on = on & (tl.load(skip_ptr + j, mask=m, other=0) == 0)
     byte = tl.sum(on.to(tl.int32) << bit[None, :], axis=1)  # [BY], disjoint bits
     tl.store(out_ptr + b * s_o + offs_byte, byte.to(tl.uint8), mask=offs_byte < (n + 7) // 8)
 
 
-def pack_bits(logits: torch.Tensor, threshold: float, col0: int, n: int, by: int = 256) -> torch.Tensor:
+def pack_bits(logits: torch.Tensor, threshold: float, col0: int, n: int, skip: torch.Tensor | None = None,
+              by: int = 256) -> torch.Tensor:
     """uint8 [T, ceil(n/8)]: bit j % 8 of byte j // 8 set iff logits[t, col0 + j] >= threshold
-    (fp32 compare), one launch (see predictor.pack_active_bits)."""
+    (fp32 compare) and not skip[j], one launch (see predictor.pack_active_bits)."""
     T = logits.shape[0]
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     nb = (n + 7) // 8
     out = torch.empty(T, nb, dtype=torch.uint8, device=logits.device)
-    _pack_bits_kernel[(T, triton.cdiv(nb, by))](logits, out, logits.stride(0), nb, col0, n, float(threshold), BY=by,
-                                                num_warps=4)
+    sk = skip.contiguous().view(torch.uint8) if skip is not None else out
+    _pack_bits_kernel[(T, triton.cdiv(nb, by))](logits, sk, out, logits.stride(0), nb, col0, n, float(threshold),
+                                                HAS_SKIP=skip is not None, BY=by, num_warps=4)
     return out

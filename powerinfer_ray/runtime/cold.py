@@ -15,12 +15,18 @@ Where the rows come from, without a second host copy where possible:
   copy    a host copy of the primary's own, when it fits.
 Quantized rows stream as their blocks and go through the quantized sparse FFN kernel.
 
+Zero-copy decode (``host_rows``): in decode steps the primary also computes a share of the CPU
+shard's active neurons itself, its GPU reading their rows over PCIe where they lie in page-locked
+host memory, while the CPU executor computes the rest (their bits stay clear in its mask). Both
+read host memory at once: the host serves more than the CPU's cores take alone.
+
 Dimension legend: N tokens, D hidden, R rows of the streamed matrices, n the shard's neurons.
 """
 from __future__ import annotations
 
 import logging
 import mmap
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -60,15 +66,50 @@ def pin_mapped(views: list[torch.Tensor], what: str, pinned: list[int]) -> bool:
     return True
 
 
+def device_view(t: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor over the same bytes as the page-locked host tensor t (with unified
+    addressing a registered host page's device address is its host address): the GPU reads it
+    over PCIe, nothing is copied."""
+
+    class _Interface:  # what torch.as_tensor reads: the bytes as uint8 rows
+        __cuda_array_interface__ = {"shape": (t.shape[0], t.shape[1] * t.element_size()), "typestr": "|u1",
+                                    "data": (t.data_ptr(), False), "version": 3,
+                                    "strides": (t.stride(0) * t.element_size(), 1)}
+
+    assert t.dim() == 2 and t.stride(1) == 1, "device_view takes row-major matrices"
+    return torch.as_tensor(_Interface(), device="cuda").view(t.dtype)
+
+
+@dataclass
+class HostRows:
+    """What the primary computes of layer l's CPU shard in decode steps (``ColdRows.host_rows``)."""
+
+    shard: FFNShard  # up / gate / down_t as the primary's device reads them in place; up_bias on it
+    local: torch.Tensor  # [n_cpu] int32: each CPU neuron's row in them (the CPU mask's order)
+    mine: torch.Tensor  # [n_cpu] bool: the neurons the primary computes; the CPU executor the others
+    n: int  # how many are mine
+
+
+def interleaved(n: int, share: float) -> np.ndarray:
+    """bool [n]: every 1/share-th neuron, evenly spread over the shard's order (hottest first when
+    the plan knows the statistics, so both sides get a like share of the activity)."""
+    j = np.arange(n)
+    return np.floor((j + 1) * share) > np.floor(j * share)
+
+
 class ColdRows:
     """The CPU shard's rows as the primary sees them, for prompts of at least ``min_tokens``
-    tokens (None: 32 on CUDA, off on the CPU; 0: off)."""
+    tokens (None: 32 on CUDA, off on the CPU; 0: off), and the ``zero_copy`` share of the CPU's
+    active neurons that the primary computes in decode steps (0: none; ``host_rows``)."""
 
     def __init__(self, src: WeightSource, plan: Plan, dtype: torch.dtype, device: torch.device,
-                 stats: ExecStats, min_tokens: int | None) -> None:
+                 stats: ExecStats, min_tokens: int | None, zero_copy: float = 0.0) -> None:
         self.src, self.cfg, self.plan, self.dtype, self.device, self.stats = src, src.config, plan, dtype, device, stats
         self._auto = min_tokens is None
         self.min_tokens = (32 if device.type == "cuda" else 0) if min_tokens is None else min_tokens
+        self.zero_copy = zero_copy
+        self._host: dict[int, HostRows | None] = {}
+        self._shared_pinned = False
         self.rows: list[FFNShard] | None = None  # per layer, once attached
         self.source: str | None = None  # file | shared | copy
         self._pinned: list[int] = []  # addresses cudaHostRegister'ed, for close()
@@ -80,7 +121,8 @@ class ColdRows:
         """Read the rows in place from the model file, else map the CPU executor's shared pages
         (``spec``), else make a host copy when it takes at most a third of the host's available
         memory; returns where the rows come from (None: dense prefill off)."""
-        if self.rows is not None or self.min_tokens <= 0 or not any(len(lp.cpu_neurons) for lp in self.plan.layers):
+        wanted = self.min_tokens > 0 or self.zero_copy > 0
+        if self.rows is not None or not wanted or not any(len(lp.cpu_neurons) for lp in self.plan.layers):
             return self.source
         in_place = [in_place_ffn_shard(self.src, l, lp.cpu_neurons, None) for l, lp in enumerate(self.plan.layers)]
         if all(sh is not None for sh in in_place):
@@ -92,8 +134,9 @@ class ColdRows:
             self.rows, buf = mapped
             self.source = "shared"
             if self.device.type == "cuda" and pin_host(buf.data_ptr(), buf.numel() * buf.element_size(),
-                                                       "the shared CPU shard (dense prefill)"):
+                                                       "the shared CPU shard (dense prefill, zero-copy)"):
                 self._pinned.append(buf.data_ptr())
+                self._shared_pinned = True
             return self.source
         cold_bytes = sum(len(lp.cpu_neurons) for lp in self.plan.layers) * self.cfg.neuron_bytes
         avail = host_memory().available
@@ -101,7 +144,7 @@ class ColdRows:
             # a second host copy of the CPU shard would crowd the CPU executor's own
             log.warning("primary: dense prefill off: the CPU shard's %.1f GiB would take more than a third "
                         "of the host's %.1f GiB available", cold_bytes / 2**30, avail / 2**30)
-            self.min_tokens = 0
+            self.min_tokens, self.zero_copy = 0, 0.0
             return None
         self.rows = [self._host_shard(l) for l in range(self.cfg.n_layer)]
         self.source = "copy"
@@ -116,7 +159,38 @@ class ColdRows:
 
     def dense_for(self, n_tok: int) -> bool:
         """Whether a step of n_tok tokens computes the CPU shard here."""
-        return self.rows is not None and n_tok >= self.min_tokens
+        return self.rows is not None and 0 < self.min_tokens <= n_tok
+
+    def host_rows(self, l: int) -> HostRows | None:
+        """Layer l's share of the CPU shard that the primary computes in decode steps, reading the
+        rows in place (on CUDA: page-locked, zero-copy); None: zero-copy off, or these rows cannot
+        be read so (a file on disk, whose page cache is not locked; float rows of another dtype
+        than the primary computes in; pinning refused)."""
+        if l in self._host:
+            return self._host[l]
+        hr = None
+        cold = self.rows[l] if self.rows is not None and self.zero_copy > 0 else None
+        k = 0 if cold is None else int(interleaved(cold.n, self.zero_copy).sum())
+        if k and (cold.qtype is not None or cold.up.dtype == self.dtype) and self._lockable(l):
+            mats = [None if t is None else (device_view(t) if self.device.type == "cuda" else t)
+                    for t in (cold.up, cold.gate, cold.down_t)]
+            bias = None if cold.up_bias is None else cold.up_bias.to(self.device, torch.float32)
+            local = cold.rows if cold.rows is not None else torch.arange(cold.n, dtype=torch.int32)
+            mine = torch.from_numpy(interleaved(cold.n, self.zero_copy))
+            hr = HostRows(FFNShard(cold.ids, *mats, bias, cold.qtype), local.to(self.device, torch.int32),
+                          mine.to(self.device), k)
+        self._host[l] = hr
+        return hr
+
+    def _lockable(self, l: int) -> bool:
+        """Whether layer l's rows are page-locked for the device to read (CPU primary: always)."""
+        if self.device.type != "cuda":
+            return True
+        if self.source == "file":
+            if self._pin_file and l not in self._layer_pinned:
+                self._pin_layer(l)
+            return self._pin_file
+        return self.source == "copy" or self._shared_pinned
 
     def ffn(self, l: int, x: torch.Tensor, mask: torch.Tensor | None, act_threshold: float | None = None,
             act_on: str = "gate", rows: int = 4096, count: torch.Tensor | None = None,

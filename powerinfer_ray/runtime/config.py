@@ -166,6 +166,10 @@ class ExecutorConfig:
         "CUDA, off on the CPU; 0: off)", kind=int)
     graphs: bool | None = option(None, "decode steps as CUDA graphs (default: on CUDA); --no-graphs runs them "
                                  "eagerly (debugging; slower)", kind=bool)
+    zero_copy: float | None = option(
+        None, "share of the CPU shard's neurons the GPU computes in decode steps, reading their rows over PCIe from "
+        "host memory while the CPU executor computes the rest (default: 0.5 on CUDA with the predictor policy; "
+        "0: the CPU executor computes all of them)", kind=float)
 
     def check_executors(self) -> None:
         check_choice("device", self.device, DEVICES)
@@ -177,6 +181,7 @@ class ExecutorConfig:
         check_number("timeout_s", self.timeout_s, 0.0, lo_open=True)
         check_int("prefill_dense_min", self.prefill_dense_min, 0, optional=True)
         _check_flag("graphs", self.graphs, optional=True)
+        check_number("zero_copy", self.zero_copy, 0.0, 1.0, optional=True)
 
 
 @dataclass(frozen=True)

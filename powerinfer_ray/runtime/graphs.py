@@ -11,7 +11,10 @@ schedule (``schedule.py``) without host syncs or shape changes:
     gate-first (the gate of every row in one GEMV, its packed split by |SiLU(g)| > t, the sparse
     FFN over the rows above the threshold taking their gate values from the GEMV);
   - the CPU executor's inputs (hidden state, bit-packed mask) are staged into the channel's
-    pinned buffers by the graph itself, and its answer is copied back by the next graph.
+    pinned buffers by the graph itself, and its answer is copied back by the next graph;
+  - with zero-copy (``cold.HostRows``) a share of the CPU shard's active neurons is split off on
+    the device too (their bits stay clear in the CPU's mask) and computed by the primary from
+    their rows in host memory, while the CPU executor computes the rest.
 ``DecodeGraphs`` captures the steps between two exchanges as one graph and replays them. After
 a graph whose copies the CPU executor needs, the host records an event, launches the next graph
 (the GPU's share of the layer), waits for the event and posts the request: CPU and GPU work in
@@ -33,6 +36,7 @@ from ..kernels.linear import linear
 from ..kernels.predictor import active_of, pack_active_bits, packed_views, split_active_packed
 from ..kernels.sparse_ffn import sparse_ffn
 from .activity import ActivityCounts
+from .cold import ColdRows
 from .exchange import Exchange
 from .layers import add_partials, ffn_bytes
 from .schedule import Post, Step, run_eager, step_schedule
@@ -52,19 +56,24 @@ class StepSegments:
     past the step's sequences are padding (the caches' scratch slot; no neuron active, so they
     cost no FFN work)."""
 
-    def __init__(self, w: PrimaryWeights, exchange: Exchange | None, B: int, activity: ActivityCounts) -> None:
+    def __init__(self, w: PrimaryWeights, exchange: Exchange | None, B: int, activity: ActivityCounts,
+                 cold: ColdRows | None = None) -> None:
         self.w, self.ex, self.B, self.act = w, exchange, B, activity
         self.n_seq = self.n_tok = B
         dev, cfg, pin = w.device, w.cfg, w.device.type == "cuda"
         self.inp_host = torch.zeros(4, B, dtype=torch.long, pin_memory=pin)  # tokens, positions, slots, valid
         self.inp = torch.zeros(4, B, dtype=torch.long, device=dev)
         self.h = torch.zeros(B, cfg.n_embd, dtype=torch.float32, device=dev)  # the residual stream
-        self.counts = torch.zeros(2, dtype=torch.int64, device=dev)  # (token, neuron) pairs, rows read
+        # (token, neuron) pairs and rows read: the primary's neurons, then the CPU's it computes (zero-copy)
+        self.counts = torch.zeros(4, dtype=torch.int64, device=dev)
         self.logits_host = torch.zeros(B, cfg.n_vocab, dtype=torch.float32, pin_memory=pin)
-        self.counts_host = torch.zeros(2, dtype=torch.int64, pin_memory=pin)
+        self.counts_host = torch.zeros(4, dtype=torch.int64, pin_memory=pin)
         self.cos = self.sin = None
-        self.a = self.f = self.x_a = self.x_f = self.logits = None
+        self.a = self.f = self.f_host = self.x_a = self.x_f = self.logits = None
         self.g_part: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.h_part: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # zero-copy's
+        zc = cold is not None and exchange is not None and w.policy.name == "predictor"
+        self.host = [cold.host_rows(l) if zc and len(lp.cpu_neurons) else None for l, lp in enumerate(w.plan.layers)]
         # per step, policy 'dense': every GPU row for every token
         self.dense_pairs = sum(lw.ffn.n for lw in w.layers) if w.policy.name == "dense" else 0
         self.gpu_rows = sum(lw.ffn.n for lw in w.layers)  # gate-first reads all of their gate rows
@@ -112,7 +121,7 @@ class StepSegments:
         """FFN norm, and the predictor's split: the GPU's active rows packed on the device."""
         w, lw = self.w, self.w.layers[s.l]
         self.x_f = w.norm(self.h, lw.norm_ffn) if lw.norm_ffn else self.x_a
-        self.g_part = self.logits = None
+        self.g_part = self.h_part = self.logits = None
         if w.policy.name == "gate-first" and self.B > 1:  # padding rows: a zero x passes no threshold here
             self.x_f = self.x_f.masked_fill(self.inp[3, :, None] == 0, 0.0)  # or on the CPU executor
         if w.policy.name != "predictor":
@@ -128,20 +137,33 @@ class StepSegments:
             self.g_part = packed_views(part)  # idx, bits, n_active
             self.counts[0] += active[:, :ng].sum()
             self.counts[1] += self.g_part[2][0]
+        hr = self.host[s.l]
+        if hr is not None:  # the CPU's neurons computed here: ids are their rows in host memory
+            part = split_active_packed(self.logits[:, ng:], thr, hr.mine, local_of=hr.local, gpu_capacity=hr.n,
+                                       cpu_capacity=0).gpu
+            self.h_part = packed_views(part)
+            self.counts[2] += (active[:, ng:] & hr.mine).sum()
+            self.counts[3] += self.h_part[2][0]
 
     def stage_ffn(self, s: Step) -> None:
         self.ex.stage_ffn(self.x_f)
         if self.logits is not None:
             ng = self.w.layers[s.l].ffn.n
-            packed = pack_active_bits(self.logits, self.w.policy.threshold, ng)  # [B, ceil(n_cpu/8)], one kernel
+            hr = self.host[s.l]  # the neurons computed here stay clear
+            packed = pack_active_bits(self.logits, self.w.policy.threshold, ng,
+                                      skip=None if hr is None else hr.mine)  # [B, ceil(n_cpu/8)], one kernel
             self.ex.stage_mask(packed, self.logits.shape[1] - ng)
 
     def ffn(self, s: Step) -> None:
         w, sh = self.w, self.w.layers[s.l].ffn
-        self.f = None
+        self.f = self.f_host = None
+        t, on = w.policy.act_threshold(s.l), w.policy.act_on
+        if self.h_part is not None:
+            hs, (idx, bits, n_active) = self.host[s.l].shard, self.h_part
+            self.f_host = sparse_ffn(self.x_f, hs.up, hs.gate, hs.down_t, idx, bits, w.cfg.ffn_act, hs.up_bias,
+                                     n_active=n_active, qtype=hs.qtype, act_threshold=t, act_on=on)
         if not sh.n:
             return
-        t, on = w.policy.act_threshold(s.l), w.policy.act_on
         if w.policy.name == "predictor":
             idx, bits, n_active = self.g_part
             self.f = sparse_ffn(self.x_f, sh.up, sh.gate, sh.down_t, idx, bits, w.cfg.ffn_act, sh.up_bias,
@@ -161,7 +183,7 @@ class StepSegments:
     def ffn_out(self, s: Step) -> None:
         a = self.a if self.w.cfg.parallel_attn else None
         cpu = self.ex.collect(self.B) if s.cpu else None
-        add_partials(self.h, [a, self.f, cpu], self.w.layers[s.l].ffn_bias)
+        add_partials(self.h, [a, self.f, self.f_host, cpu], self.w.layers[s.l].ffn_bias)
 
     def head(self, s: Step) -> None:
         self.logits_host.copy_(self.w.head(self.h), non_blocking=True)  # [B, V]
@@ -172,12 +194,12 @@ class DecodeGraphs:
     """The decode step of up to B sequences as captured graphs (CUDA) or eager segments (CPU)."""
 
     def __init__(self, w: PrimaryWeights, exchange: Exchange | None, stats: ExecStats, B: int,
-                 activity: ActivityCounts) -> None:
+                 activity: ActivityCounts, cold: ColdRows | None = None) -> None:
         if w.policy.name not in GRAPH_POLICIES:
             raise ValueError(f"graph decode supports policies {GRAPH_POLICIES}, not {w.policy.name!r}")
         self.w, self.ex, self.stats, self.B = w, exchange, stats, B
         self.cuda = w.device.type == "cuda"
-        self.seg = StepSegments(w, exchange, B, activity)
+        self.seg = StepSegments(w, exchange, B, activity, cold)
         self.items = step_schedule(w.cfg, w.plan, w.policy.name)
         self.blocks = _blocks(self.items)  # [steps] (one graph each) | Post | Await
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
@@ -225,8 +247,10 @@ class DecodeGraphs:
             self._replay()
         else:
             run_eager(self.items, self.seg, self.ex, st, lambda: None)
-        pairs, rows = (int(v) for v in self.seg.counts_host.tolist())
+        pairs, rows, host_pairs, host_rows = (int(v) for v in self.seg.counts_host.tolist())
         st.neurons += pairs + self.seg.dense_pairs * n
+        st.cold_neurons += host_pairs  # placed on the CPU: the GPU share counts them with the CPU's
+        st.host_read_bytes += ffn_bytes(self.w.cfg, host_rows, host_rows, host_rows)
         rows += self.seg.dense_pairs
         gate_rows = self.seg.gpu_rows if self.w.policy.name == "gate-first" else rows
         st.active_bytes += ffn_bytes(self.w.cfg, gate_rows, rows, rows)

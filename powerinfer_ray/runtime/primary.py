@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 # torch threads while loading (the rows a file holds are gathered out of its map in parallel); the
 # actor reserves one CPU, but at load time the host's cores are otherwise idle
 LOAD_THREADS = 8
+# the share of the CPU shard's neurons a CUDA primary computes in decode steps, reading their rows
+# over PCIe while the CPU executor computes the others (bench/RESULTS.md: zero-copy)
+ZERO_COPY = 0.5
 
 
 class PrimaryExecutor:
@@ -48,11 +51,13 @@ class PrimaryExecutor:
                  policy: str = "predictor", threshold: float | None = None, margin: float = 0.0, slots: int = 8,
                  n_ctx: int | None = None, t_max: int = 128, dtype: str | None = None,
                  timeout_s: float = 60.0, prefill_dense_min: int | None = None,
-                 graphs: bool | None = None) -> None:
+                 graphs: bool | None = None, zero_copy: float | None = None) -> None:
         """slots: sequences of the KV caches; t_max: tokens per step; prefill_dense_min: prompts
         of at least this many tokens compute the CPU shard here (``ColdRows``); graphs: decode
         steps as captured CUDA graphs (None: on CUDA; on the CPU True runs the same fixed-shape
-        segments eagerly, which is what the CPU tests check)."""
+        segments eagerly, which is what the CPU tests check); zero_copy: the share of the CPU
+        shard's neurons this executor computes in decode steps from their rows in host memory
+        (``ColdRows.host_rows``; None: ZERO_COPY on CUDA, none on the CPU)."""
         t0 = time.perf_counter()
         self.src = open_model(model)
         cfg = self.src.config
@@ -79,7 +84,9 @@ class PrimaryExecutor:
             torch.cuda.synchronize(self.device)
         self.phases["weights"] = time.perf_counter() - t1
         self.phases.update({f"weights.{k}": v for k, v in self.weights.phases.items()})
-        self.cold = ColdRows(self.src, plan, dt, self.device, self.stats, prefill_dense_min)
+        if zero_copy is None:
+            zero_copy = ZERO_COPY if self.device.type == "cuda" else 0.0
+        self.cold = ColdRows(self.src, plan, dt, self.device, self.stats, prefill_dense_min, zero_copy)
         # per layer: the primary's neurons, then the CPU's (the predictor's columns; ``activity``)
         self.activity = ActivityCounts([np.concatenate([lp.gpu_neurons, lp.cpu_neurons]) for lp in plan.layers],
                                        self.device, self.policy.name in COUNTED)
@@ -169,7 +176,8 @@ class PrimaryExecutor:
         bucket = min(1 << (len(tokens) - 1).bit_length(), self.weights.slots)
         g = self.graphs.get(bucket)
         if g is None:
-            g = self.graphs[bucket] = DecodeGraphs(self.weights, self.exchange, self.stats, bucket, self.activity)
+            g = self.graphs[bucket] = DecodeGraphs(self.weights, self.exchange, self.stats, bucket, self.activity,
+                                                   self.cold)
         try:
             return g.run(list(slots), [t[0] for t in tokens], list(start_pos))
         except GraphCaptureError as e:  # before any exchange or replay: the eager step is safe

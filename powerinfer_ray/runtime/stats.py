@@ -20,9 +20,10 @@ class ExecStats:
     sync_s: float = 0.0  # notify + return latency + host copies, summed over exchanges
     peer_compute_s: float = 0.0
     peer_neurons: int = 0
-    # the CPU shard's neurons this device computed densely (long prompts): placed on the CPU,
-    # so the GPU share of activations counts them with the CPU's
+    # the CPU shard's neurons this device computed (densely for long prompts; zero-copy in decode
+    # steps): placed on the CPU, so the GPU share of activations counts them with the CPU's
     cold_neurons: int = 0
+    host_read_bytes: int = 0  # weight bytes of the CPU shard's rows it read in host memory (zero-copy decode)
     gpu_compute_s: float = 0.0  # GPU time of the decode graphs (CUDA events), on sampled steps
     gpu_sampled_steps: int = 0
     graph_captures: int = 0  # decode graph sets captured (a new batch bucket; Triton compiles included)

@@ -112,7 +112,8 @@ def test_cuda_graph_decode_equals_eager_and_reference(tmp_path, variant, dtype, 
             assert bool(eng.primary.graphs) == graphs
             # one capture per batch bucket used (B = 3 -> 4, B = 1), none on replays
             assert eng.primary.stats.graph_captures == (2 if graphs else 0)
-            cpu = eng.cpu.stats.neurons if eng.cpu else 0
+            # the CPU shard's neurons, wherever computed (the graphs' zero-copy share on the primary)
+            cpu = eng.cpu.stats.neurons + eng.primary.stats.cold_neurons if eng.cpu else 0
             act = eng.activation_stats() if policy == "predictor" else None
             return out, eng.primary.stats.neurons, cpu, act
         finally:
@@ -197,3 +198,51 @@ def test_cuda_pinned_staging_copies_the_files_rows(tmp_path, dtype, monkeypatch)
                 want = src.layer_blocks(K.FFN_UP, 1, rows=rows).blocks
             assert got.is_cuda and torch.equal(got.cpu(), want)
     assert staging._active is None
+
+
+@pytest.mark.parametrize("variant, dtype", [("llama-gqa", "f16"), ("opt", "f16"), ("falcon-gqa", "q4_0")])
+def test_cuda_zero_copy_decode_reads_the_cpu_rows_in_the_file(variant, dtype):
+    """Zero-copy decode from a file on /dev/shm: the GPU computes a share of the CPU shard's
+    predicted neurons from the file's page-locked rows over PCIe, inside the decode graphs. The
+    logits stay those of the CPU executor alone (fp16: a logit at the threshold may flip a
+    neuron), the two executors split its decode neurons, and the GPU's read rows are counted."""
+    import tempfile
+
+    from powerinfer_ray.runtime.cold import device_view
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        from pathlib import Path
+
+        path, ref, plan = _model_and_plan(Path(d), variant, "split-heads", dtype)
+        prompts = [[5, 6, 7], list(range(10, 22)), [200, 1, 2, 3]]
+        runs = {}
+        for share in (0.0, 0.5, 1.0):
+            eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="predictor", device="cuda", prefill_chunk=16,
+                                           max_batch=4, threshold=0.2, zero_copy=share))
+            try:
+                for slot, p in enumerate(prompts):
+                    eng.primary.step([slot], [p], [0])
+                pos, out = [len(p) for p in prompts], []
+                for toks in ([11, 12, 13], [40, 41, 42], [7, 8, 9]):
+                    out.append(eng.primary.step([0, 1, 2], [[t] for t in toks], pos))
+                    pos = [q + 1 for q in pos]
+                out.append(eng.primary.step([1], [[77]], [pos[1]]))
+                st = eng.primary.stats
+                hr = eng.primary.cold.host_rows(0)
+                if share:  # the device's view is the file's bytes
+                    assert hr is not None and hr.shard.up.is_cuda
+                    assert torch.equal(hr.shard.up.cpu(), eng.primary.cold.rows[0].up)
+                runs[share] = (out, st.cold_neurons, st.host_read_bytes, eng.cpu.stats.neurons)
+            finally:
+                eng.close()
+    base = runs[0.0]
+    assert base[1:3] == (0, 0)
+    for share in (0.5, 1.0):
+        out, mine, read, cpu = runs[share]
+        for a, b in zip(base[0], out):
+            assert float(np.abs(a - b).max() / np.abs(a).max()) < _tol(dtype, "split-heads")
+        assert mine > 0 and read > 0
+        assert abs(cpu + mine - base[3]) <= 0.03 * base[3]
+    assert runs[1.0][1] > runs[0.5][1]
+    x = torch.arange(12, dtype=torch.float16).reshape(3, 4).pin_memory()
+    assert torch.equal(device_view(x).cpu(), x)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -121,6 +122,11 @@ def test_triton_pack_bits_matches_torch():
         logits = torch.randn(T, N, generator=gen).half()
         got = triton_split.pack_bits(logits, 0.1, col0, n, by=16)  # several programs, a partial last one
         assert torch.equal(got, pack_active_bits(logits, 0.1, col0, n, backend="torch"))
+        skip = torch.rand(n, generator=gen) < 0.4  # neurons another device computes: their bits stay clear
+        got = triton_split.pack_bits(logits, 0.1, col0, n, skip, by=16)
+        bits = torch.from_numpy(np.unpackbits(got.numpy(), axis=1, count=n, bitorder="little").astype(bool))
+        assert torch.equal(bits, (logits[:, col0:col0 + n].float() >= 0.1) & ~skip)
+        assert torch.equal(got, pack_active_bits(logits, 0.1, col0, n, backend="torch", skip=skip))
 
 
 def test_triton_sparse_ffn_over_max_t_tokens_runs_in_blocks():
