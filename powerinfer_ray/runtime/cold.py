@@ -66,6 +66,14 @@ def pin_mapped(views: list[torch.Tensor], what: str, pinned: list[int]) -> bool:
     return True
 
 
+# zero-copy's default on CUDA: this share of the CPU shard's neurons in decode steps of at least
+# ZERO_COPY_MIN_BATCH sequences (bench/RESULTS.md, zero-copy: at batch 1 the CPU kernel's time is
+# mostly its fixed cost, which fewer rows do not shorten, while the GPU's PCIe reads delay its next
+# segment)
+ZERO_COPY = 0.35
+ZERO_COPY_MIN_BATCH = 8
+
+
 def device_view(t: torch.Tensor) -> torch.Tensor:
     """A CUDA tensor over the same bytes as the page-locked host tensor t (with unified
     addressing a registered host page's device address is its host address): the GPU reads it
@@ -100,15 +108,16 @@ def interleaved(n: int, share: float) -> np.ndarray:
 class ColdRows:
     """The CPU shard's rows as the primary sees them, for prompts of at least ``min_tokens``
     tokens (None: 32 on CUDA, off on the CPU; 0: off), and the ``zero_copy`` share of the CPU's
-    active neurons that the primary computes in decode steps (0: none; ``host_rows``)."""
+    active neurons that the primary computes in decode steps (``host_rows``; None: ZERO_COPY in
+    steps of at least ZERO_COPY_MIN_BATCH sequences on CUDA, none on the CPU; 0: none)."""
 
     def __init__(self, src: WeightSource, plan: Plan, dtype: torch.dtype, device: torch.device,
-                 stats: ExecStats, min_tokens: int | None, zero_copy: float = 0.0) -> None:
+                 stats: ExecStats, min_tokens: int | None, zero_copy: float | None = 0.0) -> None:
         self.src, self.cfg, self.plan, self.dtype, self.device, self.stats = src, src.config, plan, dtype, device, stats
         self._auto = min_tokens is None
         self.min_tokens = (32 if device.type == "cuda" else 0) if min_tokens is None else min_tokens
-        self.zero_copy = zero_copy
-        self._host: dict[int, HostRows | None] = {}
+        self.zero_copy = 0.0 if zero_copy is None and device.type != "cuda" else zero_copy
+        self._host: dict[tuple[int, float], HostRows | None] = {}
         self._shared_pinned = False
         self.rows: list[FFNShard] | None = None  # per layer, once attached
         self.source: str | None = None  # file | shared | copy
@@ -121,7 +130,7 @@ class ColdRows:
         """Read the rows in place from the model file, else map the CPU executor's shared pages
         (``spec``), else make a host copy when it takes at most a third of the host's available
         memory; returns where the rows come from (None: dense prefill off)."""
-        wanted = self.min_tokens > 0 or self.zero_copy > 0
+        wanted = self.min_tokens > 0 or self.zero_copy != 0
         if self.rows is not None or not wanted or not any(len(lp.cpu_neurons) for lp in self.plan.layers):
             return self.source
         in_place = [in_place_ffn_shard(self.src, l, lp.cpu_neurons, None) for l, lp in enumerate(self.plan.layers)]
@@ -161,25 +170,31 @@ class ColdRows:
         """Whether a step of n_tok tokens computes the CPU shard here."""
         return self.rows is not None and 0 < self.min_tokens <= n_tok
 
-    def host_rows(self, l: int) -> HostRows | None:
-        """Layer l's share of the CPU shard that the primary computes in decode steps, reading the
-        rows in place (on CUDA: page-locked, zero-copy); None: zero-copy off, or these rows cannot
-        be read so (a file on disk, whose page cache is not locked; float rows of another dtype
-        than the primary computes in; pinning refused)."""
-        if l in self._host:
-            return self._host[l]
+    def share(self, batch: int) -> float:
+        """The zero-copy share of decode steps of ``batch`` sequences (see the class)."""
+        if self.zero_copy is not None:
+            return self.zero_copy
+        return ZERO_COPY if batch >= ZERO_COPY_MIN_BATCH else 0.0
+
+    def host_rows(self, l: int, share: float) -> HostRows | None:
+        """The ``share`` of layer l's CPU shard that the primary computes in decode steps, reading
+        the rows in place (on CUDA: page-locked, zero-copy); None: a share of none, or these rows
+        cannot be read so (a file on disk, whose page cache is not locked; float rows of another
+        dtype than the primary computes in; pinning refused)."""
+        if (l, share) in self._host:
+            return self._host[l, share]
         hr = None
-        cold = self.rows[l] if self.rows is not None and self.zero_copy > 0 else None
-        k = 0 if cold is None else int(interleaved(cold.n, self.zero_copy).sum())
+        cold = self.rows[l] if self.rows is not None and share > 0 else None
+        k = 0 if cold is None else int(interleaved(cold.n, share).sum())
         if k and (cold.qtype is not None or cold.up.dtype == self.dtype) and self._lockable(l):
             mats = [None if t is None else (device_view(t) if self.device.type == "cuda" else t)
                     for t in (cold.up, cold.gate, cold.down_t)]
             bias = None if cold.up_bias is None else cold.up_bias.to(self.device, torch.float32)
             local = cold.rows if cold.rows is not None else torch.arange(cold.n, dtype=torch.int32)
-            mine = torch.from_numpy(interleaved(cold.n, self.zero_copy))
+            mine = torch.from_numpy(interleaved(cold.n, share))
             hr = HostRows(FFNShard(cold.ids, *mats, bias, cold.qtype), local.to(self.device, torch.int32),
                           mine.to(self.device), k)
-        self._host[l] = hr
+        self._host[l, share] = hr
         return hr
 
     def _lockable(self, l: int) -> bool:

@@ -168,8 +168,8 @@ class ExecutorConfig:
                                  "eagerly (debugging; slower)", kind=bool)
     zero_copy: float | None = option(
         None, "share of the CPU shard's neurons the GPU computes in decode steps, reading their rows over PCIe from "
-        "host memory while the CPU executor computes the rest (default: 0.5 on CUDA with the predictor policy; "
-        "0: the CPU executor computes all of them)", kind=float)
+        "host memory while the CPU executor computes the rest (default on CUDA with the predictor policy: 0.35 in "
+        "steps of 8 or more sequences, none below; 0: the CPU executor computes all of them)", kind=float)
 
     def check_executors(self) -> None:
         check_choice("device", self.device, DEVICES)

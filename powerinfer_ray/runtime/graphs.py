@@ -72,8 +72,8 @@ class StepSegments:
         self.a = self.f = self.f_host = self.x_a = self.x_f = self.logits = None
         self.g_part: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.h_part: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # zero-copy's
-        zc = cold is not None and exchange is not None and w.policy.name == "predictor"
-        self.host = [cold.host_rows(l) if zc and len(lp.cpu_neurons) else None for l, lp in enumerate(w.plan.layers)]
+        share = cold.share(B) if cold is not None and exchange is not None and w.policy.name == "predictor" else 0.0
+        self.host = [cold.host_rows(l, share) if len(lp.cpu_neurons) else None for l, lp in enumerate(w.plan.layers)]
         # per step, policy 'dense': every GPU row for every token
         self.dense_pairs = sum(lw.ffn.n for lw in w.layers) if w.policy.name == "dense" else 0
         self.gpu_rows = sum(lw.ffn.n for lw in w.layers)  # gate-first reads all of their gate rows

@@ -39,9 +39,6 @@ log = logging.getLogger(__name__)
 # torch threads while loading (the rows a file holds are gathered out of its map in parallel); the
 # actor reserves one CPU, but at load time the host's cores are otherwise idle
 LOAD_THREADS = 8
-# the share of the CPU shard's neurons a CUDA primary computes in decode steps, reading their rows
-# over PCIe while the CPU executor computes the others (bench/RESULTS.md: zero-copy)
-ZERO_COPY = 0.5
 
 
 class PrimaryExecutor:
@@ -57,7 +54,7 @@ class PrimaryExecutor:
         steps as captured CUDA graphs (None: on CUDA; on the CPU True runs the same fixed-shape
         segments eagerly, which is what the CPU tests check); zero_copy: the share of the CPU
         shard's neurons this executor computes in decode steps from their rows in host memory
-        (``ColdRows.host_rows``; None: ZERO_COPY on CUDA, none on the CPU)."""
+        (``ColdRows``; None: its default by batch size on CUDA, none on the CPU)."""
         t0 = time.perf_counter()
         self.src = open_model(model)
         cfg = self.src.config
@@ -84,8 +81,6 @@ class PrimaryExecutor:
             torch.cuda.synchronize(self.device)
         self.phases["weights"] = time.perf_counter() - t1
         self.phases.update({f"weights.{k}": v for k, v in self.weights.phases.items()})
-        if zero_copy is None:
-            zero_copy = ZERO_COPY if self.device.type == "cuda" else 0.0
         self.cold = ColdRows(self.src, plan, dt, self.device, self.stats, prefill_dense_min, zero_copy)
         # per layer: the primary's neurons, then the CPU's (the predictor's columns; ``activity``)
         self.activity = ActivityCounts([np.concatenate([lp.gpu_neurons, lp.cpu_neurons]) for lp in plan.layers],
