@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain
+#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain"
+stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -183,6 +183,14 @@ zcbatch)  # zero-copy's share at batch 8 and 32 on the 13B file (after zc: 0.5 m
             --modes hybrid --shapes 16x32 --batch 8,32 -t "$THREADS" --zero-copy $z
     done
     grep -E "tok/s" "$log" | sed -E 's/, layer .*//' | cut -c1-330
+    ;;
+b1)  # the 13B hybrid from its file at batch 1, twice (the headline's engine without its baselines)
+    write_file "$M13" 200 || exit 0
+    for i in 1 2; do
+        suite runtime-13b-${B13}gib-file-b1-h200-$i 90 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS"
+    done
+    grep -E "tok/s" "$log" | sed -E 's/VRAM.*//' | cut -c1-600
     ;;
 b32)  # batch 32 (the CPU's per-token path) and long prompts
     suite runtime-13b-16gib-b32-h200 300 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload \

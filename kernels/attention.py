@@ -297,14 +297,28 @@ def head_attention_step(x: torch.Tensor, wqkv: torch.Tensor, bqkv: torch.Tensor 
     Gs, hd = k_cache.shape[1], k_cache.shape[3]
     Hs = wqkv.shape[0] // hd - 2 * Gs
     lin = _quantized(None, qtype)
-    qkv = (lin or F.linear)(x, wqkv, bqkv).view(B, Hs + 2 * Gs, hd)
-    qk, v = qkv[:, : Hs + Gs], qkv[:, Hs + Gs:]  # [B, Hs+Gs, hd], [B, Gs, hd]
+    qkv = (lin or F.linear)(x, wqkv, bqkv)  # [B, (Hs+2Gs)*hd]
+    if x.is_cuda and hd >= 16 and hd & (hd - 1) == 0:  # rotary and the cache write in one Triton launch
+        from .triton_attention import rope_cache_triton
+
+        q = rope_cache_triton(qkv, cos, sin, rope_style, n_rot or hd, k_cache, v_cache, slots, pos, Hs, Gs)
+    else:
+        q = _rope_cache_torch(qkv.view(B, Hs + 2 * Gs, hd), cos, sin, rope_style, n_rot, k_cache, v_cache, slots,
+                              pos, Hs)
+    o = decode_attention(q, k_cache, v_cache, slots, pos, 1.0 / math.sqrt(hd))  # [B, Hs, hd]
+    return _out_proj(o.reshape(B, Hs * hd), wo_t, lin)  # [B, D]
+
+
+def _rope_cache_torch(qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, rope_style: str | None,
+                      n_rot: int | None, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                      pos: torch.Tensor, Hs: int) -> torch.Tensor:
+    """``triton_attention.rope_cache_triton`` in torch ops: qkv [B, Hs+2Gs, hd] -> q [B, Hs, hd]."""
+    qk, v = qkv[:, : qkv.shape[1] - k_cache.shape[1]], qkv[:, qkv.shape[1] - k_cache.shape[1]:]  # q and k, v
     if rope_style is not None:
         qk = rope(qk, None, 0.0, rope_style, n_rot, (cos[:, None], sin[:, None]))  # theta is in the table
     k_cache[slots, :, pos] = qk[:, Hs:].to(k_cache.dtype)  # [B, Gs, hd]
     v_cache[slots, :, pos] = v.to(v_cache.dtype)
-    o = decode_attention(qk[:, :Hs], k_cache, v_cache, slots, pos, 1.0 / math.sqrt(hd))  # [B, Hs, hd]
-    return _out_proj(o.reshape(B, Hs * hd), wo_t, lin)  # [B, D]
+    return qk[:, :Hs]
 
 
 def head_attention_ref(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo_t: torch.Tensor,

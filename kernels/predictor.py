@@ -139,13 +139,16 @@ def _pack_torch(logits, threshold, gpu_mask, local_of, cap_g, cap_c, silu=False)
 
 def split_active_packed(logits: torch.Tensor, threshold: float, gpu_mask: torch.Tensor, *,
                         local_of: torch.Tensor | None = None, gpu_capacity: int | None = None,
-                        cpu_capacity: int | None = None, backend: str = "auto", silu: bool = False) -> PackedSplit:
+                        cpu_capacity: int | None = None, backend: str = "auto", silu: bool = False,
+                        activity: torch.Tensor | None = None, stats: torch.Tensor | None = None) -> PackedSplit:
     """The sync-free split (see the module docstring): two packed int32 parts, views of one buffer.
 
     gpu_capacity / cpu_capacity: slots per part; pass the number of neurons placed on each
     device (the host knows it from the placement) to keep the CPU part small; default N.
     backend: 'auto' (Triton on CUDA, else torch) | 'triton' | 'torch'. silu: the logits are gate
-    values, active iff |SiLU(g)| > threshold.
+    values, active iff |SiLU(g)| > threshold. The decode step's counters, in place (CUDA-graph
+    safe): activity int64 [N] += each neuron's active tokens; stats int64 [2] += the GPU part's
+    (token, neuron) pairs and its rows (count).
     """
     global _triton_failed
     _check(logits, gpu_mask, local_of)
@@ -159,13 +162,21 @@ def split_active_packed(logits: torch.Tensor, threshold: float, gpu_mask: torch.
     if use_triton:
         try:
             from . import triton_split
-            buf = triton_split.split_pack(logits, threshold, gpu_mask, local_of, cap_g, cap_c, silu=silu)
+            buf = triton_split.split_pack(logits, threshold, gpu_mask, local_of, cap_g, cap_c, silu=silu,
+                                          activity=activity, stats=stats)
         except ImportError:
             if backend == "triton":
                 raise
             _triton_failed = True
     if buf is None:
         buf = _pack_torch(logits, threshold, gpu_mask, local_of, cap_g, cap_c, silu)
+        if activity is not None or stats is not None:
+            active = active_of(logits, threshold, silu)  # [T, N]
+            if activity is not None:
+                activity += active.sum(0)
+            if stats is not None:
+                stats[0] += active[:, gpu_mask].sum()
+                stats[1] += buf[0]
     return PackedSplit(buf[: 1 + 2 * cap_g], buf[1 + 2 * cap_g:])
 
 

@@ -75,3 +75,57 @@ def decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                                  NG=ng, NGP=max(16, triton.next_power_of_2(ng)), HD=hd, BL=block,
                                  IEEE=q.dtype == torch.float32, num_warps=4)
     return o
+
+
+@triton.jit
+def _rope_cache_kernel(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, pos_ptr, q_ptr, k_ptr, v_ptr, s_qkv, s_cs, s_q,
+                       s_c0, s_c1, s_c2, Hs, Gs, n_rot, ROPE: tl.constexpr, NEOX: tl.constexpr, HD: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)  # a head of q, then of k, then of v
+    d = tl.arange(0, HD)
+    row = qkv_ptr + b * s_qkv + h * HD
+    x = tl.load(row + d).to(tl.float32)
+    if ROPE:  # q and k heads: the first n_rot dims rotate, the rest pass
+        rot = (d < n_rot) & (h < Hs + Gs)
+        half = n_rot // 2
+        if NEOX:  # halves: (x[j], x[j + n_rot/2])
+            lo = d < half
+            partner = tl.where(lo, d + half, d - half)
+            j = tl.where(lo, d, d - half)
+            sign = tl.where(lo, -1.0, 1.0)
+        else:  # adjacent pairs: (x[2j], x[2j+1])
+            partner = d ^ 1
+            j = d // 2
+            sign = tl.where(d % 2 == 0, -1.0, 1.0)
+        xp = tl.load(row + partner, mask=rot, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + b * s_cs + j, mask=rot, other=1.0)
+        s = tl.load(sin_ptr + b * s_cs + j, mask=rot, other=0.0)
+        x = tl.where(rot, x * c + sign * xp * s, x)
+    slot = tl.load(slot_ptr + b)
+    p = tl.load(pos_ptr + b)
+    if h < Hs:
+        tl.store(q_ptr + b * s_q + h * HD + d, x.to(q_ptr.dtype.element_ty))
+    elif h < Hs + Gs:
+        tl.store(k_ptr + slot * s_c0 + (h - Hs) * s_c1 + p * s_c2 + d, x.to(k_ptr.dtype.element_ty))
+    else:
+        tl.store(v_ptr + slot * s_c0 + (h - Hs - Gs) * s_c1 + p * s_c2 + d, x.to(v_ptr.dtype.element_ty))
+
+
+def rope_cache_triton(qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, style: str | None,
+                      n_rot: int, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                      pos: torch.Tensor, Hs: int, Gs: int) -> torch.Tensor:
+    """The decode token's rotary embedding and KV-cache write in one launch (grid (B, Hs + 2 Gs),
+    a head a program): q [B, Hs, hd] rotated (qkv's dtype); K rotated and V written at pos[b] of
+    slot slots[b]. qkv [B, (Hs + 2 Gs) * hd]; cos, sin [B, n_rot / 2] fp32 (None with style None)."""
+    B = qkv.shape[0]
+    hd = k_cache.shape[3]
+    qkv = qkv if qkv.stride(1) == 1 else qkv.contiguous()
+    q = torch.empty(B, Hs, hd, dtype=qkv.dtype, device=qkv.device)
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "caches must share a row-major layout"
+    rope = style is not None
+    cs = cos if rope else q  # unread without rope
+    _rope_cache_kernel[(B, Hs + 2 * Gs)](qkv, cs, sin if rope else q, slots, pos, q, k_cache, v_cache,
+                                        qkv.stride(0), cs.stride(0), q.stride(0), k_cache.stride(0),
+                                        k_cache.stride(1), k_cache.stride(2), Hs, Gs, n_rot, ROPE=rope,
+                                        NEOX=style == "neox", HD=hd, num_warps=1)
+    return q

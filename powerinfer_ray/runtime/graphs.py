@@ -130,20 +130,16 @@ class StepSegments:
         if self.B > 1:  # padding rows activate nothing
             self.logits = self.logits.masked_fill(self.inp[3, :, None] == 0, float("-inf"))
         ng, thr = lw.ffn.n, w.policy.threshold
-        active = self.logits >= thr  # [B, n_gpu + n_cpu]; padding rows are -inf: none active
-        self.act.add(s.l, active)
-        if ng:
-            part = split_active_packed(self.logits, thr, w.gpu_first[s.l], gpu_capacity=ng, cpu_capacity=0).gpu
-            self.g_part = packed_views(part)  # idx, bits, n_active
-            self.counts[0] += active[:, :ng].sum()
-            self.counts[1] += self.g_part[2][0]
+        # one kernel on CUDA: the split of the primary's neurons, the activity counters of every
+        # neuron (padding rows are -inf: none active) and the step's pairs and rows
+        part = split_active_packed(self.logits, thr, w.gpu_first[s.l], gpu_capacity=ng, cpu_capacity=0,
+                                   activity=self.act.layers[s.l] if self.act.on else None, stats=self.counts[:2]).gpu
+        self.g_part = packed_views(part) if ng else None  # idx, bits, n_active
         hr = self.host[s.l]
         if hr is not None:  # the CPU's neurons computed here: ids are their rows in host memory
             part = split_active_packed(self.logits[:, ng:], thr, hr.mine, local_of=hr.local, gpu_capacity=hr.n,
-                                       cpu_capacity=0).gpu
+                                       cpu_capacity=0, stats=self.counts[2:]).gpu
             self.h_part = packed_views(part)
-            self.counts[2] += (active[:, ng:] & hr.mine).sum()
-            self.counts[3] += self.h_part[2][0]
 
     def stage_ffn(self, s: Step) -> None:
         self.ex.stage_ffn(self.x_f)

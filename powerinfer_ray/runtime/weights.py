@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as Fn
 
 from ..kernels.linear import linear
+from ..kernels.norm import rms_norm_cast
 from ..kernels.predictor import predictor_logits
 from ..kernels.quant import dequantize
 from ..model import gguf_keys as K
-from ..model.reference import layer_norm, rms_norm
+from ..model.reference import layer_norm
 from ..model.source import WeightSource, layer_rows
 from ..model.staging import pinned_staging
 from .layers import Policy
@@ -137,11 +137,8 @@ class PrimaryWeights:
     def norm(self, x: torch.Tensor, pair: Norm) -> torch.Tensor:
         """The norm of the fp32 residual x [N, D], in the compute dtype (fused kernels on CUDA)."""
         if self.cfg.norm == "rms":
-            y = Fn.rms_norm(x, (x.shape[-1],), pair[0], self.cfg.norm_eps) if x.is_cuda \
-                else rms_norm(x, pair[0], self.cfg.norm_eps)
-        else:
-            y = layer_norm(x, pair[0], pair[1], self.cfg.norm_eps)
-        return y.to(self.dtype)
+            return rms_norm_cast(x, pair[0], self.cfg.norm_eps, self.dtype)
+        return layer_norm(x, pair[0], pair[1], self.cfg.norm_eps).to(self.dtype)
 
     def embed(self, tok: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
         """The residual stream's start [N, D] (fp32) for tokens tok [N] (at positions pos [N]

@@ -125,6 +125,57 @@ def test_triton_split_equals_exact_split(T):
                 assert torch.equal(got_idx, idx.cpu()) and torch.equal(got_tok, tok.cpu()), backend
 
 
+@pytest.mark.parametrize("T", [1, 8, 32])
+def test_triton_split_adds_the_decode_counters(T):
+    """The split's in-place counters (each neuron's active tokens, the GPU part's pairs and rows)
+    equal torch's counts of the same threshold."""
+    gen = torch.Generator().manual_seed(40 + T)
+    N = 13824
+    logits = (torch.randn(T, N, generator=gen) - 1.5).half().to(DEV)
+    gpu = (torch.rand(N, generator=gen) < 0.6).to(DEV)
+    ng = int(gpu.sum())
+    act0 = torch.randint(0, 100, (N,), generator=gen).to(DEV)
+    act, stats = act0.clone(), torch.tensor([3, 4], device=DEV)
+    packed = split_active_packed(logits, 0.0, gpu, gpu_capacity=ng, cpu_capacity=0, backend="triton",
+                                 activity=act, stats=stats)
+    active = logits.float() >= 0.0
+    assert torch.equal(act, act0 + active.sum(0))
+    rows = int((active.any(0) & gpu).sum())
+    assert stats.tolist() == [3 + int(active[:, gpu].sum()), 4 + rows]
+    assert int(packed.gpu[0]) == rows
+
+
+@pytest.mark.parametrize("B", [1, 4])
+def test_rms_norm_cast_on_gpu_matches_float64(B):
+    from powerinfer_ray.kernels.norm import rms_norm_cast, rms_norm_ref
+
+    gen = torch.Generator().manual_seed(B)
+    x, w = (torch.randn(B, 5120, generator=gen) * 4).to(DEV), (torch.rand(5120, generator=gen) + 0.5).to(DEV)
+    y = rms_norm_cast(x, w, 1e-5, torch.float16)
+    assert y.dtype == torch.float16 and rel_err(y, rms_norm_ref(x, w, 1e-5)) < GPU_TOL[torch.float16]
+
+
+@pytest.mark.parametrize("style, Gs", [("norm", 40), ("neox", 8), (None, 8)])
+def test_rope_cache_on_gpu_equals_the_torch_steps(style, Gs):
+    """The fused rotary + KV-cache write at the 13B's head shape (hd 128) and a GQA shape."""
+    from powerinfer_ray.kernels.attention import _rope_cache_torch, rope_table
+    from powerinfer_ray.kernels.triton_attention import rope_cache_triton
+
+    gen = torch.Generator().manual_seed(7)
+    B, Hs, hd, S, L = 2, 40, 128, 3, 64
+    qkv = torch.randn(B, (Hs + 2 * Gs) * hd, generator=gen).half().to(DEV)
+    slots, pos = torch.tensor([2, 0], device=DEV), torch.tensor([9, 63], device=DEV)
+    cos_t, sin_t = rope_table(L, hd, 10000.0, DEV)
+    cos, sin = (cos_t[pos], sin_t[pos]) if style else (None, None)
+    k0, v0 = (torch.randn(S, Gs, L, hd, generator=gen).half().to(DEV) for _ in range(2))
+    want_k, want_v = k0.clone(), v0.clone()
+    want_q = _rope_cache_torch(qkv.view(B, Hs + 2 * Gs, hd), cos, sin, style, hd, want_k, want_v, slots, pos, Hs)
+    k, v = k0.clone(), v0.clone()
+    q = rope_cache_triton(qkv, cos, sin, style, hd, k, v, slots, pos, Hs, Gs)
+    assert rel_err(q, want_q) < GPU_TOL[torch.float16]
+    assert rel_err(k, want_k) < GPU_TOL[torch.float16] and torch.equal(v, want_v)
+
+
 @pytest.mark.parametrize("H, G", [(8, 8), (8, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("style", ["norm", "neox"])
 def test_head_attention_on_gpu_matches_reference(H, G, style):

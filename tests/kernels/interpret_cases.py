@@ -83,11 +83,16 @@ def test_triton_split_matches_exact_split():
         for loc in (None, local_index(gpu)):
             exact = split_active(logits, 0.0, gpu, loc)
             ng = int(gpu.sum())
-            buf = triton_split.split_pack(logits, 0.0, gpu, loc, ng, N - ng, bn=512)
+            act0 = torch.arange(N, dtype=torch.int64)  # counters the split adds to in place
+            act, stats = act0.clone(), torch.tensor([5, 7])
+            buf = triton_split.split_pack(logits, 0.0, gpu, loc, ng, N - ng, bn=512, activity=act, stats=stats)
             parts = (buf[:1 + 2 * ng], buf[1 + 2 * ng:])
             for part, (idx, tok) in zip(parts, [(exact.gpu_idx, exact.gpu_tok_mask), (exact.cpu_idx, exact.cpu_tok_mask)]):
                 got_idx, got_tok = unpack_active(part, T)
                 assert torch.equal(got_idx, idx) and torch.equal(got_tok, tok)
+            active = logits >= 0.0
+            assert torch.equal(act, act0 + active.sum(0))
+            assert stats.tolist() == [5 + int(exact.gpu_tok_mask.sum()), 7 + len(exact.gpu_idx)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -284,3 +289,43 @@ def test_triton_split_of_gate_values():
         act = active_of(g, 0.4, silu=True)
         want = act.any(0).nonzero().reshape(-1)
         assert torch.equal(idx, want) and torch.equal(tok, act[:, want])
+
+
+def test_triton_rms_norm_matches_float64():
+    """The norm and the cast in one program a row: D not a power of two (a masked tail), fp16 and
+    fp32 out, against the float64 reference."""
+    from powerinfer_ray.kernels.norm import rms_norm_ref
+    from powerinfer_ray.kernels.triton_norm import rms_norm_triton
+
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(3, 200, generator=gen) * 3
+    w = torch.rand(200, generator=gen) + 0.5
+    want = rms_norm_ref(x, w, 1e-5)
+    for dtype in (torch.float16, torch.float32):
+        y = rms_norm_triton(x, w, 1e-5, dtype)
+        assert y.dtype == dtype and rel_err(y, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("style, n_rot", [("norm", 32), ("neox", 32), ("neox", 16), (None, 32)])
+def test_triton_rope_cache_equals_the_torch_steps(style, n_rot):
+    """The decode token's rotary embedding and KV-cache write in one launch: the rotated q and the
+    cache rows of the torch path (kernels.attention.rope, then indexed writes), which
+    tests/kernels/test_attention.py checks against float64; GQA, partial rotary, rows of other
+    slots untouched."""
+    from powerinfer_ray.kernels.attention import _rope_cache_torch, rope_table
+    from powerinfer_ray.kernels.triton_attention import rope_cache_triton
+
+    gen = torch.Generator().manual_seed(17)
+    B, Hs, Gs, hd, S, L = 3, 4, 2, 32, 4, 24
+    qkv = torch.randn(B, (Hs + 2 * Gs) * hd, generator=gen).half()
+    slots, pos = torch.tensor([2, 0, 3]), torch.tensor([5, 17, 0])
+    cos_t, sin_t = rope_table(L, n_rot, 10000.0, "cpu")
+    cos, sin = (cos_t[pos], sin_t[pos]) if style else (None, None)
+    caches = [torch.randn(S, Gs, L, hd, generator=gen).half() for _ in range(2)]
+    want_k, want_v = caches[0].clone(), caches[1].clone()
+    want_q = _rope_cache_torch(qkv.view(B, Hs + 2 * Gs, hd), cos, sin, style, n_rot, want_k, want_v, slots, pos, Hs)
+    k, v = caches[0].clone(), caches[1].clone()
+    q = rope_cache_triton(qkv, cos, sin, style, n_rot, k, v, slots, pos, Hs, Gs)
+    assert rel_err(q, want_q) < TOL[torch.float16]
+    assert rel_err(k, want_k) < TOL[torch.float16] and torch.equal(v, want_v)
+    assert torch.equal(k[1], caches[0][1])  # slot 1 holds no sequence of the step
