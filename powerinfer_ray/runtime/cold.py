@@ -119,6 +119,7 @@ class ColdRows:
         self.zero_copy = 0.0 if zero_copy is None and device.type != "cuda" else zero_copy
         self._host: dict[tuple[int, float], HostRows | None] = {}
         self._shared_pinned = False
+        self._said_no_host = False
         self.rows: list[FFNShard] | None = None  # per layer, once attached
         self.source: str | None = None  # file | shared | copy
         self._pinned: list[int] = []  # addresses cudaHostRegister'ed, for close()
@@ -194,6 +195,11 @@ class ColdRows:
             mine = torch.from_numpy(interleaved(cold.n, share))
             hr = HostRows(FFNShard(cold.ids, *mats, bias, cold.qtype), local.to(self.device, torch.int32),
                           mine.to(self.device), k)
+        elif k and not self._said_no_host:
+            self._said_no_host = True
+            log.warning("primary: zero-copy off: the CPU shard's rows (%s) cannot be read in place by %s (a file "
+                        "outside tmpfs is not page-locked; float rows must be the compute dtype %s)", self.source,
+                        self.device, self.dtype)
         self._host[l, share] = hr
         return hr
 

@@ -24,6 +24,7 @@ from powerinfer_ray.serve.config import IngressConfig
     ("dtype", "f8", "dtype='f8'"), ("method", "lp", "method='lp'"), ("gpu_fraction", 1.5, "gpu_fraction=1.5"),
     ("prefill_chunk", 0, "prefill_chunk=0"), ("timeout_s", 0, "timeout_s=0"), ("graphs", "yes", "graphs='yes'"),
     ("max_waiting", -1, "max_waiting=-1"), ("cpu_groups", -1, "cpu_groups=-1"), ("plan", "x", "plan='str'"),
+    ("zero_copy", 1.5, "zero_copy=1.5: expected a finite number [0, 1]"), ("zero_copy", -0.1, "zero_copy=-0.1"),
 ])
 def test_bad_values_are_refused_naming_the_field(field, value, words):
     with pytest.raises(ValueError) as e:
