@@ -9,6 +9,9 @@
     powerinfer-ray bench suite -m planted:llama3-8b?dtype=f16 --vram-budget 8 \
         --modes hybrid,hybrid-gate-first,hybrid-dense,layer-offload    # a sparsified SwiGLU model
 
+--zero-copy S sets the hybrid engines' share of the CPU shard's neurons that the GPU computes in
+decode steps from their rows in host memory (default: the engine's, by batch size).
+
 --as-file DIR writes a planted model to DIR/<shape>.gguf once (bench/planted_file.py, in a process of
 its own) and runs every engine from that file, as users run them; the records' ``model`` is the path.
 

@@ -117,15 +117,17 @@ def test_oracle_counts_equal_the_true_activity(tmp_path, variant, dense_prefill)
 
 
 @pytest.mark.parametrize("variant", ["llama-reglu", "falcon-gqa"])
-@pytest.mark.parametrize("graphs", [False, True])
-def test_predictor_counts_equal_the_predictor_decisions(tmp_path, variant, graphs):
+@pytest.mark.parametrize("graphs, zero_copy", [(False, 0.0), (True, 0.0), (True, 0.5)])
+def test_predictor_counts_equal_the_predictor_decisions(tmp_path, variant, graphs, zero_copy):
     """Policy 'predictor': the primary counts the decision of every neuron of the layer (its own
     and the CPU executor's), in the eager steps and in the decode segments (graphs, run eagerly
-    on the CPU; the padding row of a bucket counts nothing), at the threshold the engine runs."""
+    on the CPU; the padding row of a bucket counts nothing; with zero-copy, the CPU's neurons it
+    computes once), at the threshold the engine runs."""
     path = write_tiny_model(tmp_path / "m.gguf", variant, seed=5, n_layer=3, n_ctx=64, predictor_rank=16)
     cfg = ReferenceModel.from_file(path).cfg
     eng = LocalEngine(EngineConfig(str(path), plan=_mixed(cfg, 1), policy="predictor", threshold=0.3,
-                                   predictor_margin=0.1, prefill_chunk=8, max_batch=4, graphs=graphs))
+                                   predictor_margin=0.1, prefill_chunk=8, max_batch=4, graphs=graphs,
+                                   zero_copy=zero_copy))
     try:
         got = _engine_counts(eng)
         assert (4 in eng.primary.graphs) == graphs  # three sequences padded to four
