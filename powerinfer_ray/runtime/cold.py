@@ -99,8 +99,8 @@ class HostRows:
 
 
 def interleaved(n: int, share: float) -> np.ndarray:
-    """bool [n]: every 1/share-th neuron, evenly spread over the shard's order (hottest first when
-    the plan knows the statistics, so both sides get a like share of the activity)."""
+    """bool [n]: a ``share`` of the neurons, spread evenly over the shard's order (hottest first
+    when the plan knows the statistics, so both sides get a like share of the activity)."""
     j = np.arange(n)
     return np.floor((j + 1) * share) > np.floor(j * share)
 
