@@ -34,21 +34,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-class DeviceView:
-    """Host memory that CUDA has page-locked, as a CUDA tensor (``torch.as_tensor`` of its
-    ``__cuda_array_interface__``: with unified addressing the device pointer is the host's)."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        typestr = {torch.float16: "<f2", torch.bfloat16: "<V2", torch.float32: "<f4", torch.uint8: "|u1"}[t.dtype]
-        self.__cuda_array_interface__ = {"shape": tuple(t.shape), "typestr": typestr,
-                                         "data": (t.data_ptr(), False), "version": 3,
-                                         "strides": tuple(s * t.element_size() for s in t.stride())}
-
-
-def cuda_view(t: torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(DeviceView(t), device="cuda")
-
-
 def time_gpu(fn, reps: int) -> float:  # noqa: ANN001
     """Median µs of fn() by CUDA events, after 5 warm-up calls."""
     for _ in range(5):
@@ -118,7 +103,7 @@ def main() -> int:
     from powerinfer_ray.kernels.sparse_ffn import sparse_ffn
     from powerinfer_ray.model import gguf_keys as K
     from powerinfer_ray.model.source import mapped_tensor, open_model
-    from powerinfer_ray.runtime.cold import pin_mapped
+    from powerinfer_ray.runtime.cold import device_view, pin_mapped
 
     src = open_model(a.model)
     cfg = src.config
@@ -138,7 +123,7 @@ def main() -> int:
     print(f"registered {nbytes / 2**20:.0f} MiB in {reg_s * 1e3:.1f} ms (ok {ok})", flush=True)
     if not ok:
         return 1
-    zc = [cuda_view(v) for v in host]
+    zc = [device_view(v) for v in host]
     hbm = [v.to("cuda") for v in host]
     n, D = host[0].shape
     row_bytes = D * 2

@@ -121,11 +121,11 @@ def active_of(logits: torch.Tensor, threshold: float, silu: bool = False) -> tor
     return torch.nn.functional.silu(lg).abs() > threshold if silu else lg >= threshold
 
 
-def _pack_torch(logits, threshold, gpu_mask, local_of, cap_g, cap_c, silu=False) -> torch.Tensor:
-    """The torch form of the packed split (sync-free: scatter instead of nonzero)."""
-    N = logits.shape[1]
-    dev = logits.device
-    bits = token_bits(active_of(logits, threshold, silu))  # [N] int32
+def _pack_torch(active, gpu_mask, local_of, cap_g, cap_c) -> torch.Tensor:
+    """The torch form of the packed split of active [T, N] (sync-free: scatter instead of nonzero)."""
+    N = active.shape[1]
+    dev = active.device
+    bits = token_bits(active)  # [N] int32
     ids_src = local_of.to(torch.int32) if local_of is not None else torch.arange(N, dtype=torch.int32, device=dev)
     out = []
     for sel, cap in ((bits != 0) & gpu_mask, cap_g), ((bits != 0) & ~gpu_mask, cap_c):
@@ -169,14 +169,13 @@ def split_active_packed(logits: torch.Tensor, threshold: float, gpu_mask: torch.
                 raise
             _triton_failed = True
     if buf is None:
-        buf = _pack_torch(logits, threshold, gpu_mask, local_of, cap_g, cap_c, silu)
-        if activity is not None or stats is not None:
-            active = active_of(logits, threshold, silu)  # [T, N]
-            if activity is not None:
-                activity += active.sum(0)
-            if stats is not None:
-                stats[0] += active[:, gpu_mask].sum()
-                stats[1] += buf[0]
+        active = active_of(logits, threshold, silu)  # [T, N]
+        buf = _pack_torch(active, gpu_mask, local_of, cap_g, cap_c)
+        if activity is not None:
+            activity += active.sum(0)
+        if stats is not None:
+            stats[0] += active[:, gpu_mask].sum()
+            stats[1] += buf[0]
     return PackedSplit(buf[: 1 + 2 * cap_g], buf[1 + 2 * cap_g:])
 
 

@@ -44,6 +44,23 @@ def _tol(dtype: str, split: str) -> float:
     return 2e-2 if dtype == "f16" or split == "all-gpu" else 4e-2
 
 
+PROMPTS = [[5, 6, 7], list(range(10, 22)), [200, 1, 2, 3]]
+NEXT = [[11, 12, 13], [40, 41, 42], [7, 8, 9]]
+
+
+def _decode(eng: LocalEngine) -> list[np.ndarray]:
+    """Prefill PROMPTS in slots 0..2, then NEXT as batched decode steps (B = 3, a bucket of 4), then
+    one step of sequence 1 alone (B = 1): the logits of every decode step."""
+    for slot, p in enumerate(PROMPTS):
+        eng.primary.step([slot], [p], [0])
+    pos, out = [len(p) for p in PROMPTS], []
+    for toks in NEXT:
+        out.append(eng.primary.step([0, 1, 2], [[t] for t in toks], pos))
+        pos = [q + 1 for q in pos]
+    out.append(eng.primary.step([1], [[77]], [pos[1]]))
+    return out
+
+
 @pytest.mark.parametrize("variant, dtype", CASES)
 @pytest.mark.parametrize("split", ["all-gpu", "mixed", "split-heads"])
 @pytest.mark.parametrize("policy", ["oracle", "predictor"])
@@ -96,19 +113,12 @@ def test_cuda_graph_decode_equals_eager_and_reference(tmp_path, variant, dtype, 
     inside the graphs)."""
     path, ref, plan = _model_and_plan(tmp_path, variant, split, dtype)
     tol = _tol(dtype, split)
-    prompts = [[5, 6, 7], list(range(10, 22)), [200, 1, 2, 3]]
 
     def run(policy, graphs):
         eng = LocalEngine(EngineConfig(str(path), plan=plan, policy=policy, device="cuda", prefill_chunk=16,
                                        max_batch=4, graphs=graphs, threshold=0.2))
         try:
-            for slot, p in enumerate(prompts):
-                eng.primary.step([slot], [p], [0])
-            pos, out = [len(p) for p in prompts], []
-            for toks in ([11, 12, 13], [40, 41, 42], [7, 8, 9]):
-                out.append(eng.primary.step([0, 1, 2], [[t] for t in toks], pos))
-                pos = [q + 1 for q in pos]
-            out.append(eng.primary.step([1], [[77]], [pos[1]]))
+            out = _decode(eng)
             assert bool(eng.primary.graphs) == graphs
             # one capture per batch bucket used (B = 3 -> 4, B = 1), none on replays
             assert eng.primary.stats.graph_captures == (2 if graphs else 0)
@@ -120,9 +130,8 @@ def test_cuda_graph_decode_equals_eager_and_reference(tmp_path, variant, dtype, 
             eng.close()
 
     dense = run("dense", True)[0]
-    for slot, p in enumerate(prompts):
-        toks = [[11, 12, 13], [40, 41, 42], [7, 8, 9]]
-        full = ref.forward(p + [t[slot] for t in toks] + ([77] if slot == 1 else []), ref.new_cache())
+    for slot, p in enumerate(PROMPTS):
+        full = ref.forward(p + [t[slot] for t in NEXT] + ([77] if slot == 1 else []), ref.new_cache())
         for j in range(3):
             w = full[len(p) + j]
             assert float((torch.from_numpy(dense[j][slot]) - w).abs().max() / w.abs().max()) < tol
@@ -214,19 +223,12 @@ def test_cuda_zero_copy_decode_reads_the_cpu_rows_in_the_file(variant, dtype):
         from pathlib import Path
 
         path, ref, plan = _model_and_plan(Path(d), variant, "split-heads", dtype)
-        prompts = [[5, 6, 7], list(range(10, 22)), [200, 1, 2, 3]]
         runs = {}
         for share in (0.0, 0.5, 1.0):
             eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="predictor", device="cuda", prefill_chunk=16,
                                            max_batch=4, threshold=0.2, zero_copy=share))
             try:
-                for slot, p in enumerate(prompts):
-                    eng.primary.step([slot], [p], [0])
-                pos, out = [len(p) for p in prompts], []
-                for toks in ([11, 12, 13], [40, 41, 42], [7, 8, 9]):
-                    out.append(eng.primary.step([0, 1, 2], [[t] for t in toks], pos))
-                    pos = [q + 1 for q in pos]
-                out.append(eng.primary.step([1], [[77]], [pos[1]]))
+                out = _decode(eng)
                 st = eng.primary.stats
                 hr = eng.primary.cold.host_rows(0, share)
                 if share:  # the device's view is the file's bytes
