@@ -181,12 +181,13 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
     # densely for a long prompt, count as the CPU's)
     gn, cn = _delta(g1, g0, "neurons"), _delta(cpu1, cpu0, "neurons") + _delta(g1, g0, "cold_neurons")
     n_layer = a.n_layer
-    # host time per layer of the steps that spend it: attn / ffn per layer of the eager steps
-    # (prefill chunks), launch / gpu_wait (for the GPU's segment before a post) per layer of the
-    # graph steps (decode), wait (for the CPU executor's answer) per layer of all steps
+    # time per layer of the steps that spend it: attn / ffn / wait (for the CPU executor's answer)
+    # per layer of the eager steps (prefill chunks; host time); of the graph steps (decode): launch
+    # (host), exchange (from a post until the GPU saw the answer) and segment (the rest of the
+    # step: the GPU's critical path), both by the GPU's clock
     graph_steps = _delta(g1, g0, "graph_steps")
-    of_kind = {"attn": steps - graph_steps, "ffn": steps - graph_steps, "launch": graph_steps, "gpu_wait": graph_steps}
-    per_layer = {k: 1e6 * (g1["layer_s"][k] - g0["layer_s"].get(k, 0.0)) / max(of_kind.get(k, steps) * n_layer, 1)
+    per_layer = {k: 1e6 * (g1["layer_s"][k] - g0["layer_s"].get(k, 0.0))
+                 / max((graph_steps if k in ("launch", "segment", "exchange") else steps - graph_steps) * n_layer, 1)
                  for k in g1["layer_s"]}
     generated = sum(o["stats"]["completion_tokens"] for o in outs)
     assert generated == batch * output_len, f"lost tokens: {generated} of {batch * output_len}"
@@ -207,9 +208,9 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
         if _delta(cpu1, cpu0, "kernel_s") else 0.0,
         # and in the attention of its KV-head groups (projections, rotary, cache, softmax)
         "cpu_attn_us_per_exchange": 1e6 * _delta(cpu1, cpu0, "attn_s") / exchanges if exchanges else 0.0,
-        # GPU compute per layer of the decode graphs (sampled steps; 0 for eager steps)
+        # GPU compute per layer of the decode graphs, their waits for answers left out (0 for eager steps)
         "gpu_compute_us_per_layer": 1e6 * _delta(g1, g0, "gpu_compute_s")
-        / max(_delta(g1, g0, "gpu_sampled_steps") * n_layer, 1),
+        / max(_delta(g1, g0, "gpu_timed_steps") * n_layer, 1),
         "per_layer_us": per_layer,
         # decode graphs captured inside this run (a batch bucket the warm-up missed): its decode time
         # includes the capture and the Triton compiles

@@ -103,7 +103,8 @@ def main() -> int:
     from powerinfer_ray.kernels.sparse_ffn import sparse_ffn
     from powerinfer_ray.model import gguf_keys as K
     from powerinfer_ray.model.source import mapped_tensor, open_model
-    from powerinfer_ray.runtime.cold import device_view, pin_mapped
+    from powerinfer_ray.runtime.channel import device_view
+    from powerinfer_ray.runtime.cold import pin_mapped
 
     src = open_model(a.model)
     cfg = src.config

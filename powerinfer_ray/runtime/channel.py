@@ -17,7 +17,12 @@ eight neurons to a byte, little bit order: an exchange of n_tok tokens and n_mas
 the first n_tok * ceil(n_mask / 8) bytes as [n_tok, ceil(n_mask / 8)], contiguous (`mask_rows`)):
   0 req_seq   1 resp_seq   2 op   3 layer   4 n_seq   5 n_tok   6 n_mask   7 status
   8 peer_pid  9 (unused)  10 t_start_ns  11 t_end_ns (CLOCK_MONOTONIC, comparable across
-  processes)   16.. slots[B_max]   16+B_max.. start_pos[B_max]
+  processes)  12 failures (answers with status error, ever)  13 busy_ns (the peer's compute, summed)
+  16.. slots[B_max]   16+B_max.. start_pos[B_max]
+A decode step's graph posts and awaits by itself (``graphs.DecodeGraphs``): the GPU writes the
+request's fields and req_seq and polls resp_seq in the page-locked header, and the primary's
+host thread only waits for the step's end (``Exchange.wait_step``), reading failures and
+busy_ns before and after.
 """
 from __future__ import annotations
 
@@ -42,7 +47,9 @@ SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 OP_ATTN, OP_FFN, OP_ATTN_FFN, OP_STOP, OP_PING = 1, 2, 3, 4, 5
 STATUS_OK, STATUS_ERROR = 0, 1
 (_H_REQ, _H_RESP, _H_OP, _H_LAYER, _H_NSEQ, _H_NTOK, _H_NMASK, _H_STATUS, _H_PID, _H_TCOMP,
- _H_TSTART, _H_TEND) = range(12)
+ _H_TSTART, _H_TEND, _H_FAILS, _H_BUSY) = range(14)
+REQUEST_FIELDS = slice(_H_OP, _H_NMASK + 1)  # op, layer, n_seq, n_tok, n_mask
+ABORTED = 1 << 62  # resp_seq when the primary gave up on the peer: every wait for an answer ends
 _HDR_FIXED = 16
 
 
@@ -62,10 +69,13 @@ class _Bell:
             self.cond.notify_all()
 
     def wait(self, ready, timeout_s: float | None, what: str) -> None:  # noqa: ANN001
-        t0 = time.perf_counter()
+        """Until ready(): woken by ring(), and polling from every 100 us (a decode graph posts
+        without ringing) backing off to every 100 ms while nothing comes."""
+        t0, poll = time.perf_counter(), 1e-4
         with self.cond:
             while not ready():
-                self.cond.wait(0.1)
+                self.cond.wait(poll)
+                poll = min(2 * poll, 0.1)
                 if timeout_s is not None and time.perf_counter() - t0 > timeout_s:
                     raise PeerDied(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
@@ -215,6 +225,25 @@ class Channel:
             raise RuntimeError(f"CPU executor failed on layer {int(self.header[_H_LAYER])}; see its log")
         return int(self.header[_H_TSTART]), int(self.header[_H_TEND])
 
+    def abort(self) -> None:
+        """Give up on the peer: every wait for an answer (the GPU's in a decode graph too) ends."""
+        self.header[_H_STATUS] = STATUS_ERROR
+        self.header[_H_RESP] = ABORTED
+
+    @property
+    def aborted(self) -> bool:
+        return int(self.header[_H_RESP]) == ABORTED
+
+    def counters(self) -> tuple[int, int, int]:
+        """(requests posted, failed answers, the peer's compute in ns), all since creation."""
+        h = self.header
+        return int(h[_H_REQ]), int(h[_H_FAILS]), int(h[_H_BUSY])
+
+    def wait(self, ready, timeout_s: float, what: str) -> None:  # noqa: ANN001
+        """Until ready() (the primary's wait for a decode graph, which talks to the peer itself):
+        PeerDied when the peer's process is gone or timeout_s passed."""
+        _wait(ready, timeout_s, 0.05, self._peer_alive, what, max_sleep_s=1e-4)
+
     def _peer_alive(self) -> bool:
         pid = int(self.header[_H_PID])
         if pid <= 0:
@@ -244,9 +273,14 @@ class Channel:
     def respond(self, seq: int, t_start_ns: int, ok: bool = True) -> None:
         """Publish the answer to request ``seq``; ``t_start_ns`` is when the peer saw it."""
         h = self.header
+        if int(h[_H_RESP]) == ABORTED:  # the primary gave up on this channel (``abort``)
+            return
         h[_H_TSTART], h[_H_TEND] = t_start_ns, time.monotonic_ns()
+        h[_H_BUSY] += h[_H_TEND] - t_start_ns
         h[_H_STATUS] = STATUS_OK if ok else STATUS_ERROR
-        self.header[_H_RESP] = seq
+        if not ok:
+            h[_H_FAILS] += 1
+        h[_H_RESP] = seq
         if self.in_process:
             self._bell.ring()
 
@@ -273,6 +307,20 @@ def pin_host(addr: int, nbytes: int, what: str, read_only: bool = False) -> bool
         _clear_cuda_error()
         log.warning("cudaHostRegister of %s failed (error %d): its host copies will not be async", what, err)
     return err == 0
+
+
+def device_view(t: torch.Tensor) -> torch.Tensor:
+    """A CUDA tensor over the same bytes as the page-locked host tensor t (with unified
+    addressing a registered host page's device address is its host address): the GPU reads it
+    over PCIe, nothing is copied."""
+
+    class _Interface:  # what torch.as_tensor reads: the bytes as uint8 rows
+        __cuda_array_interface__ = {"shape": (t.shape[0], t.shape[1] * t.element_size()), "typestr": "|u1",
+                                    "data": (t.data_ptr(), False), "version": 3,
+                                    "strides": (t.stride(0) * t.element_size(), 1)}
+
+    assert t.dim() == 2 and t.stride(1) == 1, "device_view takes row-major matrices"
+    return torch.as_tensor(_Interface(), device="cuda").view(t.dtype)
 
 
 def _clear_cuda_error() -> None:

@@ -35,7 +35,7 @@ from ..kernels.sparse_ffn import sparse_ffn
 from ..kernels.torch_ffn import apply_act_threshold
 from ..model.reference import ffn_activation
 from ..model.source import WeightSource, file_mapping
-from .channel import pin_host
+from .channel import device_view, pin_host
 from .hostmem import host_memory, on_tmpfs
 from .layers import oracle_mask, shard_activation
 from .plan import Plan
@@ -72,20 +72,6 @@ def pin_mapped(views: list[torch.Tensor], what: str, pinned: list[int]) -> bool:
 # segment)
 ZERO_COPY = 0.35
 ZERO_COPY_MIN_BATCH = 8
-
-
-def device_view(t: torch.Tensor) -> torch.Tensor:
-    """A CUDA tensor over the same bytes as the page-locked host tensor t (with unified
-    addressing a registered host page's device address is its host address): the GPU reads it
-    over PCIe, nothing is copied."""
-
-    class _Interface:  # what torch.as_tensor reads: the bytes as uint8 rows
-        __cuda_array_interface__ = {"shape": (t.shape[0], t.shape[1] * t.element_size()), "typestr": "|u1",
-                                    "data": (t.data_ptr(), False), "version": 3,
-                                    "strides": (t.stride(0) * t.element_size(), 1)}
-
-    assert t.dim() == 2 and t.stride(1) == 1, "device_view takes row-major matrices"
-    return torch.as_tensor(_Interface(), device="cuda").view(t.dtype)
 
 
 @dataclass

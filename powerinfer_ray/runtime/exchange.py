@@ -2,8 +2,9 @@
 channel (``channel.py``): stage a layer's inputs in the channel, post the request, await the
 answer, collect the CPU's partial output.
 
-Staging copies are asynchronous on a GPU: the runner makes sure they are done (a stream sync,
-or an event after a graph) before it posts. Both runners of the layer schedule share this.
+Staging copies are asynchronous on a GPU: the eager runner syncs the stream before it posts. A
+decode graph posts and awaits on the GPU itself (``header_on_device``, ``kernels.triton_signal``),
+and the host waits for the step's end (``wait_step``).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import time
 
 import torch
 
-from .channel import OP_STOP, Channel, ChannelSpec
+from .channel import OP_STOP, REQUEST_FIELDS, Channel, ChannelSpec, PeerDied, device_view
 from .stats import ExecStats
 
 _X_DTYPE = {torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -30,6 +31,12 @@ class Exchange:
     @property
     def spec(self) -> ChannelSpec:
         return self.channel.spec
+
+    def header_on_device(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The page-locked header's req_seq [1], resp_seq [1] and request fields [5] (int64) as
+        CUDA tensors over the same bytes, for a decode graph's post and await kernels."""
+        h = device_view(torch.from_numpy(self.channel.header).view(1, -1))[0]
+        return h[0:1], h[1:2], h[REQUEST_FIELDS]
 
     # --- a step's inputs -------------------------------------------------------------------------
     def set_positions(self, slots: list[int], start_pos: list[int]) -> None:
@@ -69,14 +76,36 @@ class Exchange:
         st.layer_s["wait"] += (t_seen - t_post) * 1e-9
         return t_seen
 
+    def wait_step(self, done: torch.cuda.Event) -> tuple[int, int, int]:
+        """Wait for a decode graph (which posts and awaits by itself) to reach ``done``; raise
+        when the CPU executor died, did not answer in timeout_s (then every wait of the graph
+        is ended first: the GPU stops spinning) or failed a layer. Returns the channel's
+        counters' growth (requests, failures, peer ns)."""
+        ch = self.channel
+        before = ch.counters()
+        try:
+            ch.wait(done.query, self.timeout_s, "the CPU executor's answers in a decode step")
+        except PeerDied:
+            while not done.query():  # an answer written late must not restart a wait
+                ch.abort()
+                time.sleep(1e-3)
+            raise
+        grown = tuple(a - b for a, b in zip(ch.counters(), before))
+        if grown[1]:
+            raise RuntimeError(f"CPU executor failed on {grown[1]} of the step's {grown[0]} requests; see its log")
+        return grown
+
     def collect(self, n_tok: int) -> torch.Tensor:
         """The CPU's partial output [N, D] of the last answered request, on the primary's device."""
         return self.channel.out[:n_tok].to(self.device, non_blocking=True)
 
     def stop_peer(self, timeout_s: float = 5.0) -> None:
-        """Ask the CPU executor to stop serving, and wait for it to say so."""
+        """Ask the CPU executor to stop serving, and wait for it to say so (unless the channel
+        was given up on: then no answer can be told from one)."""
         ch = self.channel
-        ch.wait_response(ch.post(OP_STOP, 0, 0, 0, 0), timeout_s=timeout_s)
+        seq = ch.post(OP_STOP, 0, 0, 0, 0)
+        if not ch.aborted:
+            ch.wait_response(seq, timeout_s=timeout_s)
 
     def close(self) -> None:
         self.channel.close(unlink=True)

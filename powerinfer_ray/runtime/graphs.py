@@ -15,18 +15,19 @@ schedule (``schedule.py``) without host syncs or shape changes:
   - with zero-copy (``cold.HostRows``) a share of the CPU shard's active neurons is split off on
     the device too (their bits stay clear in the CPU's mask) and computed by the primary from
     their rows in host memory, while the CPU executor computes the rest.
-``DecodeGraphs`` captures the steps between two exchanges as one graph and replays them. After
-a graph whose copies the CPU executor needs, the host records an event, launches the next graph
-(the GPU's share of the layer), waits for the event and posts the request: CPU and GPU work in
-parallel. On a CPU primary the same steps run eagerly (``schedule.run_eager``): one code path,
-which the CPU tests check against the dense reference.
+``DecodeGraphs`` captures the whole step as one graph, the exchanges included: after the copies
+that stage a request, a kernel posts it in the channel's page-locked header, and where the answer
+is needed a kernel polls the header until the CPU executor has written it (``kernels.triton_signal``).
+The host launches the graph and waits for its end; between the CPU's answer and the GPU's next
+kernel no host thread, launch or poll stands. The GPU computes its share of a layer while the CPU
+computes its own. On a CPU primary the same steps run eagerly (``schedule.run_eager``): one code
+path, which the CPU tests check against the dense reference.
 
 Dimension legend: B sequences (padded to the bucket), D hidden, V vocab.
 """
 from __future__ import annotations
 
 import time
-from functools import partial
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ from ..kernels.linear import linear
 from ..kernels.predictor import active_of, pack_active_bits, packed_views, split_active_packed
 from ..kernels.sparse_ffn import sparse_ffn
 from .activity import ActivityCounts
+from .channel import ABORTED
 from .cold import ColdRows
 from .exchange import Exchange
 from .layers import add_partials, ffn_bytes
@@ -44,7 +46,6 @@ from .stats import ExecStats
 from .weights import PrimaryWeights
 
 GRAPH_POLICIES = ("predictor", "gate-first", "dense")
-SAMPLE = 8  # GPU time of every 8th decode step is measured
 
 
 class GraphCaptureError(RuntimeError):
@@ -187,7 +188,7 @@ class StepSegments:
 
 
 class DecodeGraphs:
-    """The decode step of up to B sequences as captured graphs (CUDA) or eager segments (CPU)."""
+    """The decode step of up to B sequences as one captured graph (CUDA) or eager steps (CPU)."""
 
     def __init__(self, w: PrimaryWeights, exchange: Exchange | None, stats: ExecStats, B: int,
                  activity: ActivityCounts, cold: ColdRows | None = None) -> None:
@@ -197,43 +198,59 @@ class DecodeGraphs:
         self.cuda = w.device.type == "cuda"
         self.seg = StepSegments(w, exchange, B, activity, cold)
         self.items = step_schedule(w.cfg, w.plan, w.policy.name)
-        self.blocks = _blocks(self.items)  # [steps] (one graph each) | Post | Await
-        self.graphs: list[torch.cuda.CUDAGraph] | None = None
-        self.event = torch.cuda.Event() if self.cuda else None
-        # every SAMPLE-th step times each graph replay with CUDA events: the GPU's compute time
-        # per step, without the idle gaps while the CPU executor answers
-        self.timers: list[tuple[torch.cuda.Event, torch.cuda.Event]] | None = None
-        self.n_steps = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if self.cuda:
+            posts = [it for it in self.items if type(it) is Post]
+            self.n_posts = len(posts)
+            # each post's request fields: op, layer, n_seq, n_tok, n_mask
+            self.fields = torch.tensor([[p.op, p.l, B, B, p.n_mask] for p in posts] or [[0] * 5], dtype=torch.int64,
+                                       device=w.device)
+            # the GPU's clock (ns): the step's start, per post (posted, began to wait, saw the answer), its end
+            self.stamps = torch.zeros(2 + 3 * self.n_posts, dtype=torch.int64, device=w.device)
+            self.stamps_host = torch.zeros(2 + 3 * self.n_posts, dtype=torch.int64, pin_memory=True)
+            self.done = torch.cuda.Event()
 
-    def _fns(self, steps: list[Step]) -> list:
-        return [partial(getattr(self.seg, s.op), s) for s in steps]
+    def _record(self, header: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
+        """The whole step on the current stream, posts and awaits included (``header``: req_seq,
+        resp_seq and the request fields, as ``Exchange.header_on_device``)."""
+        from ..kernels import triton_signal as signal
+
+        req, resp, fields = header
+        st = self.stamps
+        signal.stamp(st[0:1])
+        k = -1
+        for it in self.items:
+            if type(it) is Step:
+                getattr(self.seg, it.op)(it)
+            elif type(it) is Post:
+                k += 1
+                signal.post_request(req, fields, self.fields[k], st[1 + 3 * k:])
+            else:
+                signal.await_answer(req, resp, st[2 + 3 * k:])
+        signal.stamp(st[-1:])
+        self.stamps_host.copy_(st, non_blocking=True)
 
     def _capture(self) -> None:
-        """Run every segment once on a side stream (Triton compiles, cuBLAS picks its kernels),
-        then capture each run of steps into its own graph, all in one private memory pool
-        (replayed in capture order, so sharing the pool is safe)."""
-        runs = [self._fns(b) for b in self.blocks if type(b) is list]
+        """Run the step once on a side stream (Triton compiles, cuBLAS picks its kernels), its posts
+        and awaits on a scratch header that answers at once, then capture it as one graph on the
+        channel's header."""
         dev = self.w.device
-        counted = self.seg.act.flat.clone()  # the warm-up run counts nothing: the replay (or eager step) does
+        scratch = torch.zeros(8, dtype=torch.int64, device=dev)
+        scratch[1] = ABORTED  # every await ends at once
+        counted = self.seg.act.flat.clone()  # the warm-up run counts nothing: the replay does
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         try:
             with torch.cuda.stream(side):
-                for fns in runs:
-                    for fn in fns:
-                        fn()
+                self._record((scratch[0:1], scratch[1:2], scratch[2:7]))
         finally:
             torch.cuda.current_stream(dev).wait_stream(side)
             self.seg.act.flat.copy_(counted)
-        pool = torch.cuda.graph_pool_handle()
-        graphs = []
-        for fns in runs:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
-                for fn in fns:
-                    fn()
-            graphs.append(g)
-        self.graphs = graphs
+        header = self.ex.header_on_device() if self.ex is not None else (scratch[0:1], scratch[1:2], scratch[2:7])
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            self._record(header)
+        self.graph = g
 
     def run(self, slots: list[int], tokens: list[int], start_pos: list[int]) -> np.ndarray:
         """One decode step of len(tokens) <= B sequences: logits [len(tokens), V] (float32)."""
@@ -253,8 +270,10 @@ class DecodeGraphs:
         return self.seg.logits_host[:n].numpy().copy()
 
     def _replay(self) -> None:
-        st, dev = self.stats, self.w.device
-        if self.graphs is None:
+        """Launch the step's graph and wait for its end; the critical path's split from the GPU's
+        stamps: ``exchange`` (a post until the GPU saw the answer), ``segment`` (the rest)."""
+        st = self.stats
+        if self.graph is None:
             t_c = time.perf_counter()
             try:
                 self._capture()
@@ -262,54 +281,22 @@ class DecodeGraphs:
                 raise GraphCaptureError(f"{type(e).__name__}: {e}") from e
             st.graph_captures += 1
             st.capture_s += time.perf_counter() - t_c
-        k, pending = 0, None  # pending: a post waiting for the next launch
-        seq = t_post = 0
-        timed = self.n_steps % SAMPLE == 0
-        if timed and self.timers is None:
-            self.timers = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                           for _ in self.graphs]
-        for it in self.blocks:
-            if type(it) is list:
-                t_l = time.monotonic_ns()
-                if timed:
-                    self.timers[k][0].record()
-                self.graphs[k].replay()
-                if timed:
-                    self.timers[k][1].record()
-                st.layer_s["launch"] += (time.monotonic_ns() - t_l) * 1e-9
-                k += 1
-                if pending is not None:
-                    seq, t_post = self._post(pending)
-                    pending = None
-            elif type(it) is Post:
-                self.event.record()
-                pending = it
-            else:
-                if pending is not None:
-                    seq, t_post = self._post(pending)
-                    pending = None
-                self.ex.await_(seq, t_post)
-        torch.cuda.current_stream(dev).synchronize()
-        if timed:
-            st.gpu_compute_s += sum(a.elapsed_time(b) for a, b in self.timers) * 1e-3
-            st.gpu_sampled_steps += 1
-        self.n_steps += 1
-
-    def _post(self, it: Post) -> tuple[int, int]:
         t0 = time.monotonic_ns()
-        self.event.synchronize()  # the graph's copies into the channel are done
-        self.stats.layer_s["gpu_wait"] += (time.monotonic_ns() - t0) * 1e-9
-        return self.ex.post(it.op, it.l, self.B, self.B, it.n_mask)
-
-
-def _blocks(items: list) -> list:
-    """The schedule with each run of consecutive steps (between two exchanges) as one list."""
-    blocks: list = []
-    for it in items:
-        if type(it) is not Step:
-            blocks.append(it)
-        elif blocks and type(blocks[-1]) is list:
-            blocks[-1].append(it)
+        self.graph.replay()
+        self.done.record()
+        st.layer_s["launch"] += (time.monotonic_ns() - t0) * 1e-9
+        if self.ex is not None:
+            n_req, _, peer_ns = self.ex.wait_step(self.done)
+            st.exchanges += n_req
+            st.peer_compute_s += peer_ns * 1e-9
         else:
-            blocks.append([it])
-    return blocks
+            self.done.synchronize()
+        s = self.stamps_host.numpy()
+        posted, waited, seen = s[1:-1:3], s[2:-1:3], s[3:-1:3]
+        exchange, spin, total = int((seen - posted).sum()), int((seen - waited).sum()), int(s[-1] - s[0])
+        st.layer_s["exchange"] += exchange * 1e-9
+        st.layer_s["segment"] += (total - exchange) * 1e-9
+        if self.ex is not None:
+            st.sync_s += (exchange - peer_ns) * 1e-9  # the round trips beyond the peer's compute
+        st.gpu_compute_s += (total - spin) * 1e-9
+        st.gpu_timed_steps += 1

@@ -13,7 +13,7 @@ The step opens with ``embed`` and closes with ``head``.
 Two sets of steps compute it (the same method names): ``eager.EagerStep`` over any shapes
 (prefill chunks, eager decode), ``graphs.StepSegments`` over the fixed shapes of a decode step.
 Two runners run it: ``run_eager`` here (step by step, each request posted once its inputs are
-staged) and ``graphs.DecodeGraphs`` (the steps between two exchanges captured as one CUDA graph).
+staged) and ``graphs.DecodeGraphs`` (the whole decode step as one CUDA graph, exchanges included).
 """
 from __future__ import annotations
 

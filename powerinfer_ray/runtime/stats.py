@@ -24,17 +24,18 @@ class ExecStats:
     # steps): placed on the CPU, so the GPU share of activations counts them with the CPU's
     cold_neurons: int = 0
     host_read_bytes: int = 0  # weight bytes of the CPU shard's rows it read in host memory (zero-copy decode)
-    gpu_compute_s: float = 0.0  # GPU time of the decode graphs (CUDA events), on sampled steps
-    gpu_sampled_steps: int = 0
+    gpu_compute_s: float = 0.0  # GPU time of the decode graphs less their waits for answers (the GPU's clock)
+    gpu_timed_steps: int = 0
     graph_captures: int = 0  # decode graph sets captured (a new batch bucket; Triton compiles included)
     capture_s: float = 0.0  # and the host seconds they took
     kernel_s: float = 0.0  # CPU executor: inside the FFN kernel call (the rest of an answer is Python)
     kernel_bytes: int = 0  # CPU executor: the FFN rows those calls read, as stored (blocks: compressed)
     attn_s: float = 0.0  # CPU executor: in the attention of its KV-head groups
-    # host seconds: attn / ffn of eager steps, wait for the CPU's answers, gpu_wait of graph
-    # steps (for the GPU's segment to finish before a post), launch (inside graph replay calls)
-    layer_s: dict[str, float] = field(default_factory=lambda: {"attn": 0.0, "ffn": 0.0, "wait": 0.0, "gpu_wait": 0.0,
-                                                               "launch": 0.0})
+    # seconds of eager steps (host): attn / ffn, wait (for the CPU's answers); of graph steps:
+    # launch (host, the graph's launch), exchange (GPU clock: from a post until the GPU saw the
+    # answer), segment (GPU clock: the rest of the step)
+    layer_s: dict[str, float] = field(default_factory=lambda: {"attn": 0.0, "ffn": 0.0, "wait": 0.0, "launch": 0.0,
+                                                               "segment": 0.0, "exchange": 0.0})
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)

@@ -16,6 +16,7 @@ from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import write_tiny_model
 from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
 from powerinfer_ray.runtime.plan import Plan
+from powerinfer_ray.runtime.schedule import Post, step_schedule
 
 pytestmark = pytest.mark.gpu
 
@@ -217,7 +218,7 @@ def test_cuda_zero_copy_decode_reads_the_cpu_rows_in_the_file(variant, dtype):
     neuron), the two executors split its decode neurons, and the GPU's read rows are counted."""
     import tempfile
 
-    from powerinfer_ray.runtime.cold import device_view
+    from powerinfer_ray.runtime.channel import device_view
 
     with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
         from pathlib import Path
@@ -252,3 +253,64 @@ def test_cuda_zero_copy_decode_reads_the_cpu_rows_in_the_file(variant, dtype):
     assert runs[1.0][1] > runs[0.5][1]
     x = torch.arange(12, dtype=torch.float16).reshape(3, 4).pin_memory()
     assert torch.equal(device_view(x).cpu(), x)
+
+
+def test_cuda_decode_graph_posts_and_awaits_on_the_gpu(tmp_path):
+    """The decode step is one graph that posts to the CPU executor and waits for its answers by
+    itself: every post is answered once (the CPU executor served exactly the graph's requests),
+    the GPU's clock splits the step into exchanges and the rest, and an exchange (a post until
+    the GPU saw the answer) lasts at least the CPU executor's compute for it."""
+    path, ref, plan = _model_and_plan(tmp_path, "llama-gqa", "split-heads")
+    eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="predictor", device="cuda", prefill_chunk=16,
+                                   max_batch=4, threshold=0.2))
+    try:
+        for slot, p in enumerate(PROMPTS):
+            eng.primary.step([slot], [p], [0])
+        st, cpu = eng.primary.stats, eng.cpu.stats
+        ex0, cpu0, ls0, pc0 = st.exchanges, cpu.exchanges, dict(st.layer_s), st.peer_compute_s
+        pos = [len(p) for p in PROMPTS]
+        for toks in NEXT:
+            eng.primary.step([0, 1, 2], [[t] for t in toks], pos)
+            pos = [q + 1 for q in pos]
+        posts = sum(type(it) is Post for it in step_schedule(ref.cfg, plan, "predictor"))
+        assert posts == 2 * ref.cfg.n_layer  # heads and neurons in every layer
+        assert st.graph_steps == 3 and st.exchanges - ex0 == cpu.exchanges - cpu0 == 3 * posts
+        exchange = st.layer_s["exchange"] - ls0["exchange"]
+        segment = st.layer_s["segment"] - ls0["segment"]
+        assert exchange > 0 and segment > 0
+        assert exchange >= 0.99 * (st.peer_compute_s - pc0)  # the round trips hold the CPU's compute
+        assert 0 < st.gpu_compute_s <= exchange + segment
+    finally:
+        eng.close()
+
+
+def test_cuda_decode_graph_reports_a_failed_or_silent_cpu_executor(tmp_path, monkeypatch):
+    """A CPU executor that fails a layer fails the decode step with its error; one that does not
+    answer within timeout_s ends the graph's waits (the GPU stops spinning) and the step raises
+    PeerDied instead of hanging; the engine still closes."""
+    import time
+
+    from powerinfer_ray.runtime.channel import PeerDied
+    from powerinfer_ray.runtime.cpu_executor import CPUExecutor
+
+    path, ref, plan = _model_and_plan(tmp_path, "llama-reglu", "mixed")
+    for fault, error in (("raise", RuntimeError), ("stall", PeerDied)):
+        eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="predictor", device="cuda", prefill_chunk=16,
+                                       threshold=0.2, timeout_s=2.0))
+        try:
+            eng.primary.step([0], [[5, 6, 7]], [0])
+            eng.primary.step([0], [[8]], [3])  # the graph captured and replayed
+
+            def broken(self, l, n_tok, n_mask):  # noqa: ANN001, ANN202
+                if fault == "raise":
+                    raise ValueError("broken layer")
+                time.sleep(4.0)
+
+            monkeypatch.setattr(CPUExecutor, "_ffn", broken)
+            t0 = time.perf_counter()
+            with pytest.raises(error, match="failed on|timed out"):
+                eng.primary.step([0], [[9]], [4])
+            assert time.perf_counter() - t0 < 30
+            monkeypatch.undo()
+        finally:
+            eng.close()

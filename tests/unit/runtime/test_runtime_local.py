@@ -355,6 +355,46 @@ def test_channel_round_trip_between_threads(x_dtype):
         ch.close(unlink=True)
 
 
+def test_channel_counts_answers_and_abort_ends_every_wait():
+    """The header counts requests, failed answers and the peer's compute (what the primary reads
+    around a decode graph); a request written without the bell (as a decode graph's kernel posts)
+    still reaches an in-process peer; abort() ends waits for good, even against a late answer."""
+    ch = Channel.create(d=4, t_max=2, b_max=1, n_mask=8)
+    peer = Channel.attach(ch.spec)
+    try:
+        def serve(n):
+            seq = 0
+            for i in range(n):
+                seq = peer.wait_request(seq)
+                t0 = time.monotonic_ns()
+                time.sleep(0.01)
+                peer.respond(seq, t0, ok=i != 1)
+
+        th = threading.Thread(target=serve, args=(3,))
+        th.start()
+        before = ch.counters()
+        ch.wait_response(ch.post(OP_FFN, 0, 1, 1, 8), timeout_s=10)
+        with pytest.raises(RuntimeError, match="failed on layer 3"):
+            ch.wait_response(ch.post(OP_FFN, 3, 1, 1, 8), timeout_s=10)
+        ch.header[2:7] = (OP_FFN, 5, 1, 1, 8)  # as the GPU posts: fields, then req_seq, no bell
+        ch.header[0] += 1
+        t0 = time.perf_counter()
+        ch.wait(lambda: int(ch.header[1]) >= int(ch.header[0]), 10.0, "the third answer")
+        assert time.perf_counter() - t0 < 5
+        th.join()
+        req, fails, busy_ns = (a - b for a, b in zip(ch.counters(), before))
+        assert (req, fails) == (3, 1) and 3 * 0.01 <= busy_ns * 1e-9 < 3.0
+        seq = ch.post(OP_FFN, 0, 1, 1, 8)  # never answered
+        ch.abort()
+        assert ch.aborted
+        peer.respond(seq, time.monotonic_ns())  # a late answer does not undo it
+        with pytest.raises(RuntimeError, match="failed"):
+            ch.wait_response(seq + 5, timeout_s=10)
+    finally:
+        peer.close()
+        ch.close(unlink=True)
+
+
 def test_coordinator_stops_and_limits(models):
     path = models["llama-reglu"]
     eng = LocalEngine(EngineConfig(str(path), policy="dense", max_batch=2))
