@@ -140,13 +140,11 @@ loadfile)  # issue 21's load: the pinned-staging GPU test, then the 13B hybrid f
     summary "$OUT"/runtime-13b-${B13}gib-file-load-h200{,-2}.json | cut -c1-400
     ;;
 segment)  # issue 21's GPU segment (attention + predictor, ~155 us a layer against ~70 at HBM speed): the
-    # kernels of 4 decode layers of the 13B shape under torch.profiler, eager (each kernel apart) and in
-    # graphs (the step's time), predictor policy with half the FFN rows on the GPU
-    for g in --no-graphs ""; do
-        echo "== profile_step $g" >> "$log"
-        timeout -s INT 200 python bench/profile_step.py -m "planted:llama2-13b?dtype=f16&layers=4" --policy predictor \
-            --gpu-fraction 0.5 -t "$THREADS" --rows 40 $g >> "$log" 2>&1
-    done
+    # kernels of 4 decode layers of the 13B shape under torch.profiler in the step's graphs, predictor
+    # policy with half the FFN rows on the GPU; the kernels' timeline as a Chrome trace (gzip)
+    echo "== profile_step" >> "$log"
+    timeout -s INT 200 python bench/profile_step.py -m "planted:llama2-13b?dtype=f16&layers=4" --policy predictor \
+        --gpu-fraction 0.5 -t "$THREADS" --rows 40 --trace "$OUT/segment-trace.json.gz" >> "$log" 2>&1
     grep -E "decode step|Self CUDA time total" "$log"
     ;;
 zerocopy)  # issue 21: can the GPU read some of the cold rows straight from the file's pages over PCIe
@@ -192,15 +190,15 @@ b1)  # the 13B hybrid from its file at batch 1, twice (the headline's engine wit
     done
     grep -E "tok/s" "$log" | sed -E 's/VRAM.*//' | cut -c1-600
     ;;
-ab)  # TEMPORARY: the GPU-driven exchange (A) against the host's posts (B, POWERINFER_AB_HOST_POSTS=1), 13B file, batch 1, ABAB
+ab)  # TEMPORARY: the step's graph in chunks (A) against one graph (B, POWERINFER_AB_ONE_GRAPH=1), 13B file, batch 1, ABAB
     write_file "$M13" 200 || exit 0
     for i in 1 2; do
-        suite runtime-13b-${B13}gib-file-b1-gpuposts-h200-$i 90 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+        suite runtime-13b-${B13}gib-file-b1-chunks-h200-$i 90 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
             --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS"
-        export POWERINFER_AB_HOST_POSTS=1
-        suite runtime-13b-${B13}gib-file-b1-hostposts-h200-$i 90 -m "$M13" --as-file "$SHM" \
+        export POWERINFER_AB_ONE_GRAPH=1
+        suite runtime-13b-${B13}gib-file-b1-onegraph-h200-$i 90 -m "$M13" --as-file "$SHM" \
             --vram-budget "$B13" --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS"
-        unset POWERINFER_AB_HOST_POSTS
+        unset POWERINFER_AB_ONE_GRAPH
     done
     grep -E "tok/s" "$log" | sed -E 's/VRAM.*//' | cut -c1-600
     ;;

@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--prefill", action="store_true", help="profile a 64-token prefill instead of decode steps")
     ap.add_argument("--no-graphs", action="store_true", help="eager decode steps (no CUDA graphs)")
+    ap.add_argument("--trace", help="also write the profile as a Chrome trace (gzip) to this path")
     a = ap.parse_args()
     cfg = open_model(a.model).config
     kw = dict(gpu_fraction=a.gpu_fraction) if a.gpu_fraction is not None else dict(plan=Plan.all_gpu(cfg))
@@ -58,6 +59,16 @@ def main() -> None:
         else:
             for i in range(5):
                 p.step([0], [[5]], [100 + i])
+    if a.trace:
+        import gzip
+        import os
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
+            prof.export_chrome_trace(fh.name)
+        with open(fh.name, "rb") as src, gzip.open(a.trace, "wb") as dst:
+            dst.write(src.read())
+        os.unlink(fh.name)
     sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=a.rows))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=a.rows))

@@ -76,13 +76,12 @@ class Exchange:
         st.layer_s["wait"] += (t_seen - t_post) * 1e-9
         return t_seen
 
-    def wait_step(self, done: torch.cuda.Event) -> tuple[int, int, int]:
+    def wait_step(self, done: torch.cuda.Event, before: tuple[int, int, int]) -> tuple[int, int, int]:
         """Wait for a decode graph (which posts and awaits by itself) to reach ``done``; raise
         when the CPU executor died, did not answer in timeout_s (then every wait of the graph
-        is ended first: the GPU stops spinning) or failed a layer. Returns the channel's
-        counters' growth (requests, failures, peer ns)."""
+        is ended first: the GPU stops spinning) or failed a layer. Returns the growth of the
+        channel's counters (requests, failures, peer ns) since ``before`` (read before the launch)."""
         ch = self.channel
-        before = ch.counters()
         try:
             ch.wait(done.query, self.timeout_s, "the CPU executor's answers in a decode step")
         except PeerDied:

@@ -46,6 +46,7 @@ from .stats import ExecStats
 from .weights import PrimaryWeights
 
 GRAPH_POLICIES = ("predictor", "gate-first", "dense")
+CHUNK_STARTS = (1, 4, 16)  # layers that begin a new graph of the step (``_chunks``)
 
 
 class GraphCaptureError(RuntimeError):
@@ -198,7 +199,8 @@ class DecodeGraphs:
         self.cuda = w.device.type == "cuda"
         self.seg = StepSegments(w, exchange, B, activity, cold)
         self.items = step_schedule(w.cfg, w.plan, w.policy.name)
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.chunks = _chunks(self.items)
+        self.graphs: list[torch.cuda.CUDAGraph] | None = None
         if self.cuda:
             posts = [it for it in self.items if type(it) is Post]
             self.n_posts = len(posts)
@@ -210,25 +212,38 @@ class DecodeGraphs:
             self.stamps_host = torch.zeros(2 + 3 * self.n_posts, dtype=torch.int64, pin_memory=True)
             self.done = torch.cuda.Event()
 
-    def _record(self, header: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
-        """The whole step on the current stream, posts and awaits included (``header``: req_seq,
-        resp_seq and the request fields, as ``Exchange.header_on_device``)."""
+    def _record(self, c: int, k: int, header: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> int:
+        """Chunk c of the step on the current stream, posts and awaits included (``header``:
+        req_seq, resp_seq and the request fields, as ``Exchange.header_on_device``); k: the
+        number of posts before it. Returns the number after it."""
         from ..kernels import triton_signal as signal
 
         req, resp, fields = header
         st = self.stamps
-        signal.stamp(st[0:1])
-        k = -1
-        for it in self.items:
+        if c == 0:
+            signal.stamp(st[0:1])
+        for it in self.chunks[c]:
             if type(it) is Step:
                 getattr(self.seg, it.op)(it)
             elif type(it) is Post:
-                k += 1
                 signal.post_request(req, fields, self.fields[k], st[1 + 3 * k:])
+                k += 1
             else:
-                signal.await_answer(req, resp, st[2 + 3 * k:])
-        signal.stamp(st[-1:])
-        self.stamps_host.copy_(st, non_blocking=True)
+                signal.await_answer(req, resp, st[2 + 3 * (k - 1):])
+        if c == len(self.chunks) - 1:
+            signal.stamp(st[-1:])
+            self.stamps_host.copy_(st, non_blocking=True)
+        return k
+
+    def _record_all(self, header: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list[torch.cuda.CUDAGraph]:
+        """The step as one graph per chunk, in one memory pool (replayed in capture order)."""
+        pool, graphs, k = torch.cuda.graph_pool_handle(), [], 0
+        for c in range(len(self.chunks)):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+                k = self._record(c, k, header)
+            graphs.append(g)
+        return graphs
 
     def _capture(self) -> None:
         """Run the step once on a side stream (Triton compiles, cuBLAS picks its kernels), its posts
@@ -240,17 +255,16 @@ class DecodeGraphs:
         counted = self.seg.act.flat.clone()  # the warm-up run counts nothing: the replay does
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
+        warm = (scratch[0:1], scratch[1:2], scratch[2:7])
         try:
             with torch.cuda.stream(side):
-                self._record((scratch[0:1], scratch[1:2], scratch[2:7]))
+                k = 0
+                for c in range(len(self.chunks)):
+                    k = self._record(c, k, warm)
         finally:
             torch.cuda.current_stream(dev).wait_stream(side)
             self.seg.act.flat.copy_(counted)
-        header = self.ex.header_on_device() if self.ex is not None else (scratch[0:1], scratch[1:2], scratch[2:7])
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, capture_error_mode="thread_local"):
-            self._record(header)
-        self.graph = g
+        self.graphs = self._record_all(self.ex.header_on_device() if self.ex is not None else warm)
 
     def run(self, slots: list[int], tokens: list[int], start_pos: list[int]) -> np.ndarray:
         """One decode step of len(tokens) <= B sequences: logits [len(tokens), V] (float32)."""
@@ -273,7 +287,7 @@ class DecodeGraphs:
         """Launch the step's graph and wait for its end; the critical path's split from the GPU's
         stamps: ``exchange`` (a post until the GPU saw the answer), ``segment`` (the rest)."""
         st = self.stats
-        if self.graph is None:
+        if self.graphs is None:
             t_c = time.perf_counter()
             try:
                 self._capture()
@@ -281,12 +295,14 @@ class DecodeGraphs:
                 raise GraphCaptureError(f"{type(e).__name__}: {e}") from e
             st.graph_captures += 1
             st.capture_s += time.perf_counter() - t_c
+        before = self.ex.channel.counters() if self.ex is not None else None
         t0 = time.monotonic_ns()
-        self.graph.replay()
+        for g in self.graphs:
+            g.replay()
         self.done.record()
         st.layer_s["launch"] += (time.monotonic_ns() - t0) * 1e-9
         if self.ex is not None:
-            n_req, _, peer_ns = self.ex.wait_step(self.done)
+            n_req, _, peer_ns = self.ex.wait_step(self.done, before)
             st.exchanges += n_req
             st.peer_compute_s += peer_ns * 1e-9
         else:
@@ -300,3 +316,17 @@ class DecodeGraphs:
             st.sync_s += (exchange - peer_ns) * 1e-9  # the round trips beyond the peer's compute
         st.gpu_compute_s += (total - spin) * 1e-9
         st.gpu_timed_steps += 1
+
+
+def _chunks(items: list) -> list[list]:
+    """The step's items in chunks, one graph each, that start with layers 0, 1, 4, 16 (and the
+    last with the head): a graph's launch takes host time in proportion to its kernels, and the
+    GPU starts a graph once it is launched, so the first graph is short, and each next one is
+    launched while the GPU computes the ones before it."""
+    chunks: list[list] = [[]]
+    for it in items:
+        import os  # TEMPORARY: the A/B of the chunks
+        if type(it) is Step and it.op == "attn_in" and it.l in (() if os.environ.get("POWERINFER_AB_ONE_GRAPH") == "1" else CHUNK_STARTS):
+            chunks.append([])
+        chunks[-1].append(it)
+    return [c for c in chunks if c]
