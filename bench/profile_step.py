@@ -69,6 +69,7 @@ def main() -> None:
         with open(fh.name, "rb") as src, gzip.open(a.trace, "wb") as dst:
             dst.write(src.read())
         os.unlink(fh.name)
+        print(segment_timeline(a.trace))
     sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=a.rows))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=a.rows))
@@ -76,6 +77,44 @@ def main() -> None:
         print("cpu executor:", e.cpu.stats.as_dict())
     print("primary:", p.stats.as_dict())
     e.close()
+
+
+def segment_timeline(trace: str) -> str:
+    """The GPU's work between seeing the CPU executor's answer and posting the next request (the
+    step's critical path on the GPU), from a Chrome trace of decode graphs: per position in the
+    segment, the op and the medians over the segments of its gap before it and its duration (us)."""
+    import gzip
+    import json
+
+    import numpy as np
+
+    ev = json.load(gzip.open(trace))
+    ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+    gpu = sorted((e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e),
+                 key=lambda e: e["ts"])
+    segs, cur = [], None
+    for e in gpu:
+        if e["name"].startswith("_await_kernel"):
+            cur = [e]
+        elif cur is not None:
+            cur.append(e)
+            if e["name"].startswith("_post_kernel"):
+                segs.append(cur)
+                cur = None
+    if not segs:
+        return "no segment between an await and a post in the trace"
+    n = min(len(s) for s in segs)
+    segs = [s for s in segs if len(s) == n]  # segments of the same shape
+    lines = [f"segment timeline: {len(segs)} segments of {n - 1} ops after the await (medians, us)",
+             f"{'op':60s} {'gap':>7s} {'dur':>7s}"]
+    for i in range(1, n):
+        gap = np.median([s[i]["ts"] - (s[i - 1]["ts"] + s[i - 1]["dur"]) for s in segs])
+        dur = np.median([s[i]["dur"] for s in segs])
+        lines.append(f"{segs[0][i]['name'][:60]:60s} {gap:7.1f} {dur:7.1f}")
+    total = np.median([s[-1]["ts"] + s[-1]["dur"] - (s[0]["ts"] + s[0]["dur"]) for s in segs])
+    busy = np.median([sum(e["dur"] for e in s[1:]) for s in segs])
+    lines.append(f"segment {total:.1f} us: ops {busy:.1f}, gaps {total - busy:.1f}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
