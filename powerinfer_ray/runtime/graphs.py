@@ -28,6 +28,7 @@ Dimension legend: B sequences (padded to the bucket), D hidden, V vocab.
 from __future__ import annotations
 
 import time
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -39,11 +40,11 @@ from ..kernels.sparse_ffn import sparse_ffn
 from .activity import ActivityCounts
 from .channel import ABORTED
 from .cold import ColdRows
-from .exchange import Exchange
+from .exchange import ChannelBuffers, Exchange
 from .layers import add_partials, ffn_bytes
 from .schedule import Post, Step, run_eager, step_schedule
 from .stats import ExecStats
-from .weights import PrimaryWeights
+from .weights import Norm, PrimaryWeights
 
 GRAPH_POLICIES = ("predictor", "gate-first", "dense")
 CHUNK_STARTS = (1, 4, 16)  # layers that begin a new graph of the step (``_chunks``)
@@ -74,6 +75,9 @@ class StepSegments:
         self.a = self.f = self.f_host = self.x_a = self.x_f = self.logits = None
         self.g_part: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.h_part: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # zero-copy's
+        # partial outputs not yet in h, with their bias: added by the next step that reads h (a
+        # norm adds them in its own kernel)
+        self.pending: tuple[list[torch.Tensor | None], torch.Tensor | None] | None = None
         share = cold.share(B) if cold is not None and exchange is not None and w.policy.name == "predictor" else 0.0
         self.host = [cold.host_rows(l, share) if len(lp.cpu_neurons) else None for l, lp in enumerate(w.plan.layers)]
         # per step, policy 'dense': every GPU row for every token
@@ -101,11 +105,36 @@ class StepSegments:
             self.cos, self.sin = w.rope_cos[pos], w.rope_sin[pos]  # [B, n_rot/2]
         self.counts.zero_()
 
+    @cached_property
+    def ch(self) -> ChannelBuffers:
+        """The channel as this device's kernels address it (read at the first use: on CUDA inside
+        the capture, whose failure falls back to eager steps)."""
+        return self.ex.buffers()
+
+    def _residual(self, pair: Norm | None = None) -> torch.Tensor | None:
+        """h += the pending partial outputs and bias; with a norm, returns the norm of h."""
+        parts, bias = self.pending or ([], None)
+        self.pending = None
+        parts = [p for p in parts if p is not None]
+        if pair is not None:
+            return self.w.add_norm(self.h, parts, bias, pair)
+        if parts or bias is not None:
+            add_partials(self.h, parts + [bias])
+        return None
+
+    def _stage(self, x: torch.Tensor, dst: torch.Tensor) -> None:
+        """x [B, D] into the channel (host memory): by a kernel on CUDA (no copy engine in the graph)."""
+        if x.is_cuda:
+            from ..kernels.triton_signal import store_rows
+            store_rows(x.contiguous(), dst)
+        else:
+            dst.copy_(x)
+
     def attn_in(self, s: Step) -> None:
-        self.x_a = self.w.norm(self.h, self.w.layers[s.l].norm_attn)
+        self.x_a = self._residual(self.w.layers[s.l].norm_attn)
 
     def stage_attn(self, s: Step) -> None:
-        self.ex.stage_attn(self.x_a)
+        self._stage(self.x_a, self.ch.x_attn[:self.B])
 
     def attention(self, s: Step) -> None:
         cfg, sh = self.w.cfg, self.w.layers[s.l].attn
@@ -116,13 +145,12 @@ class StepSegments:
                                          cfg.rot_dims, qtype=sh.qtype)
 
     def attn_out(self, s: Step) -> None:
-        cpu = self.ex.collect(self.B) if s.cpu else None
-        add_partials(self.h, [self.a, cpu], self.w.layers[s.l].attn_bias)
+        self.pending = ([self.a, self.ch.out[:self.B] if s.cpu else None], self.w.layers[s.l].attn_bias)
 
     def ffn_in(self, s: Step) -> None:
         """FFN norm, and the predictor's split: the GPU's active rows packed on the device."""
         w, lw = self.w, self.w.layers[s.l]
-        self.x_f = w.norm(self.h, lw.norm_ffn) if lw.norm_ffn else self.x_a
+        self.x_f = self._residual(lw.norm_ffn) if lw.norm_ffn else self._residual() or self.x_a
         self.g_part = self.h_part = self.logits = None
         if w.policy.name == "gate-first" and self.B > 1:  # padding rows: a zero x passes no threshold here
             self.x_f = self.x_f.masked_fill(self.inp[3, :, None] == 0, 0.0)  # or on the CPU executor
@@ -144,13 +172,13 @@ class StepSegments:
             self.h_part = packed_views(part)
 
     def stage_ffn(self, s: Step) -> None:
-        self.ex.stage_ffn(self.x_f)
+        self._stage(self.x_f, self.ch.x_ffn[:self.B])
         if self.logits is not None:
             ng = self.w.layers[s.l].ffn.n
+            nb = (self.logits.shape[1] - ng + 7) // 8
             hr = self.host[s.l]  # the neurons computed here stay clear
-            packed = pack_active_bits(self.logits, self.w.policy.threshold, ng,
-                                      skip=None if hr is None else hr.mine)  # [B, ceil(n_cpu/8)], one kernel
-            self.ex.stage_mask(packed, self.logits.shape[1] - ng)
+            pack_active_bits(self.logits, self.w.policy.threshold, ng, skip=None if hr is None else hr.mine,
+                             out=self.ch.mask[:self.B * nb].view(self.B, nb))  # one kernel, into the channel
 
     def ffn(self, s: Step) -> None:
         w, sh = self.w, self.w.layers[s.l].ffn
@@ -180,10 +208,10 @@ class StepSegments:
 
     def ffn_out(self, s: Step) -> None:
         a = self.a if self.w.cfg.parallel_attn else None
-        cpu = self.ex.collect(self.B) if s.cpu else None
-        add_partials(self.h, [a, self.f, self.f_host, cpu], self.w.layers[s.l].ffn_bias)
+        self.pending = ([a, self.f, self.f_host, self.ch.out[:self.B] if s.cpu else None], self.w.layers[s.l].ffn_bias)
 
     def head(self, s: Step) -> None:
+        self._residual()
         self.logits_host.copy_(self.w.head(self.h), non_blocking=True)  # [B, V]
         self.counts_host.copy_(self.counts, non_blocking=True)
 
@@ -214,7 +242,7 @@ class DecodeGraphs:
 
     def _record(self, c: int, k: int, header: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> int:
         """Chunk c of the step on the current stream, posts and awaits included (``header``:
-        req_seq, resp_seq and the request fields, as ``Exchange.header_on_device``); k: the
+        req_seq, resp_seq and the request fields, as in ``Exchange.buffers``); k: the
         number of posts before it. Returns the number after it."""
         from ..kernels import triton_signal as signal
 
@@ -247,8 +275,8 @@ class DecodeGraphs:
 
     def _capture(self) -> None:
         """Run the step once on a side stream (Triton compiles, cuBLAS picks its kernels), its posts
-        and awaits on a scratch header that answers at once, then capture it as one graph on the
-        channel's header."""
+        and awaits on a scratch header that answers at once, then capture its chunks' graphs on
+        the channel's header."""
         dev = self.w.device
         scratch = torch.zeros(8, dtype=torch.int64, device=dev)
         scratch[1] = ABORTED  # every await ends at once
@@ -264,7 +292,8 @@ class DecodeGraphs:
         finally:
             torch.cuda.current_stream(dev).wait_stream(side)
             self.seg.act.flat.copy_(counted)
-        self.graphs = self._record_all(self.ex.header_on_device() if self.ex is not None else warm)
+        self.graphs = self._record_all((self.seg.ch.req, self.seg.ch.resp, self.seg.ch.fields)
+                                       if self.ex is not None else warm)
 
     def run(self, slots: list[int], tokens: list[int], start_pos: list[int]) -> np.ndarray:
         """One decode step of len(tokens) <= B sequences: logits [len(tokens), V] (float32)."""
@@ -325,8 +354,7 @@ def _chunks(items: list) -> list[list]:
     launched while the GPU computes the ones before it."""
     chunks: list[list] = [[]]
     for it in items:
-        import os  # TEMPORARY: the A/B of the chunks
-        if type(it) is Step and it.op == "attn_in" and it.l in (() if os.environ.get("POWERINFER_AB_ONE_GRAPH") == "1" else CHUNK_STARTS):
+        if type(it) is Step and it.op == "attn_in" and it.l in CHUNK_STARTS:
             chunks.append([])
         chunks[-1].append(it)
     return [c for c in chunks if c]

@@ -171,12 +171,8 @@ class PrimaryExecutor:
         bucket = min(1 << (len(tokens) - 1).bit_length(), self.weights.slots)
         g = self.graphs.get(bucket)
         if g is None:
-            import os  # TEMPORARY: the A/B of the GPU-driven exchange
-            if os.environ.get("POWERINFER_AB_HOST_POSTS") == "1":
-                from ._ab_hostposts import HostPostGraphs as cls
-            else:
-                cls = DecodeGraphs
-            g = self.graphs[bucket] = cls(self.weights, self.exchange, self.stats, bucket, self.activity, self.cold)
+            g = self.graphs[bucket] = DecodeGraphs(self.weights, self.exchange, self.stats, bucket, self.activity,
+                                                   self.cold)
         try:
             return g.run(list(slots), [t[0] for t in tokens], list(start_pos))
         except GraphCaptureError as e:  # before any exchange or replay: the eager step is safe

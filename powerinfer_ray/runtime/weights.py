@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..kernels.linear import linear
-from ..kernels.norm import rms_norm_cast
+from ..kernels.norm import add_rms_norm, rms_norm_cast
 from ..kernels.predictor import predictor_logits
 from ..kernels.quant import dequantize
 from ..model import gguf_keys as K
@@ -139,6 +139,16 @@ class PrimaryWeights:
         if self.cfg.norm == "rms":
             return rms_norm_cast(x, pair[0], self.cfg.norm_eps, self.dtype)
         return layer_norm(x, pair[0], pair[1], self.cfg.norm_eps).to(self.dtype)
+
+    def add_norm(self, h: torch.Tensor, parts: list[torch.Tensor], bias: torch.Tensor | None,
+                 pair: Norm) -> torch.Tensor:
+        """h += each part [N, D] and bias (in place, in that order), then ``norm`` of h (RMS: one
+        kernel on CUDA, the adds included)."""
+        if self.cfg.norm == "rms":
+            return add_rms_norm(h, parts, bias, pair[0], self.cfg.norm_eps, self.dtype)
+        for p in parts + ([bias] if bias is not None else []):
+            h += p
+        return self.norm(h, pair)
 
     def embed(self, tok: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
         """The residual stream's start [N, D] (fp32) for tokens tok [N] (at positions pos [N]

@@ -132,6 +132,8 @@ def test_triton_pack_bits_matches_torch():
         bits = torch.from_numpy(np.unpackbits(got.numpy(), axis=1, count=n, bitorder="little").astype(bool))
         assert torch.equal(bits, (logits[:, col0:col0 + n].float() >= 0.1) & ~skip)
         assert torch.equal(got, pack_active_bits(logits, 0.1, col0, n, backend="torch", skip=skip))
+        out = torch.full((T, (n + 7) // 8), 0xAA, dtype=torch.uint8)  # into a given buffer (the channel's)
+        assert triton_split.pack_bits(logits, 0.1, col0, n, skip, by=16, out=out) is out and torch.equal(out, got)
 
 
 def test_triton_sparse_ffn_over_max_t_tokens_runs_in_blocks():
@@ -304,6 +306,34 @@ def test_triton_rms_norm_matches_float64():
     for dtype in (torch.float16, torch.float32):
         y = rms_norm_triton(x, w, 1e-5, dtype)
         assert y.dtype == dtype and rel_err(y, want) < TOL[dtype]
+
+
+def test_triton_add_rms_norm_matches_float64():
+    """The partial outputs (0 to 4, fp16 and fp32) and the bias added to the fp32 residual in place,
+    then its norm, in one program a row: against the float64 sum and norm."""
+    from powerinfer_ray.kernels.norm import rms_norm_ref
+    from powerinfer_ray.kernels.triton_norm import add_rms_norm_triton
+
+    gen = torch.Generator().manual_seed(22)
+    w = torch.rand(200, generator=gen) + 0.5
+    for n_parts, bias in ((0, True), (1, False), (4, True)):
+        h = torch.randn(3, 200, generator=gen) * 3
+        parts = [torch.randn(3, 200, generator=gen).to(torch.float16 if i % 2 else torch.float32)
+                 for i in range(n_parts)]
+        b = torch.randn(200, generator=gen) if bias else None
+        want_h = h.double() + sum(p.double() for p in parts) + (b.double() if bias else 0)
+        y = add_rms_norm_triton(h, parts, b, w, 1e-5, torch.float16)
+        assert rel_err(h, want_h) < 1e-6
+        assert y.dtype == torch.float16 and rel_err(y, rms_norm_ref(want_h, w, 1e-5)) < TOL[torch.float16]
+
+
+def test_triton_store_rows_copies_exactly():
+    from powerinfer_ray.kernels.triton_signal import store_rows
+
+    x = torch.randn(3, 5000, generator=torch.Generator().manual_seed(23)).half()  # two programs, a ragged end
+    dst = torch.zeros(3, 5000, dtype=torch.float16)
+    store_rows(x, dst)
+    assert torch.equal(dst, x)
 
 
 @pytest.mark.parametrize("style, n_rot", [("norm", 32), ("neox", 32), ("neox", 16), (None, 32)])
