@@ -47,7 +47,9 @@ from .stats import ExecStats
 from .weights import Norm, PrimaryWeights
 
 GRAPH_POLICIES = ("predictor", "gate-first", "dense")
-CHUNK_STARTS = (1, 4, 16)  # layers that begin a new graph of the step (``_chunks``)
+CHUNK_STARTS = (1, 4, 16)
+import os  # noqa: E402  TEMPORARY A/B
+_AB_COPIES = os.environ.get("POWERINFER_AB_COPIES") == "1"  # layers that begin a new graph of the step (``_chunks``)
 
 
 class GraphCaptureError(RuntimeError):
@@ -111,6 +113,11 @@ class StepSegments:
         the capture, whose failure falls back to eager steps)."""
         return self.ex.buffers()
 
+    def _out(self) -> torch.Tensor:
+        if _AB_COPIES and self.w.device.type == "cuda":  # TEMPORARY A/B
+            return self.ex.collect(self.B)
+        return self.ch.out[:self.B]
+
     def _residual(self, pair: Norm | None = None) -> torch.Tensor | None:
         """h += the pending partial outputs and bias; with a norm, returns the norm of h."""
         parts, bias = self.pending or ([], None)
@@ -124,6 +131,9 @@ class StepSegments:
 
     def _stage(self, x: torch.Tensor, dst: torch.Tensor) -> None:
         """x [B, D] into the channel (host memory): by a kernel on CUDA (no copy engine in the graph)."""
+        if _AB_COPIES and x.is_cuda:  # TEMPORARY A/B
+            (self.ex.channel.x_attn if dst.data_ptr() == self.ch.x_attn.data_ptr() else self.ex.channel.x_ffn)[:self.B].copy_(x, non_blocking=True)
+            return
         if x.is_cuda:
             from ..kernels.triton_signal import store_rows
             store_rows(x.contiguous(), dst)
@@ -145,7 +155,7 @@ class StepSegments:
                                          cfg.rot_dims, qtype=sh.qtype)
 
     def attn_out(self, s: Step) -> None:
-        self.pending = ([self.a, self.ch.out[:self.B] if s.cpu else None], self.w.layers[s.l].attn_bias)
+        self.pending = ([self.a, self._out() if s.cpu else None], self.w.layers[s.l].attn_bias)
 
     def ffn_in(self, s: Step) -> None:
         """FFN norm, and the predictor's split: the GPU's active rows packed on the device."""
@@ -177,6 +187,9 @@ class StepSegments:
             ng = self.w.layers[s.l].ffn.n
             nb = (self.logits.shape[1] - ng + 7) // 8
             hr = self.host[s.l]  # the neurons computed here stay clear
+            if _AB_COPIES and self.logits.is_cuda:  # TEMPORARY A/B
+                self.ex.stage_mask(pack_active_bits(self.logits, self.w.policy.threshold, ng, skip=None if hr is None else hr.mine), self.logits.shape[1] - ng)
+                return
             pack_active_bits(self.logits, self.w.policy.threshold, ng, skip=None if hr is None else hr.mine,
                              out=self.ch.mask[:self.B * nb].view(self.B, nb))  # one kernel, into the channel
 
@@ -208,7 +221,7 @@ class StepSegments:
 
     def ffn_out(self, s: Step) -> None:
         a = self.a if self.w.cfg.parallel_attn else None
-        self.pending = ([a, self.f, self.f_host, self.ch.out[:self.B] if s.cpu else None], self.w.layers[s.l].ffn_bias)
+        self.pending = ([a, self.f, self.f_host, self._out() if s.cpu else None], self.w.layers[s.l].ffn_bias)
 
     def head(self, s: Step) -> None:
         self._residual()
