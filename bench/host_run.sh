@@ -192,7 +192,7 @@ b1)  # the 13B hybrid from its file at batch 1, twice (the headline's engine wit
     ;;
 ab)  # TEMPORARY: the GPU's own stores and reads of the channel (A) against copy-engine copies (B, POWERINFER_AB_COPIES=1), 13B file, batch 1, ABAB
     write_file "$M13" 200 || exit 0
-    for i in 1 2; do
+    for i in $(seq 1 ${AB_ROUNDS:-2}); do
         suite runtime-13b-${B13}gib-file-b1-stores-h200-$i 60 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
             --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS"
         export POWERINFER_AB_COPIES=1
