@@ -9,7 +9,7 @@
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|ab|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain"
+stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -139,7 +139,7 @@ loadfile)  # issue 21's load: the pinned-staging GPU test, then the 13B hybrid f
         --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS"
     summary "$OUT"/runtime-13b-${B13}gib-file-load-h200{,-2}.json | cut -c1-400
     ;;
-segment)  # issue 21's GPU segment (attention + predictor, ~155 us a layer against ~70 at HBM speed): the
+segment)  # issue 21's GPU segment (attention + predictor, ~148 us a layer against ~70 at HBM speed): the
     # kernels of 4 decode layers of the 13B shape under torch.profiler in the step's graphs, predictor
     # policy with half the FFN rows on the GPU; the kernels' timeline as a Chrome trace (gzip)
     echo "== profile_step" >> "$log"
@@ -189,18 +189,6 @@ b1)  # the 13B hybrid from its file at batch 1, twice (the headline's engine wit
             --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS"
     done
     grep -E "tok/s" "$log" | sed -E 's/VRAM.*//' | cut -c1-600
-    ;;
-ab)  # TEMPORARY: the GPU's own stores and reads of the channel (A) against copy-engine copies (B, POWERINFER_AB_COPIES=1), 13B file, batch 1, ABAB
-    write_file "$M13" 200 || exit 0
-    for i in $(seq 1 ${AB_ROUNDS:-2}); do
-        suite runtime-13b-${B13}gib-file-b1-stores-h200-$i 60 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
-            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS"
-        export POWERINFER_AB_COPIES=1
-        suite runtime-13b-${B13}gib-file-b1-copies-h200-$i 60 -m "$M13" --as-file "$SHM" \
-            --vram-budget "$B13" --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS"
-        unset POWERINFER_AB_COPIES
-    done
-    grep -E "tok/s" "$log" | sed -E 's/, layer .*//' | cut -c1-400
     ;;
 b32)  # batch 32 (the CPU's per-token path) and long prompts
     suite runtime-13b-16gib-b32-h200 300 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload \

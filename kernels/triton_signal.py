@@ -1,9 +1,7 @@
 """Triton kernels with which a captured CUDA graph talks to a process on the host through
-page-locked memory (`post_request`, `await_answer`, `stamp`, `store_rows`): the GPU reads and
-writes the host's flags and data over PCIe itself, so a decode step with exchanges is one graph
-and no host thread stands between an answer and the next kernel. `store_rows` writes a few rows
-into host memory from the SMs: in a graph a kernel node costs less than a copy engine's memcpy
-node (bench/results/segment-timeline-13b-h200.txt: ~7 us with its gap).
+page-locked memory (`signal.post_request`, `signal.await_answer`, `signal.stamp`): the GPU
+reads and writes the host's flags over PCIe itself, so a decode step with exchanges is one graph
+and no host thread stands between an answer and the next kernel.
 
 Each kernel is one program of one warp. Host memory is addressed through its device view (with
 unified addressing a registered page's device address is its host address). Ordering: the
@@ -76,17 +74,3 @@ def await_answer(req: torch.Tensor, resp: torch.Tensor, stamp: torch.Tensor) -> 
 def stamp(out: torch.Tensor) -> None:
     """out[0] = the GPU's global timer (int64 ns) when the stream reaches this kernel."""
     _stamp_kernel[(1,)](out, num_warps=1)
-
-
-@triton.jit
-def _store_rows_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
-
-
-def store_rows(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """dst[:] = src (contiguous, same dtype and size; dst typically host memory seen through a
-    device view)."""
-    assert src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype and src.numel() == dst.numel()
-    n = src.numel()
-    _store_rows_kernel[(triton.cdiv(n, 4096),)](src, dst, n, BLOCK=4096, num_warps=4)

@@ -3,13 +3,12 @@ channel (``channel.py``): stage a layer's inputs in the channel, post the reques
 answer, collect the CPU's partial output.
 
 Staging copies are asynchronous on a GPU: the eager runner syncs the stream before it posts. A
-decode graph's kernels read and write the channel themselves (``buffers``), post and await on
-the GPU (``kernels.triton_signal``), and the host waits for the step's end (``wait_step``).
+decode graph posts and awaits on the GPU itself (``header_on_device``, ``kernels.triton_signal``),
+and the host waits for the step's end (``wait_step``).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -17,19 +16,6 @@ from .channel import OP_STOP, REQUEST_FIELDS, Channel, ChannelSpec, PeerDied, de
 from .stats import ExecStats
 
 _X_DTYPE = {torch.float16: "f16", torch.bfloat16: "bf16"}
-
-
-@dataclass(frozen=True)
-class ChannelBuffers:
-    """The channel's header fields and buffers on the primary's device (``Exchange.buffers``)."""
-
-    req: torch.Tensor  # int64 [1]: req_seq
-    resp: torch.Tensor  # int64 [1]: resp_seq
-    fields: torch.Tensor  # int64 [5]: the request's op, layer, n_seq, n_tok, n_mask
-    x_attn: torch.Tensor  # [T_max, D]
-    x_ffn: torch.Tensor  # [T_max, D]
-    out: torch.Tensor  # [T_max, D]: the CPU executor's answer
-    mask: torch.Tensor  # uint8 [T_max * ceil(n_mask / 8)]: see Channel.mask_rows
 
 
 class Exchange:
@@ -46,17 +32,14 @@ class Exchange:
     def spec(self) -> ChannelSpec:
         return self.channel.spec
 
-    def buffers(self) -> ChannelBuffers:
-        """The channel as the primary's kernels address it: on CUDA CUDA tensors over the
-        page-locked segment's bytes (RuntimeError when it could not be page-locked), else the
-        host tensors themselves."""
-        ch = self.channel
-        if self.device.type == "cuda" and not ch.pinned:
+    def header_on_device(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The page-locked header's req_seq [1], resp_seq [1] and request fields [5] (int64) as
+        CUDA tensors over the same bytes, for a decode graph's post and await kernels
+        (RuntimeError when the channel could not be page-locked: the GPU cannot address it)."""
+        if not self.channel.pinned:
             raise RuntimeError("the channel is not page-locked: the GPU cannot address it")
-        on = device_view if self.device.type == "cuda" else (lambda t: t)  # noqa: E731
-        h = on(torch.from_numpy(ch.header).view(1, -1))[0]
-        return ChannelBuffers(h[0:1], h[1:2], h[REQUEST_FIELDS], on(ch.x_attn), on(ch.x_ffn), on(ch.out),
-                              on(ch.mask.view(1, -1))[0])
+        h = device_view(torch.from_numpy(self.channel.header).view(1, -1))[0]
+        return h[0:1], h[1:2], h[REQUEST_FIELDS]
 
     # --- a step's inputs -------------------------------------------------------------------------
     def set_positions(self, slots: list[int], start_pos: list[int]) -> None:

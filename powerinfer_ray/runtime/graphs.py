@@ -11,15 +11,17 @@ schedule (``schedule.py``) without host syncs or shape changes:
     gate-first (the gate of every row in one GEMV, its packed split by |SiLU(g)| > t, the sparse
     FFN over the rows above the threshold taking their gate values from the GEMV);
   - the CPU executor's inputs (hidden state, bit-packed mask) are staged into the channel's
-    pinned buffers by the graph itself, and its answer is copied back by the next graph;
+    pinned buffers by the graph itself, and its answer is copied back once it is there;
+  - a layer's partial outputs wait in ``pending`` until the next step reads the residual: the
+    next RMS norm adds them in its own kernel (``PrimaryWeights.add_norm``);
   - with zero-copy (``cold.HostRows``) a share of the CPU shard's active neurons is split off on
     the device too (their bits stay clear in the CPU's mask) and computed by the primary from
     their rows in host memory, while the CPU executor computes the rest.
-``DecodeGraphs`` captures the whole step as one graph, the exchanges included: after the copies
-that stage a request, a kernel posts it in the channel's page-locked header, and where the answer
-is needed a kernel polls the header until the CPU executor has written it (``kernels.triton_signal``).
-The host launches the graph and waits for its end; between the CPU's answer and the GPU's next
-kernel no host thread, launch or poll stands. The GPU computes its share of a layer while the CPU
+``DecodeGraphs`` captures the whole step, the exchanges included, as a few graphs (``_chunks``):
+after the copies that stage a request, a kernel posts it in the channel's page-locked header, and
+where the answer is needed a kernel polls the header until the CPU executor has written it
+(``kernels.triton_signal``). The host launches the graphs and waits for the step's end; between
+the CPU's answer and the GPU's next kernel no host thread, launch or poll stands. The GPU computes its share of a layer while the CPU
 computes its own. On a CPU primary the same steps run eagerly (``schedule.run_eager``): one code
 path, which the CPU tests check against the dense reference.
 
@@ -28,7 +30,6 @@ Dimension legend: B sequences (padded to the bucket), D hidden, V vocab.
 from __future__ import annotations
 
 import time
-from functools import cached_property
 
 import numpy as np
 import torch
@@ -40,16 +41,14 @@ from ..kernels.sparse_ffn import sparse_ffn
 from .activity import ActivityCounts
 from .channel import ABORTED
 from .cold import ColdRows
-from .exchange import ChannelBuffers, Exchange
+from .exchange import Exchange
 from .layers import add_partials, ffn_bytes
 from .schedule import Post, Step, run_eager, step_schedule
 from .stats import ExecStats
 from .weights import Norm, PrimaryWeights
 
 GRAPH_POLICIES = ("predictor", "gate-first", "dense")
-CHUNK_STARTS = (1, 4, 16)
-import os  # noqa: E402  TEMPORARY A/B
-_AB_COPIES = os.environ.get("POWERINFER_AB_COPIES") == "1"  # layers that begin a new graph of the step (``_chunks``)
+CHUNK_STARTS = (1, 4, 16)  # layers that begin a new graph of the step (``_chunks``)
 
 
 class GraphCaptureError(RuntimeError):
@@ -107,17 +106,6 @@ class StepSegments:
             self.cos, self.sin = w.rope_cos[pos], w.rope_sin[pos]  # [B, n_rot/2]
         self.counts.zero_()
 
-    @cached_property
-    def ch(self) -> ChannelBuffers:
-        """The channel as this device's kernels address it (read at the first use: on CUDA inside
-        the capture, whose failure falls back to eager steps)."""
-        return self.ex.buffers()
-
-    def _out(self) -> torch.Tensor:
-        if _AB_COPIES and self.w.device.type == "cuda":  # TEMPORARY A/B
-            return self.ex.collect(self.B)
-        return self.ch.out[:self.B]
-
     def _residual(self, pair: Norm | None = None) -> torch.Tensor | None:
         """h += the pending partial outputs and bias; with a norm, returns the norm of h."""
         parts, bias = self.pending or ([], None)
@@ -129,22 +117,11 @@ class StepSegments:
             add_partials(self.h, parts + [bias])
         return None
 
-    def _stage(self, x: torch.Tensor, dst: torch.Tensor) -> None:
-        """x [B, D] into the channel (host memory): by a kernel on CUDA (no copy engine in the graph)."""
-        if _AB_COPIES and x.is_cuda:  # TEMPORARY A/B
-            (self.ex.channel.x_attn if dst.data_ptr() == self.ch.x_attn.data_ptr() else self.ex.channel.x_ffn)[:self.B].copy_(x, non_blocking=True)
-            return
-        if x.is_cuda:
-            from ..kernels.triton_signal import store_rows
-            store_rows(x.contiguous(), dst)
-        else:
-            dst.copy_(x)
-
     def attn_in(self, s: Step) -> None:
         self.x_a = self._residual(self.w.layers[s.l].norm_attn)
 
     def stage_attn(self, s: Step) -> None:
-        self._stage(self.x_a, self.ch.x_attn[:self.B])
+        self.ex.stage_attn(self.x_a)
 
     def attention(self, s: Step) -> None:
         cfg, sh = self.w.cfg, self.w.layers[s.l].attn
@@ -155,7 +132,7 @@ class StepSegments:
                                          cfg.rot_dims, qtype=sh.qtype)
 
     def attn_out(self, s: Step) -> None:
-        self.pending = ([self.a, self._out() if s.cpu else None], self.w.layers[s.l].attn_bias)
+        self.pending = ([self.a, self.ex.collect(self.B) if s.cpu else None], self.w.layers[s.l].attn_bias)
 
     def ffn_in(self, s: Step) -> None:
         """FFN norm, and the predictor's split: the GPU's active rows packed on the device."""
@@ -182,16 +159,13 @@ class StepSegments:
             self.h_part = packed_views(part)
 
     def stage_ffn(self, s: Step) -> None:
-        self._stage(self.x_f, self.ch.x_ffn[:self.B])
+        self.ex.stage_ffn(self.x_f)
         if self.logits is not None:
             ng = self.w.layers[s.l].ffn.n
-            nb = (self.logits.shape[1] - ng + 7) // 8
             hr = self.host[s.l]  # the neurons computed here stay clear
-            if _AB_COPIES and self.logits.is_cuda:  # TEMPORARY A/B
-                self.ex.stage_mask(pack_active_bits(self.logits, self.w.policy.threshold, ng, skip=None if hr is None else hr.mine), self.logits.shape[1] - ng)
-                return
-            pack_active_bits(self.logits, self.w.policy.threshold, ng, skip=None if hr is None else hr.mine,
-                             out=self.ch.mask[:self.B * nb].view(self.B, nb))  # one kernel, into the channel
+            packed = pack_active_bits(self.logits, self.w.policy.threshold, ng,
+                                      skip=None if hr is None else hr.mine)  # [B, ceil(n_cpu/8)], one kernel
+            self.ex.stage_mask(packed, self.logits.shape[1] - ng)
 
     def ffn(self, s: Step) -> None:
         w, sh = self.w, self.w.layers[s.l].ffn
@@ -221,7 +195,7 @@ class StepSegments:
 
     def ffn_out(self, s: Step) -> None:
         a = self.a if self.w.cfg.parallel_attn else None
-        self.pending = ([a, self.f, self.f_host, self._out() if s.cpu else None], self.w.layers[s.l].ffn_bias)
+        self.pending = ([a, self.f, self.f_host, self.ex.collect(self.B) if s.cpu else None], self.w.layers[s.l].ffn_bias)
 
     def head(self, s: Step) -> None:
         self._residual()
@@ -255,7 +229,7 @@ class DecodeGraphs:
 
     def _record(self, c: int, k: int, header: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> int:
         """Chunk c of the step on the current stream, posts and awaits included (``header``:
-        req_seq, resp_seq and the request fields, as in ``Exchange.buffers``); k: the
+        req_seq, resp_seq and the request fields: ``Exchange.header_on_device``); k: the
         number of posts before it. Returns the number after it."""
         from ..kernels import triton_signal as signal
 
@@ -305,8 +279,7 @@ class DecodeGraphs:
         finally:
             torch.cuda.current_stream(dev).wait_stream(side)
             self.seg.act.flat.copy_(counted)
-        self.graphs = self._record_all((self.seg.ch.req, self.seg.ch.resp, self.seg.ch.fields)
-                                       if self.ex is not None else warm)
+        self.graphs = self._record_all(self.ex.header_on_device() if self.ex is not None else warm)
 
     def run(self, slots: list[int], tokens: list[int], start_pos: list[int]) -> np.ndarray:
         """One decode step of len(tokens) <= B sequences: logits [len(tokens), V] (float32)."""

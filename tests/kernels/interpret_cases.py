@@ -132,8 +132,6 @@ def test_triton_pack_bits_matches_torch():
         bits = torch.from_numpy(np.unpackbits(got.numpy(), axis=1, count=n, bitorder="little").astype(bool))
         assert torch.equal(bits, (logits[:, col0:col0 + n].float() >= 0.1) & ~skip)
         assert torch.equal(got, pack_active_bits(logits, 0.1, col0, n, backend="torch", skip=skip))
-        out = torch.full((T, (n + 7) // 8), 0xAA, dtype=torch.uint8)  # into a given buffer (the channel's)
-        assert triton_split.pack_bits(logits, 0.1, col0, n, skip, by=16, out=out) is out and torch.equal(out, got)
 
 
 def test_triton_sparse_ffn_over_max_t_tokens_runs_in_blocks():
@@ -325,15 +323,6 @@ def test_triton_add_rms_norm_matches_float64():
         y = add_rms_norm_triton(h, parts, b, w, 1e-5, torch.float16)
         assert rel_err(h, want_h) < 1e-6
         assert y.dtype == torch.float16 and rel_err(y, rms_norm_ref(want_h, w, 1e-5)) < TOL[torch.float16]
-
-
-def test_triton_store_rows_copies_exactly():
-    from powerinfer_ray.kernels.triton_signal import store_rows
-
-    x = torch.randn(3, 5000, generator=torch.Generator().manual_seed(23)).half()  # two programs, a ragged end
-    dst = torch.zeros(3, 5000, dtype=torch.float16)
-    store_rows(x, dst)
-    assert torch.equal(dst, x)
 
 
 @pytest.mark.parametrize("style, n_rot", [("norm", 32), ("neox", 32), ("neox", 16), (None, 32)])
