@@ -3,6 +3,8 @@
 The C++ source is compiled once per machine with the system compiler (`g++ -O3 -march=native
 -pthread`: the vector code follows the CPU's instruction set, see csrc/simd.h and csrc/quant.h;
 the parallel regions run on the library's own worker threads, csrc/pool.h) into a cache directory and loaded with ctypes; no torch headers, no build step at install time.
+The source compiles as six units side by side (UNITS: the API, and the kernels of each weight
+type), linked into one library: a host's first start waits for the slowest unit, not the sum.
 When no compiler works, `library()` returns None, a warning says so once, and callers fall back
 to the torch path.
 
@@ -31,8 +33,9 @@ from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
 MAIN = CSRC / "sparse_ffn.cpp"
-FLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=c++17")
-FALLBACK_FLAGS = ("-O3", "-pthread", "-shared", "-fPIC", "-std=c++17")  # compilers without -march=native
+FLAGS = ("-O3", "-march=native", "-pthread", "-fPIC", "-std=c++17")
+FALLBACK_FLAGS = ("-O3", "-pthread", "-fPIC", "-std=c++17")  # compilers without -march=native
+UNITS = (-1, 0, 1, 2, 3, 4)  # PI_W of each translation unit (csrc/sparse_ffn.cpp): the API, each weight type
 COMPILERS = ("g++", "c++", "clang++")
 
 _lock = threading.Lock()
@@ -84,15 +87,22 @@ def build(cflags: Sequence[str] = (), cxx: str | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     errors = []
     for flags in (FLAGS, FALLBACK_FLAGS):
-        # Build into a temporary file and rename: concurrent processes never load a partial .so.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        proc = subprocess.run([cxx, *flags, *cflags, str(MAIN), "-o", tmp], capture_output=True, text=True)
-        if proc.returncode == 0:
-            os.replace(tmp, out)
-            return out
-        os.unlink(tmp)
-        errors.append(proc.stderr[-2000:])
+        # Build in a temporary folder and rename the library: concurrent processes never load a partial .so.
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            objs = [os.path.join(tmp, f"unit{k + 1}.o") for k in UNITS]
+            procs = [subprocess.Popen([cxx, *flags, *cflags, f"-DPI_W={k}", "-c", str(MAIN), "-o", o],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                     for k, o in zip(UNITS, objs)]
+            failed = [err for p in procs if (err := p.communicate()[1]) is not None and p.returncode != 0]
+            if not failed:
+                so = os.path.join(tmp, "lib.so")
+                proc = subprocess.run([cxx, *flags, *cflags, "-shared", *objs, "-o", so], capture_output=True,
+                                      text=True)
+                if proc.returncode == 0:
+                    os.replace(so, out)
+                    return out
+                failed = [proc.stderr]
+        errors.append(failed[0][-2000:])
     raise RuntimeError(f"{cxx} could not build {MAIN.name}:\n" + "\n".join(errors))
 
 

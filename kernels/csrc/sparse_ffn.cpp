@@ -33,13 +33,55 @@
 // Built at first use by kernels/cpu_library.py with `g++ -O3 -march=native -pthread`; the vector
 // code is chosen at compile time (simd.h, quant.h).
 
+#include <type_traits>
 #include <vector>
 
 #include "pool.h"
 #include "simd.h"
 #include "quant.h"
 
+// The kernels of each weight type are their own translation unit, compiled in parallel
+// (kernels/cpu_library.py builds this file once per unit): PI_W = 0..4 instantiates the kernels of
+// weight type PI_W (DT_*) only; PI_W < 0 (the default) is the exported API and dispatches to them.
+#ifndef PI_W
+#define PI_W -1
+#endif
+
+namespace pi {  // what the units share (external linkage: one definition in every unit)
+
+struct Args {
+    const float* x; int64_t T, D;
+    const void *up, *gate, *down; int64_t ld_up, ld_gate, ld_down;
+    const void* bias; int bias_dt;
+    const void* idx; int idx64; int64_t K;
+    const void* mask; int mask_mode; int64_t ld_mask;
+    int act;
+    void* y; int y_dt;
+    float* scratch; int nthreads;  // split rows: the per-thread accumulators [nthreads, T, D]
+    float* h; uint8_t* nz;  // split columns: activations [K, T], row-has-a-nonzero flags [K]
+    float* acc;  // split columns: fp32 accumulator [T, D] (y itself when y is fp32)
+    const void* x_src; int x_dt; int64_t ld_x;  // non-null: x_src [T] rows (stride ld_x) in x_dt, converted into x
+    // keep_zero: read (and add) a row's down row even where its activation is zero for every
+    // token, as a dense FFN does (the layer-offload baseline); n_down (non-null): += down rows read
+    int keep_zero = 0; int64_t* n_down = nullptr;
+    float* xq = nullptr;  // quantized weights: the Q8_0 activation [T] rows of D floats' space (qdot_core)
+    // SwiGLU activation threshold (THR_*); up_read (non-null, zeroed): per idx entry, nonzero once its
+    // up row is read (gate first: the number of tokens whose gate passes)
+    float thr = 0.f; int thr_on = 0 /* THR_NONE */; uint8_t* up_read = nullptr;
+};
+
+// Unit k's entry points (k = DT_*): the sparse FFN, and pi_linear's product, on weight type k.
+#define PI_UNIT_DECL(k) \
+    void run_w##k(const Args& a, int split); \
+    void linear_w##k(const float* x, int64_t T, int64_t D, const void* w, int64_t ld_w, int64_t R, float* y, \
+                     int nthreads);
+PI_UNIT_DECL(0) PI_UNIT_DECL(1) PI_UNIT_DECL(2) PI_UNIT_DECL(3) PI_UNIT_DECL(4)
+
+}  // namespace pi
+
 namespace {
+
+using pi::Args;
 
 enum { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2, DT_Q4_0 = 3, DT_Q8_0 = 4 };  // weights: also quantized
 enum { ACT_RELU = 0, ACT_REGLU = 1, ACT_DRELU = 2, ACT_SWIGLU = 3 };
@@ -378,26 +420,6 @@ void axpy_all_tokens(const typename W::T* const* rows, int nr, const float* h, i
     for (; t0 < T; ++t0) axpy_rows<W, 1>(rows, nr, h, T, t0, A, D, d0, d1);
 }
 
-struct Args {
-    const float* x; int64_t T, D;
-    const void *up, *gate, *down; int64_t ld_up, ld_gate, ld_down;
-    const void* bias; int bias_dt;
-    const void* idx; int idx64; int64_t K;
-    const void* mask; int mask_mode; int64_t ld_mask;
-    int act;
-    void* y; int y_dt;
-    float* scratch; int nthreads;  // split rows: the per-thread accumulators [nthreads, T, D]
-    float* h; uint8_t* nz;  // split columns: activations [K, T], row-has-a-nonzero flags [K]
-    float* acc;  // split columns: fp32 accumulator [T, D] (y itself when y is fp32)
-    const void* x_src; int x_dt; int64_t ld_x;  // non-null: x_src [T] rows (stride ld_x) in x_dt, converted into x
-    // keep_zero: read (and add) a row's down row even where its activation is zero for every
-    // token, as a dense FFN does (the layer-offload baseline); n_down (non-null): += down rows read
-    int keep_zero = 0; int64_t* n_down = nullptr;
-    float* xq = nullptr;  // quantized weights: the Q8_0 activation [T] rows of D floats' space (qdot_core)
-    // SwiGLU activation threshold (THR_*); up_read (non-null, zeroed): per idx entry, nonzero once its
-    // up row is read (gate first: the number of tokens whose gate passes)
-    float thr = 0.f; int thr_on = THR_NONE; uint8_t* up_read = nullptr;
-};
 
 // The activation phase 1 reads: x, or its Q8_0 form for quantized rows.
 template <class W>
@@ -889,15 +911,6 @@ void run_split(const Args& a, int split) {
     else run_cols<W>(a);
 }
 
-void run(const Args& a, int w_dt, int split) {
-    switch (w_dt) {
-        case DT_F32: run_split<WF32>(a, split); break;
-        case DT_F16: run_split<WF16>(a, split); break;
-        case DT_BF16: run_split<WBF16>(a, split); break;
-        case DT_Q4_0: run_split<WQ4_0>(a, split); break;
-        default: run_split<WQ8_0>(a, split); break;
-    }
-}
 
 inline bool quantized(int w_dt) { return w_dt == DT_Q4_0 || w_dt == DT_Q8_0; }
 
@@ -988,6 +1001,36 @@ void linear_par(const float* x, int64_t T, int64_t D, const void* w, int64_t ld_
             linear_rows<W>(x, T, D, (const typename W::T*)w, ld_w, R, r0, r1, y);
         });
     });
+}
+
+}  // namespace
+
+#if PI_W >= 0
+namespace pi {  // this unit's weight type
+
+using W_OF_UNIT = std::conditional_t<PI_W == DT_F32, WF32, std::conditional_t<PI_W == DT_F16, WF16,
+    std::conditional_t<PI_W == DT_BF16, WBF16, std::conditional_t<PI_W == DT_Q4_0, WQ4_0, WQ8_0>>>>;
+
+#define PI_UNIT_NAME(base, k) PI_UNIT_NAME2(base, k)
+#define PI_UNIT_NAME2(base, k) base##k
+void PI_UNIT_NAME(run_w, PI_W)(const Args& a, int split) { run_split<W_OF_UNIT>(a, split); }
+void PI_UNIT_NAME(linear_w, PI_W)(const float* x, int64_t T, int64_t D, const void* w, int64_t ld_w, int64_t R,
+                                  float* y, int nthreads) {
+    linear_par<W_OF_UNIT>(x, T, D, w, ld_w, R, y, nthreads);
+}
+
+}  // namespace pi
+#else
+namespace {
+
+void run(const Args& a, int w_dt, int split) {
+    switch (w_dt) {
+        case DT_F32: pi::run_w0(a, split); break;
+        case DT_F16: pi::run_w1(a, split); break;
+        case DT_BF16: pi::run_w2(a, split); break;
+        case DT_Q4_0: pi::run_w3(a, split); break;
+        default: pi::run_w4(a, split); break;
+    }
 }
 
 }  // namespace
@@ -1181,11 +1224,11 @@ int64_t pi_linear(const float* x, int64_t T, int64_t D, const void* w, int w_dt,
         x = xq.data();
     }
     switch (w_dt) {
-        case DT_F32: linear_par<WF32>(x, T, D, w, ld_w, R, y, nthreads); break;
-        case DT_F16: linear_par<WF16>(x, T, D, w, ld_w, R, y, nthreads); break;
-        case DT_BF16: linear_par<WBF16>(x, T, D, w, ld_w, R, y, nthreads); break;
-        case DT_Q4_0: linear_par<WQ4_0>(x, T, D, w, ld_w, R, y, nthreads); break;
-        default: linear_par<WQ8_0>(x, T, D, w, ld_w, R, y, nthreads); break;
+        case DT_F32: pi::linear_w0(x, T, D, w, ld_w, R, y, nthreads); break;
+        case DT_F16: pi::linear_w1(x, T, D, w, ld_w, R, y, nthreads); break;
+        case DT_BF16: pi::linear_w2(x, T, D, w, ld_w, R, y, nthreads); break;
+        case DT_Q4_0: pi::linear_w3(x, T, D, w, ld_w, R, y, nthreads); break;
+        default: pi::linear_w4(x, T, D, w, ld_w, R, y, nthreads); break;
     }
     return 0;
 }
@@ -1223,3 +1266,4 @@ int pi_quant_isa() {
 }
 
 }  // extern "C"
+#endif  // PI_W
