@@ -92,6 +92,9 @@ class Exchange:
                 ch.abort()
                 time.sleep(1e-3)
             raise
+        if ch.aborted:  # given up on in an earlier step: the graph's waits all passed at once
+            raise PeerDied("the CPU executor was given up on in an earlier step (it died or did not answer); "
+                           "the engine must be restarted")
         grown = tuple(a - b for a, b in zip(ch.counters(), before))
         if grown[1]:
             raise RuntimeError(f"CPU executor failed on {grown[1]} of the step's {grown[0]} requests; see its log")

@@ -21,9 +21,9 @@ schedule (``schedule.py``) without host syncs or shape changes:
 after the copies that stage a request, a kernel posts it in the channel's page-locked header, and
 where the answer is needed a kernel polls the header until the CPU executor has written it
 (``kernels.triton_signal``). The host launches the graphs and waits for the step's end; between
-the CPU's answer and the GPU's next kernel no host thread, launch or poll stands. The GPU computes its share of a layer while the CPU
-computes its own. On a CPU primary the same steps run eagerly (``schedule.run_eager``): one code
-path, which the CPU tests check against the dense reference.
+the CPU's answer and the GPU's next kernel no host thread, launch or poll stands. The GPU computes
+its share of a layer while the CPU computes its own. On a CPU primary the same steps run eagerly
+(``schedule.run_eager``): one code path, which the CPU tests check against the dense reference.
 
 Dimension legend: B sequences (padded to the bucket), D hidden, V vocab.
 """
@@ -132,7 +132,8 @@ class StepSegments:
                                          cfg.rot_dims, qtype=sh.qtype)
 
     def attn_out(self, s: Step) -> None:
-        self.pending = ([self.a, self.ex.collect(self.B) if s.cpu else None], self.w.layers[s.l].attn_bias)
+        cpu = self.ex.collect(self.B) if s.cpu else None
+        self.pending = ([self.a, cpu], self.w.layers[s.l].attn_bias)
 
     def ffn_in(self, s: Step) -> None:
         """FFN norm, and the predictor's split: the GPU's active rows packed on the device."""
@@ -195,7 +196,8 @@ class StepSegments:
 
     def ffn_out(self, s: Step) -> None:
         a = self.a if self.w.cfg.parallel_attn else None
-        self.pending = ([a, self.f, self.f_host, self.ex.collect(self.B) if s.cpu else None], self.w.layers[s.l].ffn_bias)
+        cpu = self.ex.collect(self.B) if s.cpu else None
+        self.pending = ([a, self.f, self.f_host, cpu], self.w.layers[s.l].ffn_bias)
 
     def head(self, s: Step) -> None:
         self._residual()
@@ -204,7 +206,7 @@ class StepSegments:
 
 
 class DecodeGraphs:
-    """The decode step of up to B sequences as one captured graph (CUDA) or eager steps (CPU)."""
+    """The decode step of up to B sequences as captured graphs (CUDA) or eager steps (CPU)."""
 
     def __init__(self, w: PrimaryWeights, exchange: Exchange | None, stats: ExecStats, B: int,
                  activity: ActivityCounts, cold: ColdRows | None = None) -> None:
@@ -299,7 +301,7 @@ class DecodeGraphs:
         return self.seg.logits_host[:n].numpy().copy()
 
     def _replay(self) -> None:
-        """Launch the step's graph and wait for its end; the critical path's split from the GPU's
+        """Launch the step's graphs and wait for its end; the critical path's split from the GPU's
         stamps: ``exchange`` (a post until the GPU saw the answer), ``segment`` (the rest)."""
         st = self.stats
         if self.graphs is None:

@@ -312,5 +312,8 @@ def test_cuda_decode_graph_reports_a_failed_or_silent_cpu_executor(tmp_path, mon
                 eng.primary.step([0], [[9]], [4])
             assert time.perf_counter() - t0 < 30
             monkeypatch.undo()
+            if fault == "stall":  # the channel was given up on: no later step returns logits
+                with pytest.raises(PeerDied, match="given up on"):
+                    eng.primary.step([0], [[10]], [5])
         finally:
             eng.close()

@@ -395,6 +395,55 @@ def test_channel_counts_answers_and_abort_ends_every_wait():
         ch.close(unlink=True)
 
 
+def test_wait_step_counts_a_steps_exchanges_and_reports_failures_and_a_silent_peer():
+    """The primary's wait for a decode graph (which posts by itself; here the test posts): the
+    growth of the channel's counters, a failed answer raised after the step, a peer silent past
+    timeout_s raised as PeerDied with every wait ended (abort), and every later step refused."""
+    from powerinfer_ray.runtime.channel import PeerDied
+    from powerinfer_ray.runtime.exchange import Exchange
+    from powerinfer_ray.runtime.stats import ExecStats
+
+    ex = Exchange(4, 2, 1, 8, torch.float32, torch.device("cpu"), ExecStats(), timeout_s=1.0)
+    ch, peer = ex.channel, None
+    try:
+        peer = Channel.attach(ex.spec)
+        answers = iter([True, True, False])  # the third request fails
+
+        def serve():
+            seq = 0
+            for ok in answers:
+                seq = peer.wait_request(seq)
+                peer.respond(seq, time.monotonic_ns(), ok=ok)
+
+        class Done:  # the step's end: its last request answered
+            def __init__(self, seq):
+                self.seq = seq
+
+            def query(self):
+                return int(ch.header[1]) >= self.seq
+
+        th = threading.Thread(target=serve, daemon=True)
+        th.start()
+        before = ch.counters()
+        ch.wait_response(ch.post(OP_FFN, 0, 1, 1, 8), timeout_s=10)  # a step of two requests, one at a time
+        n_req, fails, busy = ex.wait_step(Done(ch.post(OP_FFN, 1, 1, 1, 8)), before)
+        assert (n_req, fails) == (2, 0) and busy >= 0
+        before = ch.counters()
+        with pytest.raises(RuntimeError, match="failed on 1 of the step's 1 requests"):
+            ex.wait_step(Done(ch.post(OP_FFN, 2, 1, 1, 8)), before)
+        th.join()
+        t0 = time.perf_counter()
+        with pytest.raises(PeerDied, match="timed out"):  # nobody serves any more
+            ex.wait_step(Done(ch.post(OP_FFN, 3, 1, 1, 8)), ch.counters())
+        assert ch.aborted and time.perf_counter() - t0 < 10
+        with pytest.raises(PeerDied, match="given up on"):  # a later step's waits all pass: refused
+            ex.wait_step(Done(ch.post(OP_FFN, 4, 1, 1, 8)), ch.counters())
+    finally:
+        if peer is not None:
+            peer.close()
+        ex.close()
+
+
 def test_coordinator_stops_and_limits(models):
     path = models["llama-reglu"]
     eng = LocalEngine(EngineConfig(str(path), policy="dense", max_batch=2))
