@@ -50,6 +50,7 @@ STATUS_OK, STATUS_ERROR = 0, 1
  _H_TSTART, _H_TEND, _H_FAILS, _H_BUSY) = range(14)
 REQUEST_FIELDS = slice(_H_OP, _H_NMASK + 1)  # op, layer, n_seq, n_tok, n_mask
 ABORTED = 1 << 62  # resp_seq when the primary gave up on the peer: every wait for an answer ends
+GIVEN_UP = "the CPU executor was given up on in an earlier step (it died or did not answer); restart the engine"
 _HDR_FIXED = 16
 
 
@@ -221,6 +222,8 @@ class Channel:
             self._bell.wait(lambda: int(self.header[_H_RESP]) >= seq, timeout_s, what)
         else:
             _wait(lambda: int(self.header[_H_RESP]) >= seq, timeout_s, spin_s, self._peer_alive, what, max_sleep_s=1e-4)
+        if self.aborted:
+            raise PeerDied(GIVEN_UP)
         if int(self.header[_H_STATUS]) != STATUS_OK:
             raise RuntimeError(f"CPU executor failed on layer {int(self.header[_H_LAYER])}; see its log")
         return int(self.header[_H_TSTART]), int(self.header[_H_TEND])

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from .channel import OP_STOP, REQUEST_FIELDS, Channel, ChannelSpec, PeerDied, device_view
+from .channel import GIVEN_UP, OP_STOP, REQUEST_FIELDS, Channel, ChannelSpec, PeerDied, device_view
 from .stats import ExecStats
 
 _X_DTYPE = {torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -93,8 +93,7 @@ class Exchange:
                 time.sleep(1e-3)
             raise
         if ch.aborted:  # given up on in an earlier step: the graph's waits all passed at once
-            raise PeerDied("the CPU executor was given up on in an earlier step (it died or did not answer); "
-                           "the engine must be restarted")
+            raise PeerDied(GIVEN_UP)
         grown = tuple(a - b for a, b in zip(ch.counters(), before))
         if grown[1]:
             raise RuntimeError(f"CPU executor failed on {grown[1]} of the step's {grown[0]} requests; see its log")

@@ -15,7 +15,7 @@ from powerinfer_ray.model import gguf_keys as K
 from powerinfer_ray.model.planted import planted_model
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import write_tiny_model
-from powerinfer_ray.runtime.channel import OP_FFN, Channel, pack_mask, unpack_mask
+from powerinfer_ray.runtime.channel import OP_FFN, Channel, PeerDied, pack_mask, unpack_mask
 from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
 from powerinfer_ray.runtime.layers import add_partials
 from powerinfer_ray.runtime.plan import Plan
@@ -388,7 +388,7 @@ def test_channel_counts_answers_and_abort_ends_every_wait():
         ch.abort()
         assert ch.aborted
         peer.respond(seq, time.monotonic_ns())  # a late answer does not undo it
-        with pytest.raises(RuntimeError, match="failed"):
+        with pytest.raises(PeerDied, match="given up on"):
             ch.wait_response(seq + 5, timeout_s=10)
     finally:
         peer.close()
@@ -399,7 +399,6 @@ def test_wait_step_counts_a_steps_exchanges_and_reports_failures_and_a_silent_pe
     """The primary's wait for a decode graph (which posts by itself; here the test posts): the
     growth of the channel's counters, a failed answer raised after the step, a peer silent past
     timeout_s raised as PeerDied with every wait ended (abort), and every later step refused."""
-    from powerinfer_ray.runtime.channel import PeerDied
     from powerinfer_ray.runtime.exchange import Exchange
     from powerinfer_ray.runtime.stats import ExecStats
 
