@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -178,12 +177,10 @@ class CPUExecutorActor(LoadedLater):
         t0 = time.time()
         logging.basicConfig(level=logging.INFO)
         self.name = name
-        from ..kernels.cpu_library import library
+        from ..kernels.cpu_library import build_in_background
         from ..runtime.cpu_executor import CPUExecutor  # torch and the runtime, while the plan is solved
 
-        # the compiled kernels too (a host's first start compiles them: seconds), loaded by the time
-        # the load needs them (``library`` waits for a build in progress)
-        threading.Thread(target=library, name="kernel-build", daemon=True).start()
+        build_in_background()  # the compiled kernels too (a host's first start compiles them: seconds)
         self.make = CPUExecutor
         self._started(t0)
 

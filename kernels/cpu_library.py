@@ -93,7 +93,8 @@ def build(cflags: Sequence[str] = (), cxx: str | None = None) -> Path:
             procs = [subprocess.Popen([cxx, *flags, *cflags, f"-DPI_W={k}", "-c", str(MAIN), "-o", o],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                      for k, o in zip(UNITS, objs)]
-            failed = [err for p in procs if (err := p.communicate()[1]) is not None and p.returncode != 0]
+            errs = [p.communicate()[1] for p in procs]
+            failed = [err for p, err in zip(procs, errs) if p.returncode != 0]
             if not failed:
                 so = os.path.join(tmp, "lib.so")
                 proc = subprocess.run([cxx, *flags, *cflags, "-shared", *objs, "-o", so], capture_output=True,
@@ -104,6 +105,15 @@ def build(cflags: Sequence[str] = (), cxx: str | None = None) -> Path:
                 failed = [proc.stderr]
         errors.append(failed[0][-2000:])
     raise RuntimeError(f"{cxx} could not build {MAIN.name}:\n" + "\n".join(errors))
+
+
+def build_in_background() -> threading.Thread:
+    """Start ``library()`` (the build on a host's first use, then the load) in a daemon thread,
+    so that it runs while the caller does other start-up work; a later ``library()`` call waits
+    for it."""
+    th = threading.Thread(target=library, name="kernel-build", daemon=True)
+    th.start()
+    return th
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:

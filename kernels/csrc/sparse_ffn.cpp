@@ -420,7 +420,6 @@ void axpy_all_tokens(const typename W::T* const* rows, int nr, const float* h, i
     for (; t0 < T; ++t0) axpy_rows<W, 1>(rows, nr, h, T, t0, A, D, d0, d1);
 }
 
-
 // The activation phase 1 reads: x, or its Q8_0 form for quantized rows.
 template <class W>
 inline const float* xin(const Args& a) { return W::QUANT ? a.xq : a.x; }
@@ -910,7 +909,6 @@ void run_split(const Args& a, int split) {
     if (pick_split(split, a.K, a.nthreads) == SPLIT_ROWS) run_rows<W>(a);
     else run_cols<W>(a);
 }
-
 
 inline bool quantized(int w_dt) { return w_dt == DT_Q4_0 || w_dt == DT_Q8_0; }
 

@@ -42,7 +42,7 @@ from .activity import ActivityCounts
 from .channel import ABORTED
 from .cold import ColdRows
 from .exchange import Exchange
-from .layers import add_partials, ffn_bytes
+from .layers import ffn_bytes
 from .schedule import Post, Step, run_eager, step_schedule
 from .stats import ExecStats
 from .weights import Norm, PrimaryWeights
@@ -110,12 +110,7 @@ class StepSegments:
         """h += the pending partial outputs and bias; with a norm, returns the norm of h."""
         parts, bias = self.pending or ([], None)
         self.pending = None
-        parts = [p for p in parts if p is not None]
-        if pair is not None:
-            return self.w.add_norm(self.h, parts, bias, pair)
-        if parts or bias is not None:
-            add_partials(self.h, parts + [bias])
-        return None
+        return self.w.add_norm(self.h, [p for p in parts if p is not None], bias, pair)
 
     def attn_in(self, s: Step) -> None:
         self.x_a = self._residual(self.w.layers[s.l].norm_attn)

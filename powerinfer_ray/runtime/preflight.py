@@ -52,7 +52,9 @@ def prepare(ec: EngineConfig, *, local_gpu_check: bool = True) -> Prepared:
         raise ValueError("device='cuda': this host has no CUDA GPU (torch sees none); use device 'cpu' "
                          "or leave it out")
     if device == "cpu" or ec.vram_budget_gib is not None:  # a CPU executor is likely: build its kernels
-        threading.Thread(target=_cpu_library().library, name="kernel-build", daemon=True).start()  # while solving
+        from ..kernels.cpu_library import build_in_background
+
+        build_in_background()  # while the plan is solved
     plan = resolve_plan(ec, src)
     notes = []
     if device == "cpu" and ec.vram_budget_gib is not None:
@@ -64,17 +66,12 @@ def prepare(ec: EngineConfig, *, local_gpu_check: bool = True) -> Prepared:
                     tuple(notes))
 
 
-def _cpu_library():  # noqa: ANN202  (the module: imported when needed)
-    from ..kernels import cpu_library
-
-    return cpu_library
-
-
 def _prepare_cpu_kernel() -> None:
     """Load the compiled CPU kernel here (waiting for the build ``prepare`` started), saying so
     when its first-use compile takes a while, so that the engine finds it built and its first
     token does not pay for the compiler."""
-    cpu_library = _cpu_library()
+    from ..kernels import cpu_library
+
     done = threading.Event()
 
     def tell() -> None:

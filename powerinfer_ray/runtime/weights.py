@@ -24,7 +24,7 @@ from ..model import gguf_keys as K
 from ..model.reference import layer_norm
 from ..model.source import WeightSource, layer_rows
 from ..model.staging import pinned_staging
-from .layers import Policy
+from .layers import Policy, add_partials
 from .plan import Plan
 from .shard import AttnShard, FFNShard, load_attn_shard, load_ffn_shard
 
@@ -141,14 +141,14 @@ class PrimaryWeights:
         return layer_norm(x, pair[0], pair[1], self.cfg.norm_eps).to(self.dtype)
 
     def add_norm(self, h: torch.Tensor, parts: list[torch.Tensor], bias: torch.Tensor | None,
-                 pair: Norm) -> torch.Tensor:
-        """h += each part [N, D] and bias (in place, in that order), then ``norm`` of h (RMS: one
-        kernel on CUDA, the adds included)."""
-        if self.cfg.norm == "rms":
+                 pair: Norm | None) -> torch.Tensor | None:
+        """h += each part [N, D] and bias (in place, in that order), then ``norm`` of h with
+        ``pair`` (None: no norm, returns None; RMS: one kernel on CUDA, the adds included)."""
+        if pair is not None and self.cfg.norm == "rms":
             return add_rms_norm(h, parts, bias, pair[0], self.cfg.norm_eps, self.dtype)
-        for p in parts + ([bias] if bias is not None else []):
-            h += p
-        return self.norm(h, pair)
+        if parts or bias is not None:
+            add_partials(h, parts + [bias])
+        return None if pair is None else self.norm(h, pair)
 
     def embed(self, tok: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
         """The residual stream's start [N, D] (fp32) for tokens tok [N] (at positions pos [N]
