@@ -39,7 +39,9 @@ class KernelReference(ReferenceModel):
     quantized: frozenset[str] = frozenset()  # names of the tensors the file stores in blocks
     head_name = K.global_tensor(K.OUTPUT)  # the head's tensor in the file (token_embd when tied)
     flips: frozenset = frozenset()
-    TIE = 1e-5  # relative margin under which a rounding decision is a tie (fp32's error is ~1e-6)
+    TIE = 1e-4  # relative margin under which a rounding decision is a tie: the runtime's fp32 activations
+    # drift ~1e-6 a layer, but an element left by cancellation can be off by a few 1e-5 (a CI run
+    # flipped a tie at 3.4e-5)
 
     @classmethod
     def from_file(cls, path, dtype: torch.dtype = torch.float64, device="cpu",  # noqa: ANN001
