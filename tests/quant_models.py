@@ -108,28 +108,44 @@ def match_rounding(ref: KernelReference, tokens: list[int], got: list, at: list[
                    max_flips: int = 6, hooks=None) -> tuple[list[float], frozenset]:  # noqa: ANN001
     """Relative errors of the runtime's logits ``got`` (one [V] per position in ``at``, ascending)
     against ``ref`` over ``tokens``, once the reference has taken the other side of the rounding
-    ties the runtime took: while a step is off by more than tol, the ties of that step's tokens
-    are flipped one at a time, closest first, and the first that brings the step 10x closer is
-    kept (at most max_flips). An error the ties cannot explain stays in the result. hooks: the
-    reference forward's (``FFNHooks``)."""
+    ties the runtime took: while a step is off by more than tol, the ties of that step's tokens are
+    flipped one at a time, then two at a time (the second a tie once the first is flipped: the
+    runtime may have taken two ties of one step, neither of which explains the step alone), and
+    the first flip that brings the step 10x closer is kept (at most max_flips in all). An error the
+    ties cannot explain stays in the result. hooks: the reference forward's (``FFNHooks``)."""
     def errors(flips: frozenset, upto: int) -> list[float]:
         ref.flips = flips
         full = ref.forward(tokens[:upto + 1], ref.new_cache(), hooks)
         return [float((torch.as_tensor(g).double() - full[i]).abs().max() / full[i].abs().max())
                 for g, i in zip(got, at) if i <= upto]
 
+    def ties(first: int, last: int, flips: frozenset) -> list:  # of the last forward, closest first
+        return [key for _, key in sorted(set(ref.ties)) if first <= key[1] <= last and key not in flips]
+
+    def explain(flips: frozenset, bad: int, target: float) -> frozenset | None:
+        first = at[bad - 1] + 1 if bad else 0  # a flip that made this step the first one off: its rows
+        singles = ties(first, at[bad], flips)
+        for key in singles:
+            if errors(flips | {key}, at[bad])[bad] < target:
+                return flips | {key}
+        for key in singles:
+            errors(flips | {key}, at[bad])
+            for second in ties(first, at[bad], flips | {key}):
+                if errors(flips | {key, second}, at[bad])[bad] < target:
+                    return flips | {key, second}
+        return None
+
     flips = frozenset()
     errs = errors(flips, at[-1])
-    for _ in range(max_flips):
+    while len(flips) < max_flips:
         bad = next((k for k, e in enumerate(errs) if e > tol), None)
         if bad is None:
             break
-        first = at[bad - 1] + 1 if bad else 0  # a flip that made this step the first one off: its rows
-        ties = sorted({(m, key) for m, key in ref.ties if first <= key[1] <= at[bad]})
-        key = next((key for _, key in ties if errors(flips | {key}, at[bad])[bad] * 10 < errs[bad]), None)
-        if key is None:
+        errors(flips, at[bad])
+        found = explain(flips, bad, errs[bad] / 10)
+        if found is None:
             break
-        flips = flips | {key}
+        flips = found
         errs = errors(flips, at[-1])
     ref.flips = frozenset()
     return errs, flips
