@@ -111,7 +111,7 @@ def match_rounding(ref: KernelReference, tokens: list[int], got: list, at: list[
     ties the runtime took: while a step is off by more than tol, the ties of that step's tokens are
     flipped one at a time, then two at a time (the second a tie once the first is flipped: the
     runtime may have taken two ties of one step, neither of which explains the step alone), and
-    the first flip that brings the step 10x closer is kept (at most max_flips in all). An error the
+    the first flip that brings the step 10x closer is kept (until max_flips are kept). An error the
     ties cannot explain stays in the result. hooks: the reference forward's (``FFNHooks``)."""
     def errors(flips: frozenset, upto: int) -> list[float]:
         ref.flips = flips
@@ -122,7 +122,7 @@ def match_rounding(ref: KernelReference, tokens: list[int], got: list, at: list[
     def ties(first: int, last: int, flips: frozenset) -> list:  # of the last forward, closest first
         return [key for _, key in sorted(set(ref.ties)) if first <= key[1] <= last and key not in flips]
 
-    def explain(flips: frozenset, bad: int, target: float) -> frozenset | None:
+    def explain(flips: frozenset, bad: int, target: float) -> frozenset | None:  # ref.ties: under flips
         first = at[bad - 1] + 1 if bad else 0  # a flip that made this step the first one off: its rows
         singles = ties(first, at[bad], flips)
         for key in singles:
@@ -141,7 +141,6 @@ def match_rounding(ref: KernelReference, tokens: list[int], got: list, at: list[
         bad = next((k for k, e in enumerate(errs) if e > tol), None)
         if bad is None:
             break
-        errors(flips, at[bad])
         found = explain(flips, bad, errs[bad] / 10)
         if found is None:
             break
