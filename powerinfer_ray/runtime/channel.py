@@ -275,9 +275,9 @@ class Channel:
 
     def respond(self, seq: int, t_start_ns: int, ok: bool = True) -> None:
         """Publish the answer to request ``seq``; ``t_start_ns`` is when the peer saw it."""
-        h = self.header
-        if int(h[_H_RESP]) == ABORTED:  # the primary gave up on this channel (``abort``)
+        if self.aborted:  # the primary gave up on this channel (``abort``)
             return
+        h = self.header
         h[_H_TSTART], h[_H_TEND] = t_start_ns, time.monotonic_ns()
         h[_H_BUSY] += h[_H_TEND] - t_start_ns
         h[_H_STATUS] = STATUS_OK if ok else STATUS_ERROR

@@ -15,7 +15,7 @@ from powerinfer_ray.model import gguf_keys as K
 from powerinfer_ray.model.planted import planted_model
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import write_tiny_model
-from powerinfer_ray.runtime.channel import OP_FFN, Channel, PeerDied, pack_mask, unpack_mask
+from powerinfer_ray.runtime.channel import OP_FFN, REQUEST_FIELDS, Channel, PeerDied, pack_mask, unpack_mask
 from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
 from powerinfer_ray.runtime.layers import add_partials
 from powerinfer_ray.runtime.plan import Plan
@@ -376,7 +376,7 @@ def test_channel_counts_answers_and_abort_ends_every_wait():
         ch.wait_response(ch.post(OP_FFN, 0, 1, 1, 8), timeout_s=10)
         with pytest.raises(RuntimeError, match="failed on layer 3"):
             ch.wait_response(ch.post(OP_FFN, 3, 1, 1, 8), timeout_s=10)
-        ch.header[2:7] = (OP_FFN, 5, 1, 1, 8)  # as the GPU posts: fields, then req_seq, no bell
+        ch.header[REQUEST_FIELDS] = (OP_FFN, 5, 1, 1, 8)  # as the GPU posts: fields, then req_seq, no bell
         ch.header[0] += 1
         t0 = time.perf_counter()
         ch.wait(lambda: int(ch.header[1]) >= int(ch.header[0]), 10.0, "the third answer")
