@@ -66,11 +66,24 @@ def model_costs(model: WeightSource | ModelConfig, n_ctx: int, batch: int,
 
 
 def _stored(model: WeightSource | ModelConfig, cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> str:
-    """How the model stores tensor ``name``; a tensor a file holds in another layout (fused
-    qkv, untransposed ffn_down) counts as float."""
+    """How the model stores tensor ``name``. Rows of q, k or v that a file holds in a fused
+    ``attn_qkv`` are held as that tensor stores them (blocks stay blocks); an untransposed
+    ``ffn_down``, whose neuron columns the executors convert, counts as float."""
     if isinstance(model, ModelConfig):
         return storage_kind(cfg.dtype, name, shape)
-    return model.dtype_of(name) if model.has(name) else cfg.float_dtype
+    if model.has(name):
+        return model.dtype_of(name)
+    fused = _fused_qkv(name)
+    return model.dtype_of(fused) if fused is not None and model.has(fused) else cfg.float_dtype
+
+
+def _fused_qkv(name: str) -> str | None:
+    """The fused attn_qkv tensor that stands for q / k / v tensor ``name`` (blk.L.attn_q.weight),
+    else None."""
+    parts = name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in ("attn_q", "attn_k", "attn_v"):
+        return None
+    return K.tensor(K.ATTN_QKV, int(parts[1]), parts[3] == "bias")
 
 
 def _bytes(kind: str, rows: int, cols: int) -> int:

@@ -58,6 +58,32 @@ def write_model(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping
     return path
 
 
+def fuse_qkv(cfg: ModelConfig, tensors: Mapping[str, TensorLike]) -> dict[str, TensorLike]:
+    """``tensors`` with each layer's q, k and v written as one ``attn_qkv`` [(H + 2G) hd, D] in
+    q's place, as llama.cpp's Falcon files hold them (readers split it: ``ModelFile.layer``);
+    lazy tensors stay lazy, block rows concatenate as rows do."""
+    out: dict[str, TensorLike] = {}
+    for name, t in tensors.items():
+        parts = name.split(".")
+        if len(parts) != 4 or parts[0] != "blk" or parts[2] not in ("attn_q", "attn_k", "attn_v"):
+            out[name] = t
+        elif parts[2] == "attn_q":
+            l, bias = int(parts[1]), parts[3] == "bias"
+            qkv = [tensors[K.tensor(tmpl, l, bias)] for tmpl in (K.ATTN_Q, K.ATTN_K, K.ATTN_V)]
+            out[K.tensor(K.ATTN_QKV, l, bias)] = _cat_rows(qkv)
+    return out
+
+
+def _cat_rows(parts: list[TensorLike]) -> TensorLike:
+    """Rows of ``parts`` one after the other (lazily when they are lazy)."""
+    if not all(isinstance(p, LazyTensor) for p in parts):
+        return torch.cat([torch.as_tensor(p) for p in parts])
+    kinds = {p.dtype for p in parts}
+    assert len(kinds) == 1, f"q, k and v stored as {sorted(kinds)}: one fused tensor needs one type"
+    shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
+    return LazyTensor(shape, parts[0].dtype, lambda: torch.cat([torch.as_tensor(p.make()) for p in parts]))
+
+
 def write_gguf(path: Path, arch: str, fields: Mapping[str, Any],
                tensors: Iterable[tuple[str, TensorLike, str]], progress: bool = False) -> None:
     """Write metadata and (name, tensor, storage dtype) triples with gguf's GGUFWriter; block

@@ -64,7 +64,7 @@ import torch
 from . import gguf_keys as K
 from .config import ModelConfig
 from .gguf_config import config_to_fields, expected_shapes
-from .gguf_writer import LazyTensor, write_model
+from .gguf_writer import LazyTensor, fuse_qkv, write_model
 from .planted_random import splitmix64, std_normal, stream_key
 from .planted_rows import RowGenerators, assemble, row_ids, zeros
 from .planted_spec import PRESETS, SWIGLU_GATE, TORCH_DT, PlantedSpec, PlantedSpecError, parse_spec, preset_config
@@ -229,6 +229,9 @@ class PlantedModel:
         if name not in self.shapes:
             raise PlantedSpecError(f"{self}: no tensor {name!r} in a {self.config.arch} model "
                                    f"(ffn_act={self.config.ffn_act}, bias={self.config.bias})")
+        tmpl = self._names[name][0]
+        if self.spec.pred_dtype is not None and tmpl in (K.FC1, K.FC2):
+            return storage_kind(self.spec.pred_dtype, name, self.shapes[name])
         return storage_kind(self.spec.dtype, name, self.shapes[name])
 
     def _tensor(self, name: str, gen_key: tuple, l: int, rows: Any, dtype: torch.dtype | None,
@@ -289,6 +292,8 @@ def write_planted_gguf(spec: str | PlantedModel, path: str | Path, progress: boo
     path = Path(path)
     tensors = {name: LazyTensor(shape, model.dtype_of(name), _maker(model, name))
                for name, shape in model.shapes.items()}
+    if model.spec.qkv == "fused":
+        tensors = fuse_qkv(model.config, tensors)
     t0 = time.perf_counter()
     write_model(path, model.config, tensors, metadata=model.fields, sparse=True, progress=progress)
     if progress:

@@ -119,6 +119,8 @@ class PlantedSpec:
     marked: float | None = None  # override Targets.marked
     top_share: float | None = None  # override Targets.top_share
     rho: float = 0.98  # predictor fidelity: share of the gate direction the predictor sees
+    pred_dtype: str | None = None  # how a file stores the predictors (None: as the other matrices)
+    qkv: str = "split"  # "fused": a file holds each layer's q, k, v as one attn_qkv (llama.cpp's Falcon)
 
     @property
     def targets(self) -> Targets:
@@ -129,7 +131,7 @@ class PlantedSpec:
 
 
 _SPEC_KEYS = {"dtype": str, "seed": int, "layers": int, "active": float, "marked": float,
-              "top_share": float, "rho": float}
+              "top_share": float, "rho": float, "pred_dtype": str, "qkv": str}
 
 
 def parse_spec(spec: str) -> PlantedSpec:
@@ -149,7 +151,10 @@ def parse_spec(spec: str) -> PlantedSpec:
     full_l = PRESETS[name].config["n_layer"]
     checks = [("dtype", s.dtype, s.dtype in TORCH_DT or s.dtype in QTYPES, "f16, bf16, f32, q8_0 or q4_0"),
               ("layers", s.layers, s.layers is None or 1 <= s.layers <= full_l, f"1..{full_l}"),
-              ("rho", s.rho, 0.0 < s.rho <= 1.0, "in (0, 1]")]
+              ("rho", s.rho, 0.0 < s.rho <= 1.0, "in (0, 1]"),
+              ("pred_dtype", s.pred_dtype, s.pred_dtype is None or s.pred_dtype in TORCH_DT or s.pred_dtype in QTYPES,
+               "f16, bf16, f32, q8_0 or q4_0"),
+              ("qkv", s.qkv, s.qkv in ("split", "fused"), "split or fused")]
     checks += [(k, getattr(s, k), getattr(s, k) is None or 0.0 < getattr(s, k) < 1.0, "in (0, 1)")
                for k in ("active", "marked", "top_share")]
     for what, got, ok, expected in checks:

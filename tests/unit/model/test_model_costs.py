@@ -10,6 +10,7 @@ from powerinfer_ray.model import gguf_keys as K
 from powerinfer_ray.model.costs import model_costs
 from powerinfer_ray.model.gguf_file import ModelFile
 from powerinfer_ray.model.gguf_writer import write_model
+from powerinfer_ray.model.planted import write_planted_gguf
 from powerinfer_ray.model.tiny import tiny_config, tiny_weights
 from powerinfer_ray.placement.problem import InfeasibleBudgetError
 from powerinfer_ray.runtime.config import GIB, EngineConfig, engine_n_ctx, resolve_plan
@@ -18,7 +19,10 @@ from powerinfer_ray.runtime.engine import LocalEngine
 
 def _tiny(path, dtype: str):
     """A tiny sparse model whose predictors are a large share of its bytes (rank 128 for n_ff 256);
-    'upstream-q4_0': upstream's INT4 layout written by gguf-py (its Q6_K head held in f16)."""
+    'upstream-q4_0': upstream's INT4 layout written by gguf-py (its Q6_K head held in f16);
+    'falcon-fused-q4_0': a planted Falcon in llama.cpp's layout, q/k/v fused, f16 predictors."""
+    if dtype == "falcon-fused-q4_0":  # llama.cpp's Falcon layout (one attn_qkv), f16 predictors
+        return write_planted_gguf("tiny-falcon?dtype=q4_0&qkv=fused&pred_dtype=f16", path, progress=False)
     if dtype == "upstream-q4_0":
         cfg = tiny_config("llama-reglu", n_embd=256, n_ff=256, predictor_rank=128, tied_output=False, dtype="q4_0")
         write_upstream_int4(path, cfg, np.random.default_rng(0))
@@ -27,29 +31,34 @@ def _tiny(path, dtype: str):
     return write_model(path, cfg, tiny_weights(cfg, seed=1))
 
 
-@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_0", "q4_0", "upstream-q4_0"])
-def test_budget_just_above_the_minimum_holds_measured(tmp_path, dtype):
-    """At 1 % over the minimum budget the solver reports, the primary (holding the model's own
-    dtype, as a GPU primary does: Q8_0 / Q4_0 matrices as their blocks, the rest in f16) holds
-    exactly what the costs say it holds (all but the norms, which it keeps outside its shards),
-    and with the workspace the costs reserve, stays within the budget + 2 %."""
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "q8_0", "q4_0", "upstream-q4_0", "falcon-fused-q4_0"])
+@pytest.mark.parametrize("where", ["minimum", "half-ffn"])
+def test_the_planned_bytes_are_the_bytes_held(tmp_path, dtype, where):
+    """At 1 % over the minimum budget the solver reports, and with room for the attention and
+    half the FFN, the primary (holding the model's own dtype, as a GPU primary
+    does: Q8_0 / Q4_0 matrices as their blocks, the rest in f16) holds exactly what the costs say
+    it holds (all but the norms, which it keeps outside its shards), and with the workspace the
+    costs reserve, stays within the budget + 2 %."""
     path = _tiny(tmp_path / f"m.{dtype}.gguf", dtype)
-    ec = dict(disable_gpu_index=True, device="cpu", dtype=ModelFile(path).config.float_dtype, max_batch=2)
+    mf = ModelFile(path)
+    cfg = mf.config
+    c = model_costs(mf, engine_n_ctx(EngineConfig(str(path)), cfg), 2)
+    ec = dict(disable_gpu_index=True, device="cpu", dtype=cfg.float_dtype, max_batch=2)
     with pytest.raises(InfeasibleBudgetError) as exc:
         resolve_plan(EngineConfig(str(path), vram_budget_gib=1e-6, **ec))
-    budget = exc.value.min_budget_bytes * 1.01
+    low = exc.value.min_budget_bytes
+    budget = low * 1.01 if where == "minimum" else c.fixed_bytes + c.attention_bytes + c.ffn_bytes / 2
     engine = LocalEngine(EngineConfig(str(path), vram_budget_gib=budget / GIB, **ec))
     try:
         held = engine.primary.weight_bytes()
         plan = engine.primary.plan
     finally:
         engine.close()
-    mf = ModelFile(path)
-    cfg = mf.config
-    c = model_costs(mf, engine_n_ctx(EngineConfig(str(path)), cfg), 2)
     placed = sum(len(lp.gpu_neurons) * c.neuron_bytes[l] + len(lp.gpu_groups) * c.attn_unit_bytes[l]
                  for l, lp in enumerate(plan.layers))
-    norms = (2 * cfg.n_layer + 1) * cfg.n_embd * 4
+    if where == "half-ffn":
+        assert all(len(lp.gpu_groups) == cfg.n_head_kv for lp in plan.layers)
+    norms = sum(int(t.n_bytes) for name, t in mf.tensors.items() if "norm" in name)  # f32 weights (+ biases)
     assert held == c.dense_bytes + sum(c.predictor_bytes) + placed - norms
     assert held + c.workspace_bytes <= 1.02 * budget, (held, c.workspace_bytes, budget)
 
