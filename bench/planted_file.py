@@ -34,7 +34,8 @@ def canonical(spec: str) -> str:
     """The spec with only the options that differ from the defaults, in a fixed order."""
     s = parse_spec(spec.removeprefix(PLANTED_PREFIX))
     default = type(s)(s.preset)
-    opts = [f"{k}={getattr(s, k)}" for k in ("dtype", "seed", "layers", "active", "marked", "top_share", "rho")
+    opts = [f"{k}={getattr(s, k)}" for k in ("dtype", "seed", "layers", "active", "marked", "top_share", "rho",
+                                             "pred_dtype", "qkv")
             if k == "dtype" or getattr(s, k) != getattr(default, k)]
     return f"{s.preset}?{'&'.join(opts)}"
 
