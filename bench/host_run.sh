@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain
+#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|swiglu|offline|offtrain
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|q4|q8|qcpu|qkern|swiglu|offline|offtrain"
+stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|swiglu|offline|offtrain"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -18,6 +18,9 @@ M13=${M13:-"planted:llama2-13b?dtype=f16"}  # a small model for a dry run elsewh
 MF=${MF:-"planted:falcon-40b?dtype=f16"}
 B13=${B13:-16}  # GiB of VRAM for the 13B stages
 BF=${BF:-24}  # GiB of VRAM for the Falcon stages
+MFQ=${MFQ:-"planted:falcon-40b?dtype=q4_0&qkv=fused"}  # the budgets stage's (dry run: tiny-falcon, B scaled)
+M13Q=${M13Q:-"planted:llama2-13b?dtype=q4_0"}
+BUDGETS=${BUDGETS:-4,6,8,12,16}  # GiB, the budgets stage's sweep
 M8=${M8:-"planted:llama3-8b?dtype=f16"}  # the SwiGLU stage's (dry run: planted:tiny-swiglu?layers=2, B8=0.005)
 B8=${B8:-8}
 SHM=${SHM:-/dev/shm}  # where the model files go
@@ -271,6 +274,28 @@ falconfile)  # Falcon-40B from the file at 24 GiB (issue 22): hybrid and layer-o
         --modes hybrid,layer-offload --shapes 64x32 -t "$THREADS"
     grep -E "does not fit" "$log" | tail -n 1 | cut -c1-600
     summary "$OUT"/runtime-falcon40b-${BF}gib-file-h200.json | cut -c1-400
+    ;;
+budgets)  # issue 39: the plan at tight budgets, from files as users run them: Falcon-40B Q4_0 in llama.cpp's
+    # layout (q/k/v fused in one attn_qkv, Q4_0 predictors: upstream's quantize of that shape, 25 GB) and the 13B
+    # Q4_0, hybrid at 4, 6, 8, 12, 16 GiB, prompt 64, 32 out; Falcon's layer-offload at 8 GiB as the same-call
+    # baseline. Every record: VRAM used against its budget and what was placed (`placed`)
+    memory before
+    write_file "$MFQ" 300 || exit 0
+    write_file "$M13Q" 120 || exit 0
+    memory "files written"
+    suite budgets-falcon40b-q4-h200 300 -m "$MFQ" --as-file "$SHM" --vram-budget "$BUDGETS" \
+        --modes hybrid --shapes 64x32 -t "$THREADS"
+    suite budgets-falcon40b-q4-offload-h200 100 -m "$MFQ" --as-file "$SHM" --vram-budget 8 \
+        --modes layer-offload --shapes 64x32 -t "$THREADS"
+    suite budgets-13b-q4-h200 150 -m "$M13Q" --as-file "$SHM" --vram-budget "$BUDGETS" \
+        --modes hybrid --shapes 64x32 -t "$THREADS"
+    python - "$OUT"/budgets-*.json <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    for r in json.load(open(path))["records"]:
+        print(f"{r['mode']} {r['vram_budget_gib']} GiB: {r['decode_tok_s']:.1f} tok/s, VRAM {r['vram_used_gib']:.2f}, "
+              f"share {r['gpu_activation_share']:.2f}, placed {r.get('placed')}")
+PY
     ;;
 q4)  # quantized (issue 19): the Q4_0 13B at 4 GiB, hybrid and its own layer-offload (cpu_kernel_gbps: the
     # CPU kernel's rate on compressed bytes)

@@ -276,7 +276,8 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
             "coordinator_init_s": info["init_s"],
             "executor_marks_s": [{k: round(t - wall0, 2) for k, t in i.get("marks", {}).items()} for i in ready],
             "executor_phases_s": [i.get("phases") for i in ready],
-            "ffn_rows": next((i.get("ffn_rows") for i in ready if "ffn_rows" in i), None)}
+            "ffn_rows": next((i.get("ffn_rows") for i in ready if "ffn_rows" in i), None),
+            "placed": next((i.get("placed") for i in ready if "placed" in i), None)}
     # warm up at the measured shapes (kernel compilation, graph capture): the longest prompt's
     # prefill chunks, and decode steps of `batch` sequences
     warm = list(range(5, 5 + min(max(p for p, _ in a.shapes), a.prefill_chunk or 256)))

@@ -212,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=None, help="score at most this many tokens (default: all)")
     p.add_argument("--margin", type=float, default=0.0,
                    help="predictor margin: decide at the file's threshold minus this (> 0 keeps more neurons)")
+    p.add_argument("--predictor-qtype", default=None, choices=("q8_0", "q4_0"),
+                   help="score float predictors as the engine holds them quantized to these blocks "
+                   "(the engine's predictor_qtype)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None, help="also write the report as JSON to this file")
     _stream_flags(p)
@@ -380,7 +383,7 @@ def cmd_quality(a: argparse.Namespace) -> int:
     from .offline.quality import format_report, quality_report
 
     r = quality_report(_resolve_model(a.model), a.text, seq_len=a.seq_len, max_tokens=a.max_tokens,
-                       device=a.device, margin=a.margin, fmt=_stream_format(a))
+                       device=a.device, margin=a.margin, fmt=_stream_format(a), predictor_qtype=a.predictor_qtype)
     print(format_report(r))
     if a.json:
         with open(a.json, "w") as fh:

@@ -24,17 +24,19 @@ if TYPE_CHECKING:
 
 
 def model_costs(model: WeightSource | ModelConfig, n_ctx: int, batch: int,
-                dtype: str | None = None) -> ModelCosts:
+                dtype: str | None = None, predictor_qtype: str | None = None) -> ModelCosts:
     """ModelCosts of ``model`` (a source, whose tensors' storage types are read, or a config,
     whose file would store them as ``quants.storage_kind`` says) with a KV cache for ``n_ctx``
     tokens x ``batch`` sequences, plus the executors' scratch slot (the cache row that padded
     decode rows write). ``dtype``: the float type the primary converts every weight to (None:
-    as stored, see the module docstring)."""
+    as stored, see the module docstring). ``predictor_qtype``: the block type the primary
+    quantizes float predictors to (``predictor_kind``; None: as stored)."""
     from ..placement.costs import ModelCosts
 
     cfg = model if isinstance(model, ModelConfig) else model.config
     shapes = expected_shapes(cfg)
     float_kind = dtype or cfg.float_dtype
+    predictors = {K.tensor(t, l) for t in (K.FC1, K.FC2) for l in range(cfg.n_layer)}
 
     def nbytes(name: str) -> int:
         """Bytes of tensor ``name`` as the primary holds it (0 when the model has none)."""
@@ -44,6 +46,8 @@ def model_costs(model: WeightSource | ModelConfig, n_ctx: int, batch: int,
         if len(shape) == 1:
             return shape[0] * ELEMENT_BYTES["f32"]
         kind = _stored(model, cfg, name, shape)
+        if name in predictors:
+            kind = _held_predictor(kind, shape, predictor_qtype)
         return _bytes(kind if dtype is None and kind in QTYPES else float_kind, *shape)
 
     base = ModelCosts.from_shape(cfg.n_layer, cfg.n_embd, cfg.n_ff, cfg.n_head, cfg.n_head_kv, cfg.n_vocab,
@@ -63,6 +67,35 @@ def model_costs(model: WeightSource | ModelConfig, n_ctx: int, batch: int,
     dense = sum(nbytes(n) for n in shapes if n not in units)  # embeddings, output head, norms, o/down biases
     return replace(base, neuron_bytes=tuple(neuron), attn_group_bytes=tuple(attn),
                    predictor_bytes=tuple(predictor), dense_bytes=dense)
+
+
+def fitting_predictor_qtype(model: WeightSource | ModelConfig, n_ctx: int, batch: int,
+                            budget_bytes: int) -> str | None:
+    """How the primary should hold float predictors under ``budget_bytes``: as stored (None) when
+    the budget holds them and all attention with its KV cache, else the finest of q8_0, q4_0 that
+    lets it, else q4_0. Attention comes first because a head on the CPU costs far more per token
+    than a predictor's rounding (``placement.problem``'s attention weight)."""
+    for q in (None, "q8_0"):
+        c = model_costs(model, n_ctx, batch, predictor_qtype=q)
+        if c.fixed_bytes + c.attention_bytes <= budget_bytes:
+            return q
+    return "q4_0"
+
+
+def predictor_kind(model: WeightSource | ModelConfig, template: str, l: int, predictor_qtype: str | None) -> str:
+    """How the primary holds predictor matrix ``template`` (FC1 / FC2) of layer l: blocks as a
+    file stores them, else ``predictor_qtype`` blocks when given and its rows are whole blocks,
+    else the stored float kind."""
+    cfg = model if isinstance(model, ModelConfig) else model.config
+    name = K.tensor(template, l)
+    shape = expected_shapes(cfg)[name]
+    return _held_predictor(_stored(model, cfg, name, shape), shape, predictor_qtype)
+
+
+def _held_predictor(stored: str, shape: tuple[int, ...], predictor_qtype: str | None) -> str:
+    if stored in QTYPES or predictor_qtype is None or shape[-1] % QK:
+        return stored
+    return predictor_qtype
 
 
 def _stored(model: WeightSource | ModelConfig, cfg: ModelConfig, name: str, shape: tuple[int, ...]) -> str:

@@ -21,7 +21,10 @@ import torch
 import torch.nn.functional as Fn
 
 from ..model import gguf_keys as K
+from ..model.costs import predictor_kind
 from ..model.gguf_file import ModelFile
+from ..model.qtypes import QTYPES
+from ..model.quants import dequantize, quantize
 from ..model.reference import ReferenceModel
 from ..model.tokenizer import Tokenizer
 from .corpus import Corpus, iter_texts
@@ -55,15 +58,23 @@ class PredictorHooks:
 
     @classmethod
     def from_file(cls, path: str | Path | ModelFile, device: str | torch.device = "cpu",
-                  threshold: float | None = None, margin: float = 0.0) -> "PredictorHooks":
+                  threshold: float | None = None, margin: float = 0.0,
+                  predictor_qtype: str | None = None) -> "PredictorHooks":
         """The file's predictors at ``threshold`` (default: its ``powerinfer.sparse_threshold``)
-        minus ``margin`` (a positive margin keeps more neurons)."""
+        minus ``margin`` (a positive margin keeps more neurons); with ``predictor_qtype`` the
+        weights of the blocks the engine quantizes float predictors to (``model.costs.predictor_kind``)."""
         mf = path if isinstance(path, ModelFile) else ModelFile(path)
         cfg = mf.config
         if not cfg.has_predictors:
             raise ValueError(f"{mf.path}: the model has no predictors (tensors {K.tensor(K.FC1, 0)!r}...)")
-        fc1 = [mf.layer(K.FC1, l, dtype=torch.float32, device=device) for l in range(cfg.n_layer)]
-        fc2 = [mf.layer(K.FC2, l, dtype=torch.float32, device=device) for l in range(cfg.n_layer)]
+
+        def held(tmpl: str, l: int) -> torch.Tensor:
+            w = mf.layer(tmpl, l, dtype=torch.float32, device=device)
+            kind = predictor_kind(mf, tmpl, l, predictor_qtype)
+            return dequantize(quantize(w, kind), kind) if kind in QTYPES and mf.qtype(tmpl, l) is None else w
+
+        fc1 = [held(K.FC1, l) for l in range(cfg.n_layer)]
+        fc2 = [held(K.FC2, l) for l in range(cfg.n_layer)]
         base = threshold if threshold is not None else file_threshold(mf)
         return cls(fc1, fc2, base - margin)
 
@@ -197,11 +208,13 @@ def _is_plain_text(text: Corpus) -> bool:
 @torch.no_grad()
 def quality_report(model_path: str | Path, text: Corpus, seq_len: int = 256, max_tokens: int | None = None,
                    device: str | torch.device = "cpu", threshold: float | None = None, margin: float = 0.0,
-                   fmt: StreamFormat | None = None, oracle: bool = True) -> dict[str, Any]:
+                   fmt: StreamFormat | None = None, oracle: bool = True,
+                   predictor_qtype: str | None = None) -> dict[str, Any]:
     """Dense vs predictor-sparse (vs oracle-sparse with ``oracle``) forwards over windows of
     ``seq_len`` tokens of ``text`` (a string, or any corpus ``iter_texts`` reads; at most
     ``max_tokens`` window tokens) for the model at ``model_path``; the predictors decide at
-    ``threshold`` (default: the file's) minus ``margin``. ``kl`` is the mean KL divergence of
+    ``threshold`` (default: the file's) minus ``margin``, with ``predictor_qtype``'s weights (as
+    ``PredictorHooks.from_file``). ``kl`` is the mean KL divergence of
     the sparse next-token distribution from the dense one, in nats per token."""
     mf = ModelFile(model_path)
     ref = ReferenceModel.from_file(mf, device=device)
@@ -210,7 +223,8 @@ def quality_report(model_path: str | Path, text: Corpus, seq_len: int = 256, max
     texts = [text] if _is_plain_text(text) else iter_texts(text)
     seq_len = min(seq_len, ref.cfg.n_ctx)
     sparse = mf.config.has_predictors
-    hooks = PredictorHooks.from_file(mf, device=device, threshold=threshold, margin=margin) if sparse else None
+    hooks = (PredictorHooks.from_file(mf, device=device, threshold=threshold, margin=margin,
+                                      predictor_qtype=predictor_qtype) if sparse else None)
     if hooks is not None:
         hooks.down_norms = down_norms(ref)
     names = ["dense"] + (["sparse"] + (["oracle"] if oracle else []) if sparse else [])

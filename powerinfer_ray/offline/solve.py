@@ -6,10 +6,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..model.costs import model_costs
+from ..model.costs import fitting_predictor_qtype, model_costs
 from ..model.source import open_model
 
 DEFAULT_CTX = 4096
+GIB = 1 << 30
 
 
 def load_counts(activation: str | Path) -> tuple[list[np.ndarray], int]:
@@ -35,8 +36,10 @@ def solve_for_model(model: str, activation: str | Path, vram_budget: float, *, h
     from ..placement.gpuidx import gpuidx_path
     from ..placement.solve import run_solve
 
-    cfg = open_model(model).config
-    costs = model_costs(cfg, n_ctx or min(cfg.n_ctx, DEFAULT_CTX), batch)
+    src = open_model(model)
+    n_ctx = n_ctx or min(src.config.n_ctx, DEFAULT_CTX)
+    pq = fitting_predictor_qtype(src, n_ctx, batch, int(vram_budget * GIB))  # as the engine will hold them
+    costs = model_costs(src, n_ctx, batch, predictor_qtype=pq)
     counts, n_tokens = load_counts(activation)
     target = Path(out) if out else gpuidx_path(model)
     placement = run_solve(counts, costs, vram_budget, n_tokens=n_tokens, host=host_profile, gpuidx_out=target,

@@ -34,6 +34,7 @@ DEVICES = ("cuda", "cpu")
 POLICIES = ("predictor", "gate-first", "oracle", "dense")  # runtime/layers.py says what each computes
 DTYPES = ("f32", "f16", "bf16")
 METHODS = ("ilp", "greedy")
+PREDICTOR_QTYPES = ("auto", "stored", "q8_0", "q4_0")
 
 
 def option(default: Any, help: str, *, kind: type = str, choices: tuple[str, ...] | None = None,  # noqa: A002, ANN401
@@ -118,6 +119,10 @@ class PlanConfig:
         None, "instead of solving: this fraction of each layer's hottest neurons on the primary (baselines)",
         kind=float)
     cpu_groups: int = option(0, "with gpu_fraction: KV-head groups of each layer on the CPU executor", kind=int)
+    predictor_qtype: str = option(
+        "auto", "how the primary holds predictors the file stores in float: as stored, or quantized at load to "
+        "q8_0 / q4_0 blocks (auto: as stored when the budget holds them and all attention, else the finest of "
+        "q8_0, q4_0 that lets it)", choices=PREDICTOR_QTYPES)
     plan: Plan | None = option(None, "an explicit plan (wins over everything above)", exposed=False)
 
     def check_plan(self) -> None:
@@ -128,6 +133,7 @@ class PlanConfig:
         check_choice("method", self.method, METHODS, optional=False)
         check_number("gpu_fraction", self.gpu_fraction, 0.0, 1.0, optional=True)
         check_int("cpu_groups", self.cpu_groups, 0)
+        check_choice("predictor_qtype", self.predictor_qtype, PREDICTOR_QTYPES, optional=False)
         if self.plan is not None and not isinstance(self.plan, Plan):
             raise _bad("plan", type(self.plan).__name__, "a runtime.plan.Plan")
 
@@ -314,14 +320,28 @@ def resolve_plan(ec: EngineConfig, src: WeightSource | None = None) -> Plan:
     if ec.plan is not None:
         ec.plan.verify(cfg)
         return ec.plan
+    pq = predictor_qtype(ec, src)
     if ec.gpu_fraction is None and ec.vram_budget_gib is None:
-        return Plan.all_gpu(cfg)
+        return replace(Plan.all_gpu(cfg), predictor_qtype=pq)
     stats = activation_counts(src, ec.model)  # read once: the split and the CPU rows' order
     if ec.gpu_fraction is not None:
         plan = Plan.hottest(cfg, ec.gpu_fraction, stats[0] if stats else None, ec.cpu_groups)
     else:
-        plan = _budget_plan(ec, src, stats)
+        plan = _budget_plan(ec, src, stats, pq)
+    plan = replace(plan, predictor_qtype=pq)
     return plan.hot_first(stats[0]) if stats is not None else plan
+
+
+def predictor_qtype(ec: EngineConfig, src: WeightSource) -> str | None:
+    """The block type the primary quantizes float predictors to (None: as stored): the config's
+    choice, or for 'auto' with a VRAM budget ``model.costs.fitting_predictor_qtype``'s."""
+    from ..model.costs import fitting_predictor_qtype
+
+    if ec.predictor_qtype != "auto":
+        return None if ec.predictor_qtype == "stored" else ec.predictor_qtype
+    if ec.vram_budget_bytes is None or resolve_policy(ec, src.config) != "predictor":
+        return None
+    return fitting_predictor_qtype(src, engine_n_ctx(ec, src.config), ec.max_batch, ec.vram_budget_bytes)
 
 
 def split_cache_path(model: str) -> Path:
@@ -339,7 +359,8 @@ def split_cache_path(model: str) -> Path:
     return path
 
 
-def _budget_plan(ec: EngineConfig, src: WeightSource, stats: tuple[list[np.ndarray], int] | None) -> Plan:
+def _budget_plan(ec: EngineConfig, src: WeightSource, stats: tuple[list[np.ndarray], int] | None,
+                 pq: str | None) -> Plan:
     """The ILP's split for the VRAM budget (or the cached one); stats: `activation_counts`."""
     import numpy as np
 
@@ -347,6 +368,7 @@ def _budget_plan(ec: EngineConfig, src: WeightSource, stats: tuple[list[np.ndarr
     from ..model.source import PLANTED_PREFIX
     from ..placement import gpuidx
     from ..placement.host import HostProfile
+    from ..placement.problem import InfeasibleBudgetError
     from ..placement.solve import solve_placement
 
     cfg = src.config
@@ -364,15 +386,21 @@ def _budget_plan(ec: EngineConfig, src: WeightSource, stats: tuple[list[np.ndarr
             log.info("using cached split %s", cache)
             return Plan.from_masks([np.asarray(m, bool) for m in split.gpu_neurons], None, cfg)
         log.warning("cached split %s was solved for another model or budget: re-solving", cache)
-    costs = model_costs(src, engine_n_ctx(ec, cfg), ec.max_batch)  # as stored: a Q6_K head is f16
+    costs = model_costs(src, engine_n_ctx(ec, cfg), ec.max_batch, predictor_qtype=pq)  # a Q6_K head is f16
     if no_predictors:
         costs = replace(costs, predictor_bytes=(0,) * cfg.n_layer)
     if stats is None:
         log.warning("no activation statistics for %s: placing with uniform frequencies "
                     "(run powerinfer-ray profile for a better split)", ec.model)
         stats = ([np.ones(cfg.n_ff, np.int64)] * cfg.n_layer, 1)
-    placement = solve_placement(stats[0], stats[1], costs, budget, HostProfile.load(ec.host_profile),
-                                method=ec.method)
+    try:
+        placement = solve_placement(stats[0], stats[1], costs, budget, HostProfile.load(ec.host_profile),
+                                    method=ec.method)
+    except InfeasibleBudgetError as e:
+        if pq is None:
+            raise
+        raise InfeasibleBudgetError(f"{e} (with the predictors held as {pq} blocks: predictor_qtype)",
+                                    e.min_budget_bytes) from None
     if cache is not None:
         gpuidx.write_gpuidx(cache, placement.gpu_neurons, budget)
     return Plan.from_masks(placement.gpu_neurons, list(placement.gpu_attention), cfg)

@@ -7,7 +7,7 @@ primary). ``primary`` is the GPU executor (or, on a host without GPU, the CPU pr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -31,6 +31,9 @@ class LayerPlan:
 @dataclass(frozen=True)
 class Plan:
     layers: tuple[LayerPlan, ...]
+    # 'q8_0' | 'q4_0': the primary holds predictors a file stores in float as these blocks
+    # (quantized at load; fewer bytes for neurons at a tight budget); None: as the file stores them
+    predictor_qtype: str | None = None
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -110,7 +113,17 @@ class Plan:
         for l, lp in enumerate(self.layers):
             order = np.argsort(-np.asarray(counts[l])[lp.cpu_neurons], kind="stable")
             layers.append(LayerPlan(lp.gpu_neurons, lp.cpu_neurons[order], lp.gpu_groups, lp.cpu_groups))
-        return Plan(tuple(layers))
+        return replace(self, layers=tuple(layers))
+
+    def placed(self) -> dict:
+        """What the plan puts on the primary: its share of the FFN neurons and of the KV-head
+        groups, layers with no primary neurons, and the predictors' type there."""
+        n = [(len(lp.gpu_neurons), len(lp.gpu_neurons) + len(lp.cpu_neurons)) for lp in self.layers]
+        g = [(len(lp.gpu_groups), len(lp.gpu_groups) + len(lp.cpu_groups)) for lp in self.layers]
+        return {"gpu_neuron_share": sum(a for a, _ in n) / max(sum(b for _, b in n), 1),
+                "gpu_group_share": sum(a for a, _ in g) / max(sum(b for _, b in g), 1),
+                "layers_without_gpu_neurons": sum(a == 0 for a, _ in n),
+                "predictor_qtype": self.predictor_qtype}
 
     def gpu_activation_share(self, counts: list[np.ndarray]) -> float:
         """Share of all activations that fall on the primary's neurons."""

@@ -108,7 +108,8 @@ class PrimaryExecutor:
         """What the group's start script reads: bytes held, the load's phases in seconds, and
         this process's host memory."""
         return {"device": str(self.device), "weight_bytes": self.weight_bytes(), "load_s": self.load_s,
-                "phases": {k: round(v, 3) for k, v in self.phases.items()}, "memory": process_memory()}
+                "phases": {k: round(v, 3) for k, v in self.phases.items()}, "memory": process_memory(),
+                "placed": self.plan.placed()}
 
     def create_channel(self) -> ChannelSpec | None:
         """Create the shared-memory channel to the CPU executor (None: the plan needs no CPU)."""

@@ -21,6 +21,9 @@ from ..kernels.norm import add_rms_norm, rms_norm_cast
 from ..kernels.predictor import predictor_logits
 from ..kernels.quant import dequantize
 from ..model import gguf_keys as K
+from ..model.costs import predictor_kind
+from ..model.qtypes import QTYPES
+from ..model.quants import quantize
 from ..model.reference import layer_norm
 from ..model.source import WeightSource, layer_rows
 from ..model.staging import pinned_staging
@@ -98,6 +101,15 @@ class PrimaryWeights:
             return self.src.layer_blocks(tmpl, l, rows=rows, device=self.device).blocks, q
         return layer_rows(self.src, tmpl, l, rows=rows, dtype=self.dtype, device=self.device), None
 
+    def _predictor(self, tmpl: str, l: int, rows: np.ndarray | None = None) -> tuple[torch.Tensor, str | None]:
+        """A predictor matrix as ``_matrix`` holds it, or as the plan's ``predictor_qtype`` blocks
+        when the source stores it in float (``model.costs.predictor_kind`` says which)."""
+        kind = predictor_kind(self.src, tmpl, l, self.plan.predictor_qtype)
+        if kind not in QTYPES or self.src.qtype(tmpl, l) is not None:
+            return self._matrix(tmpl, l, rows)
+        w = layer_rows(self.src, tmpl, l, rows=rows, dtype=torch.float32, device=self.device)
+        return quantize(w, kind), kind
+
     def _vec(self, tmpl: str, l: int | None, bias: bool = False) -> torch.Tensor | None:
         name = K.global_tensor(tmpl, bias) if l is None else K.tensor(tmpl, l, bias)
         if not self.src.has(name):
@@ -115,8 +127,8 @@ class PrimaryWeights:
         fc1 = fc2 = q1 = q2 = None
         if self.policy.name == "predictor":
             t0 = time.perf_counter()
-            fc1, q1 = self._matrix(K.FC1, l)
-            fc2, q2 = self._matrix(K.FC2, l, np.concatenate([lp.gpu_neurons, lp.cpu_neurons]))
+            fc1, q1 = self._predictor(K.FC1, l)
+            fc2, q2 = self._predictor(K.FC2, l, np.concatenate([lp.gpu_neurons, lp.cpu_neurons]))
             self.phases["predictors"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         attn = load_attn_shard(self.src, l, lp.gpu_groups, dt, dev, self.slots + 1, self.n_ctx)

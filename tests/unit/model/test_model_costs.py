@@ -54,6 +54,7 @@ def test_the_planned_bytes_are_the_bytes_held(tmp_path, dtype, where):
         plan = engine.primary.plan
     finally:
         engine.close()
+    c = model_costs(mf, engine_n_ctx(EngineConfig(str(path)), cfg), 2, predictor_qtype=plan.predictor_qtype)
     placed = sum(len(lp.gpu_neurons) * c.neuron_bytes[l] + len(lp.gpu_groups) * c.attn_unit_bytes[l]
                  for l, lp in enumerate(plan.layers))
     if where == "half-ffn":
@@ -90,3 +91,37 @@ def _assert_file_sizes(mf: ModelFile, c, output_bytes: int) -> None:
         assert c.predictor_bytes[l] == t(K.FC1) + t(K.FC2)
     norms = sum(nb(n) for n in mf.tensors if n.endswith("norm.weight"))
     assert c.dense_bytes == nb(K.global_tensor(K.TOKEN_EMBD)) + output_bytes + norms
+
+
+@pytest.mark.parametrize("want", [None, "q8_0", "q4_0"])
+def test_float_predictors_are_quantized_when_the_budget_needs_it(tmp_path, want):
+    """f16 predictors in a Q4_0 file: at a budget that holds them and all attention they stay
+    f16; with room for the attention only once they are Q8_0 (Q4_0), the primary holds them as
+    Q8_0 (Q4_0) blocks, exactly the bytes the costs planned, and all attention stays on it."""
+    path = _tiny(tmp_path / "f.gguf", "falcon-fused-q4_0")
+    mf = ModelFile(path)
+    cfg = mf.config
+    n_ctx = engine_n_ctx(EngineConfig(str(path)), cfg)
+    costs = {q: model_costs(mf, n_ctx, 2, predictor_qtype=q) for q in (None, "q8_0", "q4_0")}
+    room = {q: c.fixed_bytes + c.attention_bytes for q, c in costs.items()}
+    assert room[None] > room["q8_0"] > room["q4_0"]
+    finer = {"q8_0": None, "q4_0": "q8_0"}
+    # a quarter of the FFN beside, and less than the next finer type needs
+    budget = room[want] + (costs[want].ffn_bytes // 4 if want is None else (room[finer[want]] - room[want]) // 2)
+    ec = EngineConfig(str(path), vram_budget_gib=budget / GIB, disable_gpu_index=True, device="cpu", dtype="f16",
+                      max_batch=2)
+    engine = LocalEngine(ec)
+    try:
+        held, plan, layers = engine.primary.weight_bytes(), engine.primary.plan, engine.primary.weights.layers
+    finally:
+        engine.close()
+    assert plan.predictor_qtype == want
+    for l, lw in enumerate(layers):  # fc2's rows (r weights) are blocks only when r is a multiple of 32
+        assert lw.fc_qtypes == (want, want if cfg.predictor_ranks[l] % 32 == 0 else None)
+    assert all(len(lp.gpu_groups) == cfg.n_head_kv for lp in plan.layers)
+    c = costs[want]
+    placed = sum(len(lp.gpu_neurons) * c.neuron_bytes[l] + len(lp.gpu_groups) * c.attn_unit_bytes[l]
+                 for l, lp in enumerate(plan.layers))
+    norms = sum(int(t.n_bytes) for name, t in mf.tensors.items() if "norm" in name)
+    assert held == c.dense_bytes + sum(c.predictor_bytes) + placed - norms
+    assert held + c.workspace_bytes <= 1.02 * budget

@@ -6,9 +6,10 @@ from __future__ import annotations
 import shutil
 
 import numpy as np
+import torch
 import pytest
 
-from powerinfer_ray.model.costs import model_costs
+from powerinfer_ray.model.costs import fitting_predictor_qtype, model_costs
 from powerinfer_ray.model.default import default_model_path
 from powerinfer_ray.model.source import open_model
 from powerinfer_ray.placement.gpuidx import gpuidx_path, read_gpuidx
@@ -108,11 +109,16 @@ def test_hotter_neurons_go_to_the_gpu(model, host):
 
 
 def test_too_small_budget_fails_before_loading_and_names_the_minimum(model):
-    cfg = open_model(model).config
-    c = model_costs(cfg, min(cfg.n_ctx, 4096), 8)
+    """The minimum is that of predictors held as the finest block type the budget needs
+    (Q4_0 at so small a budget), which the message says."""
+    src = open_model(model)
+    n_ctx = min(src.config.n_ctx, 4096)
+    pq = fitting_predictor_qtype(src, n_ctx, 8, int(0.001 * GIB))
+    c = model_costs(src, n_ctx, 8, predictor_qtype=pq)
     with pytest.raises(ValueError) as exc:
         LocalEngine(EngineConfig(str(model), vram_budget_gib=0.001))
     msg = str(exc.value)
+    assert pq == "q4_0" and "held as q4_0" in msg, msg
     assert "GiB" in msg and f"{c.min_budget_bytes(True) / GIB:.3f}"[:5] in msg, msg
 
 
@@ -157,3 +163,36 @@ def test_hot_first_cpu_rows_give_the_same_logits():
         assert np.all(np.diff(counts[l][b.cpu_neurons]) <= 0)  # hottest first
         assert not np.array_equal(a.cpu_neurons, b.cpu_neurons)  # reordered: the test is not vacuous
     np.testing.assert_allclose(logits["hot"], logits["id"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_0"])
+def test_predictors_quantized_at_load_equal_a_file_that_stores_them_so(tmp_path, qtype):
+    """predictor_qtype on f16 predictors: the primary holds exactly the blocks of a file that
+    stores those predictors as ``qtype`` (gguf's quantizer), and an engine split between the
+    primary and the CPU executor computes every step's logits as one over that file does (a
+    wrong block or a quantizer bug moves them by far more than the fp32 summation order)."""
+    from powerinfer_ray.model.gguf_writer import LazyTensor, write_model
+    from powerinfer_ray.model.quants import quantize
+    from powerinfer_ray.model.tiny import tiny_config, tiny_weights
+
+    cfg = tiny_config("llama-reglu", dtype="f16", predictor_rank=64, n_layer=2)
+    w = tiny_weights(cfg, seed=2)
+    f16 = write_model(tmp_path / "f16.gguf", cfg, w)
+    blocks = {n: LazyTensor(tuple(t.shape), qtype, lambda t=t: quantize(t.to(torch.float16), qtype))  # as f16 stores it
+              for n, t in w.items() if n.split(".")[-2] in ("fc1", "fc2")}
+    stored = write_model(tmp_path / "stored.gguf", cfg, {**w, **blocks})
+    got = {}
+    for path, pq in ((f16, qtype), (stored, "stored")):
+        eng = LocalEngine(EngineConfig(str(path), gpu_fraction=0.5, device="cpu", predictor_qtype=pq, max_batch=2))
+        try:
+            assert eng.cpu is not None and eng.primary.plan.predictor_qtype == (qtype if pq == qtype else None)
+            held = [(lw.fc_qtypes, lw.fc1.clone(), lw.fc2.clone()) for lw in eng.primary.weights.layers]
+            steps = [eng.primary.step([0], [[1, 5, 9, 2, 7]], [0])[0], eng.primary.step([0], [[4]], [5])[0]]
+            got[pq] = held, [np.array(s, copy=True) for s in steps]
+        finally:
+            eng.close()
+    for (qa, a1, a2), (qb, b1, b2) in zip(got[qtype][0], got["stored"][0]):
+        assert qa == qb == (qtype, qtype)
+        assert torch.equal(a1, b1) and torch.equal(a2, b2)
+    for a, b in zip(got[qtype][1], got["stored"][1]):  # the same kernels on the same blocks (fp32 sums in
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # another order where threads split them)

@@ -256,7 +256,8 @@ def test_planted_swiglu_runs_in_either_mode_over_a_solved_split(policy):
 
     spec = "planted:tiny-swiglu?dtype=f32"
     src = open_model(spec)
-    ec = EngineConfig(spec, vram_budget_gib=0.0115, policy=policy, prefill_chunk=8)  # a part of the FFN
+    ec = EngineConfig(spec, vram_budget_gib=0.0115, policy=policy, prefill_chunk=8,  # a part of the FFN
+                      predictor_qtype="stored")
     plan = resolve_plan(ec, src)
     n_cpu = sum(len(lp.cpu_neurons) for lp in plan.layers)
     assert 0 < n_cpu < src.config.n_ff * src.config.n_layer
