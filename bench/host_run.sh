@@ -280,11 +280,11 @@ budgets)  # issue 39: the plan at tight budgets, from files as users run them: F
     # Q4_0, hybrid at 4, 6, 8, 12, 16 GiB, prompt 64, 32 out; Falcon's layer-offload at 8 GiB as the same-call
     # baseline. Every record: VRAM used against its budget and what was placed (`placed`)
     memory before
-    write_file "$MFQ" 240 || exit 0
+    write_file "$MFQ" 290 || exit 0  # ~245 s on the H200 (Q4_0 blocks quantized as generated)
     memory "file written"
-    suite budgets-falcon40b-q4-h200 260 -m "$MFQ" --as-file "$SHM" --vram-budget "$BUDGETS" \
+    suite budgets-falcon40b-q4-h200 230 -m "$MFQ" --as-file "$SHM" --vram-budget "$BUDGETS" \
         --modes hybrid --shapes 64x32 -t "$THREADS"
-    suite budgets-falcon40b-q4-offload-h200 90 -m "$MFQ" --as-file "$SHM" --vram-budget 8 \
+    suite budgets-falcon40b-q4-offload-h200 60 -m "$MFQ" --as-file "$SHM" --vram-budget 8 \
         --modes layer-offload --shapes 64x32 -t "$THREADS"
     write_file "$M13Q" 60 || exit 0
     suite budgets-13b-q4-h200 150 -m "$M13Q" --as-file "$SHM" --vram-budget "$BUDGETS" \

@@ -75,9 +75,11 @@ def fitting_predictor_qtype(model: WeightSource | ModelConfig, n_ctx: int, batch
     the budget holds them and all attention with its KV cache, else the finest of q8_0, q4_0 that
     lets it, else q4_0. Attention comes first because a head on the CPU costs far more per token
     than a predictor's rounding (``placement.problem``'s attention weight)."""
+    costs = {q: model_costs(model, n_ctx, batch, predictor_qtype=q) for q in (None, "q8_0", "q4_0")}
+    if costs["q4_0"].predictor_bytes == costs[None].predictor_bytes:
+        return None  # stored as blocks already (or no predictors): nothing to quantize
     for q in (None, "q8_0"):
-        c = model_costs(model, n_ctx, batch, predictor_qtype=q)
-        if c.fixed_bytes + c.attention_bytes <= budget_bytes:
+        if costs[q].fixed_bytes + costs[q].attention_bytes <= budget_bytes:
             return q
     return "q4_0"
 
