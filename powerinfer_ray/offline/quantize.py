@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from gguf import GGUFValueType
 from gguf import quants as gguf_quants
-from gguf.gguf_reader import ReaderField, ReaderTensor
+from gguf.gguf_reader import GGUFReader, ReaderField, ReaderTensor
 from gguf.gguf_writer import GGUFValue
 
 from ..model import gguf_keys as K
@@ -42,7 +42,7 @@ def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], qtyp
     if src.resolve() == dst.resolve():
         raise ValueError(f"quantize: output {dst} is the input file; name another file")
     reader = open_gguf(src)
-    fields = {f.name: _typed(f) for f in reader.fields.values() if not f.name.startswith("GGUF.")}
+    fields = copied_fields(reader)
     fields[K.FILE_TYPE] = GGUFValue(FILE_TYPE[qtype], GGUFValueType.UINT32)
     arch = str(fields.pop(K.ARCH).value)
     tensors = [_plan(t, qtype) for t in reader.tensors]
@@ -63,6 +63,12 @@ def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], qtyp
     finally:
         tmp.unlink(missing_ok=True)
     return dst
+
+
+def copied_fields(reader: GGUFReader) -> dict[str, GGUFValue]:
+    """A file's metadata (``general.architecture`` included) with its GGUF types, to be written
+    as it was (``gguf_writer.write_gguf``)."""
+    return {f.name: _typed(f) for f in reader.fields.values() if not f.name.startswith("GGUF.")}
 
 
 def _typed(f: ReaderField) -> GGUFValue:
