@@ -43,7 +43,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from model_bench import write_results  # noqa: E402
+from quant_models import SITES, KernelPredictorHooks, KernelReference  # noqa: E402  (the CPU kernels' float64 reference)
 
 from powerinfer_ray.model import gguf_keys as K  # noqa: E402
 from powerinfer_ray.model.default import default_model_path  # noqa: E402
@@ -195,60 +197,28 @@ def engine_part(paths: dict[str, Path], windows: list[list[int]], a: argparse.Na
 # ------------------------------------------------------------------------------------------------
 # the float64 decomposition
 # ------------------------------------------------------------------------------------------------
-SITES = ("attn", "ffn", "head", "pred")
+class ClosestHooks(KernelPredictorHooks):
+    """The predictors as the runtime computes them (``quant_models.KernelPredictorHooks``), keeping
+    per layer the distance of every token's closest logit to the threshold (``closest``: [T] each)."""
+
+    def __init__(self, ref: KernelReference) -> None:
+        super().__init__(ref)
+        self.closest: list[torch.Tensor] = []
+
+    def mask(self, l: int, pred_in: torch.Tensor) -> torch.Tensor:
+        lg = self.logits(l, pred_in)  # [T, F]
+        self.closest.append((lg - self.threshold).abs().min(-1).values)
+        return lg >= self.threshold
 
 
-def _kernel_reference():  # noqa: ANN202
-    """tests/quant_models.py: the float64 forward that rounds x as the CPU kernels do."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    import quant_models
-
-    return quant_models
-
-
-def rounded_reference(q4: Path, sites: tuple[str, ...]) -> Any:  # noqa: ANN401
-    """The float64 forward of the q4 file's exact weights with x rounded to Q8_0 before the
-    products of ``sites`` (attn: q/k/v and o; ffn: up and gate; head) only."""
-    ref = _kernel_reference().KernelReference.from_file(q4)
-    head = ref.head_name
-
-    def rounded(n: str) -> bool:
-        return (("attn" in sites and ".attn_" in n) or ("ffn" in sites and ".ffn_" in n)
-                or ("head" in sites and n == head))
-    ref.quantized = frozenset(n for n in ref.quantized if rounded(n))
-    return ref
+def reference(path: Path, sites: tuple[str, ...]) -> tuple[KernelReference, ClosestHooks]:
+    """The float64 forward of the file's exact weights with x rounded to Q8_0 before the products
+    of ``sites`` (``KernelReference.rounding_at``), and its predictors."""
+    ref = KernelReference.from_file(path).rounding_at(sites)
+    return ref, ClosestHooks(ref)
 
 
-def predictor_hooks(path: Path, rounded: bool) -> Any:  # noqa: ANN401
-    """The file's predictors in float64 (``offline.quality.PredictorHooks``); ``rounded``: their
-    inputs x and relu(fc1 x) rounded to Q8_0 as the CPU kernels' GEMVs do; each mask call keeps
-    the closest logit to the threshold of every token (``closest``: [T] per layer)."""
-    from powerinfer_ray.kernels.quant import round_q8_0
-    from powerinfer_ray.offline.quality import PredictorHooks
-
-    class Hooks(PredictorHooks):
-        closest: list[torch.Tensor]
-
-        def logits(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-            r = round_q8_0 if rounded else (lambda v: v.double())
-            z = torch.relu(r(x) @ self.fc1[layer].T)
-            return r(z) @ self.fc2[layer].T
-
-        def mask(self, layer: int, pred_in: torch.Tensor) -> torch.Tensor:
-            lg = self.logits(layer, pred_in)
-            self.closest.append((lg - self.thresholds[layer]).abs().min(-1).values)
-            return lg >= self.thresholds[layer]
-
-        def observe(self, layer: int, pred_in: torch.Tensor, h: torch.Tensor) -> None:
-            return None
-
-    h = Hooks.from_file(path)
-    h.fc1, h.fc2 = [w.double() for w in h.fc1], [w.double() for w in h.fc2]
-    h.closest = []
-    return h
-
-
-def reference_logits(ref: Any, hooks: Any, windows: list[list[int]]) -> np.ndarray:  # noqa: ANN401
+def reference_logits(ref: KernelReference, hooks: ClosestHooks, windows: list[list[int]]) -> np.ndarray:
     return np.concatenate([ref.forward(w[:-1], ref.new_cache(), hooks).numpy() for w in windows])
 
 
@@ -256,11 +226,11 @@ def engine_sites(device: str, placement: str) -> tuple[str, ...]:
     """Where an engine run of the q4 file rounds x: every product of a CPU primary; on a CUDA
     primary only the CPU executor's FFN rows."""
     if device == "cpu":
-        return SITES
+        return tuple(SITES)
     return ("ffn",) if placement == "cpu-executor" else ()
 
 
-def divergence(ref: Any, hooks: Any, window: list[int], got: np.ndarray) -> dict[str, Any]:  # noqa: ANN401
+def divergence(ref: KernelReference, hooks: ClosestHooks, window: list[int], got: np.ndarray) -> dict[str, Any]:  # noqa: ANN401
     """Where the engine's logits got [T, V] of a window leave the reference's, and the closest
     rounding decisions at that step."""
     hooks.closest = []
@@ -277,22 +247,17 @@ def divergence(ref: Any, hooks: Any, window: list[int], got: np.ndarray) -> dict
 
 def reference_part(paths: dict[str, Path], windows: list[list[int]], q4_logits: dict[str, np.ndarray],
                    device: str) -> dict[str, Any]:
-    from powerinfer_ray.model.reference import ReferenceModel
-
-    twin = ReferenceModel.from_file(paths["twin"], dtype=torch.float64)
-    base = reference_logits(twin, predictor_hooks(paths["twin"], False), windows)
+    base = reference_logits(*reference(paths["twin"], ()), windows)
     out: dict[str, Any] = {"sites": {}}
-    for sites in [()] + [(s,) for s in SITES] + [SITES]:
-        ref = rounded_reference(paths["q4"], sites)
-        lg = reference_logits(ref, predictor_hooks(paths["q4"], "pred" in sites), windows)
+    for sites in [()] + [(s,) for s in SITES] + [tuple(SITES)]:
+        lg = reference_logits(*reference(paths["q4"], sites), windows)
         out["sites"]["+".join(sites) or "none"] = agreement(base, lg)
         print("reference, x rounded at", sites or "none", out["sites"]["+".join(sites) or "none"], flush=True)
     T = len(windows[0]) - 1
     out["engine_vs_reference"] = {}
     for placement, lg in q4_logits.items():
         sites = engine_sites(device, placement)
-        ref = rounded_reference(paths["q4"], sites)
-        hooks = predictor_hooks(paths["q4"], "pred" in sites)
+        ref, hooks = reference(paths["q4"], sites)
         per = [divergence(ref, hooks, w, lg[i * T:(i + 1) * T]) for i, w in enumerate(windows)]
         out["engine_vs_reference"][placement] = {"rounded_at": list(sites), "windows": per}
     return out

@@ -3,7 +3,8 @@ tests/unit, tests/ray and tests/gpu).
 
 ``write_upstream_int4``: a model file in the layout of upstream PowerInfer's ``quantize ... Q4_0``,
 written by gguf-py alone (an independent writer). ``KernelReference``: the dense forward over a
-quantized file's dequantized weights, multiplying what ggml's CPU kernels multiply.
+quantized file's dequantized weights, multiplying what ggml's CPU kernels multiply;
+``KernelPredictorHooks``: its predictors' decisions so computed.
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from powerinfer_ray.model.gguf_file import ModelFile
 from powerinfer_ray.model.qtypes import QTYPES
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import tiny_weights
+from powerinfer_ray.model.tokenizer import Tokenizer
+
+SITES = ("attn", "ffn", "head", "pred")  # where the runtime multiplies x with quantized rows
 
 
 class KernelReference(ReferenceModel):
@@ -53,6 +57,18 @@ class KernelReference(ReferenceModel):
             ref.head_name = K.global_tensor(K.TOKEN_EMBD)
         ref.ties = []
         return ref
+
+    def rounding_at(self, sites) -> "KernelReference":  # noqa: ANN001
+        """Round x only before the products of ``sites`` (of SITES: attn, q/k/v and o; ffn, up and
+        gate; head; pred, the predictors' fc1 and fc2 through ``KernelPredictorHooks``), as a
+        runtime whose other products multiply x as it is (a CUDA primary's). Returns self."""
+        def at(n: str) -> bool:
+            return (("attn" in sites and ".attn_" in n) or ("ffn" in sites and ".ffn_" in n)
+                    or ("head" in sites and n == self.head_name)
+                    or ("pred" in sites and (".fc1." in n or ".fc2." in n)))
+        assert set(sites) <= set(SITES), sites
+        self.quantized = frozenset(n for n in self.quantized if at(n))
+        return self
 
     def forward(self, tokens, cache, hooks=None) -> torch.Tensor:  # noqa: ANN001
         self.ties = []
@@ -96,6 +112,28 @@ class KernelReference(ReferenceModel):
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self._rounded(self._norm(x, K.OUTPUT_NORM, None), self.head_name) @ self.w[K.global_tensor(K.OUTPUT)].T
+
+
+class KernelPredictorHooks:
+    """FFN hooks whose mask is the file's predictors' decision (logit >= threshold, default the
+    file's) with the logits as the runtime's GEMVs on Q8_0 / Q4_0 rows compute them: float64 over
+    ``ref``'s weights, x and relu(fc1 x) rounded to Q8_0 by ``ref`` (its ties recorded, its flips
+    taken) where ``ref.quantized`` holds fc1 and fc2."""
+
+    def __init__(self, ref: KernelReference, threshold: float | None = None) -> None:
+        t = ref.cfg.sparse_threshold if threshold is None else threshold
+        self.ref, self.threshold = ref, 0.0 if t is None else float(t)
+
+    def logits(self, l: int, pred_in: torch.Tensor) -> torch.Tensor:
+        ref, fc1, fc2 = self.ref, K.tensor(K.FC1, l), K.tensor(K.FC2, l)
+        z = torch.relu(ref._rounded(pred_in, fc1) @ ref.w[fc1].T)  # [T, r]
+        return ref._rounded(z, fc2) @ ref.w[fc2].T  # [T, F]
+
+    def mask(self, l: int, pred_in: torch.Tensor) -> torch.Tensor:
+        return self.logits(l, pred_in) >= self.threshold  # [T, F]
+
+    def observe(self, l: int, pred_in: torch.Tensor, h: torch.Tensor) -> None:
+        return None
 
 
 def _under(margin: torch.Tensor, tie: float) -> list[tuple[tuple[int, ...], float]]:
@@ -148,6 +186,42 @@ def match_rounding(ref: KernelReference, tokens: list[int], got: list, at: list[
         errs = errors(flips, at[-1])
     ref.flips = frozenset()
     return errs, flips
+
+
+def assert_twin_computes_its_weights(folder, placement: str, sites, tol: float, **engine) -> None:  # noqa: ANN001
+    """The embedded model as gguf-py's Q4_0 file and its F32 twin (bench/quant_twin.py's
+    ``write_twins``) hold the same weights, and an engine of each (``placement``: 'primary', every
+    FFN row on the primary; 'mixed', half of each layer's on the CPU executor; the file's own
+    predictors; ``engine``: more EngineConfig fields) computes their float64 forward over a
+    held-out window in decode steps, the Q4_0 file's with x rounded to Q8_0 at ``sites``, to
+    ``tol`` (rounding ties matched)."""
+    from powerinfer_ray.bench import load_driver
+    from powerinfer_ray.model.default import default_model_path
+    from powerinfer_ray.offline.corpus import iter_texts
+    from powerinfer_ray.offline.stream import token_windows
+    from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
+    from powerinfer_ray.runtime.plan import Plan
+
+    paths = load_driver("quant_twin").write_twins(default_model_path(), folder)
+    q4, twin = ModelFile(paths["q4"]), ModelFile(paths["twin"])
+    assert q4.dtype_of(K.tensor(K.FC2, 0)) == q4.dtype_of(K.global_tensor(K.TOKEN_EMBD)) == "q4_0"
+    for name in q4.tensors:
+        assert twin.dtype_of(name) == "f32" and torch.equal(q4.get(name), twin.get(name)), name
+    window = next(token_windows(Tokenizer(q4.fields), iter_texts("builtin:heldout"), 24, 24))
+    cfg = q4.config
+    half = [np.arange(cfg.n_ff) % 2 == 0] * cfg.n_layer
+    plan = Plan.all_gpu(cfg) if placement == "primary" else Plan.from_masks(half, None, cfg)
+    for path in paths.values():
+        ref = KernelReference.from_file(path).rounding_at(sites)
+        eng = LocalEngine(EngineConfig(str(path), plan=plan, max_batch=1, prefill_chunk=8, **engine))
+        try:
+            assert eng.primary.policy.name == "predictor"
+            got = [eng.primary.step([0], [[t]], [i])[0] for i, t in enumerate(window)]
+            assert placement == "primary" or eng.cpu.stats.neurons > 0
+        finally:
+            eng.close()
+        errs, flips = match_rounding(ref, window, got, list(range(len(window))), hooks=KernelPredictorHooks(ref))
+        assert max(errs) < tol, (path.name, errs, flips)
 
 
 def k_blocks(rng: np.random.Generator, n_blocks: int, qt: T) -> np.ndarray:

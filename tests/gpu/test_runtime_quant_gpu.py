@@ -1,8 +1,10 @@
-"""The VRAM budget of a quantized model, measured on CUDA (its exactness: test_runtime_gpu.py)."""
+"""The VRAM budget of a quantized model, measured on CUDA (its exactness: test_runtime_gpu.py); a Q4_0
+file against its dequantized twin."""
 from __future__ import annotations
 
 import pytest
 import torch
+from quant_models import assert_twin_computes_its_weights
 
 from powerinfer_ray.model.planted import write_planted_gguf
 from powerinfer_ray.placement.problem import InfeasibleBudgetError
@@ -41,3 +43,11 @@ def test_cuda_vram_budget_holds_measured_for_quantized(qtype, tmp_path):
     finally:
         eng.close()
     assert held <= budget and peak <= 1.02 * budget, (held, peak, budget)
+
+
+@pytest.mark.parametrize("placement, sites", [("primary", ()), ("mixed", ("ffn",))])
+def test_cuda_primary_multiplies_x_as_it_is(tmp_path, placement, sites):
+    """The GPU kernels dequantize Q4_0 rows in registers and multiply x as it is (f32 here): the
+    embedded model's Q4_0 file computes its F32 twin's float64 forward with every FFN row on the
+    GPU, and with half of them on the CPU executor, x rounded to Q8_0 before those rows alone."""
+    assert_twin_computes_its_weights(tmp_path, placement, sites, 1e-4, device="cuda", dtype="f32")

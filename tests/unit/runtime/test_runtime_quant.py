@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from quant_models import KernelReference, match_rounding, write_upstream_int4
+from quant_models import (SITES, KernelPredictorHooks, KernelReference, assert_twin_computes_its_weights,
+                          match_rounding, write_upstream_int4)
 
 from powerinfer_ray.model import gguf_keys as K
 from powerinfer_ray.model.tiny import tiny_config, write_tiny_model
@@ -82,22 +83,6 @@ def _steps(eng: LocalEngine, prompt: list[int], decode: list[int], chunk: int) -
     return got, at
 
 
-class _Predictor:
-    """The reference's FFN mask: its own predictor over the dequantized fc1 / fc2, each GEMV's
-    input rounded to Q8_0 as the CPU kernel's (``KernelReference`` keeps their ties)."""
-
-    def __init__(self, ref: KernelReference, threshold: float) -> None:
-        self.ref, self.threshold = ref, threshold
-
-    def mask(self, l, pred_in):  # noqa: ANN001, ANN201
-        ref, fc1, fc2 = self.ref, K.tensor(K.FC1, l), K.tensor(K.FC2, l)
-        z = torch.relu(ref._rounded(pred_in, fc1) @ ref.w[fc1].T)  # [T, r]
-        return ref._rounded(z, fc2) @ ref.w[fc2].T >= self.threshold  # [T, F]
-
-    def observe(self, l, pred_in, h):  # noqa: ANN001
-        pass
-
-
 @pytest.mark.parametrize("qtype, rank", [("q8_0", 32), ("q4_0", 32), ("q4_0", 16)])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "segments"])
 def test_predictor_policy_computes_the_predicted_neurons(tmp_path, qtype, rank, graphs):
@@ -122,7 +107,7 @@ def test_predictor_policy_computes_the_predicted_neurons(tmp_path, qtype, rank, 
         assert eng.cpu.stats.neurons > 0
     finally:
         eng.close()
-    errs, flips = match_rounding(ref, prompt + decode, got, at, hooks=_Predictor(ref, thr))
+    errs, flips = match_rounding(ref, prompt + decode, got, at, hooks=KernelPredictorHooks(ref, thr))
     assert max(errs) < TOL, (errs, flips)
 
 
@@ -235,3 +220,13 @@ def test_a_layer_whose_ffn_matrices_differ_in_type_is_refused(tmp_path):
                                          r"blk.1.ffn_up.weight: q4_0, blk.1.ffn_gate.weight: float, "
                                          r"blk.1.ffn_down_t.weight: q4_0\).*powerinfer-ray quantize"):
         LocalEngine(EngineConfig(str(path), plan=_plan(cfg, "mixed"), policy="oracle"))
+
+
+def test_a_q4_0_file_computes_its_dequantized_twin_with_x_rounded(tmp_path):
+    """The embedded model as gguf-py's Q4_0 file beside its twin, the same weights dequantized to
+    F32 (bench/quant_twin.py measures the gap): through a CPU primary with half of each layer's
+    FFN rows on the CPU executor and the file's own predictors, the twin's logits are its float64
+    forward and the Q4_0 file's are the same weights' forward with x rounded to Q8_0 before every
+    product with a quantized matrix (attention, FFN up and gate, head, predictors): x's rounding,
+    and nothing else, separates the two."""
+    assert_twin_computes_its_weights(tmp_path, "mixed", SITES, TOL, device="cpu")
