@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|swiglu|offline|offtrain
+#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|swiglu|offline|offtrain"
+stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -25,6 +25,7 @@ M8=${M8:-"planted:llama3-8b?dtype=f16"}  # the SwiGLU stage's (dry run: planted:
 B8=${B8:-8}
 SHM=${SHM:-/dev/shm}  # where the model files go
 THREADS=${THREADS:-14}  # CPU executor threads (the H200 host: 14 of 16 cores)
+QTWIN=${QTWIN:-"--device cuda"}  # the qtwin stage's bench/quant_twin.py arguments (dry run: --device cpu --max-tokens 128 --seq-len 32)
 KERNEL_TESTS=tests/gpu/test_kernels_gpu.py  # the Triton kernels' GPU tests
 RUNTIME_TESTS="tests/gpu/test_runtime_gpu.py tests/gpu/test_runtime_quant_gpu.py tests/gpu/test_swiglu_gpu.py"
 log=$OUT/$stage.log
@@ -323,6 +324,17 @@ qkern)  # the Triton kernels on Q4_0 / Q8_0 rows: their GPU tests, then the FFN 
     timeout 300 powerinfer-ray bench kernels --device cuda --gpu-dtypes fp16,q4_0,q8_0 --tokens 1,8 --densities 10,50 \
         --out "$OUT" >> "$log" 2>&1
     grep -E "^\[gpu( linear)?\] (fp16|q4_0|q8_0)" "$log" | cut -c1-160
+    ;;
+qtwin)  # issue 34: the embedded model's Q4_0 file against its dequantized F32 twin through the engine
+    # (bench/quant_twin.py), the FFN rows on the GPU, then on the CPU executor: its GPU tests, then f32
+    # activations for both files (x's rounding alone: none on the GPU, the CPU executor's), then each
+    # file's defaults (f16 beside the Q4_0 blocks, f32 for the twin)
+    timeout -s INT 150 python -m pytest tests/gpu/test_runtime_quant_gpu.py -k twin -q -rf > "$OUT/gpu-tests.log" 2>&1
+    tail -n 3 "$OUT/gpu-tests.log" | cut -c1-300
+    timeout -s INT 200 python bench/quant_twin.py $QTWIN --dtype f32 -o "$OUT" --name quant-twin-h200 >> "$log" 2>&1
+    timeout -s INT 200 python bench/quant_twin.py $QTWIN --dtype default -o "$OUT" \
+        --name quant-twin-h200-default >> "$log" 2>&1
+    grep -E "^(primary|cpu-executor) |Error" "$log" | cut -c1-600
     ;;
 swiglu)  # issue 20: planted:llama3-8b (SwiGLU sparsified at 50 %) at 8 GiB, prompt 64, 128 generated, one
     # engine each: hybrid in the predicted mode, hybrid gate-first, the dense hybrid, layer-offload
