@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from model_bench import write_results  # noqa: E402
-from quant_models import SITES, KernelPredictorHooks, KernelReference  # noqa: E402  (the CPU kernels' float64 reference)
+from quant_models import SITES, KernelPredictorHooks, KernelReference  # noqa: E402  (the kernels' float64 reference)
 
 from powerinfer_ray.model import gguf_keys as K  # noqa: E402
 from powerinfer_ray.model.default import default_model_path  # noqa: E402
@@ -230,7 +230,7 @@ def engine_sites(device: str, placement: str) -> tuple[str, ...]:
     return ("ffn",) if placement == "cpu-executor" else ()
 
 
-def divergence(ref: KernelReference, hooks: ClosestHooks, window: list[int], got: np.ndarray) -> dict[str, Any]:  # noqa: ANN401
+def divergence(ref: KernelReference, hooks: ClosestHooks, window: list[int], got: np.ndarray) -> dict[str, Any]:
     """Where the engine's logits got [T, V] of a window leave the reference's, and the closest
     rounding decisions at that step."""
     hooks.closest = []
@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=4096, help="held-out window tokens")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16, help="windows per decode step")
-    ap.add_argument("--greedy", type=int, default=32, help="prompts continued greedily (0: none)")
+    ap.add_argument("--greedy", type=int, default=32,
+                    help="prompts continued greedily: the first windows' first 16 tokens (0: none)")
     ap.add_argument("--reference", action="store_true", help="add the float64 decomposition (CPU, minutes)")
     ap.add_argument("-o", "--out-dir", default=str(Path(__file__).resolve().parent / "results"))
     ap.add_argument("--name", default=None, help="results file name (default: quant-twin-<machine>)")
@@ -291,13 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         paths = {"f16": src, **write_twins(src, Path(tmp))}
         results, q4_logits = engine_part(paths, windows, a)
-        reference = reference_part(paths, windows, q4_logits, a.device) if a.reference else None
-    write_results(a.out_dir, a.name or default_name(a.device), " ".join(["python3", "bench/quant_twin.py", *(argv or sys.argv[1:])]),
+        decomposition = reference_part(paths, windows, q4_logits, a.device) if a.reference else None
+    command = " ".join(["python3", "bench/quant_twin.py", *(argv or sys.argv[1:])])
+    write_results(a.out_dir, a.name or default_name(a.device), command,
                   what="the embedded model as gguf-py's Q4_0 file (q4) beside its F32 twin (the same weights "
                        "dequantized) and its f16 original, teacher-forced through the engine over held-out windows: "
                        "top-1 agreement and mean KL(first || second) in nats per placement of the FFN rows",
                   model=src.name, device=a.device, dtype=a.dtype, positions=len(windows) * (a.seq_len - 1),
-                  windows=len(windows), seq_len=a.seq_len, results=results, reference=reference)
+                  windows=len(windows), seq_len=a.seq_len, results=results, reference=decomposition)
     return 0
 
 
