@@ -16,6 +16,9 @@ Each executor keeps its counters on its own device (static tensors: the decode g
 their masks into them in place, no host sync per layer); ``model_counts`` maps them back to
 the model's neuron ids, and the engine sums its executors' (their neuron sets are disjoint),
 read between two steps (the engine holds its step lock) so that both count the same tokens.
+When re-placement gives a column another neuron (``relabel``), the column's count so far goes to
+its neuron's total on the host and the column starts again from zero: the totals by neuron id
+stay whole whichever executor counted them.
 
 Dimension legend: N tokens of a step, n the counted neurons of a layer.
 """
@@ -46,6 +49,7 @@ class ActivityCounts:
         # per layer views of one buffer: one copy brings every layer back
         self.layers = [self.flat[off[l]:off[l + 1]] if self.on else None for l in range(len(sizes))]
         self.tokens = 0
+        self.retired: dict[int, np.ndarray] = {}  # per layer [n_ff] int64: counts of relabelled columns
 
     def add(self, l: int, mask: torch.Tensor | None, start: int = 0) -> None:
         """Count mask [N, m] (bool: token, neuron active) into layer l's columns start..start+m.
@@ -63,16 +67,31 @@ class ActivityCounts:
         for l, ids in enumerate(self.ids):
             out[l, ids] = flat[off:off + len(ids)]
             off += len(ids)
+        for l, counts in self.retired.items():
+            out[l] += counts
         return out
+
+    def relabel(self, l: int, cols: np.ndarray, ids: np.ndarray, n_ff: int) -> None:
+        """Columns ``cols`` of layer l count neurons ``ids`` from now on; what they counted so far
+        stays with their old neurons (``retired``). Between steps (it reads the device)."""
+        cols = np.asarray(cols, np.int64)
+        if self.on and len(cols):
+            idx = torch.from_numpy(cols).to(self.flat.device)
+            got = self.layers[l][idx].cpu().numpy()
+            np.add.at(self.retired.setdefault(l, np.zeros(n_ff, np.int64)), self.ids[l][cols], got)
+            self.layers[l][idx] = 0
+        self.ids[l] = self.ids[l].copy()
+        self.ids[l][cols] = ids
 
     def active(self) -> int:
         """(token, neuron) pairs counted, all layers."""
-        return int(self.flat.sum()) if self.on else 0
+        return int(self.flat.sum()) + sum(int(r.sum()) for r in self.retired.values()) if self.on else 0
 
     def reset(self) -> None:
         """Start counting afresh (in place: captured graphs keep adding into the same tensors)."""
         self.flat.zero_()
         self.tokens = 0
+        self.retired.clear()
 
 
 def check_counted(policy: str) -> None:

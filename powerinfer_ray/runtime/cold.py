@@ -38,8 +38,8 @@ from ..model.source import WeightSource, file_mapping
 from .channel import device_view, pin_host
 from .hostmem import host_memory, on_tmpfs
 from .layers import oracle_mask, shard_activation
-from .plan import Plan
-from .shard import FFNShard, in_place_ffn_shard, load_ffn_shard
+from .plan import Plan, Swap
+from .shard import FFNShard, in_place_ffn_shard, load_ffn_shard, replace_neurons
 from .sharedshard import SharedShardSpec, attach
 from .stats import ExecStats
 
@@ -188,6 +188,29 @@ class ColdRows:
                         self.device, self.dtype)
         self._host[l, share] = hr
         return hr
+
+    def swap(self, s: Swap) -> None:
+        """Re-placement: the neurons ``s.to_cpu`` take the CPU shard's rows ``s.cpu_rows``. In the
+        file's map and in a copy of our own the rows change here (ids; rows copied in); in the CPU
+        executor's shared pages it writes them (``CPUExecutor.swap``), and only the ids change here."""
+        self.plan = self.plan.swap(s)
+        if self.rows is None:
+            return
+        cold = self.rows[s.l]
+        if self.source == "shared":
+            cold.ids = cold.ids.copy()
+            cold.ids[s.cpu_rows] = s.to_cpu
+            return
+        replace_neurons(self.src, s.l, cold, s.cpu_rows, s.to_cpu)
+        if cold.rows is None:
+            return
+        new = torch.from_numpy(s.to_cpu.astype(np.int32))
+        at = torch.from_numpy(s.cpu_rows)
+        if s.l in self._sel:
+            self._sel[s.l][at.to(self.device)] = new.to(self.device, torch.long)
+        for (l, _), hr in self._host.items():  # the decode graphs read these in place
+            if l == s.l and hr is not None and hr.local.data_ptr() != cold.rows.data_ptr():
+                hr.local[at.to(self.device)] = new.to(self.device)
 
     def _lockable(self, l: int) -> bool:
         """Whether layer l's rows are page-locked for the device to read (CPU primary: always)."""

@@ -25,12 +25,12 @@ from .activity import ActivityCounts
 from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec
 from .hostmem import process_memory
 from .layers import Policy, attn_partial, ffn_bytes, ffn_partial
-from .plan import Plan
+from .plan import Plan, Swap
 from .shard import (FFNShard, ffn_qtype, in_place_attn_shard, in_place_ffn_shard, load_attn_shard,
-                    load_ffn_shard)
+                    load_ffn_shard, replace_neurons)
 from .sharedshard import fill, prefault, release, share
 from .stats import ExecStats
-from .warm import Warmer
+from .warm import Warmer, warm_rows
 from .weights import DTYPES
 
 log = logging.getLogger(__name__)
@@ -329,6 +329,23 @@ class CPUExecutor:
             self.stats.kernel_bytes += nbytes
         self.stats.neurons += pairs
         self.stats.active_bytes += nbytes
+
+    def swap(self, swaps: list[Swap]) -> None:
+        """Re-placement (``runtime.replacement``), between steps (the primary swaps the same, and
+        posts nothing meanwhile: no request is in flight): each swap's ``to_cpu`` neurons take the
+        shard's rows ``cpu_rows``; in the file's map that is a change of row ids (their pages
+        mapped now), in a copy their rows written over the leaving ones. The channel's mask bits
+        are rows of the shard, so they mean the new neurons from the next request on."""
+        t0 = time.perf_counter()
+        for s in swaps:
+            sh = self.ffn[s.l]
+            replace_neurons(self.src, s.l, sh, s.cpu_rows, s.to_cpu)
+            if sh.in_place:
+                warm_rows(sh, s.to_cpu)
+            self.activity.relabel(s.l, s.cpu_rows, s.to_cpu, self.cfg.n_ff)
+            self.plan = self.plan.swap(s)
+        self.stats.moved_neurons += sum(len(s) for s in swaps)
+        self.stats.move_s += time.perf_counter() - t0
 
     def activation_counts(self, reset: bool = False) -> np.ndarray:
         """The true activity counts of its neurons under policy 'oracle' [L, n_ff] by model neuron

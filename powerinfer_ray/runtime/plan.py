@@ -4,6 +4,10 @@ A plan comes from a solved placement (``placement``), from a cached upstream spl
 the simple constructors here (all on the primary, all on the CPU, the hottest fraction on the
 primary). ``primary`` is the GPU executor (or, on a host without GPU, the CPU primary);
 ``cpu`` is the CPU executor of cold neurons and CPU-placed heads.
+
+A running engine changes its plan by ``Swap``s (``runtime.replacement``): pairs of neurons of one
+layer trade places, the GPU's at a row of the primary's shard with the CPU's at a row of the CPU
+shard, so every shard keeps its size and every other neuron its row.
 """
 from __future__ import annotations
 
@@ -16,7 +20,9 @@ from ..model.config import ModelConfig
 
 @dataclass(frozen=True)
 class LayerPlan:
-    gpu_neurons: np.ndarray  # [Ng] int64, sorted global neuron ids on the primary
+    # [Ng] int64 global neuron ids on the primary, in its shard's row order (ascending as loaded;
+    # a ``Swap`` puts a neuron where the one it replaced was)
+    gpu_neurons: np.ndarray
     # [Nc] int64, disjoint from gpu_neurons, in the CPU shard's row order: ascending ids, or
     # hottest first (``Plan.hot_first``); the CPU mask's bit j is row j
     cpu_neurons: np.ndarray
@@ -125,8 +131,43 @@ class Plan:
                 "layers_without_gpu_neurons": sum(a == 0 for a, _ in n),
                 "predictor_qtype": self.predictor_qtype}
 
+    def swap(self, s: "Swap") -> "Plan":
+        """This plan with the neuron pairs of ``s`` traded (see ``Swap``)."""
+        lp = self.layers[s.l]
+        assert np.array_equal(lp.gpu_neurons[s.gpu_rows], s.to_cpu) and np.array_equal(lp.cpu_neurons[s.cpu_rows], s.to_gpu), \
+            f"layer {s.l}: the swap was made for another plan"
+        gpu, cpu = lp.gpu_neurons.copy(), lp.cpu_neurons.copy()
+        gpu[s.gpu_rows], cpu[s.cpu_rows] = s.to_gpu, s.to_cpu
+        layers = list(self.layers)
+        layers[s.l] = LayerPlan(gpu, cpu, lp.gpu_groups, lp.cpu_groups)
+        return Plan(tuple(layers))
+
     def gpu_activation_share(self, counts: list[np.ndarray]) -> float:
         """Share of all activations that fall on the primary's neurons."""
         tot = sum(float(c.sum()) for c in counts)
         gpu = sum(float(counts[l][lp.gpu_neurons].sum()) for l, lp in enumerate(self.layers))
         return gpu / tot if tot else 0.0
+
+
+@dataclass(frozen=True)
+class Swap:
+    """Neuron pairs of layer ``l`` that trade places: ``to_gpu[i]``, the CPU shard's neuron at its
+    row ``cpu_rows[i]``, takes row ``gpu_rows[i]`` of the primary's shard, and ``to_cpu[i]``, the
+    neuron there, takes its CPU row. The ids travel with the rows so that an executor whose plan
+    is not the one the swap was made for fails at once (``Plan.swap``)."""
+
+    l: int
+    gpu_rows: np.ndarray  # [m] int64 rows of the primary's shard
+    cpu_rows: np.ndarray  # [m] int64 rows of the CPU shard
+    to_gpu: np.ndarray  # [m] int64 neuron ids (now on the CPU)
+    to_cpu: np.ndarray  # [m] int64 neuron ids (now on the primary)
+
+    @classmethod
+    def of(cls, plan: Plan, l: int, gpu_rows: np.ndarray, cpu_rows: np.ndarray) -> "Swap":
+        lp = plan[l]
+        g, c = np.asarray(gpu_rows, np.int64), np.asarray(cpu_rows, np.int64)
+        assert len(g) == len(c), f"layer {l}: {len(g)} GPU rows for {len(c)} CPU rows"
+        return cls(l, g, c, lp.cpu_neurons[c].copy(), lp.gpu_neurons[g].copy())
+
+    def __len__(self) -> int:
+        return len(self.gpu_rows)

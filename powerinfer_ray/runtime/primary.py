@@ -21,6 +21,7 @@ import torch
 
 from ..model.config import ModelConfig
 from ..model.source import WeightSource, open_model
+from ..model.staging import pinned_staging
 from .activity import COUNTED, ActivityCounts
 from .channel import ChannelSpec
 from .cold import ColdRows
@@ -29,7 +30,7 @@ from .exchange import Exchange
 from .hostmem import process_memory
 from .graphs import GRAPH_POLICIES, DecodeGraphs, GraphCaptureError
 from .layers import Policy
-from .plan import Plan
+from .plan import Plan, Swap
 from .schedule import Item, run_eager, step_schedule
 from .sharedshard import SharedShardSpec, fill
 from .stats import ExecStats
@@ -193,6 +194,24 @@ class PrimaryExecutor:
             self.exchange.set_positions(list(slots), list(start_pos))
         run_eager(items, steps, self.exchange, self.stats, self._sync)
         return steps.logits
+
+    def swap(self, swaps: list[Swap]) -> None:
+        """Re-placement (``runtime.replacement``), between steps: each swap's neurons trade places
+        with the CPU executor's (which swaps the same, between the same steps): rows copied in over
+        the leaving ones (from the file's map, through pinned staging), the predictor's rows and
+        the activity counters' columns follow. Tensors keep their addresses and sizes, so the
+        captured decode graphs stay valid and the memory held does not change."""
+        t0 = time.perf_counter()
+        with pinned_staging(self.device):
+            for s in swaps:
+                self.weights.swap(s)
+                self.cold.swap(s)
+                ng = self.weights.layers[s.l].ffn.n
+                self.activity.relabel(s.l, np.concatenate([s.gpu_rows, ng + s.cpu_rows]),
+                                      np.concatenate([s.to_gpu, s.to_cpu]), self.cfg.n_ff)
+        self._sync()
+        self.stats.moved_neurons += sum(len(s) for s in swaps)
+        self.stats.move_s += time.perf_counter() - t0
 
     def activation_counts(self, reset: bool = False) -> tuple[np.ndarray, int]:
         """The activation counts this executor kept (``activity``): [L, n_ff] by model neuron id

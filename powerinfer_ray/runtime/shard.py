@@ -127,21 +127,44 @@ def ffn_qtype(src: WeightSource) -> str | None:
     return kinds.pop()
 
 
+def _ffn_rows(src: WeightSource, l: int, tmpl: str, ids: np.ndarray, dtype: torch.dtype, device: torch.device,
+              qtype: str | None, bias: bool = False) -> torch.Tensor:
+    """Rows ``ids`` of layer l's FFN matrix ``tmpl`` (or its bias, f32): float rows in dtype, or blocks."""
+    if qtype is not None and not bias:
+        return src.layer_blocks(tmpl, l, rows=ids, device=device).blocks.contiguous()
+    return layer_rows(src, tmpl, l, rows=ids, dtype=dtype if not bias else torch.float32,
+                      bias=bias, device=device).contiguous()
+
+
 def load_ffn_shard(src: WeightSource, l: int, ids: np.ndarray, dtype: torch.dtype,
                    device: torch.device) -> FFNShard:
     """Layer l's neurons ``ids``: float rows in dtype, or their blocks (see the module docstring)."""
     cfg = src.config
     qtype = matrices_qtype(src, l, ffn_templates(cfg), "FFN")
-
-    def rows(tmpl: str, bias: bool = False) -> torch.Tensor:
-        if qtype is not None and not bias:
-            return src.layer_blocks(tmpl, l, rows=ids, device=device).blocks.contiguous()
-        return layer_rows(src, tmpl, l, rows=ids, dtype=dtype if not bias else torch.float32,
-                          bias=bias, device=device).contiguous()
-
+    rows = lambda tmpl, bias=False: _ffn_rows(src, l, tmpl, ids, dtype, device, qtype, bias)  # noqa: E731
     return FFNShard(ids=np.asarray(ids, np.int64), up=rows(K.FFN_UP),
                     gate=rows(K.FFN_GATE) if cfg.gated else None, down_t=rows(K.FFN_DOWN_T),
                     up_bias=rows(K.FFN_UP, bias=True) if cfg.bias else None, qtype=qtype)
+
+
+def replace_neurons(src: WeightSource, l: int, shard: FFNShard, at: np.ndarray, ids: np.ndarray) -> None:
+    """Neurons ``ids`` of layer l take the shard's rows ``at`` [m], in place (the tensors keep
+    their addresses: captured graphs and prepared kernel calls stay valid). In place in a file's
+    map that is a change of row ids; a copy gets the new rows from ``src``, one matrix at a time
+    (a transient of m rows of one matrix on the shard's device)."""
+    at, ids = np.asarray(at, np.int64), np.asarray(ids, np.int64)
+    shard.ids = shard.ids.copy()  # it may be the plan's own array (plans are values)
+    shard.ids[at] = ids
+    if shard.in_place:
+        shard.rows[torch.from_numpy(at)] = torch.from_numpy(ids.astype(np.int32))
+        return
+    dev = shard.up.device
+    pos = torch.from_numpy(at).to(dev)
+    mats = [(K.FFN_UP, False, shard.up), (K.FFN_GATE, False, shard.gate), (K.FFN_DOWN_T, False, shard.down_t),
+            (K.FFN_UP, True, shard.up_bias)]
+    for tmpl, bias, t in mats:
+        if t is not None:
+            t.index_copy_(0, pos, _ffn_rows(src, l, tmpl, ids, t.dtype, dev, shard.qtype, bias))
 
 
 def in_place_ffn_shard(src: WeightSource, l: int, ids: np.ndarray, dtype: torch.dtype | None) -> FFNShard | None:

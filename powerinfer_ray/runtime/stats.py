@@ -31,6 +31,8 @@ class ExecStats:
     kernel_s: float = 0.0  # CPU executor: inside the FFN kernel call (the rest of an answer is Python)
     kernel_bytes: int = 0  # CPU executor: the FFN rows those calls read, as stored (blocks: compressed)
     attn_s: float = 0.0  # CPU executor: in the attention of its KV-head groups
+    moved_neurons: int = 0  # re-placement: neurons that came to this executor (runtime/replacement.py)
+    move_s: float = 0.0  # and the host seconds it spent moving them in, between steps
     # seconds of eager steps (host): attn / ffn, wait (for the CPU's answers); of graph steps:
     # launch (host, the graph's launch), exchange (GPU clock: from a post until the GPU saw the
     # answer), segment (GPU clock: the rest of the step)

@@ -72,20 +72,29 @@ def _runs(rows: np.ndarray, gap: int = 2) -> list[tuple[int, int]]:
     return [(int(r[a]), int(r[b]) + 1) for a, b in zip(starts, ends)]
 
 
+def _row_ranges(sh: FFNShard, rows: np.ndarray) -> list[tuple[int, int]]:
+    """(address, bytes) of rows ``rows`` of an in-place shard's matrices, a chunk at a time."""
+    out = []
+    mats = [t for t in (sh.up, sh.gate, sh.down_t) if t is not None]
+    for c in range(0, len(rows), CHUNK_ROWS):
+        for a, b in _runs(rows[c: c + CHUNK_ROWS]):
+            for t in mats:
+                rb = t.stride(0) * t.element_size()
+                out.append((t.data_ptr() + a * rb, (b - a) * rb))
+    return out
+
+
 def warm_ranges(shards: list[FFNShard]) -> list[tuple[int, int]]:
     """(address, bytes) of the in-place shards' rows in the order they are warmed."""
-    out = []
-    for sh in shards:
-        if sh.rows is None or not sh.n:
-            continue
-        rows = sh.rows.numpy()
-        mats = [t for t in (sh.up, sh.gate, sh.down_t) if t is not None]
-        for c in range(0, len(rows), CHUNK_ROWS):
-            for a, b in _runs(rows[c: c + CHUNK_ROWS]):
-                for t in mats:
-                    rb = t.stride(0) * t.element_size()
-                    out.append((t.data_ptr() + a * rb, (b - a) * rb))
-    return out
+    return [r for sh in shards if sh.rows is not None and sh.n for r in _row_ranges(sh, sh.rows.numpy())]
+
+
+def warm_rows(sh: FFNShard, rows: np.ndarray) -> None:
+    """Map rows ``rows`` (ids of the file's matrices) of an in-place shard now: rows that
+    re-placement brought to the CPU executor, so its next steps take no page faults on them."""
+    populate = _Populate()
+    for addr, n in _row_ranges(sh, np.asarray(rows, np.int64)):
+        populate(addr, n)
 
 
 class Warmer:

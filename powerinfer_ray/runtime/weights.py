@@ -28,8 +28,8 @@ from ..model.reference import layer_norm
 from ..model.source import WeightSource, layer_rows
 from ..model.staging import pinned_staging
 from .layers import Policy, add_partials
-from .plan import Plan
-from .shard import AttnShard, FFNShard, load_attn_shard, load_ffn_shard
+from .plan import Plan, Swap
+from .shard import AttnShard, FFNShard, load_attn_shard, load_ffn_shard, replace_neurons
 
 DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 Norm = tuple[torch.Tensor, torch.Tensor | None]  # weight [D], bias [D] or None
@@ -144,6 +144,21 @@ class PrimaryWeights:
         self.phases["ffn"] += time.perf_counter() - t0
         return LayerWeights(self._norm_pair(K.ATTN_NORM, l), self._norm_pair(norm_ffn_t, l) if norm_ffn_t else None,
                             fc1, fc2, (q1, q2), ffn, attn, attn_bias, ffn_bias, nbytes)
+
+    def swap(self, s: Swap) -> None:
+        """Re-placement (``runtime.replacement``), between steps: the neurons ``s.to_gpu`` take the
+        shard's rows ``s.gpu_rows`` (their rows copied in from the source over the ones leaving),
+        and the predictor's rows of both sides trade places in fc2 (the primary's neurons first,
+        then the CPU's: the split's masks follow). Every tensor keeps its address and size."""
+        lw, ng = self.layers[s.l], self.layers[s.l].ffn.n
+        replace_neurons(self.src, s.l, lw.ffn, s.gpu_rows, s.to_gpu)
+        if lw.fc2 is not None:
+            g = torch.from_numpy(s.gpu_rows).to(self.device)
+            c = torch.from_numpy(ng + s.cpu_rows).to(self.device)
+            gpu_side = lw.fc2[g]  # [m, r] copies
+            lw.fc2[g] = lw.fc2[c]
+            lw.fc2[c] = gpu_side
+        self.plan = self.plan.swap(s)
 
     # --- what the layer schedule computes with ---------------------------------------------------
     def norm(self, x: torch.Tensor, pair: Norm) -> torch.Tensor:
