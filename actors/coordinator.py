@@ -11,6 +11,8 @@ loop (``runtime.scheduler.Scheduler``), talking to the primary once per step ove
 (a Unix socket the primary opens, ``runtime.steplink``). When an executor dies, in-flight
 requests fail with a clear error, the executors are rebuilt and the next request is served.
 When the engine itself dies, Ray restarts it (``max_restarts=-1``) under the same name and handle.
+With re-placement on (``runtime.replacement``) a task beside the request loop has the executors
+swap neurons between steps; restarted executors load the split as it then is.
 
 The module imports no torch (the runtime is imported inside the methods that use it): a worker
 loading the class (Ray ships it with the modules its methods name) starts it without torch, and
@@ -34,6 +36,8 @@ from .executors import RayBackend
 if TYPE_CHECKING:
     from ..offline.profile import ActivationStats
     from ..runtime.group import ExecutorGroup
+    from ..runtime.plan import Swap
+    from ..runtime.replacement import Replacer
     from ..runtime.scheduler import Request
 
 log = logging.getLogger(__name__)
@@ -76,6 +80,7 @@ class Coordinator:
         try:
             from ..model.source import open_model
             from ..runtime.engine import executor_spec, make_tokenizer
+            from ..runtime.replacement import ReplacementLoop, engine_replacer
             from ..runtime.scheduler import Scheduler
 
             self.src = src = open_model(self.ec.model)  # kept: the executors' start checks it (restarts too)
@@ -94,15 +99,18 @@ class Coordinator:
             self.tokenizer = make_tokenizer(src.fields)
             self.prefill_chunk = resolve_prefill_chunk(self.ec, self.device)
             self.spec = executor_spec(self.ec, src, self.plan, self.device, threads=threads)
+            self.replacer = engine_replacer(self.ec, src, self.plan, self.policy)
         except BaseException:  # the members started stop with this start (an actor still waiting for
             self.backend.discard_started()  # resources would hold this one's end)
             raise
         self._start_named_executors()
-        self._step_lock = asyncio.Lock()  # held by a step: activation counts are read between steps
+        self._step_lock = asyncio.Lock()  # held by a step: counts are read, neurons swapped between steps
         self.core = Scheduler(self._step, self.tokenizer, n_ctx=self.n_ctx, max_batch=self.ec.max_batch,
                               prefill_chunk=self.prefill_chunk, max_waiting=self.ec.max_waiting,
                               n_vocab=self.cfg.n_vocab, on_failure=self._recover, on_finish=self._observe)
         self._metrics()
+        self.replacement = ReplacementLoop(self.replacer, self._totals, self._swap, self._replaced) \
+            if self.replacer is not None else None
         self.init_s = time.time() - self.started_at
 
     def _check_device(self) -> None:
@@ -135,6 +143,13 @@ class Coordinator:
                                         "time per output token after the first", TPOT_BUCKETS, tags)
         self.m_queue = metrics.Histogram("powerinfer_queue_time_seconds", "time from arrival to a batch slot",
                                          LATENCY_BUCKETS, tags)
+        self.m_swaps = metrics.Counter("powerinfer_replacement_swaps", "re-placements applied (splits re-solved "
+                                       "from served traffic that moved neurons)", tags)
+        self.m_moved = metrics.Counter("powerinfer_replacement_neurons_moved", "neurons moved between the GPU "
+                                       "and the CPU by re-placement", tags)
+        self.m_share = metrics.Gauge("powerinfer_gpu_activation_share_recent", "share of the last re-placement "
+                                     "interval's activations on the GPU's neurons", tags)
+        self._reported = {"accepted": 0, "neurons_moved": 0}
 
     def _observe(self, req: Request) -> None:
         t, tags = req.timings(), {"engine": self.name}
@@ -156,8 +171,12 @@ class Coordinator:
         return threads, threads + 1 <= n_cpus
 
     def _start_executors(self) -> None:
+        import dataclasses
+
         from ..runtime.group import start_group
 
+        if self.replacer is not None:  # the split as re-placement has left it
+            self.spec = dataclasses.replace(self.spec, plan=self.replacer.plan)
         backend, self.backend = self.backend or RayBackend(self.name, self.ec.vram_budget_bytes), None
         self.group = start_group(backend, self.spec, self.src)
 
@@ -183,7 +202,37 @@ class Coordinator:
         async with self._step_lock:
             out = await self._running().step(slots, tokens, start_pos)
         self.m_tokens.inc(len(tokens), tags={"engine": self.name})
+        if self.replacement is not None:
+            self.replacement.stepped(sum(len(t) for t in tokens))
         return out
+
+    # --- re-placement (runtime/replacement.py): both executors, between steps ------------------------
+    async def _counts(self, reset: bool = False) -> tuple[list[Any], int]:
+        """Each executor's activation counts [L, n_ff] and the tokens counted, between steps."""
+        async with self._step_lock:
+            g = self._running()
+            counts, tokens = await g.primary.activation_counts.remote(reset)
+            return [counts] + ([await g.cpu.activation_counts.remote(reset)] if g.cpu is not None else []), tokens
+
+    async def _totals(self) -> tuple[Any, int]:
+        parts, tokens = await self._counts()
+        return sum(parts), tokens
+
+    async def _swap(self, pause: list[Swap]) -> None:
+        async with self._step_lock:
+            g = self._running()
+            await asyncio.gather(*[m.swap.remote(pause) for m in (g.primary, g.cpu) if m is not None])
+
+    def _replaced(self, r: Replacer) -> None:
+        """Re-placement's metrics (the counters' growth since the last report)."""
+        tags = {"engine": self.name}
+        for metric, key in ((self.m_swaps, "accepted"), (self.m_moved, "neurons_moved")):
+            grown = r.counters[key] - self._reported[key]
+            if grown > 0:
+                metric.inc(grown, tags=tags)
+            self._reported[key] = r.counters[key]
+        if r.history:
+            self.m_share.set(r.history[-1]["gpu_share"], tags=tags)
 
     # --- the API users call ---------------------------------------------------------------------
     async def generate(self, prompt: str | list[int] | None = None, **kw: Any) -> dict[str, Any]:
@@ -250,6 +299,7 @@ class Coordinator:
         tokens, active = await g.primary.activity_totals.remote()
         active += await g.cpu.activity_active.remote() if g.cpu is not None else 0
         out["activation"] = activity_summary(self.policy, tokens, active, self.cfg.n_layer, self.cfg.n_ff)
+        out["replacement"] = self.replacer.stats() if self.replacer is not None else {"on": False}
         self.m_requests.set(out["coordinator"]["running"], tags={"engine": self.name})
         return out
 
@@ -260,10 +310,7 @@ class Coordinator:
         from ..runtime.activity import check_counted, engine_activation
 
         check_counted(self.policy)
-        async with self._step_lock:  # between steps: both executors' counts of the same tokens
-            g = self._running()
-            counts, tokens = await g.primary.activation_counts.remote(reset)
-            parts = [counts] + ([await g.cpu.activation_counts.remote(reset)] if g.cpu is not None else [])
+        parts, tokens = await self._counts(reset)  # between steps: both executors' counts of the same tokens
         return engine_activation(parts, tokens, self.model_name)
 
     async def save_activation(self, out_dir: str, reset: bool = False) -> dict[str, Any]:
@@ -292,4 +339,6 @@ class Coordinator:
         return self.group
 
     def shutdown(self) -> None:
+        if self.replacer is not None:
+            self.replacer.solver.close()
         self._kill_executors()

@@ -24,7 +24,7 @@ from ..runtime.steplink import StepClient, StepServer
 if TYPE_CHECKING:
     from ..runtime.channel import ChannelSpec
     from ..runtime.group import ExecutorGroup, GroupSpec, StepFn
-    from ..runtime.plan import Plan
+    from ..runtime.plan import Plan, Swap
 
 log = logging.getLogger(__name__)
 TAGS = ("actor", "device")
@@ -162,6 +162,10 @@ class PrimaryExecutorActor(LoadedLater):
     def activity_totals(self) -> tuple[int, int]:
         return self.impl.activity_totals()
 
+    def swap(self, pause: list[Swap]) -> None:
+        """Re-placement, between steps (the engine holds its step lock): ``PrimaryExecutor.swap``."""
+        self.impl.swap(pause)
+
     def shutdown(self) -> None:
         if self.link is not None:
             self.link.close()
@@ -210,6 +214,10 @@ class CPUExecutorActor(LoadedLater):
 
     def activity_active(self) -> int:
         return self.impl.activity.active()
+
+    def swap(self, pause: list[Swap]) -> None:
+        """Re-placement, between steps (the engine holds its step lock): ``CPUExecutor.swap``."""
+        self.impl.swap(pause)
 
     def stats(self) -> dict[str, Any]:
         st = self.impl.stats.as_dict()

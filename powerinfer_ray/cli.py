@@ -282,11 +282,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from .serve.config import IngressConfig
+    from .serve.config import IngressConfig, serving
     from .serve.launcher import serve_cli
 
     ingress = IngressConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(IngressConfig)})
-    return serve_cli(_prepared(a).config, host=a.host, port=a.port, **dataclasses.asdict(ingress))
+    return serve_cli(serving(_prepared(a).config), host=a.host, port=a.port, **dataclasses.asdict(ingress))
 
 
 def cmd_convert(a: argparse.Namespace) -> int:

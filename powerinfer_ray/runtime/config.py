@@ -35,6 +35,7 @@ POLICIES = ("predictor", "gate-first", "oracle", "dense")  # runtime/layers.py s
 DTYPES = ("f32", "f16", "bf16")
 METHODS = ("ilp", "greedy")
 PREDICTOR_QTYPES = ("auto", "stored", "q8_0", "q4_0")
+REPLACEMENT = ("off", "on", "auto")
 
 
 def option(default: Any, help: str, *, kind: type = str, choices: tuple[str, ...] | None = None,  # noqa: A002, ANN401
@@ -124,6 +125,15 @@ class PlanConfig:
         "q8_0 / q4_0 blocks (auto: as stored when the budget holds them and all attention, else the finest of "
         "q8_0, q4_0 that lets it)", choices=PREDICTOR_QTYPES)
     plan: Plan | None = option(None, "an explicit plan (wins over everything above)", exposed=False)
+    replacement: str | None = option(
+        None, "move neurons between the GPU and the CPU to follow the traffic served (runtime/replacement.py): on; "
+        "off; auto: on where the engine can (a split for vram_budget_gib with neurons on both sides, a policy that "
+        "counts activations) (default: auto under serve, off elsewhere)", choices=REPLACEMENT)
+    replacement_interval: int = option(512, "re-placement: counted tokens (prompt and output) between two "
+                                       "background solves of the placement from them", kind=int)
+    replacement_threshold: float = option(
+        0.02, "re-placement: move only when the re-solved split serves at least this share more of the recent "
+        "activations on the GPU (0..1; runtime/replacement.py says what a move costs)", kind=float)
 
     def check_plan(self) -> None:
         check_number("vram_budget_gib", self.vram_budget_gib, 0.0, lo_open=True, optional=True,
@@ -136,6 +146,9 @@ class PlanConfig:
         check_choice("predictor_qtype", self.predictor_qtype, PREDICTOR_QTYPES, optional=False)
         if self.plan is not None and not isinstance(self.plan, Plan):
             raise _bad("plan", type(self.plan).__name__, "a runtime.plan.Plan")
+        check_choice("replacement", self.replacement, REPLACEMENT)
+        check_int("replacement_interval", self.replacement_interval, 1, fix="counted tokens between two solves")
+        check_number("replacement_threshold", self.replacement_threshold, 0.0, 1.0)
 
     @property
     def vram_budget_bytes(self) -> int | None:
@@ -359,15 +372,49 @@ def split_cache_path(model: str) -> Path:
     return path
 
 
+def resolve_replacement(ec: EngineConfig, plan: Plan, policy: str) -> bool:
+    """Whether the engine re-places neurons as it serves (``runtime.replacement``): off unless
+    asked; 'on' raises a ValueError where it cannot, 'auto' is then off (logged)."""
+    from .activity import COUNTED
+
+    if ec.replacement in (None, "off"):
+        return False
+    missing = [why for bad, why in (
+        (ec.vram_budget_gib is None, "a VRAM budget to solve the split for (vram_budget_gib)"),
+        (not plan.needs_cpu_executor or not any(len(lp.gpu_neurons) for lp in plan.layers),
+         "a split with FFN neurons on both the GPU and the CPU"),
+        (policy not in COUNTED, f"a policy that counts activations ({', '.join(COUNTED)}; this engine's is {policy!r})"),
+    ) if bad]
+    if not missing:
+        return True
+    if ec.replacement == "on":
+        raise _bad("replacement", "on", "an engine that can move neurons", "it needs " + "; and ".join(missing) +
+                   "; or use replacement='auto' or 'off'")
+    log.info("re-placement off: it needs %s", "; and ".join(missing))
+    return False
+
+
+def placement_inputs(ec: EngineConfig, src: WeightSource, pq: str | None) -> tuple[Any, int, Any]:
+    """(ModelCosts, budget in bytes, HostProfile) the placement of ``ec`` is solved with, the
+    predictors held as ``pq`` blocks (``predictor_qtype``), at start and when re-placement solves
+    it again."""
+    from ..model.costs import model_costs
+    from ..placement.host import HostProfile
+
+    cfg = src.config
+    costs = model_costs(src, engine_n_ctx(ec, cfg), ec.max_batch, predictor_qtype=pq)  # a Q6_K head is f16
+    if cfg.has_predictors and resolve_policy(ec, cfg) != "predictor":  # no predictors loaded
+        costs = replace(costs, predictor_bytes=(0,) * cfg.n_layer)
+    return costs, ec.vram_budget_bytes, HostProfile.load(ec.host_profile)
+
+
 def _budget_plan(ec: EngineConfig, src: WeightSource, stats: tuple[list[np.ndarray], int] | None,
                  pq: str | None) -> Plan:
     """The ILP's split for the VRAM budget (or the cached one); stats: `activation_counts`."""
     import numpy as np
 
-    from ..model.costs import model_costs
     from ..model.source import PLANTED_PREFIX
     from ..placement import gpuidx
-    from ..placement.host import HostProfile
     from ..placement.problem import InfeasibleBudgetError
     from ..placement.solve import solve_placement
 
@@ -386,16 +433,13 @@ def _budget_plan(ec: EngineConfig, src: WeightSource, stats: tuple[list[np.ndarr
             log.info("using cached split %s", cache)
             return Plan.from_masks([np.asarray(m, bool) for m in split.gpu_neurons], None, cfg)
         log.warning("cached split %s was solved for another model or budget: re-solving", cache)
-    costs = model_costs(src, engine_n_ctx(ec, cfg), ec.max_batch, predictor_qtype=pq)  # a Q6_K head is f16
-    if no_predictors:
-        costs = replace(costs, predictor_bytes=(0,) * cfg.n_layer)
+    costs, _, host = placement_inputs(ec, src, pq)
     if stats is None:
         log.warning("no activation statistics for %s: placing with uniform frequencies "
                     "(run powerinfer-ray profile for a better split)", ec.model)
         stats = ([np.ones(cfg.n_ff, np.int64)] * cfg.n_layer, 1)
     try:
-        placement = solve_placement(stats[0], stats[1], costs, budget, HostProfile.load(ec.host_profile),
-                                    method=ec.method)
+        placement = solve_placement(stats[0], stats[1], costs, budget, host, method=ec.method)
     except InfeasibleBudgetError as e:
         if pq is None:
             raise

@@ -4,7 +4,8 @@
 ``executor_spec`` says what an engine's executors are built from; ``LocalEngine`` starts them in
 one process (``group.LocalBackend``: the CPU executor serves the same shared-memory channel from
 a thread) with the scheduler: the runtime without Ray, for tests and for embedding. The Ray
-engine (``actors.coordinator.Coordinator``) runs the same start script on Ray actors.
+engine (``actors.coordinator.Coordinator``) runs the same start script on Ray actors. Both run
+re-placement (``replacement.ReplacementLoop``) beside the request loop when it is on.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ from .activity import activity_summary, check_counted, engine_activation
 from .config import EngineConfig, engine_n_ctx, resolve_plan, resolve_policy, resolve_prefill_chunk
 from .cpu_executor import CPUExecutor
 from .group import ExecutorGroup, GroupSpec, LocalBackend, start_group
-from .plan import Plan
+from .plan import Plan, Swap
 from .primary import PrimaryExecutor
+from .replacement import ReplacementLoop, engine_replacer
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -61,15 +63,42 @@ class LocalEngine:
                                                                              threads=ec.threads))
         self.primary: PrimaryExecutor = self.group.primary
         self.cpu: CPUExecutor | None = self.group.cpu
+        self.replacer = engine_replacer(ec, src, plan, self.primary.policy.name)
+        self.replacement = ReplacementLoop(self.replacer, self._totals, self._swap) if self.replacer else None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="local-engine", daemon=True)
         self._thread.start()
         tok, n_ctx, chunk = make_tokenizer(src.fields), engine_n_ctx(ec, src.config), resolve_prefill_chunk(ec, device)
 
         async def make() -> Scheduler:  # its queues belong to the engine's loop
-            return Scheduler(self.group.step, tok, n_ctx=n_ctx, max_batch=ec.max_batch, prefill_chunk=chunk,
+            return Scheduler(self._step, tok, n_ctx=n_ctx, max_batch=ec.max_batch, prefill_chunk=chunk,
                              n_vocab=src.config.n_vocab)
         self.coordinator = asyncio.run_coroutine_threadsafe(make(), self._loop).result()
+
+    async def _step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> Any:  # noqa: ANN401
+        out = await self.group.step(slots, tokens, start_pos)
+        if self.replacement is not None:
+            self.replacement.stepped(sum(len(t) for t in tokens))
+        return out
+
+    # --- re-placement: both executors, between steps ----------------------------------------------
+    def _counts(self, reset: bool = False) -> tuple[list[Any], int]:
+        """Each executor's activation counts [L, n_ff] and the tokens counted, between steps."""
+        with self._backend.step_lock:  # between steps: both executors' counts of the same tokens
+            counts, tokens = self.primary.activation_counts(reset)
+            return [counts] + ([self.cpu.activation_counts(reset)] if self.cpu is not None else []), tokens
+
+    async def _totals(self) -> tuple[Any, int]:
+        parts, tokens = await asyncio.to_thread(self._counts)
+        return sum(parts), tokens
+
+    async def _swap(self, pause: list[Swap]) -> None:
+        def locked() -> None:
+            with self._backend.step_lock:
+                self.primary.swap(pause)
+                if self.cpu is not None:
+                    self.cpu.swap(pause)
+        await asyncio.to_thread(locked)
 
     async def _in_loop(self, coro: Coroutine) -> Any:  # noqa: ANN401
         """Run coro in the engine's loop; the caller's cancellation cancels it there."""
@@ -91,6 +120,7 @@ class LocalEngine:
         active += self.cpu.activity.active() if self.cpu is not None else 0
         cfg = self.primary.cfg
         s["activation"] = activity_summary(self.primary.policy.name, tokens, active, cfg.n_layer, cfg.n_ff)
+        s["replacement"] = self.replacer.stats() if self.replacer is not None else {"on": False}
         return s
 
     def activation_stats(self, reset: bool = False) -> "ActivationStats":
@@ -98,9 +128,7 @@ class LocalEngine:
         the offline profile's statistics (``save(dir)`` writes what ``solve --activation`` reads);
         reset: start counting afresh. ValueError under a policy that keeps no counts."""
         check_counted(self.primary.policy.name)
-        with self._backend.step_lock:  # between steps: both executors' counts of the same tokens
-            counts, tokens = self.primary.activation_counts(reset)
-            parts = [counts] + ([self.cpu.activation_counts(reset)] if self.cpu is not None else [])
+        parts, tokens = self._counts(reset)
         return engine_activation(parts, tokens, self.primary.cfg.name)
 
     def close(self) -> None:
@@ -110,6 +138,8 @@ class LocalEngine:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             self._loop.close()
+        if self.replacer is not None:
+            self.replacer.solver.close()
         self.group.close()
 
 

@@ -14,7 +14,7 @@ from ray.actor import ActorHandle
 
 from ..runtime.config import EngineConfig, coerce, exposed_fields
 from . import ENGINE_NAMESPACE
-from .config import DEFAULT_ENGINE, DEFAULT_MAX_IN_FLIGHT, IngressConfig, environment
+from .config import DEFAULT_ENGINE, DEFAULT_MAX_IN_FLIGHT, IngressConfig, environment, serving
 from .ingress import OpenAIIngress, resolve_engine
 
 RESERVE = 64  # requests beyond max_in_flight that the replica takes in, to answer them 429 itself
@@ -65,6 +65,7 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
     engine named ``engine_name`` in namespace ``powerinfer``, owned by the ingress replica.
     args: see ``parse_args`` (model: GGUF path or planted:<shape>; default: the embedded model)."""
     ec, ic = parse_args(args)
+    ec = serving(ec)
     options = {f.name: getattr(ec, f.name) for f in exposed_fields(EngineConfig)}
     return deployment(ic.max_in_flight).bind(ic.engine_name, ic.model_name, **_server_kwargs(ic),
                                              engine_options={"model": ec.model, **options}, namespace=ENGINE_NAMESPACE)

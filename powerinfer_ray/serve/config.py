@@ -3,9 +3,9 @@ are made from these fields, as the engine's are from ``runtime.config``."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..runtime.config import check_int, check_number, option
+from ..runtime.config import EngineConfig, check_int, check_number, option
 
 DEFAULT_ENGINE = "powerinfer-engine"
 DEFAULT_MAX_IN_FLIGHT = 256  # generations admitted by one ingress replica (more: 429)
@@ -20,6 +20,12 @@ def environment() -> dict[str, str | None]:
     a secret is better kept out of files). The package's other read is the compiled kernels'
     cache folder, $POWERINFER_RAY_CACHE (kernels/cpu_library.py)."""
     return {name: os.environ.get(name) or None for name in ENVIRONMENT}
+
+
+def serving(ec: EngineConfig) -> EngineConfig:
+    """The engine's config as a server runs it: its defaults for serving where the user left a
+    field out (re-placement 'auto': a server's traffic is not its profile's)."""
+    return ec if ec.replacement is not None else replace(ec, replacement="auto")
 
 
 @dataclass(frozen=True)

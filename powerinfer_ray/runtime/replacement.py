@@ -1,0 +1,376 @@
+"""Online re-placement: the GPU/CPU split follows the traffic the engine serves (DESIGN.md, section 7).
+
+The placement is solved once from a profile; traffic that differs from it leaves the wrong
+neurons on the GPU. While it serves, the engine counts activations (``activity``: what
+``save_activation`` writes). Every ``replacement_interval`` counted tokens it reads the counts
+between two steps and folds them into a decayed estimate (``DecayedCounts``: old traffic halves
+every ``HALF_LIFE_INTERVALS`` intervals), and a process of its own solves the same placement ILP
+for the same budget from that estimate (``Solver``: ``placement.solve_placement``, in a process
+because cvxpy holds the interpreter lock for up to ~0.3 s at a time in a solve of a 13B). The
+engine's steps never wait for it: the loop (``ReplacementLoop``) awaits its future.
+
+A solved split is applied at the engine's shard sizes (``target``): each layer keeps the number
+of GPU neurons it was loaded with (the primary's row buffers, the CPU mask's width and the
+captured decode graphs are sized for it; the budget the ILP was given is what they hold) and
+takes the neurons the ILP put on the GPU, the hottest first, topped up by the hottest others
+when the ILP gave the layer fewer. Ties keep the neurons where they are.
+
+The move pays when the new split serves at least ``replacement_threshold`` more of the decayed
+activations on the GPU (``gain``, a share). Its cost is a one-off copy of the neurons' rows over
+PCIe; its gain is a lasting cut of the CPU's reads per token. At the Llama-2-13B shape at 16 GiB
+(30 KiB a neuron, ~86k neurons active per token): moving every GPU neuron of every layer (~5 GB)
+takes ~0.1 s at 55 GB/s, and one point of share moves ~26 MB per token off the CPU's ~180 GB/s
+(~0.15 ms a token): a gain of 0.02 (the default) pays for even the largest move within ~350
+tokens, and smaller ones sooner; below it, sampling noise in a few intervals' counts would move
+neurons back and forth for little.
+
+Moves go in pauses between steps (``pauses``): each pause trades at most ``MOVE_BYTES`` of rows
+(a transient of a third of that on the GPU, one matrix's rows at a time: the budget holds), both
+executors swap the same pairs under the engine's step lock (``Plan.swap``; ``PrimaryExecutor.swap``,
+``CPUExecutor.swap``), and a step runs between two pauses, so requests in flight keep going.
+
+Dimension legend: L layers, F neurons of a layer (n_ff).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+import numpy as np
+
+from .plan import Plan, Swap
+
+if TYPE_CHECKING:
+    from ..model.source import WeightSource
+    from ..placement.costs import ModelCosts
+    from ..placement.host import HostProfile
+    from .config import EngineConfig
+
+log = logging.getLogger(__name__)
+HALF_LIFE_INTERVALS = 4  # decayed counts halve every this many intervals: old traffic fades
+MOVE_BYTES = 48 << 20  # rows traded per pause between two steps
+HISTORY = 128  # intervals of the GPU's share kept for stats()
+
+
+@dataclass(frozen=True)
+class Settings:
+    """When the engine re-solves (every ``interval`` counted tokens) and when it moves
+    (``threshold``: the least gain in the GPU's share of the decayed activations)."""
+
+    interval: int
+    threshold: float
+
+    @property
+    def half_life(self) -> int:
+        return HALF_LIFE_INTERVALS * self.interval
+
+
+class DecayedCounts:
+    """Activation counts [L, F] and tokens with exponential decay, fed with the engine's running
+    totals (``update``); a total below the last one (counts reset, executors restarted) starts
+    the running totals afresh and keeps the estimate."""
+
+    def __init__(self, n_layer: int, n_ff: int, half_life: int) -> None:
+        self.half_life = half_life
+        self.counts = np.zeros((n_layer, n_ff))  # [L, F] float64
+        self.tokens = 0.0
+        self._last: tuple[np.ndarray, int] | None = None
+
+    def update(self, totals: np.ndarray, tokens: int) -> np.ndarray:
+        """Fold in the totals [L, F] over ``tokens`` tokens; returns the new counts [L, F]."""
+        last, last_tokens = self._last or (np.zeros_like(totals), 0)
+        if tokens < last_tokens or (tokens == last_tokens and (totals < last).any()):
+            last, last_tokens = np.zeros_like(totals), 0
+        delta, dt = totals - last, tokens - last_tokens
+        f = 0.5 ** (dt / self.half_life)
+        self.counts = self.counts * f + delta
+        self.tokens = self.tokens * f + dt
+        self._last = (totals.copy(), tokens)
+        return delta
+
+    def for_solver(self) -> tuple[list[np.ndarray], int]:
+        """([L][F] counts, tokens) as the placement solver takes them: whole tokens, counts at most that."""
+        n = max(1, int(round(self.tokens)))
+        scale = n / self.tokens if self.tokens else 0.0
+        return [np.minimum(c * scale, n) for c in self.counts], n
+
+
+def gpu_share(plan: Plan, counts: np.ndarray) -> float:
+    """Share of the counts [L, F] that fall on the plan's GPU neurons (0 without counts)."""
+    total = float(counts.sum())
+    return sum(float(counts[l, lp.gpu_neurons].sum()) for l, lp in enumerate(plan.layers)) / total if total else 0.0
+
+
+def target(plan: Plan, solved: list[np.ndarray], counts: np.ndarray) -> list[np.ndarray]:
+    """Per layer, the GPU neurons [k_l] (ids, any order) of the solved split ``solved`` ([L][F]
+    bool) at the plan's sizes k_l: the solved ones first, then by count, then where they are."""
+    out = []
+    for l, lp in enumerate(plan.layers):
+        here = np.zeros(len(counts[l]), bool)
+        here[lp.gpu_neurons] = True
+        order = np.lexsort((~here, -counts[l], ~np.asarray(solved[l], bool)))  # last key first
+        out.append(order[: len(lp.gpu_neurons)])
+    return out
+
+
+def layer_swaps(plan: Plan, goal: list[np.ndarray], counts: np.ndarray) -> list[Swap]:
+    """The swaps that take the plan to ``goal`` (``target``), per layer that changes. The CPU rows
+    freed go to the neurons leaving the GPU, hottest first into the frontmost (the CPU shard's
+    rows run hottest first: ``Plan.hot_first``)."""
+    swaps = []
+    for l, lp in enumerate(plan.layers):
+        leaving = np.flatnonzero(~np.isin(lp.gpu_neurons, goal[l]))  # rows of the primary's shard
+        if not len(leaving):
+            continue
+        arriving = np.flatnonzero(np.isin(lp.cpu_neurons, goal[l]))  # rows of the CPU shard, ascending
+        leaving = leaving[np.argsort(-counts[l, lp.gpu_neurons[leaving]], kind="stable")]
+        swaps.append(Swap.of(plan, l, leaving, arriving))
+    return swaps
+
+
+def pauses(swaps: list[Swap], neuron_bytes: tuple[int, ...], limit: int = MOVE_BYTES) -> list[list[Swap]]:
+    """The swaps cut into pauses of at most ``limit`` bytes of rows each (at least one pair)."""
+    out: list[list[Swap]] = [[]]
+    room = limit
+    for s in swaps:
+        a, per = 0, neuron_bytes[s.l]
+        while a < len(s):
+            if room < per and out[-1]:
+                out.append([])
+                room = limit
+            b = min(len(s), a + max(1, room // per))
+            out[-1].append(Swap(s.l, s.gpu_rows[a:b], s.cpu_rows[a:b], s.to_gpu[a:b], s.to_cpu[a:b]))
+            room -= (b - a) * per
+            a = b
+    return [p for p in out if p]
+
+
+class Solver:
+    """``placement.solve_placement`` for one engine's costs, budget and host, in a process of its
+    own: ``python -m powerinfer_ray.runtime.replacement`` (started at the first solve, kept for the
+    next), pickles over its stdin and stdout. Not a multiprocessing pool: its spawn would import
+    the engine's ``__main__`` again, a user's script that starts an engine."""
+
+    def __init__(self, costs: ModelCosts, budget_bytes: int, host: HostProfile, method: str) -> None:
+        self.costs, self.budget, self.host, self.method = costs, budget_bytes, host, method
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()  # one solve at a time
+
+    def submit(self, counts: list[np.ndarray], tokens: int) -> Future:
+        """A future of the solved Placement (its exception when the solve raised)."""
+        fut: Future = Future()
+        request = (counts, tokens, self.costs, self.budget, self.host, self.method)
+
+        def run() -> None:
+            try:
+                fut.set_result(self._call(request))
+            except BaseException as e:  # noqa: BLE001  (the future carries it)
+                fut.set_exception(e)
+        threading.Thread(target=run, name="replacement-solve", daemon=True).start()
+        return fut
+
+    def _call(self, request: tuple) -> Any:  # noqa: ANN401
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+                                              stdout=subprocess.PIPE)
+            pickle.dump(request, self._proc.stdin)
+            self._proc.stdin.flush()
+            try:
+                ok, value = pickle.load(self._proc.stdout)
+            except EOFError:
+                raise RuntimeError(f"the placement solver process exited ({self._proc.wait()})") from None
+        if not ok:
+            raise value
+        return value
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.stdin.close()  # it ends at EOF
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _serve_solves() -> None:
+    """The solver process: requests (pickled tuples of ``solve_placement``'s arguments) on stdin,
+    (True, Placement) or (False, exception) on stdout, until EOF. HiGHS writes its banner to the
+    C library's stdout: file descriptor 1 goes to stderr, the answers to a copy of it."""
+    from ..placement.solve import solve_placement
+
+    answers = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    requests = sys.stdin.buffer
+    while True:
+        try:
+            counts, tokens, costs, budget, host, method = pickle.load(requests)
+        except EOFError:
+            return
+        try:
+            answer = (True, solve_placement(counts, tokens, costs, budget, host, method=method))
+        except Exception as e:  # noqa: BLE001  (the engine logs it)
+            answer = (False, e)
+        pickle.dump(answer, answers)
+        answers.flush()
+
+
+class Replacer:
+    """The re-placement state of one engine: its current plan, the decayed counts, the pauses of
+    an accepted split still to apply, and the counters ``stats()`` reports."""
+
+    def __init__(self, plan: Plan, settings: Settings, solver: Solver) -> None:
+        self.plan, self.settings, self.solver = plan, settings, solver
+        n_ff = len(plan[0].gpu_neurons) + len(plan[0].cpu_neurons)
+        self.decayed = DecayedCounts(len(plan), n_ff, settings.half_life)
+        self.queue: deque[list[Swap]] = deque()
+        self.solving = False
+        self.history: deque[dict[str, float]] = deque(maxlen=HISTORY)
+        self.counters = {"solves": 0, "solve_failures": 0, "accepted": 0, "pauses": 0, "neurons_moved": 0,
+                         "last_gain": None, "last_solve_s": None, "move_s": 0.0}
+
+    def observe(self, totals: np.ndarray, tokens: int) -> None:
+        """The engine's running activation totals [L, F] over ``tokens`` counted tokens."""
+        delta = self.decayed.update(totals, tokens)
+        if delta.sum():
+            self.history.append({"tokens": int(tokens), "gpu_share": round(gpu_share(self.plan, delta), 4)})
+
+    def solve(self) -> Future:
+        """Submit the solve of the decayed counts (``accept`` takes its result)."""
+        self.solving = True
+        self._t_solve = time.perf_counter()
+        return self.solver.submit(*self.decayed.for_solver())
+
+    def accept(self, solved: list[np.ndarray] | None) -> bool:
+        """Judge a solved split ([L][F] bool; None: the solve failed): queue its pauses when its
+        gain reaches the threshold. Returns whether it did."""
+        self.solving = False
+        self.counters["solves"] += 1
+        self.counters["last_solve_s"] = round(time.perf_counter() - self._t_solve, 3)
+        if solved is None:
+            self.counters["solve_failures"] += 1
+            return False
+        counts = self.decayed.counts
+        goal = target(self.plan, solved, counts)
+        moved = sum(float(counts[l, g].sum() - counts[l, lp.gpu_neurons].sum()) for l, (g, lp) in
+                    enumerate(zip(goal, self.plan.layers)))
+        gain = moved / counts.sum() if counts.sum() else 0.0
+        self.counters["last_gain"] = round(float(gain), 4)
+        if gain < self.settings.threshold:
+            return False
+        self.counters["accepted"] += 1
+        swaps = layer_swaps(self.plan, goal, counts)
+        self.queue.extend(pauses(sorted(swaps, key=lambda s: -self._gain_of(s, counts)), self._neuron_bytes()))
+        log.info("re-placement: the split solved on served traffic serves %.1f %% more activations on the GPU; "
+                 "moving %d neurons in %d pauses", 100 * gain, sum(len(s) for s in swaps), len(self.queue))
+        return True
+
+    @staticmethod
+    def _gain_of(s: Swap, counts: np.ndarray) -> float:
+        return float(counts[s.l, s.to_gpu].sum() - counts[s.l, s.to_cpu].sum())
+
+    def _neuron_bytes(self) -> tuple[int, ...]:
+        return self.solver.costs.neuron_bytes
+
+    def applied(self, pause: list[Swap], seconds: float) -> None:
+        """Both executors swapped ``pause`` (the head of the queue)."""
+        for s in pause:
+            self.plan = self.plan.swap(s)
+        self.counters["pauses"] += 1
+        self.counters["neurons_moved"] += sum(len(s) for s in pause)
+        self.counters["move_s"] += seconds
+
+    def stats(self) -> dict[str, Any]:
+        recent = self.history[-1]["gpu_share"] if self.history else None
+        return {"on": True, "interval": self.settings.interval, "threshold": self.settings.threshold,
+                "solving": self.solving, "queued_pauses": len(self.queue), **self.counters,
+                "gpu_share_recent": recent, "gpu_share_history": list(self.history)}
+
+
+class ReplacementLoop:
+    """Runs a Replacer beside an engine's request loop: ``stepped(n)`` after each step (cheap: a
+    counter), ``run()`` as a task of the engine's event loop. ``read()`` returns the running
+    activation totals and tokens (the engine reads them between steps); ``apply(pause)`` has both
+    executors swap a pause between steps; ``observer(replacer)`` (metrics) after each change."""
+
+    def __init__(self, replacer: Replacer, read: Callable[[], Awaitable[tuple[np.ndarray, int]]],
+                 apply: Callable[[list[Swap]], Awaitable[None]],
+                 observer: Callable[[Replacer], None] | None = None) -> None:
+        self.replacer, self.read, self.apply = replacer, read, apply
+        self.observer = observer or (lambda r: None)
+        self.served, self._next = 0, replacer.settings.interval
+        self._due = asyncio.Event()
+        self.task: asyncio.Task | None = None
+
+    def stepped(self, tokens: int) -> None:
+        """A step of ``tokens`` tokens ran; wakes the loop every interval."""
+        self.served += tokens
+        if self.served >= self._next:
+            self._next = self.served + self.replacer.settings.interval
+            self._due.set()
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self.run())
+
+    async def run(self) -> None:
+        r = self.replacer
+        while True:
+            await self._due.wait()
+            self._due.clear()
+            try:
+                r.observe(*await self.read())
+                self.observer(r)
+                solved = await self._solve()
+                if r.accept(solved):
+                    await self._move()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # an executor failed: the request loop recovers them; solve again next time
+                log.exception("re-placement stopped for this interval")
+                r.queue.clear()
+
+    async def _solve(self) -> list[np.ndarray] | None:
+        try:
+            return (await asyncio.wrap_future(self.replacer.solve())).gpu_neurons
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001  (a solve that failed: the split stays; said once per failure)
+            log.exception("re-placement: the background solve failed")
+            return None
+
+    async def _move(self) -> None:
+        r = self.replacer
+        while r.queue:
+            pause = r.queue[0]
+            t0 = time.perf_counter()
+            await self.apply(pause)
+            r.queue.popleft()
+            r.applied(pause, time.perf_counter() - t0)
+            self.observer(r)
+            await asyncio.sleep(0)  # a step waiting for the lock goes first
+
+
+def engine_replacer(ec: EngineConfig, src: WeightSource, plan: Plan, policy: str) -> Replacer | None:
+    """The Replacer of an engine of config ``ec`` starting with ``plan`` (None: re-placement off,
+    ``config.resolve_replacement``)."""
+    from .config import placement_inputs, resolve_replacement
+
+    if not resolve_replacement(ec, plan, policy):
+        return None
+    costs, budget, host = placement_inputs(ec, src, plan.predictor_qtype)
+    return Replacer(plan, Settings(ec.replacement_interval, ec.replacement_threshold),
+                    Solver(costs, budget, host, ec.method))
+
+
+if __name__ == "__main__":
+    _serve_solves()
