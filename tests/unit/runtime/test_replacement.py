@@ -303,3 +303,78 @@ def test_swaps_rewrite_the_rows_of_a_copied_cpu_shard(monkeypatch, shared):
     for g, w in zip(got, _reference(ref, hooks)):
         torch.testing.assert_close(torch.from_numpy(g), torch.stack(w), rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(counts, hooks.counts)
+
+
+# --- the engine's loop ------------------------------------------------------------------------------
+class GatedSolver(Solver):
+    """The real solver process, answering only once the test opens ``gate``; ``asked`` is set with
+    the engine's step count when a solve comes in."""
+
+    def __init__(self, inner: Solver, steps: callable) -> None:
+        super().__init__(inner.costs, inner.budget, inner.host, inner.method)
+        self.gate, self.asked, self.steps = threading.Event(), threading.Event(), steps
+        self.steps_at_ask = -1
+
+    def _call(self, request: tuple):
+        self.steps_at_ask = self.steps()
+        self.asked.set()
+        self.gate.wait()
+        return super()._call(request)
+
+
+def _wait_for(what, timeout_s: float = 120.0) -> None:
+    """Until ``what()`` holds (the engine's loop runs in its own thread)."""
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        assert time.monotonic() < deadline, "timed out waiting for the engine's state"
+        time.sleep(0.02)
+
+
+def test_the_background_solve_never_holds_up_a_step_and_its_split_follows_the_traffic(tmp_path):
+    """An engine started on a bad split (the coldest third of each layer's neurons of a planted
+    model on the primary) with re-placement on: the solve due after 16 tokens is held back, and
+    generation goes on meanwhile, step after step; once it answers, the neurons move (in pauses
+    between steps, while a request is in flight), the GPU's share of the activations rises, and
+    the generated tokens are the dense reference's greedy ones throughout (policy 'oracle':
+    exact)."""
+    from powerinfer_ray.model.planted import planted_model
+    from powerinfer_ray.model.source import open_model
+
+    spec = "planted:tiny?layers=2&dtype=f32"
+    m = planted_model(spec.removeprefix("planted:"))
+    ref = m.reference()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, ref.cfg.n_vocab, 12).tolist() for _ in range(4)]
+    bad = Plan.hottest(ref.cfg, 1 / 3, counts=[-m.activation_probs(l) for l in range(ref.cfg.n_layer)])
+    costs = model_costs(open_model(spec), 256, 2)
+    HostProfile(sync_us=0.0).save(tmp_path / "host.json")  # tiny neurons are never worth a sync: split anyway
+    budget = (costs.min_budget_bytes(False) + costs.ffn_bytes // 3) / GIB
+    eng = LocalEngine(EngineConfig(spec, plan=bad, vram_budget_gib=budget, host_profile=str(tmp_path / "host.json"),
+                                   policy="oracle", max_batch=2, prefill_chunk=16, n_ctx=256, replacement="on",
+                                   replacement_interval=16))
+    try:
+        gated = GatedSolver(eng.replacer.solver, lambda: eng.coordinator.counters["steps"])
+        eng.replacer.solver = gated
+
+        def generate(i: int, n: int = 40) -> list[int]:
+            out = asyncio.run(eng.generate(prompt_token_ids=prompts[i], max_tokens=n, temperature=0, ignore_eos=True))
+            assert out["token_ids"] == ref.generate_greedy(prompts[i], n), i
+            return out["token_ids"]
+
+        generate(0)
+        assert gated.asked.is_set() and eng.stats()["replacement"]["solving"]
+        generate(1)  # the solve still waits: every step of it ran
+        assert eng.coordinator.counters["steps"] >= gated.steps_at_ask + 40 and eng.replacer.counters["solves"] == 0
+        before = eng.replacer.history[0]["gpu_share"]
+        gated.gate.set()  # the solve answers while a request is in flight
+        done = threading.Thread(target=generate, args=(2, 120))
+        done.start()
+        _wait_for(lambda: eng.replacer.counters["pauses"] > 0 and not eng.replacer.queue)
+        done.join()
+        generate(3)
+        st = eng.stats()["replacement"]
+    finally:
+        eng.close()
+    assert st["accepted"] >= 1 and st["neurons_moved"] > 0 and st["last_gain"] is not None
+    assert st["gpu_share_recent"] > before + 0.3, (before, st["gpu_share_history"])
+    assert eng.primary.stats.moved_neurons == eng.cpu.stats.moved_neurons == st["neurons_moved"]
