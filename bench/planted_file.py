@@ -35,7 +35,7 @@ def canonical(spec: str) -> str:
     s = parse_spec(spec.removeprefix(PLANTED_PREFIX))
     default = type(s)(s.preset)
     opts = [f"{k}={getattr(s, k)}" for k in ("dtype", "seed", "layers", "active", "marked", "top_share", "rho",
-                                             "pred_dtype", "qkv")
+                                             "pred_dtype", "qkv", "ranges")
             if k == "dtype" or getattr(s, k) != getattr(default, k)]
     return f"{s.preset}?{'&'.join(opts)}"
 

@@ -44,6 +44,15 @@ How the sparsity is planted (dimension legend of ``config.py``; c = the bias cha
 * p_j (true activation) and q_j (predictor marks) follow ``min(p_max, a * rank^-b)``, calibrated
   per layer (slightly jittered, seeded) so that the mean and the share carried by the top
   ``top_frac`` of neurons hit the published statistics; neuron ids are randomly permuted.
+* ``ranges=2``: a hot set per half of the vocabulary (token ids below n_vocab / 2: range A, the
+  rest: range B), each the same law under its own permutation (p^A, q^A and p^B, q^B). Residual
+  dim 1 is a second reserved channel, the range channel: +C_VALUE in range A's embedding rows,
+  -C_VALUE in range B's, written by no layer, so each position carries its own token's range.
+  The gate holds (m^A + m^B) / 2 |g_j| on the bias channel and (m^A - m^B) / 2 |g_j| on the range
+  channel (its FFN norm weight as the bias channel's): a token of range A sees m^A, one of range
+  B m^B. The predictor reads it too (fc1 gains [e_r; -e_r] rows, relu(x_r) - relu(-x_r) = x_r).
+  The output head adds +-RANGE_LOGIT on the range channel to each token's row by its range, so
+  generated tokens stay in their prompt's range and so does the hot set a generation fires.
 
 Every random integer comes from splitmix64 over int64 lanes, every reduction is over small
 integers (exact in fp32/fp64, so its order does not matter) and every other step is one IEEE
@@ -116,13 +125,18 @@ class PlantedModel:
         order = self.permutation(l)  # order[i] = neuron id of rank i
         p, q = np.empty(F), np.empty(F)
         p[order], q[order] = p_rank, q_rank
+        p_b = q_b = None
+        if self.spec.ranges == 2:  # range B: the same law, its own permutation
+            order_b = self.permutation(l, "perm-b")
+            p_b, q_b = np.empty(F), np.empty(F)
+            p_b[order_b], q_b[order_b] = p_rank, q_rank
         # the residual's rest grows by (ATTN_VAR + FFN_VAR) / L per layer from the embedding's 1
         L = self.full_layers
         var_in = (1.0 + (POS_VAR if c.arch == "opt" else 0.0)) + l * (ATTN_VAR + FFN_VAR) / L
         var_ffn = var_in if c.parallel_attn else var_in + ATTN_VAR / L
         shift = SWIGLU_GATE if c.thresholded else 0.0
         relu_mean, down_scale = down_plan(p, c.gated, FFN_VAR / L, shift)
-        return LayerPlan(p, q, b, math.sqrt(var_in), math.sqrt(var_ffn), down_scale, relu_mean, shift)
+        return LayerPlan(p, q, b, math.sqrt(var_in), math.sqrt(var_ffn), down_scale, relu_mean, shift, p_b, q_b)
 
     def _layer_targets(self, l: int) -> tuple[float, float, float, float]:
         """(active, marked, top share of the activations, top share of the marks) of layer l: the
@@ -136,23 +150,42 @@ class PlantedModel:
         fit = lambda mean: float(np.clip(share, t.top_frac + 0.01, min(0.99, 0.98 * t.top_frac * P_MAX / mean)))  # noqa: E731
         return active, marked, fit(active), fit(marked)
 
-    def permutation(self, l: int) -> np.ndarray:
+    def permutation(self, l: int, stream: str = "perm") -> np.ndarray:
         """[F] neuron ids in rank order (hottest first): a seeded shuffle, so hot neurons are
-        scattered over the rows."""
-        keys = splitmix64(torch.tensor([stream_key(self.spec.seed, "perm", l)]), self.config.n_ff)[0]
+        scattered over the rows (``stream`` "perm-b": the second token range's)."""
+        keys = splitmix64(torch.tensor([stream_key(self.spec.seed, stream, l)]), self.config.n_ff)[0]
         return np.argsort(keys.numpy(), kind="stable")
 
-    def activation_probs(self, l: int) -> np.ndarray:
-        """[F] planted probability that neuron j of layer l fires (its gate/up logit > 0)."""
-        return self.plan(l).p.copy()
+    def token_range(self, tokens: Any) -> np.ndarray:
+        """The range (0: A, 1: B) of each token id (all 0 with one range)."""
+        t = np.asarray(tokens)
+        return (t >= self.config.n_vocab // 2).astype(np.int64) if self.spec.ranges == 2 else np.zeros_like(t)
 
-    def predictor_probs(self, l: int) -> np.ndarray:
+    def range_tokens(self, token_range: int) -> tuple[int, int]:
+        """[lo, hi) of the token ids of range ``token_range`` (0: A, 1: B; one range: every id)."""
+        half = self.config.n_vocab // 2 if self.spec.ranges == 2 else self.config.n_vocab
+        return (0, half) if token_range == 0 else (half, self.config.n_vocab)
+
+    def _probs(self, l: int, token_range: int, q: bool) -> np.ndarray:
+        if token_range not in range(self.spec.ranges):
+            raise PlantedSpecError(f"{self}: token range {token_range} of a model with {self.spec.ranges} range(s)")
+        plan = self.plan(l)
+        return (plan.q_b if q else plan.p_b) if token_range else (plan.q if q else plan.p)
+
+    def activation_probs(self, l: int, token_range: int = 0) -> np.ndarray:
+        """[F] planted probability that neuron j of layer l fires (its gate/up logit > 0) on a
+        token of range ``token_range``."""
+        return self._probs(l, token_range, q=False).copy()
+
+    def predictor_probs(self, l: int, token_range: int = 0) -> np.ndarray:
         """[F] planted probability that the predictor marks neuron j (logit >= threshold 0)."""
-        return self.plan(l).q.copy()
+        return self._probs(l, token_range, q=True).copy()
 
-    def activation_counts(self, n_tokens: int = 1_000_000) -> tuple[list[np.ndarray], int]:
-        """The planted statistics as a profile would report them: ([L][F] int64 counts, n_tokens)."""
-        counts = [np.rint(self.plan(l).p * n_tokens).astype(np.int64) for l in range(self.config.n_layer)]
+    def activation_counts(self, n_tokens: int = 1_000_000, token_range: int = 0) -> tuple[list[np.ndarray], int]:
+        """The planted statistics as a profile (of tokens of range ``token_range``) would report
+        them: ([L][F] int64 counts, n_tokens). The engine places a planted model by range A's."""
+        counts = [np.rint(self.activation_probs(l, token_range) * n_tokens).astype(np.int64)
+                  for l in range(self.config.n_layer)]
         return counts, int(n_tokens)
 
     # --- WeightSource ------------------------------------------------------------------------

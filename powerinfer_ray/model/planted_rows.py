@@ -18,6 +18,8 @@ from .quants import quantize
 
 CHANNEL = 0  # the residual dim used as the constant bias channel
 C_VALUE = 1.0  # its value in every embedding row (same scale as the other dims)
+RANGE = 1  # with two token ranges: the range channel, +-C_VALUE by the token's range (``planted``)
+RANGE_LOGIT = 20.0  # the output head's weight on it: a token's own range gains ~2 x 14 logits
 SELF_SCORE = 10.0  # q_t . k_t / sqrt(hd): attention mostly attends to the token itself
 LOGIT_STD = 2.5  # std of the output logits
 
@@ -32,6 +34,13 @@ class RowGenerators:
                  plan: Callable[[int], LayerPlan]) -> None:
         self.spec, self.config, self.full_layers, self.plan = spec, config, full_layers, plan
         self._sketch: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.two = spec.ranges == 2
+        self.reserved = [CHANNEL, RANGE] if self.two else [CHANNEL]  # dims no layer reads or writes
+
+    def _range_sign(self, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
+        """[R] +1 for the rows (token ids) of the blocks in range A, -1 in range B."""
+        rows = torch.as_tensor((blocks[:, None] * BLOCK_ROWS + np.arange(BLOCK_ROWS)).reshape(-1), device=dev)
+        return torch.where(rows < self.config.n_vocab // 2, 1.0, -1.0)
 
     def table(self) -> dict[tuple, Gen]:
         """(template, bias) -> generator; templates absent here generate zeros (``zeros``)."""
@@ -61,9 +70,11 @@ class RowGenerators:
     def _gen_embd(self, l: int, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
         """token_embd rows: rest dims with rms exactly 1, the bias channel at C_VALUE."""
         x = self._ints((K.TOKEN_EMBD,), 0, blocks, self.config.n_embd, 8, dev)  # [R, D]
-        x[:, CHANNEL] = 0.0
-        x.mul_((math.sqrt(self.config.n_embd - 1) / row_norm(x).clamp_min(1.0)).float()[:, None])
+        x[:, self.reserved] = 0.0
+        x.mul_((math.sqrt(self.config.n_embd - len(self.reserved)) / row_norm(x).clamp_min(1.0)).float()[:, None])
         x[:, CHANNEL] = C_VALUE
+        if self.two:
+            x[:, RANGE] = C_VALUE * self._range_sign(blocks, dev)
         return x
 
     def _gen_pos(self, l: int, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
@@ -73,7 +84,10 @@ class RowGenerators:
 
     def _gen_output(self, l: int, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
         x = self._ints((K.OUTPUT,), 0, blocks, self.config.n_embd, 8, dev)
-        return x.mul_(LOGIT_STD / math.sqrt(self.config.n_embd * VAR8))
+        x.mul_(LOGIT_STD / math.sqrt(self.config.n_embd * VAR8))
+        if self.two:
+            x[:, RANGE] = RANGE_LOGIT * self._range_sign(blocks, dev)
+        return x
 
     def _gen_output_norm(self, l: int, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
         # tied heads reuse the embedding (rows of norm sqrt(D)): scale the logits down to LOGIT_STD
@@ -83,7 +97,7 @@ class RowGenerators:
     def _gen_ffn_norm(self, l: int, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
         """Norm feeding the FFN: 1, except the bias channel at r_ffn / C_VALUE (see module doc)."""
         w = torch.ones((1, self.config.n_embd), device=dev)
-        w[0, CHANNEL] = self.plan(l).r_ffn / C_VALUE
+        w[0, self.reserved] = self.plan(l).r_ffn / C_VALUE
         return w
 
     # attention -----------------------------------------------------------------------------------
@@ -96,7 +110,7 @@ class RowGenerators:
 
     def _gen_k(self, l: int, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
         x = self._ints((K.ATTN_K,), l, blocks, self.config.n_embd, 8, dev)
-        x[:, CHANNEL] = 0.0
+        x[:, self.reserved] = 0.0
         return x.mul_(self._k_scale())
 
     def _gen_q(self, l: int, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
@@ -111,19 +125,19 @@ class RowGenerators:
             k = assemble(lambda b: self._ints((K.ATTN_K,), l, b, D, 8, dev),
                           (c.n_head_kv * c.head_dim, D), krows, torch.float32, dev)
         x = k.add_(self._ints((K.ATTN_Q,), l, blocks, D, 4, dev))
-        x[:, CHANNEL] = 0.0
+        x[:, self.reserved] = 0.0
         return x.mul_(self._k_scale())
 
     def _gen_v(self, l: int, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
         x = self._ints((K.ATTN_V,), l, blocks, self.config.n_embd, 8, dev)
-        x[:, CHANNEL] = 0.0
+        x[:, self.reserved] = 0.0
         return x.mul_(1.0 / math.sqrt(self.config.n_embd * VAR8))  # v components ~ unit variance
 
     def _gen_o(self, l: int, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
         c = self.config
         x = self._ints((K.ATTN_OUT,), l, blocks, c.n_head * c.head_dim, 8, dev)
-        if blocks[0] == CHANNEL // BLOCK_ROWS:  # blocks are sorted: only the first can hold it
-            x[CHANNEL % BLOCK_ROWS] = 0.0  # attention never writes the bias channel
+        if blocks[0] == 0:  # blocks are sorted: only the first can hold them (dims 0 and 1)
+            x[self.reserved] = 0.0  # attention never writes the reserved channels
         # attention output per dim: (H hd) unit-variance values * s^2 VAR8 = ATTN_VAR / L
         return x.mul_(math.sqrt(ATTN_VAR / self.full_layers / (c.n_head * c.head_dim * VAR8)))
 
@@ -140,8 +154,8 @@ class RowGenerators:
         bucket[order] = torch.arange(D) % k
         sign = torch.where((keys[D:] & 1) == 1, 1.0, -1.0)
         bucket_rest = bucket.clone()
-        bucket_rest[CHANNEL] = k  # a bucket of its own, dropped
-        sign[CHANNEL] = 0.0
+        bucket_rest[self.reserved] = k  # a bucket of their own, dropped
+        sign[self.reserved] = 0.0
         sizes = torch.bincount(bucket_rest, minlength=k + 1)[:k].double()
         if len(self._sketch) > 8:
             self._sketch.clear()
@@ -149,8 +163,9 @@ class RowGenerators:
         return out
 
     def code_dim(self, l: int) -> int:
-        """k: the predictor sees a k-dimensional sketch of the residual (fc1 = [P; -P; bias])."""
-        return (self.config.predictor_ranks[l] - 1) // 2
+        """k: the predictor sees a k-dimensional sketch of the residual (fc1 = [P; -P; bias]; two
+        ranges: and [range; -range])."""
+        return (self.config.predictor_ranks[l] - (3 if self.two else 1)) // 2
 
     def _code(self, l: int, blocks: np.ndarray, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """u [R, k] (odd ints in [-15, 15]) and |u P| [R] float64 for the rows of the blocks."""
@@ -174,19 +189,24 @@ class RowGenerators:
         signed = bucket + torch.where(sign < 0, u.shape[1], 0) + torch.where(sign == 0, 2 * u.shape[1] - bucket, 0)
         a = torch.index_select(torch.cat((u, -u, torch.zeros_like(u[:, :1])), dim=1), 1, signed)  # [R, D]
         e = self._ints(("planted",), l, blocks, D, 8, dev)
-        e[:, CHANNEL] = 0.0
+        e[:, self.reserved] = 0.0
         e_norm = row_norm(e)
         cos = (a * e).sum(dim=1, dtype=torch.float64) / (u_norm * e_norm)  # exact integer dot
         ca, ce = rho / u_norm, math.sqrt(1 - rho * rho) / e_norm  # [R] float64
         g = e.mul_(ce.float()[:, None]).add_(a.mul_(ca.float()[:, None]))  # [R, D]
         g_norm = (rho**2 + (1 - rho**2) + 2 * rho * math.sqrt(1 - rho**2) * cos).sqrt()
-        g[:, CHANNEL] = (self._row_vals(self.plan(l).m, blocks, dev) * g_norm).float()
+        plan = self.plan(l)
+        m = self._row_vals(plan.m, blocks, dev)
+        if self.two:  # the token's range picks m^A or m^B (module doc of ``planted``)
+            m_b = self._row_vals(plan.m_b, blocks, dev)
+            m, g[:, RANGE] = (m + m_b) / 2, ((m - m_b) / 2 * g_norm).float()
+        g[:, CHANNEL] = (m * g_norm).float()
         return g
 
     def _gen_plain_up(self, l: int, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
         """ReGLU's up rows: random, unit expected norm, blind to the bias channel."""
         x = self._ints((K.FFN_UP,), l, blocks, self.config.n_embd, 8, dev)
-        x[:, CHANNEL] = 0.0
+        x[:, self.reserved] = 0.0
         return x.mul_(1.0 / math.sqrt((self.config.n_embd - 1) * VAR8))
 
     def _gen_down(self, l: int, blocks: np.ndarray, dev: torch.device) -> torch.Tensor:
@@ -194,7 +214,7 @@ class RowGenerators:
         projected out (exact: E[h_j] on a 2^-20 grid times small ints sums exactly in fp64)."""
         plan, D = self.plan(l), self.config.n_embd
         d = self._ints((K.FFN_DOWN_T,), l, blocks, D, 8, dev)
-        d[:, CHANNEL] = 0.0
+        d[:, self.reserved] = 0.0
         if self.config.gated:
             return d.mul_(plan.down_scale)
         e = self._row_vals(plan.relu_mean, blocks, dev).view(len(blocks), BLOCK_ROWS)  # [nb, B]
@@ -217,6 +237,8 @@ class RowGenerators:
         bias = torch.full((D,), -1.0 / D if c.norm == "layer" else 0.0, device=dev)
         bias[CHANNEL] += 1.0
         fc1[2 * k] = bias * (self.plan(l).r_ffn / C_VALUE)
+        if self.two:  # relu(x_r) - relu(-x_r) = x_r, the range channel (RMS norms only: no mean to subtract)
+            fc1[2 * k + 1, RANGE], fc1[2 * k + 2, RANGE] = self.plan(l).r_ffn / C_VALUE, -self.plan(l).r_ffn / C_VALUE
         idx = torch.as_tensor((blocks[:, None] * BLOCK_ROWS + np.arange(BLOCK_ROWS)).reshape(-1), device=dev)
         return fc1[idx.clamp_max(r - 1)]  # rows past r are trimmed by the caller
 
@@ -228,7 +250,12 @@ class RowGenerators:
         w = u * (rho / u_norm).float()[:, None]  # [R, k]
         out = torch.zeros((u.shape[0], r), device=dev)
         out[:, :k], out[:, k: 2 * k] = w, -w
-        out[:, 2 * k] = (rho * self._row_vals(self.plan(l).mq, blocks, dev)).float()
+        mq = self._row_vals(self.plan(l).mq, blocks, dev)
+        if self.two:
+            mq_b = self._row_vals(self.plan(l).mq_b, blocks, dev)
+            mq, half = (mq + mq_b) / 2, (rho * (mq - mq_b) / 2).float()
+            out[:, 2 * k + 1], out[:, 2 * k + 2] = half, -half
+        out[:, 2 * k] = (rho * mq).float()
         return out
 
 

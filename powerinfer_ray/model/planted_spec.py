@@ -121,6 +121,9 @@ class PlantedSpec:
     rho: float = 0.98  # predictor fidelity: share of the gate direction the predictor sees
     pred_dtype: str | None = None  # how a file stores the predictors (None: as the other matrices)
     qkv: str = "split"  # "fused": a file holds each layer's q, k, v as one attn_qkv (llama.cpp's Falcon)
+    # token ranges with hot sets of their own: 1, or 2 (the vocabulary's lower and upper halves fire
+    # two independent draws of the same statistics: a workload whose hot set shifts with its prompts)
+    ranges: int = 1
 
     @property
     def targets(self) -> Targets:
@@ -131,7 +134,7 @@ class PlantedSpec:
 
 
 _SPEC_KEYS = {"dtype": str, "seed": int, "layers": int, "active": float, "marked": float,
-              "top_share": float, "rho": float, "pred_dtype": str, "qkv": str}
+              "top_share": float, "rho": float, "pred_dtype": str, "qkv": str, "ranges": int}
 
 
 def parse_spec(spec: str) -> PlantedSpec:
@@ -154,7 +157,9 @@ def parse_spec(spec: str) -> PlantedSpec:
               ("rho", s.rho, 0.0 < s.rho <= 1.0, "in (0, 1]"),
               ("pred_dtype", s.pred_dtype, s.pred_dtype is None or s.pred_dtype in TORCH_DT or s.pred_dtype in QTYPES,
                "f16, bf16, f32, q8_0 or q4_0"),
-              ("qkv", s.qkv, s.qkv in ("split", "fused"), "split or fused")]
+              ("qkv", s.qkv, s.qkv in ("split", "fused"), "split or fused"),
+              ("ranges", s.ranges, s.ranges == 1 or (s.ranges == 2 and PRESETS[name].config["arch"] == "llama"),
+               "1, or 2 for a Llama-architecture preset (RMS norms: the range channel's arithmetic)")]
     checks += [(k, getattr(s, k), getattr(s, k) is None or 0.0 < getattr(s, k) < 1.0, "in (0, 1)")
                for k in ("active", "marked", "top_share")]
     for what, got, ok, expected in checks:

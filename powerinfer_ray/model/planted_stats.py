@@ -136,9 +136,16 @@ class LayerPlan:
     down_scale: float  # scale of ffn_down_t's random ints
     relu_mean: np.ndarray  # [F] E[h_j] for plain ReLU (0 for gated), on a 2^-20 grid
     gate_shift: float = 0.0  # thresholded SwiGLU: the gate value at the threshold (planted_spec.SWIGLU_GATE)
+    # the second token range's p and q (spec ``ranges=2``; None: one range), another draw of the same law
+    p_b: np.ndarray | None = None
+    q_b: np.ndarray | None = None
     m: np.ndarray = field(init=False)  # [F] Phi^-1(p) (+ gate_shift): the gate's bias-channel coefficient
     mq: np.ndarray = field(init=False)  # [F] Phi^-1(q)
+    m_b: np.ndarray | None = field(init=False)  # the second range's m and mq
+    mq_b: np.ndarray | None = field(init=False)
 
     def __post_init__(self) -> None:
-        self.m = torch.special.ndtri(torch.as_tensor(self.p)).numpy() + self.gate_shift
-        self.mq = torch.special.ndtri(torch.as_tensor(self.q)).numpy()
+        ndtri = lambda x: torch.special.ndtri(torch.as_tensor(x)).numpy()  # noqa: E731
+        self.m, self.mq = ndtri(self.p) + self.gate_shift, ndtri(self.q)
+        two = self.p_b is not None
+        self.m_b, self.mq_b = (ndtri(self.p_b) + self.gate_shift, ndtri(self.q_b)) if two else (None, None)

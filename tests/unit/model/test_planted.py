@@ -35,7 +35,8 @@ def test_spec_parsing_and_errors() -> None:
     assert (s.preset, s.dtype, s.seed, s.layers, s.rho) == ("llama2-13b", "bf16", 3, 2, 0.9)
     assert parse_spec("tiny").dtype == "f16"
     for bad, word in [("llama4-8b", "llama4-8b"), ("tiny?dtype=q4", "dtype"), ("tiny?layers=9", "layers"),
-                      ("tiny?colour=red", "colour"), ("tiny?seed=x", "seed"), ("tiny?active=1.5", "active")]:
+                      ("tiny?colour=red", "colour"), ("tiny?seed=x", "seed"), ("tiny?active=1.5", "active"),
+                      ("tiny?ranges=3", "ranges"), ("tiny-falcon?ranges=2", "ranges")]:
         with pytest.raises(ValueError, match=word):
             parse_spec(bad)
 
@@ -225,6 +226,33 @@ def test_own_activations_and_predictors_follow_the_plan(spec: str, mean_tol: flo
         recall = float(rec.both[l].sum() / rec.act[l].sum())
         precision = float(rec.both[l].sum() / rec.mark[l].sum())
         assert recall > min_recall and precision > min_precision, (l, recall, precision)
+
+
+def test_two_token_ranges_fire_their_own_hot_sets() -> None:
+    """``ranges=2``: prompts from the vocabulary's lower half fire range A's planted hot set, from
+    the upper half range B's (another draw of the same law, unrelated to A's), and the predictor
+    marks each range's own; a generation stays in its prompt's range; range A is the one a
+    profile of the model's own statistics describes."""
+    m = planted_model("tiny?dtype=f32&ranges=2&layers=2")
+    ref = m.reference()
+    g = torch.Generator().manual_seed(2)
+    for r in (0, 1):
+        lo, hi = m.range_tokens(r)
+        assert np.all(m.token_range(np.arange(lo, hi)) == r)
+        rec = _Recorder(ref.w)
+        for _ in range(4):
+            ref.forward(torch.randint(lo, hi, (64,), generator=g), ref.new_cache(), rec)
+        for l in range(m.config.n_layer):
+            p, q = m.activation_probs(l, r), m.predictor_probs(l, r)
+            freq, marked = (rec.act[l] / rec.n[l]).numpy(), (rec.mark[l] / rec.n[l]).numpy()
+            assert abs(freq.mean() / p.mean() - 1) < 0.04 and abs(marked.mean() / q.mean() - 1) < 0.04
+            assert np.corrcoef(freq, p)[0, 1] > 0.9 and np.corrcoef(marked, q)[0, 1] > 0.9
+            assert abs(np.corrcoef(freq, m.activation_probs(l, 1 - r))[0, 1]) < 0.2  # not the other range's
+        prompt = list(range(hi - 12, hi))
+        assert all(lo <= t < hi for t in ref.generate_greedy(prompt, 8))
+    counts, n = m.activation_counts(1000)
+    assert np.abs(counts[0] / n - m.activation_probs(0, 0)).max() <= 0.5 / n + 1e-12
+    assert sorted(m.activation_probs(0, 1)) == pytest.approx(sorted(m.activation_probs(0, 0)))  # the same law
 
 
 # --- files ----------------------------------------------------------------------------------------------
