@@ -317,3 +317,54 @@ def test_cuda_decode_graph_reports_a_failed_or_silent_cpu_executor(tmp_path, mon
                     eng.primary.step([0], [[10]], [5])
         finally:
             eng.close()
+
+
+@pytest.mark.parametrize("variant, dtype", [("llama-gqa", "f16"), ("opt", "f16"), ("falcon-gqa", "q4_0")])
+def test_cuda_swaps_between_graph_replays_keep_the_graphs_and_the_budget(variant, dtype):
+    """Re-placement on a CUDA primary whose decode graphs are captured (zero-copy on, from a file
+    on /dev/shm: the graphs read the CPU rows' ids on the device): neurons swapped in pauses
+    between replays leave every tensor where it was, allocate nothing that stays and at most one
+    pause's rows of one matrix meanwhile (the budget holds), and the replays after them give the
+    logits of an engine loaded with the swapped split (fp16: near-equal, top-1 equal)."""
+    import tempfile
+    from pathlib import Path
+
+    from powerinfer_ray.runtime.replacement import layer_swaps, pauses, target
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        path, ref, plan = _model_and_plan(Path(d), variant, "split-heads", dtype)
+        counts = np.random.default_rng(1).random((len(plan), ref.cfg.n_ff))
+        limit = 64 * ref.cfg.neuron_bytes  # rows a pause trades (the engine's: replacement.MOVE_BYTES)
+        moves = pauses(layer_swaps(plan, target(plan, [np.zeros(ref.cfg.n_ff, bool)] * len(plan), counts), counts),
+                       (ref.cfg.neuron_bytes,) * len(plan), limit=limit)
+        swapped = plan
+        for pause in moves:
+            for s in pause:
+                swapped = swapped.swap(s)
+        kw = dict(policy="predictor", device="cuda", prefill_chunk=16, max_batch=4, threshold=0.2, zero_copy=0.5)
+        eng = LocalEngine(EngineConfig(str(path), plan=plan, **kw))
+        try:
+            _decode(eng)  # graphs captured for B = 4 and B = 1
+            torch.cuda.synchronize()
+            held, ptrs = torch.cuda.memory_allocated(), [lw.ffn.up.data_ptr() for lw in eng.primary.weights.layers]
+            torch.cuda.reset_peak_memory_stats()
+            for pause in moves:
+                eng.primary.swap(pause)
+                eng.cpu.swap(pause)
+            torch.cuda.synchronize()
+            assert torch.cuda.memory_allocated() == held
+            assert torch.cuda.max_memory_allocated() <= held + limit // 3 + (1 << 20)  # one matrix's rows at a time
+            assert [lw.ffn.up.data_ptr() for lw in eng.primary.weights.layers] == ptrs
+            captures = eng.primary.stats.graph_captures
+            got = _decode(eng)
+            assert eng.primary.stats.graph_captures == captures  # the same graphs replayed
+        finally:
+            eng.close()
+        fresh = LocalEngine(EngineConfig(str(path), plan=swapped, **kw))
+        try:
+            want = _decode(fresh)
+        finally:
+            fresh.close()
+    for a, b in zip(got, want):
+        assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.9
+        assert float(np.abs(a - b).max() / np.abs(b).max()) < 0.1

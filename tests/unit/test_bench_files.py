@@ -22,6 +22,7 @@ def test_file_names_keep_the_shape(pf):
     assert pf.file_name("llama2-13b?dtype=f16") == "llama2-13b-f16.gguf"
     assert pf.file_name("planted:falcon-40b?dtype=f16&seed=0") == "falcon-40b-f16.gguf"  # defaults dropped
     assert pf.file_name("llama2-7b?layers=2&seed=3") == "llama2-7b-f16-seed3-layers2.gguf"
+    assert pf.file_name("llama2-13b?ranges=2&dtype=f16") == "llama2-13b-f16-ranges2.gguf"  # another model
     assert pf.canonical("llama2-7b?layers=2&seed=3&dtype=f16") == "llama2-7b?dtype=f16&seed=3&layers=2"
     with pytest.raises(ValueError, match="unknown option 'size'"):
         pf.file_name("llama2-7b?size=3")
