@@ -207,9 +207,11 @@ class Solver:
 def _serve_solves() -> None:
     """The solver process: requests (pickled tuples of ``solve_placement``'s arguments) on stdin,
     (True, Placement) or (False, exception) on stdout, until EOF. HiGHS writes its banner to the
-    C library's stdout: file descriptor 1 goes to stderr, the answers to a copy of it."""
+    C library's stdout: file descriptor 1 goes to stderr, the answers to a copy of it. At the
+    lowest priority: the CPU executor's threads spin on the host's cores while tokens are made."""
     from ..placement.solve import solve_placement
 
+    os.nice(19)
     answers = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     requests = sys.stdin.buffer
