@@ -5,7 +5,7 @@ neurons on the GPU. While it serves, the engine counts activations (``activity``
 ``save_activation`` writes). Every ``replacement_interval`` counted tokens it reads the counts
 between two steps and folds them into a decayed estimate (``DecayedCounts``: old traffic halves
 every ``HALF_LIFE_INTERVALS`` intervals), and a process of its own solves the same placement ILP
-for the same budget from that estimate (``Solver``: ``placement.solve_placement``, in a process
+for the same budget from the estimate as it stood before the newest interval (``Solver``: ``placement.solve_placement``, in a process
 because cvxpy holds the interpreter lock for up to ~0.3 s at a time in a solve of a 13B). The
 engine's steps never wait for it: the loop (``ReplacementLoop``) awaits its future.
 
@@ -15,14 +15,16 @@ captured decode graphs are sized for it; the budget the ILP was given is what th
 takes the neurons the ILP put on the GPU, the hottest first, topped up by the hottest others
 when the ILP gave the layer fewer. Ties keep the neurons where they are.
 
-The move pays when the new split serves at least ``replacement_threshold`` more of the decayed
-activations on the GPU (``gain``, a share). Its cost is a one-off copy of the neurons' rows over
-PCIe; its gain is a lasting cut of the CPU's reads per token. At the Llama-2-13B shape at 16 GiB
-(30 KiB a neuron, ~86k neurons active per token): moving every GPU neuron of every layer (~5 GB)
-takes ~0.1 s at 55 GB/s, and one point of share moves ~26 MB per token off the CPU's ~180 GB/s
-(~0.15 ms a token): a gain of 0.02 (the default) pays for even the largest move within ~350
-tokens, and smaller ones sooner; below it, sampling noise in a few intervals' counts would move
-neurons back and forth for little.
+The move pays when the new split serves at least ``replacement_threshold`` more of the
+activations on the GPU (``gain``, a share) both in the counts it was solved from and in the newest
+interval's, which the solve did not see: a split fitted to a few hundred tokens' counts always
+looks better on them (their noise picks its neurons), and only the unseen interval tells a shift
+of the traffic from that noise. The move's cost is a one-off copy of the neurons' rows over PCIe;
+its gain is a lasting cut of the CPU's reads per token. At the Llama-2-13B shape at 16 GiB (30 KiB
+a neuron, ~86k neurons active per token): moving every GPU neuron of every layer (~5 GB) takes
+~0.1 s at 55 GB/s, and one point of share moves ~26 MB per token off the CPU's ~180 GB/s (~0.15
+ms a token): a gain of 0.02 (the default) pays for even the largest move within ~350 tokens, and
+smaller ones sooner.
 
 Moves go in pauses between steps (``pauses``): each pause trades at most ``MOVE_BYTES`` of rows
 (a transient of a third of that on the GPU, one matrix's rows at a time: the budget holds), both
@@ -98,17 +100,28 @@ class DecayedCounts:
         self._last = (totals.copy(), tokens)
         return delta
 
-    def for_solver(self) -> tuple[list[np.ndarray], int]:
-        """([L][F] counts, tokens) as the placement solver takes them: whole tokens, counts at most that."""
-        n = max(1, int(round(self.tokens)))
-        scale = n / self.tokens if self.tokens else 0.0
-        return [np.minimum(c * scale, n) for c in self.counts], n
+
+
+def solver_inputs(counts: np.ndarray, tokens: float) -> tuple[list[np.ndarray], int]:
+    """Decayed counts [L, F] over ``tokens`` as the placement solver takes them: ([L][F] counts,
+    whole tokens), the counts at most that."""
+    n = max(1, int(round(tokens)))
+    scale = n / tokens if tokens else 0.0
+    return [np.minimum(c * scale, n) for c in counts], n
 
 
 def gpu_share(plan: Plan, counts: np.ndarray) -> float:
     """Share of the counts [L, F] that fall on the plan's GPU neurons (0 without counts)."""
     total = float(counts.sum())
     return sum(float(counts[l, lp.gpu_neurons].sum()) for l, lp in enumerate(plan.layers)) / total if total else 0.0
+
+
+def gain(plan: Plan, goal: list[np.ndarray], counts: np.ndarray) -> float:
+    """How much more of the counts [L, F] the GPU neurons ``goal`` serve than the plan's (a share)."""
+    total = float(counts.sum())
+    more = sum(float(counts[l, g].sum() - counts[l, lp.gpu_neurons].sum()) for l, (g, lp) in
+               enumerate(zip(goal, plan.layers)))
+    return more / total if total else 0.0
 
 
 def target(plan: Plan, solved: list[np.ndarray], counts: np.ndarray) -> list[np.ndarray]:
@@ -240,42 +253,50 @@ class Replacer:
         self.solving = False
         self.history: deque[dict[str, float]] = deque(maxlen=HISTORY)
         self.counters = {"solves": 0, "solve_failures": 0, "accepted": 0, "pauses": 0, "neurons_moved": 0,
-                         "last_gain": None, "last_solve_s": None, "move_s": 0.0}
+                         "last_gain": None, "last_gain_fitted": None, "last_solve_s": None, "move_s": 0.0}
+        self.basis: tuple[np.ndarray, float] = (self.decayed.counts, 0.0)  # what a solve sees
+        self.newest = np.zeros_like(self.decayed.counts)  # the newest interval: what a split is judged on
 
     def observe(self, totals: np.ndarray, tokens: int) -> None:
-        """The engine's running activation totals [L, F] over ``tokens`` counted tokens."""
-        delta = self.decayed.update(totals, tokens)
-        if delta.sum():
-            self.history.append({"tokens": int(tokens), "gpu_share": round(gpu_share(self.plan, delta), 4)})
+        """The engine's running activation totals [L, F] over ``tokens`` counted tokens: the
+        estimate so far becomes the next solve's basis, the counts since the last read the
+        interval it is judged on."""
+        self.basis = (self.decayed.counts.copy(), self.decayed.tokens)
+        self.newest = self.decayed.update(totals, tokens)
+        if self.newest.sum():
+            self.history.append({"tokens": int(tokens), "gpu_share": round(gpu_share(self.plan, self.newest), 4)})
+
+    @property
+    def ready(self) -> bool:
+        """Whether there are counts to solve from and an unseen interval to judge by."""
+        return self.basis[1] > 0 and bool(self.newest.sum())
 
     def solve(self) -> Future:
-        """Submit the solve of the decayed counts (``accept`` takes its result)."""
+        """Submit the solve of the basis (``accept`` takes its result)."""
         self.solving = True
         self._t_solve = time.perf_counter()
-        return self.solver.submit(*self.decayed.for_solver())
+        return self.solver.submit(*solver_inputs(*self.basis))
 
     def accept(self, solved: list[np.ndarray] | None) -> bool:
         """Judge a solved split ([L][F] bool; None: the solve failed): queue its pauses when its
-        gain reaches the threshold. Returns whether it did."""
+        gain reaches the threshold on the basis and on the newest interval. Returns whether it did."""
         self.solving = False
         self.counters["solves"] += 1
         self.counters["last_solve_s"] = round(time.perf_counter() - self._t_solve, 3)
         if solved is None:
             self.counters["solve_failures"] += 1
             return False
-        counts = self.decayed.counts
+        counts = self.basis[0]
         goal = target(self.plan, solved, counts)
-        moved = sum(float(counts[l, g].sum() - counts[l, lp.gpu_neurons].sum()) for l, (g, lp) in
-                    enumerate(zip(goal, self.plan.layers)))
-        gain = moved / counts.sum() if counts.sum() else 0.0
-        self.counters["last_gain"] = round(float(gain), 4)
-        if gain < self.settings.threshold:
+        fitted, unseen = gain(self.plan, goal, counts), gain(self.plan, goal, self.newest)
+        self.counters["last_gain"], self.counters["last_gain_fitted"] = round(unseen, 4), round(fitted, 4)
+        if min(fitted, unseen) < self.settings.threshold:
             return False
         self.counters["accepted"] += 1
         swaps = layer_swaps(self.plan, goal, counts)
         self.queue.extend(pauses(sorted(swaps, key=lambda s: -self._gain_of(s, counts)), self._neuron_bytes()))
-        log.info("re-placement: the split solved on served traffic serves %.1f %% more activations on the GPU; "
-                 "moving %d neurons in %d pauses", 100 * gain, sum(len(s) for s in swaps), len(self.queue))
+        log.info("re-placement: the split solved on served traffic serves %.1f %% more of the newest activations on "
+                 "the GPU; moving %d neurons in %d pauses", 100 * unseen, sum(len(s) for s in swaps), len(self.queue))
         return True
 
     @staticmethod
@@ -332,6 +353,8 @@ class ReplacementLoop:
             try:
                 r.observe(*await self.read())
                 self.observer(r)
+                if not r.ready:
+                    continue
                 solved = await self._solve()
                 if r.accept(solved):
                     await self._move()

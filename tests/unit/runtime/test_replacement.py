@@ -22,8 +22,8 @@ from powerinfer_ray.placement.solve import solve_placement
 from powerinfer_ray.runtime.config import EngineConfig, resolve_replacement
 from powerinfer_ray.runtime.engine import LocalEngine
 from powerinfer_ray.runtime.plan import LayerPlan, Plan, Swap
-from powerinfer_ray.runtime.replacement import (DecayedCounts, Replacer, Settings, Solver, gpu_share, layer_swaps,
-                                                pauses, target)
+from powerinfer_ray.runtime.replacement import (DecayedCounts, Replacer, Settings, Solver, gain, gpu_share,
+                                                layer_swaps, pauses, solver_inputs, target)
 from powerinfer_ray.serve.config import serving
 
 GIB = 1 << 30
@@ -49,7 +49,7 @@ def test_decayed_counts_halve_old_traffic_and_survive_a_reset():
     d.update(np.array([[4, 0, 0]]), 50)  # totals went back (executors restarted): counted afresh
     f = 0.5 ** 0.5
     np.testing.assert_allclose(d.counts, [[5 * f + 4, 50 * f, 2.5 * f]])
-    counts, n = d.for_solver()
+    counts, n = solver_inputs(d.counts, d.tokens)
     assert n == round(150 * f + 50) and all(c.max() <= n for c in counts)
     np.testing.assert_allclose(counts[0] / n, d.counts[0] / d.tokens, rtol=1e-12)
 
@@ -94,21 +94,41 @@ class _NoSolver:
     costs = type("Costs", (), {"neuron_bytes": (10, 10)})()
 
 
-def test_a_split_is_taken_when_its_gain_reaches_the_threshold():
+def test_a_split_is_taken_when_it_gains_on_the_interval_its_solve_did_not_see():
+    """The solve sees the counts before the newest interval; a split is taken when its gain (the
+    share of the counts its GPU neurons serve beyond the plan's) reaches the threshold both there
+    and on the newest interval: a shift of the traffic does, a split fitted to noise does not."""
     plan = _plan(2, 50, seed=3)
     rng = np.random.default_rng(4)
-    totals = rng.integers(0, 40, (2, 50))
-    for threshold, taken in ((0.0, True), (0.99, False)):
-        r = Replacer(plan, Settings(interval=10, threshold=threshold), _NoSolver())
-        r.observe(totals, 40)
-        assert r.history[-1]["gpu_share"] == pytest.approx(gpu_share(plan, totals), abs=1e-4)
+    hot = [rng.permutation(50)[:10] for _ in range(2)]  # the traffic's hot neurons (few on the GPU)
+    p = np.full((2, 50), 0.05)
+    for l in range(2):
+        p[l, hot[l]] = 0.8
+    shifted = [rng.binomial(200, p) for _ in range(2)]  # two intervals of 200 tokens of it
+    noise = [rng.binomial(200, np.full((2, 50), 0.3)) for _ in range(2)]  # no hot set at all
+    for intervals, threshold, taken in ((shifted, 0.02, True), (shifted, 0.99, False), (noise, 0.02, False)):
+        r = Replacer(plan, Settings(interval=200, threshold=threshold), _NoSolver())
+        r.observe(intervals[0], 200)
+        assert not r.ready  # nothing yet to solve from
+        r.observe(intervals[0] + intervals[1], 400)
+        assert r.ready and r.history[-1]["gpu_share"] == pytest.approx(gpu_share(plan, intervals[1]), abs=1e-4)
+        np.testing.assert_array_equal(r.basis[0], intervals[0])  # the solve's view: the first interval
         r._t_solve = time.perf_counter()
-        solved = [np.isin(np.arange(50), np.argsort(-totals[l])[:5]) for l in range(2)]
+        solved = [np.isin(np.arange(50), np.argsort(-intervals[0][l], kind="stable")[:15]) for l in range(2)]
         assert r.accept(solved) is taken
-        goal = target(plan, solved, totals.astype(float))
-        want = (sum(totals[l, goal[l]].sum() for l in range(2)) - gpu_share(plan, totals) * totals.sum()) / totals.sum()
-        assert r.counters["last_gain"] == pytest.approx(want, abs=1e-4) and want > 0.05
+        goal = target(plan, solved, intervals[0].astype(float))
+        fitted, unseen = gain(plan, goal, intervals[0]), gain(plan, goal, intervals[1])
+        for l in range(2):  # by hand: the goal's counts beyond the plan's, over all counts
+            assert len(goal[l]) == len(plan[l].gpu_neurons)
+        by_hand = sum(intervals[1][l, goal[l]].sum() - intervals[1][l, plan[l].gpu_neurons].sum() for l in range(2))
+        assert unseen == pytest.approx(by_hand / intervals[1].sum())
+        assert r.counters["last_gain"] == pytest.approx(unseen, abs=1e-4)
+        assert r.counters["last_gain_fitted"] == pytest.approx(fitted, abs=1e-4)
         assert bool(r.queue) is taken
+        if intervals is noise:  # fitted to the first interval's noise: a gain there, none on the next
+            assert fitted > 0.02 and unseen < 0.02
+        else:
+            assert min(fitted, unseen) > 0.1
 
 
 def test_the_solver_process_solves_as_solve_placement_and_passes_its_errors(tmp_path):
