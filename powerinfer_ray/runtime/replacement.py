@@ -252,6 +252,7 @@ class Replacer:
         self.queue: deque[list[Swap]] = deque()
         self.solving = False
         self.history: deque[dict[str, float]] = deque(maxlen=HISTORY)
+        self._lock = threading.Lock()  # stats() may be read from another thread (the in-process engine)
         self.counters = {"solves": 0, "solve_failures": 0, "accepted": 0, "pauses": 0, "neurons_moved": 0,
                          "last_gain": None, "last_gain_fitted": None, "last_solve_s": None, "move_s": 0.0}
         self.basis: tuple[np.ndarray, float] = (self.decayed.counts, 0.0)  # what a solve sees
@@ -264,7 +265,8 @@ class Replacer:
         self.basis = (self.decayed.counts.copy(), self.decayed.tokens)
         self.newest = self.decayed.update(totals, tokens)
         if self.newest.sum():
-            self.history.append({"tokens": int(tokens), "gpu_share": round(gpu_share(self.plan, self.newest), 4)})
+            with self._lock:
+                self.history.append({"tokens": int(tokens), "gpu_share": round(gpu_share(self.plan, self.newest), 4)})
 
     @property
     def ready(self) -> bool:
@@ -315,10 +317,11 @@ class Replacer:
         self.counters["move_s"] += seconds
 
     def stats(self) -> dict[str, Any]:
-        recent = self.history[-1]["gpu_share"] if self.history else None
+        with self._lock:
+            history = list(self.history)
         return {"on": True, "interval": self.settings.interval, "threshold": self.settings.threshold,
                 "solving": self.solving, "queued_pauses": len(self.queue), **self.counters,
-                "gpu_share_recent": recent, "gpu_share_history": list(self.history)}
+                "gpu_share_recent": history[-1]["gpu_share"] if history else None, "gpu_share_history": history}
 
 
 class ReplacementLoop:
