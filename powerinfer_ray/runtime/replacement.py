@@ -5,9 +5,10 @@ neurons on the GPU. While it serves, the engine counts activations (``activity``
 ``save_activation`` writes). Every ``replacement_interval`` counted tokens it reads the counts
 between two steps and folds them into a decayed estimate (``DecayedCounts``: old traffic halves
 every ``HALF_LIFE_INTERVALS`` intervals), and a process of its own solves the same placement ILP
-for the same budget from the estimate as it stood before the newest interval (``Solver``: ``placement.solve_placement``, in a process
-because cvxpy holds the interpreter lock for up to ~0.3 s at a time in a solve of a 13B). The
-engine's steps never wait for it: the loop (``ReplacementLoop``) awaits its future.
+for the same budget from the estimate as it stood before the newest interval (``Solver``:
+``placement.solve_placement``, in a process because cvxpy holds the interpreter lock for up to
+~0.3 s at a time in a solve of a 13B). The engine's steps never wait for it: the loop
+(``ReplacementLoop``) awaits its future.
 
 A solved split is applied at the engine's shard sizes (``target``): each layer keeps the number
 of GPU neurons it was loaded with (the primary's row buffers, the CPU mask's width and the
@@ -67,7 +68,7 @@ HISTORY = 128  # intervals of the GPU's share kept for stats()
 @dataclass(frozen=True)
 class Settings:
     """When the engine re-solves (every ``interval`` counted tokens) and when it moves
-    (``threshold``: the least gain in the GPU's share of the decayed activations)."""
+    (``threshold``: the least gain in the GPU's share of the activations, see the module docstring)."""
 
     interval: int
     threshold: float
@@ -99,7 +100,6 @@ class DecayedCounts:
         self.tokens = self.tokens * f + dt
         self._last = (totals.copy(), tokens)
         return delta
-
 
 
 def solver_inputs(counts: np.ndarray, tokens: float) -> tuple[list[np.ndarray], int]:
