@@ -99,16 +99,20 @@ class Traffic:
 # ------------------------------------------------------------------------------------------------
 def solved_plan(a: argparse.Namespace, stats: tuple[list[np.ndarray], int]):  # noqa: ANN201
     """The split the engine would solve from ``stats`` (its own placement inputs), CPU rows hottest first."""
+    from dataclasses import replace
+
     from powerinfer_ray.model.source import open_model
     from powerinfer_ray.placement.solve import solve_placement
-    from powerinfer_ray.runtime.config import EngineConfig, placement_inputs
+    from powerinfer_ray.runtime.config import EngineConfig, placement_inputs, predictor_qtype
     from powerinfer_ray.runtime.plan import Plan
 
     src = open_model(a.model)
-    costs, budget, host = placement_inputs(EngineConfig(a.model, **base_options(a)), src)
+    ec = EngineConfig(a.model, **base_options(a))
+    pq = predictor_qtype(ec, src)  # how the engine holds the predictors at this budget
+    costs, budget, host = placement_inputs(ec, src, pq)
     placement = solve_placement(stats[0], stats[1], costs, budget, host)
     plan = Plan.from_masks(placement.gpu_neurons, list(placement.gpu_attention), src.config)
-    return plan.hot_first(stats[0]), placement
+    return replace(plan, predictor_qtype=pq).hot_first(stats[0]), placement
 
 
 def base_options(a: argparse.Namespace) -> dict[str, Any]:

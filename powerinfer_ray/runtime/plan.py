@@ -140,7 +140,7 @@ class Plan:
         gpu[s.gpu_rows], cpu[s.cpu_rows] = s.to_gpu, s.to_cpu
         layers = list(self.layers)
         layers[s.l] = LayerPlan(gpu, cpu, lp.gpu_groups, lp.cpu_groups)
-        return Plan(tuple(layers))
+        return replace(self, layers=tuple(layers))
 
     def gpu_activation_share(self, counts: list[np.ndarray]) -> float:
         """Share of all activations that fall on the primary's neurons."""

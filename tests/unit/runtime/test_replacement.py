@@ -393,8 +393,10 @@ def test_the_background_solve_never_holds_up_a_step_and_its_split_follows_the_tr
         done.join()
         generate(3)
         st = eng.stats()["replacement"]
+        with eng._backend.step_lock:  # both executors swap under it (the loop may move more meanwhile)
+            moved = (eng.primary.stats.moved_neurons, eng.cpu.stats.moved_neurons)
     finally:
         eng.close()
     assert st["accepted"] >= 1 and st["neurons_moved"] > 0 and st["last_gain"] is not None
     assert st["gpu_share_recent"] > before + 0.3, (before, st["gpu_share_history"])
-    assert eng.primary.stats.moved_neurons == eng.cpu.stats.moved_neurons == st["neurons_moved"]
+    assert moved[0] == moved[1] >= st["neurons_moved"]
