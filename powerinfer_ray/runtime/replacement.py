@@ -170,9 +170,10 @@ def pauses(swaps: list[Swap], neuron_bytes: tuple[int, ...], limit: int = MOVE_B
 
 class Solver:
     """``placement.solve_placement`` for one engine's costs, budget and host, in a process of its
-    own: ``python -m powerinfer_ray.runtime.replacement`` (started at the first solve, kept for the
-    next), pickles over its stdin and stdout. Not a multiprocessing pool: its spawn would import
-    the engine's ``__main__`` again, a user's script that starts an engine."""
+    own: ``python -m powerinfer_ray.runtime.replacement`` (``start``ed with the engine, so that its
+    imports are done before traffic comes; restarted by a solve if it died), pickles over its stdin
+    and stdout. Not a multiprocessing pool: its spawn would import the engine's ``__main__`` again,
+    a user's script that starts an engine."""
 
     def __init__(self, costs: ModelCosts, budget_bytes: int, host: HostProfile, method: str) -> None:
         self.costs, self.budget, self.host, self.method = costs, budget_bytes, host, method
@@ -182,6 +183,7 @@ class Solver:
     def submit(self, counts: list[np.ndarray], tokens: int) -> Future:
         """A future of the solved Placement (its exception when the solve raised)."""
         fut: Future = Future()
+        fut.set_running_or_notify_cancel()  # running: a cancelled waiter (the engine closing) leaves it be
         request = (counts, tokens, self.costs, self.budget, self.host, self.method)
 
         def run() -> None:
@@ -192,11 +194,15 @@ class Solver:
         threading.Thread(target=run, name="replacement-solve", daemon=True).start()
         return fut
 
+    def start(self) -> None:
+        """Start the process unless it runs."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE)
+
     def _call(self, request: tuple) -> Any:  # noqa: ANN401
         with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
-                self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
-                                              stdout=subprocess.PIPE)
+            self.start()
             pickle.dump(request, self._proc.stdin)
             self._proc.stdin.flush()
             try:
@@ -222,11 +228,13 @@ def _serve_solves() -> None:
     (True, Placement) or (False, exception) on stdout, until EOF. HiGHS writes its banner to the
     C library's stdout: file descriptor 1 goes to stderr, the answers to a copy of it. At the
     lowest priority: the CPU executor's threads spin on the host's cores while tokens are made."""
-    from ..placement.solve import solve_placement
-
     os.nice(19)
     answers = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
+    import cvxpy  # noqa: F401  (seconds: now, while the engine loads, not in the first solve)
+
+    from ..placement.solve import solve_placement
+
     requests = sys.stdin.buffer
     while True:
         try:
@@ -396,8 +404,9 @@ def engine_replacer(ec: EngineConfig, src: WeightSource, plan: Plan, policy: str
     if not resolve_replacement(ec, plan, policy):
         return None
     costs, budget, host = placement_inputs(ec, src, plan.predictor_qtype)
-    return Replacer(plan, Settings(ec.replacement_interval, ec.replacement_threshold),
-                    Solver(costs, budget, host, ec.method))
+    solver = Solver(costs, budget, host, ec.method)
+    solver.start()
+    return Replacer(plan, Settings(ec.replacement_interval, ec.replacement_threshold), solver)
 
 
 if __name__ == "__main__":

@@ -332,6 +332,7 @@ class GatedSolver(Solver):
 
     def __init__(self, inner: Solver, steps: callable) -> None:
         super().__init__(inner.costs, inner.budget, inner.host, inner.method)
+        self._proc = inner._proc  # the engine's process, started with it
         self.gate, self.asked, self.steps = threading.Event(), threading.Event(), steps
         self.steps_at_ask = -1
 
