@@ -13,6 +13,8 @@ requests fail with a clear error, the executors are rebuilt and the next request
 When the engine itself dies, Ray restarts it (``max_restarts=-1``) under the same name and handle.
 With re-placement on (``runtime.replacement``) a task beside the request loop has the executors
 swap neurons between steps; restarted executors load the split as it then is.
+Several engines serve one app as replicas (``actors.replicas``): each in a placement group of its
+own, whose bundle its executors join.
 
 The module imports no torch (the runtime is imported inside the methods that use it): a worker
 loading the class (Ray ships it with the modules its methods name) starts it without torch, and
@@ -72,7 +74,7 @@ class Coordinator:
         # hybrid split likely
         self.backend: RayBackend | None = RayBackend(self.name, self.ec.vram_budget_bytes)
         threads, fits = self._cpu_threads()
-        for role in ("primary", "cpu") if self.ec.vram_budget_bytes and fits else ("primary",):
+        for role in ("primary", "cpu") if self._cpu_executor_likely() and fits else ("primary",):
             try:
                 self.backend.start(role, self.device, threads)
             except ValueError:  # the name is still held by a predecessor: started with the group
@@ -112,6 +114,11 @@ class Coordinator:
         self.replacement = ReplacementLoop(self.replacer, self._totals, self._swap, self._replaced) \
             if self.replacer is not None else None
         self.init_s = time.time() - self.started_at
+
+    def _cpu_executor_likely(self) -> bool:
+        """Whether the plan gives the CPU executor work: known when the plan came solved (the
+        command line, replicas), likely when a budget is to be solved for."""
+        return self.ec.plan.needs_cpu_executor if self.ec.plan is not None else bool(self.ec.vram_budget_bytes)
 
     def _check_device(self) -> None:
         """A CUDA primary needs a GPU in the cluster: without one its actor would wait forever."""
@@ -253,12 +260,13 @@ class Coordinator:
                 "executors": ["gpu"] + (["cpu"] if g and g.cpu else []), "plan_s": self.plan_s,
                 "started_at": self.started_at, "init_s": self.init_s,
                 "load_s": g.load_s if g else {}, "dense_prefill": g.dense_prefill if g else None,
-                "pid": os.getpid(),
+                "pid": os.getpid(), "name": self.name, "node_id": ray.get_runtime_context().get_node_id(),
+                "node_ip": ray.util.get_node_ip_address(),
                 # each executor's load phases and memory at its start (its ready() without the shard layout)
                 "executors_ready": [{k: v for k, v in i.items() if k != "shard_spec"} for i in g.ready] if g else []}
 
     def model_info(self) -> dict[str, Any]:
-        return {"name": self.model_name, "n_ctx": self.n_ctx, "n_vocab": self.cfg.n_vocab,
+        return {"name": self.model_name, "engine": self.name, "n_ctx": self.n_ctx, "n_vocab": self.cfg.n_vocab,
                 "chat_template": self.tokenizer.chat_template if self.tokenizer else None,
                 "has_tokenizer": self.tokenizer is not None, **self._special_tokens()}
 

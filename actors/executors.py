@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util import metrics
+from ray.util.placement_group import PlacementGroup, get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..runtime.steplink import StepClient, StepServer
 
@@ -230,25 +232,49 @@ class CPUExecutorActor(LoadedLater):
 
 class RayBackend:
     """The executor group (``runtime.group``) as Ray actors named after their engine: one
-    primary per GPU (or the CPU primary), one CPU executor reserving a CPU per thread."""
+    primary per GPU (or the CPU primary), one CPU executor reserving a CPU per thread. An engine
+    in a placement group (a replica: ``actors.replicas``) starts them in its bundle, so that they
+    share its node, and the primary takes the bundle's share of a GPU."""
 
     task_error = ray.exceptions.RayTaskError
 
-    def __init__(self, engine_name: str, budget_bytes: int | None = None) -> None:
+    def __init__(self, engine_name: str, budget_bytes: int | None = None,
+                 placement: PlacementGroup | None = None) -> None:
         self.engine_name, self.budget_bytes = engine_name, budget_bytes
+        self.placement = placement if placement is not None else get_current_placement_group()
         self.link: StepClient | None = None
         self.started: dict[str, Any] = {}  # role -> an actor started before its spec was known
 
+    def member_options(self, role: str, device: str, threads: int) -> dict[str, Any]:
+        """A member's actor options: its resources, and bundle 0 of the engine's placement group."""
+        if role == "cpu":
+            opts: dict[str, Any] = {"num_cpus": threads}
+        else:
+            opts = {"num_cpus": 1, "num_gpus": self._gpus() if device == "cuda" else 0}
+        if self.placement is not None:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(self.placement,
+                                                                           placement_group_bundle_index=0)
+        return opts
+
+    def _gpus(self) -> float:
+        """The primary's GPUs: one, or the bundle's share of one."""
+        if self.placement is None:
+            return 1
+        gpus = self.placement.bundle_specs[0].get("GPU", 0)
+        if gpus <= 0:
+            raise ValueError(f"device='cuda': the placement group of {self.engine_name} reserves no GPU "
+                             f"(bundle {self.placement.bundle_specs[0]})")
+        return gpus
+
     def start(self, role: str, device: str, threads: int) -> Any:  # noqa: ANN401
         """Start a member's process now; it loads when ``create`` hands it the spec."""
+        opts = self.member_options(role, device, threads)
         if role == "primary":
-            cuda = device == "cuda"
-            name = f"{self.engine_name}.gpu-executor.{'cuda0' if cuda else 'cpu'}"
-            actor = PrimaryExecutorActor.options(name=name, num_gpus=1 if cuda else 0, num_cpus=1).remote(
-                name, device, budget_bytes=self.budget_bytes)
+            name = f"{self.engine_name}.gpu-executor.{'cuda0' if device == 'cuda' else 'cpu'}"
+            actor = PrimaryExecutorActor.options(name=name, **opts).remote(name, device, budget_bytes=self.budget_bytes)
         else:
             name = f"{self.engine_name}.cpu-executor.0"
-            actor = CPUExecutorActor.options(name=name, num_cpus=threads).remote(name)
+            actor = CPUExecutorActor.options(name=name, **opts).remote(name)
         self.started[role] = actor
         return actor
 

@@ -107,7 +107,7 @@ def _offline_engine_flags(p: argparse.ArgumentParser, what: str, skip: tuple[str
 
 def build_parser() -> argparse.ArgumentParser:
     from .bench import DRIVERS, MODEL_MODES
-    from .serve.config import IngressConfig
+    from .serve.config import IngressConfig, ReplicaConfig
 
     ap = argparse.ArgumentParser(prog="powerinfer-ray", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all; then set --api-key)")
     p.add_argument("--port", type=int, default=8000)
     add_config_flags(p, IngressConfig, "HTTP")
+    add_config_flags(p, ReplicaConfig, "replicas (scale-out over the GPUs and nodes of the Ray cluster)")
     _model_arg(p)
     _engine_flags(p)
 
@@ -282,11 +283,13 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from .serve.config import IngressConfig, serving
+    from .serve.config import IngressConfig, ReplicaConfig, serving
     from .serve.launcher import serve_cli
 
-    ingress = IngressConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(IngressConfig)})
-    return serve_cli(serving(_prepared(a).config), host=a.host, port=a.port, **dataclasses.asdict(ingress))
+    ingress, replicas = (cls(**{f.name: getattr(a, f.name) for f in dataclasses.fields(cls)})
+                         for cls in (IngressConfig, ReplicaConfig))
+    return serve_cli(serving(_prepared(a).config), host=a.host, port=a.port, replicas=replicas,
+                     **dataclasses.asdict(ingress))
 
 
 def cmd_convert(a: argparse.Namespace) -> int:

@@ -36,9 +36,8 @@ def ray_cluster():
     """ray.init(num_cpus=2) with the node's Prometheus /metrics endpoint on a known port
     (``ray_cluster.metrics_port``), so tests can read what the dashboard would show."""
     import ray
+    from ray_nodes import init_local_ray
 
-    port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=port)
-    ray.metrics_port = port
+    init_local_ray(free_port())
     yield ray
     ray.shutdown()

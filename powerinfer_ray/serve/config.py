@@ -46,3 +46,27 @@ class IngressConfig:
         check_int("max_in_flight", self.max_in_flight, 1)
         check_int("max_body_bytes", self.max_body_bytes, 1024)
         check_number("body_timeout_s", self.body_timeout_s, 0.0, lo_open=True)
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """How many engines serve the app and what each takes of a node (``actors.replicas``)."""
+
+    replicas: int = option(1, "engines behind the app, each a whole engine (coordinator and executors) on one node "
+                           "in a placement group of its own, named <engine_name>-<i>; each request goes to the "
+                           "one with the fewest tokens in flight. 1: the single engine, without a placement group",
+                           kind=int)
+    replica_gpus: float = option(1.0, "share of a GPU each replica's GPU executor takes: 1 pins one replica per GPU "
+                                 "(data-parallel over a host's GPUs); 0.5 puts two replicas on one GPU", kind=float)
+    replica_resource: str | None = option(
+        None, "a custom Ray resource each replica takes one unit of: a node started with "
+        "--resources '{\"NAME\": k}' hosts at most k replicas (CPU-only nodes; pinning replicas to nodes)")
+
+    def __post_init__(self) -> None:
+        check_int("replicas", self.replicas, 1, fix="engines behind the app")
+        check_number("replica_gpus", self.replica_gpus, 0.0, 1.0, lo_open=True,
+                     fix="a GPU's share per replica: 1, or 0.5 for two replicas on one GPU")
+        if self.replica_resource is not None and (not isinstance(self.replica_resource, str)
+                                                  or not self.replica_resource.strip()):
+            raise ValueError(f"replica_resource={self.replica_resource!r}: expected the name of a custom Ray "
+                             "resource (as given to ray start --resources), or null")

@@ -42,8 +42,8 @@ def overloaded(message: str) -> APIError:
     return APIError(429, message, type_="rate_limit_error", code="overloaded", headers={"Retry-After": "1"})
 
 
-def engine_error(exc: BaseException) -> APIError:
-    """The HTTP error for an exception raised by the engine actor."""
+def engine_error(exc: BaseException, engine: str = "the engine") -> APIError:
+    """The HTTP error for an exception raised by the engine actor named ``engine``."""
     cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None else exc
     msg = str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
     if isinstance(cause, EngineOverloaded):
@@ -55,7 +55,8 @@ def engine_error(exc: BaseException) -> APIError:
         code = "context_length_exceeded" if "context" in msg else None
         return bad_request(msg, param or ("prompt" if code else None), code)
     if isinstance(cause, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)):
-        return APIError(503, f"the engine is unavailable: {msg}", type_="server_error", code="engine_unavailable")
+        return APIError(503, f"{engine} is unavailable (its process or node is gone; Ray restarts it): {msg}",
+                        type_="server_error", code="engine_unavailable")
     if isinstance(cause, EngineError):
         return APIError(500, msg, type_="server_error", code="generation_failed")
     log.error("engine call failed: %r", exc)

@@ -1,5 +1,5 @@
-"""Starting things: a local Ray (or the cluster at RAY_ADDRESS), the engine actor with a progress
-line, and ``powerinfer-ray serve``, which serves the app until Ctrl-C or SIGTERM."""
+"""Starting things: a local Ray (or the cluster at RAY_ADDRESS), the engine actor (or its replicas)
+with a progress line, and ``powerinfer-ray serve``, which serves the app until Ctrl-C or SIGTERM."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ import ray
 
 from ..runtime.config import EngineConfig
 from . import ENGINE_NAMESPACE
-from .config import environment
+from .config import ReplicaConfig, environment
 
 ENGINE_STOP_S = 30.0  # on Ctrl-C: how long the engine may take to stop before Ray is stopped anyway
 
@@ -55,11 +55,45 @@ def start_engine(ec: EngineConfig, name: str = "powerinfer-engine"):  # noqa: AN
     from ..actors.coordinator import Coordinator
 
     engine = Coordinator.options(name=name, max_concurrency=1000).remote(ec.model, **engine_options(ec))
+    info = _with_spinner(f"loading {os.path.basename(ec.model)}:", ray.get, engine.ready.remote())
+    return engine, info
+
+
+def start_replicas_waiting(ec: EngineConfig, rc: ReplicaConfig, name: str = "powerinfer-engine"):  # noqa: ANN201
+    """Create ``rc.replicas`` engine replicas and wait (with a progress line) until one serves;
+    the others may still load or wait for a node with room. Returns them and the first one's
+    ready() answer; a failure of every replica raises the constructor's own exception."""
+    from ..actors.replicas import start_replicas, stop_replicas
+
+    replicas = start_replicas(ec, rc.replicas, rc.replica_gpus, rc.replica_resource, name=name)
+    refs = {r.engine.ready.remote(): r for r in replicas}
+    try:
+        info = _with_spinner(f"loading {rc.replicas} replicas of {os.path.basename(ec.model)}:", _first_ready, refs)
+    except BaseException:
+        stop_replicas(replicas)
+        raise
+    return replicas, info
+
+
+def _first_ready(refs: dict[Any, Any]) -> dict[str, Any]:
+    """The first ready() answer among ``refs``; the last failure when all fail."""
+    pending, error = list(refs), None
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        try:
+            return ray.get(done[0])
+        except ray.exceptions.RayError as exc:
+            error = exc
+    raise error
+
+
+def _with_spinner(msg: str, fn: Any, *args: Any) -> Any:  # noqa: ANN401
+    """fn(*args) with a progress line; a Ray error is raised as the user's exception inside it."""
     stop = threading.Event()
-    th = threading.Thread(target=_spinner, args=(f"loading {os.path.basename(ec.model)}:", stop), daemon=True)
+    th = threading.Thread(target=_spinner, args=(msg, stop), daemon=True)
     th.start()
     try:
-        info = ray.get(engine.ready.remote())
+        return fn(*args)
     except ray.exceptions.RayError as exc:
         cause = actor_cause(exc)
         if cause is exc:
@@ -68,7 +102,6 @@ def start_engine(ec: EngineConfig, name: str = "powerinfer-engine"):  # noqa: AN
     finally:
         stop.set()
         th.join()
-    return engine, info
 
 
 def actor_cause(exc: BaseException) -> BaseException:
@@ -83,30 +116,41 @@ def actor_cause(exc: BaseException) -> BaseException:
 
 
 def serve_cli(ec: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, engine_name: str = "powerinfer-engine",
-              model_name: str | None = None, api_key: str | None = None, **ingress: Any) -> int:  # noqa: ANN401
-    """``powerinfer-ray serve``: start Ray and the engine, then serve the app until interrupted."""
+              model_name: str | None = None, api_key: str | None = None, replicas: ReplicaConfig | None = None,
+              **ingress: Any) -> int:  # noqa: ANN401
+    """``powerinfer-ray serve``: start Ray and the engine (or its replicas), then serve the app until
+    interrupted. The HTTP proxy runs on the head node only."""
     from ray import serve
 
+    from ..actors.replicas import Replica
     from .app import build_app
 
+    rc = replicas or ReplicaConfig()
     init_ray(dashboard=True, quiet=False, namespace=ENGINE_NAMESPACE)  # other drivers find the engine there
     _stop_on_signals()  # after ray.init, whose own SIGTERM handler exits without this cleanup
-    engine, info = start_engine(ec, name=engine_name)
-    serve.start(http_options={"host": host, "port": port})
+    if rc.replicas == 1:
+        engine, info = start_engine(ec, name=engine_name)
+        engines = [Replica(engine_name, engine)]
+    else:
+        engines, info = start_replicas_waiting(ec, rc, name=engine_name)
+    serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})
     model = model_name or info["model"]
     try:
-        serve.run(build_app(engine, model, api_key=api_key, **ingress), name="powerinfer")  # returns when ready
-        print(_banner(host, port, model, engine_name, api_key), flush=True)
+        app = build_app(engines[0].engine if rc.replicas == 1 else engines, model, api_key=api_key, **ingress)
+        serve.run(app, name="powerinfer")  # returns when ready
+        print(_banner(host, port, model, [r.name for r in engines], api_key), flush=True)
         while True:  # serve.run(blocking=True), with the banner printed once the app answers
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:  # each step says what it does, so a slow stop shows where it waits
-        _stop(serve, engine)
+        _stop(serve, engines)
     return 0
 
 
-def _stop(serve: Any, engine: Any) -> None:  # noqa: ANN401
+def _stop(serve: Any, engines: list[Any]) -> None:  # noqa: ANN401
+    from ..actors.replicas import stop_replicas
+
     t0 = time.monotonic()
     print("stopping: the Serve app and proxies ...", flush=True)
     try:
@@ -115,9 +159,8 @@ def _stop(serve: Any, engine: Any) -> None:  # noqa: ANN401
         print(f"stopping: Serve did not stop cleanly ({type(exc).__name__}: {exc})", flush=True)
     print(f"stopping: the engine ... ({time.monotonic() - t0:.1f} s)", flush=True)
     try:
-        ray.get(engine.shutdown.remote(), timeout=ENGINE_STOP_S)
-        ray.kill(engine, no_restart=True)  # it would be restarted otherwise
-    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as exc:
+        stop_replicas(engines, timeout_s=ENGINE_STOP_S)
+    except ray.exceptions.RayError as exc:
         print(f"stopping: the engine did not stop cleanly ({type(exc).__name__}); stopping Ray anyway", flush=True)
     print(f"stopping: Ray ... ({time.monotonic() - t0:.1f} s)", flush=True)
     ray.shutdown()
@@ -135,12 +178,14 @@ def _stop_on_signals() -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
-def _banner(host: str, port: int, model: str, engine: str, api_key: str | None) -> str:
+def _banner(host: str, port: int, model: str, engines: list[str], api_key: str | None) -> str:
     url = f"http://{host}:{port}"
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
     body = json.dumps({"model": model, "prompt": "The meaning of", "max_tokens": 32})
     chat = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}], "stream": True})
-    return (f"serving {model} at {url}/v1 (engine actor {engine!r}, namespace {ENGINE_NAMESPACE!r})\n"
+    actors = f"engine actor {engines[0]!r}" if len(engines) == 1 else \
+        f"{len(engines)} engine replicas {engines[0]!r} ... {engines[-1]!r}; {url}/health lists them"
+    return (f"serving {model} at {url}/v1 ({actors}, namespace {ENGINE_NAMESPACE!r})\n"
             f"  curl {url}/v1/models{auth}\n"
             f"  curl {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'\n"
             f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{chat}'\n"

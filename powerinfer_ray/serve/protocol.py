@@ -15,6 +15,7 @@ from .errors import APIError, bad_request
 
 STOP_LIMIT = 4  # OpenAI accepts at most four stop sequences
 MAX_N = 16  # choices per request
+CHARS_PER_TOKEN = 4  # a text prompt's weight before it is tokenized (English with a Llama vocabulary: ~4)
 
 # options we do not implement: accepted only at their "off" value, else 400 naming them
 UNSUPPORTED = {"suffix": (None, ""), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
@@ -35,6 +36,15 @@ class GenerationCall:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
+
+    def tokens(self, n_ctx: int) -> int:
+        """What the request weighs on a replica: per choice, the prompt's tokens (a text's estimated
+        at CHARS_PER_TOKEN characters a token) and the most it may generate (chat without
+        max_tokens: the rest of the context)."""
+        prompt = len(self.prompt_token_ids) if self.prompt_token_ids is not None \
+            else len(self.prompt or "") // CHARS_PER_TOKEN + 1
+        new = self.sampling.get("max_tokens") or max(1, n_ctx - prompt)
+        return self.n * (prompt + new)
 
     def engine_kwargs(self, i: int = 0) -> dict[str, Any]:
         kw = dict(self.sampling)

@@ -256,13 +256,16 @@ def test_engine_errors_map_to_http(exc, status, code, param):
 
 
 def test_serve_config_args_are_typed():
-    ec, ic = parse_args({"vram_budget_gib": "16", "threads": "4", "reset_gpu_index": "true", "model": "m.gguf",
-                         "max_in_flight": "8", "graphs": None})
+    ec, ic, rc = parse_args({"vram_budget_gib": "16", "threads": "4", "reset_gpu_index": "true", "model": "m.gguf",
+                             "max_in_flight": "8", "graphs": None, "replicas": "2", "replica_gpus": "0.5"})
     assert (ec.model, ec.vram_budget_gib, ec.threads, ec.reset_gpu_index, ec.graphs) == ("m.gguf", 16.0, 4, True, None)
     assert ic.max_in_flight == 8
+    assert (rc.replicas, rc.replica_gpus, rc.replica_resource) == (2, 0.5, None)
     for bad, words in (({"threads": "four"}, "threads"), ({"threads": True}, "threads"),
                        ({"reset_gpu_index": "maybe"}, "reset_gpu_index"), ({"vram": 16}, "unknown"),
                        ({"vram_budget": 16}, "unknown"), ({"vram_budget_gib": "nan"}, "vram_budget_gib"),
-                       ({"max_batch": 0}, "max_batch"), ({"max_in_flight": 0}, "max_in_flight")):
+                       ({"max_batch": 0}, "max_batch"), ({"max_in_flight": 0}, "max_in_flight"),
+                       ({"replicas": 0}, "replicas"), ({"replica_gpus": 2}, "replica_gpus"),
+                       ({"replica_resource": " "}, "replica_resource")):
         with pytest.raises(ValueError, match=words):
             parse_args({"model": "m.gguf", **bad})
