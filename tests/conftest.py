@@ -6,6 +6,9 @@ import os
 import pytest
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# loopback-only test clusters: no token (``ray start``, which the scale-out tests run, turns token
+# authentication on by default, and a process reads the mode once, so it holds for the session)
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 def pytest_collection_modifyitems(config, items):

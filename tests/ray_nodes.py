@@ -8,6 +8,7 @@ Only this helper's processes are ever signalled, by their pids: other Ray cluste
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -111,17 +112,31 @@ class LocalCluster:
 
 
 def connect(ray, address: str, timeout: float = 120.0) -> None:  # noqa: ANN001
-    """ray.init to the cluster at ``address`` once its head answers."""
-    os.environ.update(ENV)
+    """ray.init to the cluster at ``address`` once its head answers, as the cluster's second job.
+
+    Ray derives actor ids from the job id, and a fresh cluster's first job is always 01: a handle
+    this process still held from another cluster's job 01 would, when Python drops it, release the
+    new actor of the same id. Hence garbage is collected before leaving a cluster (``leave``) and
+    this process joins as job 02 (a first connection is made and dropped)."""
     deadline = time.time() + timeout
-    while True:
-        try:
-            ray.init(address=address, log_to_driver=False, namespace="powerinfer")
+    for _ in range(2):
+        while True:
+            try:
+                ray.init(address=address, log_to_driver=False, namespace="powerinfer")
+                break
+            except ConnectionError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(1)
+        if ray.get_runtime_context().get_job_id() != "01000000":
             return
-        except ConnectionError:
-            if time.time() > deadline:
-                raise
-            time.sleep(1)
+        ray.shutdown()
+
+
+def leave(ray) -> None:  # noqa: ANN001
+    """ray.shutdown after the handles no longer referenced are released in the cluster they belong to."""
+    gc.collect()
+    ray.shutdown()
 
 
 def init_local_ray(metrics_port: int) -> None:

@@ -31,7 +31,7 @@ from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import write_tiny_model
 from powerinfer_ray.runtime.config import EngineConfig
 from powerinfer_ray.serve.app import build_app
-from ray_nodes import ENV, LocalCluster, connect, free_port, init_local_ray
+from ray_nodes import LocalCluster, connect, free_port, init_local_ray, leave
 
 MODEL = "tiny-llama-reglu"
 N_CTX = 2048
@@ -68,8 +68,7 @@ def cluster(tmp_path_factory):
     connected to it. The session's Ray, if it ran, is started again afterwards."""
     session_port = getattr(ray, "metrics_port", None) if ray.is_initialized() else None
     if ray.is_initialized():
-        ray.shutdown()
-    saved = {k: os.environ.get(k) for k in ENV}
+        leave(ray)
     c = LocalCluster(tmp_path_factory.mktemp("cluster"), head_cpus=3, head_resources={SLOT: 1}, num_gpus=2)
     try:
         c.add(cpus=1, resources={SLOT: 1})
@@ -77,13 +76,8 @@ def cluster(tmp_path_factory):
         c.wait_nodes(ray, 2)
         yield c
     finally:
-        ray.shutdown()
+        leave(ray)
         c.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         if session_port is not None:
             init_local_ray(session_port)
 
@@ -241,7 +235,8 @@ def test_gpu_bundles_pin_one_replica_per_gpu(cluster):
             backends = [RayBackend("probe", placement=pg) for pg in pgs]
             opts = [b.member_options("primary", "cuda", threads=1) for b in backends]
             assert [o["num_gpus"] for o in opts] == [share, share]
-            seen = ray.get([Probe.options(**o).remote().gpus.remote() for o in opts])
+            probes = [Probe.options(**o).remote() for o in opts]
+            seen = ray.get([p.gpus.remote() for p in probes])
             assert all(len(ids) == 1 and cvd == str(ids[0]) for ids, cvd in seen), seen
             if distinct:
                 assert len({ids[0] for ids, _ in seen}) == distinct, seen
