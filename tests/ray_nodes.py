@@ -18,9 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-# the head notices a dead node within ~3 s (Ray's default health check takes ~30 s)
+# the head notices a dead node within ~3 s (Ray's default health check takes ~30 s); its processes
+# export their metrics every second (default: 10 s)
 HEAD_ENV = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "1000",
-            "RAY_health_check_failure_threshold": "3"}
+            "RAY_health_check_failure_threshold": "3", "RAY_metrics_report_interval_ms": "1000"}
 ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
