@@ -245,6 +245,7 @@ def _remote(exc: Exception) -> Exception:
     (ValueError("temperature is -1, expected a number in [0, 100]"), 400, None, "temperature"),
     (EngineError("generation failed: executor died"), 500, "generation_failed", None),
     (ray.exceptions.RayActorError(), 503, "engine_unavailable", None),
+    (ray.exceptions.ActorUnavailableError("the actor is restarting", None), 503, "engine_unavailable", None),
     (RuntimeError("boom"), 500, None, None),
 ])
 def test_engine_errors_map_to_http(exc, status, code, param):

@@ -86,6 +86,8 @@ def test_an_output_file_in_a_missing_folder_is_refused_before_any_work(model, tm
 
 def test_serve_checks_its_own_flags(model, capsys):
     assert "max_in_flight=0" in _run(["serve", "-m", model, "--max-in-flight", "0"], capsys)
+    assert "replicas=0" in _run(["serve", "-m", model, "--replicas", "0"], capsys)
+    assert "replica_gpus=2.0" in _run(["serve", "-m", model, "--replicas", "2", "--replica-gpus", "2"], capsys)
 
 
 def test_debug_shows_the_traceback(model):
