@@ -1,13 +1,14 @@
 """Scale-out on a real multi-node Ray cluster on this machine (``ray start --head`` and a second
 ``ray start --address`` node, each declaring one unit of the custom resource ``powerinfer_replica``):
-three engine replicas of the tiny model on the CPU behind one Serve app, so that two start, one
-on each node, and the third waits for a node with room.
+the app as ``serve run serve_config.yaml`` makes it, with ``replicas: 3`` of the tiny model on the
+CPU, so that two start, one on each node, and the third waits for a node with room.
 
 Requests spread over the two replicas and match the dense reference token for token; killing the
 second node mid-stream fails only the streams it served, new requests go to the first, and when
 the node comes back (with room for two) Ray places the waiting replicas there and they serve.
-The head also declares two (fake) GPUs: the bundles that pin one replica per GPU are checked on
-them. The module leaves the session's local Ray for its own cluster and starts it again after.
+Deleting the app takes the replicas with it. The head also declares two (fake) GPUs: the bundles
+that pin one replica per GPU are checked on them. The module leaves the session's local Ray for
+its own cluster and starts it again after.
 """
 from __future__ import annotations
 
@@ -27,11 +28,11 @@ from ray import serve
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from powerinfer_ray.actors.executors import RayBackend
-from powerinfer_ray.actors.replicas import replica_bundle, start_replicas, stop_replicas
+from powerinfer_ray.actors.replicas import PLACEMENT_SUFFIX, replica_bundle
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import write_tiny_model
-from powerinfer_ray.runtime.config import EngineConfig
-from powerinfer_ray.serve.app import build_app
+from powerinfer_ray.serve import ENGINE_NAMESPACE
+from powerinfer_ray.serve.app import app_builder
 from ray_nodes import LocalCluster, connect, free_port, init_local_ray, leave
 
 MODEL = "tiny-llama-reglu"
@@ -39,6 +40,7 @@ N_CTX = 2048
 KEY = "sk-scaleout"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SLOT = "powerinfer_replica"  # the custom resource: one unit per replica
+NAMES = [f"powerinfer-engine-{i}" for i in range(3)]
 LONG = 400  # tokens of the streams cut by the node's death: seconds of decoding left when it dies
 
 
@@ -95,18 +97,18 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def app(cluster, model_path):
-    """Three replicas (two fit the cluster) behind the app on a free port: (url, replicas)."""
-    ec = EngineConfig(str(model_path), device="cpu", policy="dense", n_ctx=N_CTX, max_batch=8)
-    replicas = start_replicas(ec, 3, resource=SLOT)
+def url(cluster, model_path):
+    """The app as ``serve run serve_config.yaml`` makes it, with ``replicas: 3`` (two fit the
+    cluster; the ingress starts them and owns them), on a free port: its URL."""
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+    args = {"model": str(model_path), "device": "cpu", "policy": "dense", "n_ctx": N_CTX, "max_batch": 8,
+            "api_key": KEY, "replicas": 3, "replica_resource": SLOT}
     try:
-        serve.run(build_app(replicas, api_key=KEY), name="scaleout", route_prefix="/")
-        yield f"http://127.0.0.1:{port}", replicas
+        serve.run(app_builder(args), name="scaleout", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
-        stop_replicas(replicas)
 
 
 def _health(url: str) -> dict:
@@ -162,14 +164,12 @@ def _prompts(n: int, seed: int, length: int | None = None) -> list[list[int]]:
     return [[rng.randrange(3, 258) for _ in range(length or rng.randrange(2, 12))] for _ in range(n)]
 
 
-def test_two_replicas_land_on_two_nodes_and_the_third_waits(app, cluster):
-    url, replicas = app
-    names = [r.name for r in replicas]
-    assert names == ["powerinfer-engine-0", "powerinfer-engine-1", "powerinfer-engine-2"]
+def test_two_replicas_land_on_two_nodes_and_the_third_waits(url, cluster):
     states = _wait(lambda: (s := _states(url)) and sum(r["state"] == "up" for r in s.values()) == 2 and s, 240,
                    "two replicas up")
-    up = [n for n in names if states[n]["state"] == "up"]
-    waiting = [n for n in names if n not in up]
+    assert list(states) == NAMES
+    up = [n for n in NAMES if states[n]["state"] == "up"]
+    waiting = [n for n in NAMES if n not in up]
     assert len(waiting) == 1 and states[waiting[0]]["state"] == "starting"
     # each node runs one replica's engine process: the head and node B
     assert sorted(_node_of(cluster, states[n]["pid"]) for n in up) == [0, 1]
@@ -181,8 +181,7 @@ def test_two_replicas_land_on_two_nodes_and_the_third_waits(app, cluster):
     assert requests.get(f"{url}/v1/models", timeout=30).status_code == 401  # the API key still holds
 
 
-def test_concurrent_requests_spread_over_both_and_match_the_reference(app, greedy, cluster):
-    url, _ = app
+def test_concurrent_requests_spread_over_both_and_match_the_reference(url, greedy, cluster):
     prompts = _prompts(32, seed=1)
 
     def one(k: int) -> tuple[str, list[int]]:
@@ -265,8 +264,7 @@ def test_gpu_bundles_pin_one_replica_per_gpu(cluster):
         remove_placement_group(pg)
 
 
-def test_a_dead_node_fails_only_its_streams_and_its_replica_comes_back(app, cluster, greedy):
-    url, replicas = app
+def test_a_dead_node_fails_only_its_streams_and_its_replica_comes_back(url, cluster, greedy):
     states = _wait(lambda: (s := _states(url)) and sum(r["state"] == "up" for r in s.values()) == 2 and s, 240,
                    "two replicas up")
     node_b = cluster.nodes[1]
@@ -307,3 +305,20 @@ def test_a_dead_node_fails_only_its_streams_and_its_replica_comes_back(app, clus
     with ThreadPoolExecutor(6) as pool:
         engines = list(pool.map(lambda p: _complete(url, p, 4).headers["x-powerinfer-engine"], _prompts(6, seed=3)))
     assert set(engines) == set(states), engines
+
+
+def test_the_replicas_go_away_with_the_app(url):
+    """Deleting the app stops the replicas its ingress started and removes their placement groups."""
+    serve.delete("scaleout")
+    for name in NAMES:
+        _wait(lambda: _gone(name), 60, f"{name} to go away with the app")
+    states = {pg["name"]: pg["state"] for pg in ray.util.placement_group_table().values()}
+    assert all(states[n + PLACEMENT_SUFFIX] == "REMOVED" for n in NAMES), states
+
+
+def _gone(name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=ENGINE_NAMESPACE)
+    except ValueError:
+        return True
+    return False
