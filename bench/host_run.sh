@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement
+#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement"
+stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -376,6 +376,18 @@ replacement)  # issue 36: the 13B whose hot set follows its prompts' token range
         -t "$THREADS" --prompt 64 --output 128 --measure 1024 --after 2000 --interval 256 --out-dir "$OUT" \
         --name "replacement-13b-${B13}gib-h200" ${REPL_ARGS:-} >> "$log" 2>&1  # REPL_ARGS: a dry run's extra flags
     grep -E "^\[(static|replaced|oracle)\]|speedup|vs_oracle|unshifted|Error" "$log" | cut -c1-300
+    ;;
+scaleout)  # issue 37: two engine replicas behind one Serve app on the one H200, each with half the budget
+    # (B13/2 GiB), half the GPU and (THREADS+1)/2-1 CPU executor threads, against one engine with all of it,
+    # batch 8 per replica, prompt 64, 128 out, from the 13B file; 3 rounds after a warm-up, over HTTP. One GPU
+    # measures the routing and the contention of two engines on it, not scaling (the note in the JSON).
+    # RAY_CPUS: Ray's CPUs (a CPU dry run: M13="planted:tiny?layers=2&dtype=f16" B13=0.02 THREADS=1 RAY_CPUS=4)
+    write_file "$M13" 200 || exit 0
+    echo "== scaleout_bench" >> "$log"
+    timeout -s INT 450 python bench/scaleout_bench.py -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+        --replicas 1,2 -t "$THREADS" --batch 8 --prompt 64 --output 128 --rounds 3 ${RAY_CPUS:+--num-cpus $RAY_CPUS} \
+        --out-dir "$OUT" --name scaleout-13b-${B13}gib-h200 >> "$log" 2>&1
+    grep -E "^replicas=|Error|error:" "$log" | tail -n 6 | cut -c1-400
     ;;
 *)
     echo "unknown stage $stage: expected $stages" >&2

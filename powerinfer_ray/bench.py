@@ -2,7 +2,8 @@
 
 kernels -> bench/kernels_bench.py; sync -> bench/sync_bench.py (the per-layer channel
 microbenchmark); offline -> bench/offline_bench.py (profile and train-predictors through the
-engine, timed); hybrid | layer-offload | dense-gpu | cpu-only | suite -> bench/model_bench.py.
+engine, timed); scaleout -> bench/scaleout_bench.py (engine replicas behind the Serve app against
+one engine); hybrid | layer-offload | dense-gpu | cpu-only | suite -> bench/model_bench.py.
 The drivers live beside their results (bench/results/*.json), so they need a source checkout.
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ import importlib.util
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "bench"
-DRIVERS = {"kernels": "kernels_bench", "offline": "offline_bench", "sync": "sync_bench"}
+DRIVERS = {"kernels": "kernels_bench", "offline": "offline_bench", "scaleout": "scaleout_bench", "sync": "sync_bench"}
 MODEL_MODES = ("hybrid", "layer-offload", "dense-gpu", "cpu-only", "suite")
 
 
