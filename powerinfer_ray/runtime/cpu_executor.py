@@ -23,6 +23,7 @@ from ..model.qtypes import row_bytes
 from ..model.source import WeightSource, file_mapping, open_model
 from .activity import ActivityCounts
 from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec
+from .cores import CoreClaim
 from .hostmem import process_memory
 from .layers import Policy, attn_partial, ffn_bytes, ffn_partial
 from .plan import Plan, Swap
@@ -114,6 +115,7 @@ class CPUExecutor:
         self.skip_zero = policy != "dense"
         self.threads = threads or torch.get_num_threads()
         self._cpus = sorted(os.sched_getaffinity(0))  # before any pinning of this thread
+        self.claim = CoreClaim()  # the cores it pins to, apart from other engines' on this host
         # loading (a planted model's rows are generated) runs torch's threads on every CPU of the
         # process, before this thread is pinned for serving (``_apply_threads``, below)
         torch.set_num_threads(self.threads)
@@ -211,15 +213,15 @@ class CPUExecutor:
 
     def _apply_threads(self) -> None:
         """The kernels' workers, and torch's threads, for serving: the workers pinned to the last
-        ``threads`` CPUs of this process when at least two more are left for the others (the
-        primary's driver thread, Ray), so they spin on cores of their own; else unpinned (they
+        ``threads`` CPUs of this process that no other engine on the host holds (``cores``), when
+        at least two more are left for the others (the primary's driver thread, Ray), so they spin
+        on cores of their own; else unpinned (they
         yield when a core is shared). Runs in the worker thread, which becomes the kernels' thread
         0. Pinned, torch runs this thread's few ops (the attention's rotary, softmax and cache
         writes) in this thread alone: a thread starts with its creator's CPUs, so the OpenMP
         workers a pinned thread starts would share its one core, and the other pinned cores are
         the kernels' workers', spinning after each call. Unpinned, torch gets ``threads``."""
-        cpus = self._cpus
-        self.pinned = cpus[-self.threads:] if self.threads + 2 <= len(cpus) else []
+        self.pinned = self.claim.take(self.threads, self._cpus)
         torch.set_num_threads(1 if self.pinned else self.threads)
         configure_threads(WORKER_SPIN_US, self.pinned)
 
@@ -361,6 +363,7 @@ class CPUExecutor:
         if self._serving is not None:
             futures_wait([self._serving], timeout=5)
         self._omp.close()
+        self.claim.release()
         if self.warmer is not None:
             self.warmer.stop()
         release(self.shard_spec)
