@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, fields, replace
-from typing import Any
 
 import ray
 from ray.actor import ActorHandle
@@ -89,6 +88,15 @@ def default_threads(nodes: list[dict[str, float]], bundle: dict[str, float], rep
     return max(1, best)
 
 
+def check_fits(nodes: list[dict[str, float]], bundle: dict[str, float]) -> None:
+    """Some node of the cluster can hold a replica's bundle (busy now or not): else no replica could
+    ever start, and the caller would wait forever."""
+    if not any(all(node.get(k, 0.0) >= v for k, v in bundle.items()) for node in nodes):
+        have = [{k: v for k, v in n.items() if k in bundle} for n in nodes]
+        raise ValueError(f"replicas: a replica needs {bundle} of one node, and no node of the Ray cluster has it "
+                         f"(nodes: {have}); lower threads or replica_gpus, or start a node with those resources")
+
+
 def cluster_device() -> str:
     """The replicas' device when none is given: cuda when the cluster has a GPU (on any node: the
     driver's own host may have none)."""
@@ -109,6 +117,7 @@ def replica_config(ec: EngineConfig, replicas: int, gpus: float = 1.0,
     if threads is None and plan.needs_cpu_executor:
         threads = default_threads(_alive_nodes(), replica_bundle(device, 1, False, gpus, resource), replicas)
     bundle = replica_bundle(device, threads or 1, plan.needs_cpu_executor, gpus, resource)
+    check_fits(_alive_nodes(), bundle)
     return replace(ec, device=device, threads=threads, plan=plan), bundle
 
 

@@ -26,6 +26,21 @@ def free_port():  # noqa: ANN201
     return _free_port
 
 
+@pytest.fixture(scope="session")
+def wait_until():
+    """wait_until(predicate, timeout, what): predicate()'s first true value, polled; the test fails
+    naming ``what`` at the timeout."""
+    def wait(predicate, timeout: float, what: str):  # noqa: ANN001, ANN202
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            value = predicate()
+            if value:
+                return value
+            time.sleep(0.2)
+        pytest.fail(f"timed out after {timeout} s waiting for {what}")
+    return wait
+
+
 @pytest.fixture(scope="module")
 def engines(ray_cluster):
     """make(name, model, **options): an engine actor, ready; all are shut down after the module."""

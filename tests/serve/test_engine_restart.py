@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
-import pytest
 import ray
 import requests
 from ray import serve
@@ -19,16 +17,6 @@ from powerinfer_ray.model.tiny import write_tiny_model
 from powerinfer_ray.serve.app import build_app
 
 
-def _wait(predicate, timeout: float, what: str):  # noqa: ANN001, ANN202
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
-
-
 def _health(url: str) -> int:
     try:
         return requests.get(f"{url}/health", timeout=15).status_code
@@ -36,7 +24,7 @@ def _health(url: str) -> int:
         return 0
 
 
-def test_a_killed_engine_is_replaced_and_its_channel_removed(ray_cluster, serve_url, tmp_path):
+def test_a_killed_engine_is_replaced_and_its_channel_removed(ray_cluster, serve_url, tmp_path, wait_until):
     path = write_tiny_model(tmp_path / "m.gguf", "llama-reglu", seed=4, n_layer=2, n_ctx=128)
     ref = ReferenceModel.from_file(path)
     # half the neurons on a CPU executor: the engine has a shared-memory channel
@@ -51,14 +39,14 @@ def test_a_killed_engine_is_replaced_and_its_channel_removed(ray_cluster, serve_
         assert _health(url) == 200
 
         os.kill(old_pid, signal.SIGKILL)
-        _wait(lambda: _health(url) != 200, 60, "the app to notice the dead engine")
-        _wait(lambda: _health(url) == 200, 180, "the restarted engine")
+        wait_until(lambda: _health(url) != 200, 60, "the app to notice the dead engine")
+        wait_until(lambda: _health(url) == 200, 180, "the restarted engine")
         assert ray.get(engine.ready.remote())["pid"] != old_pid
         r = requests.post(f"{url}/v1/completions", timeout=60, json={
             "model": "tiny-llama-reglu", "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True})
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == ref.generate_greedy([5, 6, 7], 6)
-        _wait(lambda: not channel.exists(), 60, f"{channel} of the dead executors to be removed")
+        wait_until(lambda: not channel.exists(), 60, f"{channel} of the dead executors to be removed")
     finally:
         serve.delete("restart")
         ray.kill(engine, no_restart=True)

@@ -17,7 +17,6 @@ import os
 import random
 import re
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -44,16 +43,6 @@ NAMES = [f"powerinfer-engine-{i}" for i in range(3)]
 LONG = 400  # tokens of the streams cut by the node's death: seconds of decoding left when it dies
 
 
-def _wait(predicate, timeout: float, what: str):  # noqa: ANN001, ANN202
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.25)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("scaleout") / "m.gguf", "llama-reglu", seed=7, n_layer=2,
@@ -64,7 +53,7 @@ def model_path(tmp_path_factory):
 def greedy(model_path):
     """greedy(prompt, n): the dense reference's greedy tokens, on one torch thread (beside the
     cluster's processes, torch's threads would wait on each other for a busy core)."""
-    ref = ReferenceModel.from_file(model_path)
+    ref = ReferenceModel.from_file(model_path, dtype=torch.float64)
 
     def run(prompt: list[int], n: int) -> list[int]:
         threads = torch.get_num_threads()
@@ -164,8 +153,8 @@ def _prompts(n: int, seed: int, length: int | None = None) -> list[list[int]]:
     return [[rng.randrange(3, 258) for _ in range(length or rng.randrange(2, 12))] for _ in range(n)]
 
 
-def test_two_replicas_land_on_two_nodes_and_the_third_waits(url, cluster):
-    states = _wait(lambda: (s := _states(url)) and sum(r["state"] == "up" for r in s.values()) == 2 and s, 240,
+def test_two_replicas_land_on_two_nodes_and_the_third_waits(url, cluster, wait_until):
+    states = wait_until(lambda: (s := _states(url)) and sum(r["state"] == "up" for r in s.values()) == 2 and s, 240,
                    "two replicas up")
     assert list(states) == NAMES
     up = [n for n in NAMES if states[n]["state"] == "up"]
@@ -181,7 +170,7 @@ def test_two_replicas_land_on_two_nodes_and_the_third_waits(url, cluster):
     assert requests.get(f"{url}/v1/models", timeout=30).status_code == 401  # the API key still holds
 
 
-def test_concurrent_requests_spread_over_both_and_match_the_reference(url, greedy, cluster):
+def test_concurrent_requests_spread_over_both_and_match_the_reference(url, greedy, cluster, wait_until):
     prompts = _prompts(32, seed=1)
 
     def one(k: int) -> tuple[str, list[int]]:
@@ -223,7 +212,7 @@ def test_concurrent_requests_spread_over_both_and_match_the_reference(url, greed
                 found[name] = float(line.rsplit(" ", 1)[1])
         return found
 
-    _wait(lambda: counted() == tokens, 60, f"the replicas' generated tokens {tokens} on /metrics")
+    wait_until(lambda: counted() == tokens, 60, f"the replicas' generated tokens {tokens} on /metrics")
     h = _health(url)
     assert all(r["served"] > 0 and r["tokens_in_flight"] == 0 for r in h["replicas"] if r["name"] in served)
 
@@ -264,8 +253,8 @@ def test_gpu_bundles_pin_one_replica_per_gpu(cluster):
         remove_placement_group(pg)
 
 
-def test_a_dead_node_fails_only_its_streams_and_its_replica_comes_back(url, cluster, greedy):
-    states = _wait(lambda: (s := _states(url)) and sum(r["state"] == "up" for r in s.values()) == 2 and s, 240,
+def test_a_dead_node_fails_only_its_streams_and_its_replica_comes_back(url, cluster, greedy, wait_until):
+    states = wait_until(lambda: (s := _states(url)) and sum(r["state"] == "up" for r in s.values()) == 2 and s, 240,
                    "two replicas up")
     node_b = cluster.nodes[1]
     (b,) = [n for n, s in states.items() if s["state"] == "up" and s["pid"] in node_b.pids()]
@@ -293,13 +282,13 @@ def test_a_dead_node_fails_only_its_streams_and_its_replica_comes_back(url, clus
     for s, p in zip(streams, prompts):
         if s["engine"] == a:
             assert s["ids"][:16] == greedy(p, 16)
-    _wait(lambda: _states(url)[b]["state"] == "down", 60, f"{b} reported down")
+    wait_until(lambda: _states(url)[b]["state"] == "down", 60, f"{b} reported down")
     h = _health(url)
     assert h["code"] == 200 and h["status"] == "degraded"
     assert requests.get(f"{url}/v1/models", headers=AUTH, timeout=30).status_code == 200
     # the node comes back with room for two: the lost replica and the waiting one start there
     new = cluster.add(cpus=2, resources={SLOT: 2})
-    states = _wait(lambda: (s := _states(url)) and all(r["state"] == "up" for r in s.values()) and s, 300,
+    states = wait_until(lambda: (s := _states(url)) and all(r["state"] == "up" for r in s.values()) and s, 300,
                    "all three replicas up")
     assert {_node_of(cluster, s["pid"]) for n, s in states.items() if n != a} == {cluster.nodes.index(new)}
     with ThreadPoolExecutor(6) as pool:
@@ -307,11 +296,11 @@ def test_a_dead_node_fails_only_its_streams_and_its_replica_comes_back(url, clus
     assert set(engines) == set(states), engines
 
 
-def test_the_replicas_go_away_with_the_app(url):
+def test_the_replicas_go_away_with_the_app(url, wait_until):
     """Deleting the app stops the replicas its ingress started and removes their placement groups."""
     serve.delete("scaleout")
     for name in NAMES:
-        _wait(lambda: _gone(name), 60, f"{name} to go away with the app")
+        wait_until(lambda: _gone(name), 60, f"{name} to go away with the app")
     states = {pg["name"]: pg["state"] for pg in ray.util.placement_group_table().values()}
     assert all(states[n + PLACEMENT_SUFFIX] == "REMOVED" for n in NAMES), states
 

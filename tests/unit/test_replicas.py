@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from powerinfer_ray.actors.replicas import default_threads, node_capacity, replica_bundle, replica_names
+from powerinfer_ray.actors.replicas import (check_fits, default_threads, node_capacity, replica_bundle,
+                                           replica_names)
 from powerinfer_ray.serve.protocol import GenerationCall
 from powerinfer_ray.serve.router import RATE_WINDOW_S, ReplicaState, Router, least_loaded
 
@@ -42,6 +43,15 @@ def test_default_threads_share_each_nodes_cpus():
     assert default_threads([{"CPU": 4.0, "slot": 2.0}], replica_bundle("cpu", 1, False, resource="slot"), 3) == 1
     with pytest.raises(ValueError, match="no node of the Ray cluster has the resources"):
         default_threads([{"CPU": 64.0}], replica_bundle("cuda", 1, False), 2)
+
+
+def test_a_bundle_no_node_can_hold_is_refused():
+    nodes = [{"CPU": 16.0, "GPU": 1.0}, {"CPU": 4.0}]
+    check_fits(nodes, replica_bundle("cuda", 15, True))  # the first node holds it: 16 CPUs, its GPU
+    with pytest.raises(ValueError, match=r"a replica needs \{'CPU': 17.0, 'GPU': 1.0\} of one node"):
+        check_fits(nodes, replica_bundle("cuda", 16, True))
+    with pytest.raises(ValueError, match="slot"):
+        check_fits(nodes, replica_bundle("cpu", 1, False, resource="slot"))
 
 
 def test_node_capacity_counts_bundles_by_their_scarce_resource():
