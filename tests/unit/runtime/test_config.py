@@ -12,7 +12,7 @@ from powerinfer_ray.model.default import DATA_DIR
 from powerinfer_ray.runtime.config import (EngineConfig, ExecutorConfig, PlanConfig, SchedulerConfig, coerce,
                                            exposed_fields, split_cache_path)
 from powerinfer_ray.serve.app import parse_args
-from powerinfer_ray.serve.config import IngressConfig
+from powerinfer_ray.serve.config import IngressConfig, ReplicaConfig
 
 
 @pytest.mark.parametrize("field,value,words", [
@@ -76,16 +76,19 @@ def test_cli_flags_are_the_config_fields():
                                policy="dense", max_waiting=9, reset_gpu_index=True, dtype="bf16")
     assert _cli_config(["--vram-budget", "2", "--ctx-size", "64", "--graphs"]) == \
         EngineConfig("m.gguf", vram_budget_gib=2.0, n_ctx=64, graphs=True)
-    serve = build_parser().parse_args(["serve", "--max-in-flight", "3", "--api-key", "k"])
+    serve = build_parser().parse_args(["serve", "--max-in-flight", "3", "--api-key", "k", "--replicas", "2",
+                                       "--replica-gpus", "0.5", "--replica-resource", "slot"])
     assert IngressConfig(**{f.name: getattr(serve, f.name) for f in dataclasses.fields(IngressConfig)}) == \
         IngressConfig(max_in_flight=3, api_key="k")
+    assert ReplicaConfig(**{f.name: getattr(serve, f.name) for f in dataclasses.fields(ReplicaConfig)}) == \
+        ReplicaConfig(replicas=2, replica_gpus=0.5, replica_resource="slot")
 
 
 def test_serve_args_are_the_same_names():
     every = {f.name: f.default for f in exposed_fields(EngineConfig)}
-    every.update({f.name: f.default for f in dataclasses.fields(IngressConfig)})
-    ec, ic = parse_args({"model": "m.gguf", **every, "api_key": "k"})
-    assert ec == EngineConfig("m.gguf") and ic == IngressConfig(api_key="k")
+    every.update({f.name: f.default for cls in (IngressConfig, ReplicaConfig) for f in dataclasses.fields(cls)})
+    ec, ic, rc = parse_args({"model": "m.gguf", **every, "api_key": "k"})
+    assert ec == EngineConfig("m.gguf") and ic == IngressConfig(api_key="k") and rc == ReplicaConfig()
 
 
 def test_split_cache_of_the_packaged_model_goes_to_the_user_cache(tmp_path, monkeypatch):
