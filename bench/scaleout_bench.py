@@ -150,6 +150,19 @@ def start_engines(a: argparse.Namespace, replicas: int) -> tuple[list[Any], dict
     return engines, config
 
 
+def wait_all_up(url: str, replicas: int) -> None:
+    """Until the app's /health reports every replica up (the router sends requests only to those)."""
+    deadline = time.time() + READY_TIMEOUT_S
+    while True:
+        r = requests.get(f"{url}/health", timeout=60)
+        states = [x["state"] for x in r.json().get("replicas", [])] if r.status_code == 200 else []
+        if states == ["up"] * replicas:
+            return
+        if time.time() > deadline:
+            raise RuntimeError(f"the app's replicas are not all up after {READY_TIMEOUT_S:g} s: {r.text[:300]}")
+        time.sleep(0.5)
+
+
 def measure(a: argparse.Namespace, replicas: int, url: str) -> dict[str, Any]:
     """One replica count: its engines behind the app, a warm-up round, ``rounds`` measured rounds."""
     import ray
@@ -161,6 +174,7 @@ def measure(a: argparse.Namespace, replicas: int, url: str) -> dict[str, Any]:
     engines, record = start_engines(a, replicas)
     try:
         serve.run(build_app(engines[0].engine if replicas == 1 else engines), name="scaleout", route_prefix="/")
+        wait_all_up(url, replicas)
         info = ray.get(engines[0].engine.model_info.remote())
         rng = np.random.default_rng(replicas)
         n = a.batch * replicas

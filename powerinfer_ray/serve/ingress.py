@@ -137,7 +137,7 @@ class OpenAIServer:
     async def health(self) -> JSONResponse:
         """200 while a replica answers (each replica's state, node, device and load in the body), else 503."""
         self._watch()
-        await self.router.probe(HEALTH_TIMEOUT_S, wait_starting=False)
+        await self.router.probe(HEALTH_TIMEOUT_S)
         self.gauges.update(self.router.replicas)
         up = self.router.up()
         if not up:

@@ -22,6 +22,7 @@ from ray.util import metrics
 
 PROBE_S = 2.0  # seconds between probes of every replica
 PROBE_TIMEOUT_S = 10.0  # a replica up that does not answer a probe within this is marked down
+STARTING_WAIT_S = 1.0  # how long a probe waits for a replica still starting (its call stays outstanding)
 RATE_WINDOW_S = 10.0  # tokens per second: over this many seconds
 STATES = ("starting", "up", "down")  # starting: never answered yet (loading, or waiting for a node)
 
@@ -119,10 +120,11 @@ class Router:
         replica.state, replica.error = "down", error
         replica.probe = None
 
-    async def probe(self, timeout: float, wait_starting: bool = True) -> None:
+    async def probe(self, timeout: float) -> None:
         """Ask every replica ``ready()`` (a call still outstanding is awaited, not repeated), at
-        most ``timeout`` seconds; replicas still starting only briefly unless ``wait_starting``."""
-        await asyncio.gather(*(self._probe(r, timeout if wait_starting or r.state != "starting" else 0.05)
+        most ``timeout`` seconds; a replica still starting (it may wait for a node for long) at
+        most STARTING_WAIT_S."""
+        await asyncio.gather(*(self._probe(r, timeout if r.state != "starting" else min(timeout, STARTING_WAIT_S))
                                for r in self.replicas))
 
     async def _probe(self, r: ReplicaState, timeout: float) -> None:
@@ -147,7 +149,7 @@ class Router:
         """Probe every ``PROBE_S`` seconds, forever (the ingress's background task); ``on_probe()``
         after each round."""
         while True:
-            await self.probe(PROBE_TIMEOUT_S, wait_starting=False)
+            await self.probe(PROBE_TIMEOUT_S)
             if on_probe is not None:
                 on_probe()
             await asyncio.sleep(PROBE_S)
