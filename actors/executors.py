@@ -135,6 +135,10 @@ class PrimaryExecutorActor(LoadedLater):
         """Make the CPU executor's rows here and write them into its shared file."""
         self.impl.fill_cold(spec)
 
+    def capture_graphs(self) -> dict[int, float]:
+        """The decode graphs of every batch-size bucket, before serving (seconds per bucket)."""
+        return self.impl.capture_graphs()
+
     def step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]):  # noqa: ANN201
         t0 = time.perf_counter()
         out = self.impl.step(slots, tokens, start_pos)

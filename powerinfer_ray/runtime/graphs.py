@@ -17,7 +17,9 @@ schedule (``schedule.py``) without host syncs or shape changes:
   - with zero-copy (``cold.HostRows``) a share of the CPU shard's active neurons is split off on
     the device too (their bits stay clear in the CPU's mask) and computed by the primary from
     their rows in host memory, while the CPU executor computes the rest.
-``DecodeGraphs`` captures the whole step, the exchanges included, as a few graphs (``_chunks``):
+``DecodeGraphs`` captures the whole step, the exchanges included, as a few graphs (``_chunks``),
+one set per batch-size bucket (``buckets``), every set at the engine's start and in one memory pool
+(``PrimaryExecutor.capture_graphs``), so no capture ever delays a step that serves requests:
 after the copies that stage a request, a kernel posts it in the channel's page-locked header, and
 where the answer is needed a kernel polls the header until the CPU executor has written it
 (``kernels.triton_signal``). The host launches the graphs and waits for the step's end; between
@@ -30,6 +32,7 @@ Dimension legend: B sequences (padded to the bucket), D hidden, V vocab.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,6 +52,17 @@ from .weights import Norm, PrimaryWeights
 
 GRAPH_POLICIES = ("predictor", "gate-first", "dense")
 CHUNK_STARTS = (1, 4, 16)  # layers that begin a new graph of the step (``_chunks``)
+
+
+def bucket_of(n_seq: int, slots: int) -> int:
+    """The graph set that runs a decode step of n_seq sequences: n_seq padded to a power of two,
+    at most ``slots`` (few sets to capture)."""
+    return min(1 << (n_seq - 1).bit_length(), slots)
+
+
+def buckets(slots: int) -> list[int]:
+    """Every bucket a decode step of 1..slots sequences can take (``bucket_of``), ascending."""
+    return sorted({bucket_of(n, slots) for n in (1 << k for k in range(slots.bit_length() + 1))})
 
 
 class GraphCaptureError(RuntimeError):
@@ -204,7 +218,11 @@ class DecodeGraphs:
     """The decode step of up to B sequences as captured graphs (CUDA) or eager steps (CPU)."""
 
     def __init__(self, w: PrimaryWeights, exchange: Exchange | None, stats: ExecStats, B: int,
-                 activity: ActivityCounts, cold: ColdRows | None = None) -> None:
+                 activity: ActivityCounts, cold: ColdRows | None = None, pool: Any = None,  # noqa: ANN401
+                 side: torch.cuda.Stream | None = None) -> None:
+        """pool, side (CUDA): the graph memory pool and the stream of the capture's warm-up run,
+        shared by every bucket's set (one pool: a step's temporaries are reused by the next
+        bucket's; one stream: one cuBLAS workspace)."""
         if w.policy.name not in GRAPH_POLICIES:
             raise ValueError(f"graph decode supports policies {GRAPH_POLICIES}, not {w.policy.name!r}")
         self.w, self.ex, self.stats, self.B = w, exchange, stats, B
@@ -213,6 +231,7 @@ class DecodeGraphs:
         self.items = step_schedule(w.cfg, w.plan, w.policy.name)
         self.chunks = _chunks(self.items)
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
+        self.pool, self.side = pool, side
         if self.cuda:
             posts = [it for it in self.items if type(it) is Post]
             self.n_posts = len(posts)
@@ -249,13 +268,25 @@ class DecodeGraphs:
 
     def _record_all(self, header: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list[torch.cuda.CUDAGraph]:
         """The step as one graph per chunk, in one memory pool (replayed in capture order)."""
-        pool, graphs, k = torch.cuda.graph_pool_handle(), [], 0
+        pool, graphs, k = self.pool or torch.cuda.graph_pool_handle(), [], 0
         for c in range(len(self.chunks)):
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
                 k = self._record(c, k, header)
             graphs.append(g)
         return graphs
+
+    def capture(self) -> None:
+        """Capture the step's graphs (CUDA; on the CPU the segments run eagerly: nothing to do),
+        over padding rows only (the scratch slot: no sequence's cache is touched); raises
+        GraphCaptureError, before any exchange or replay, when that fails."""
+        if not self.cuda or self.graphs is not None:
+            return
+        self.seg.set_inputs([], [], [])
+        try:
+            self._capture()
+        except Exception as e:  # noqa: BLE001
+            raise GraphCaptureError(f"{type(e).__name__}: {e}") from e
 
     def _capture(self) -> None:
         """Run the step once on a side stream (Triton compiles, cuBLAS picks its kernels), its posts
@@ -265,7 +296,7 @@ class DecodeGraphs:
         scratch = torch.zeros(8, dtype=torch.int64, device=dev)
         scratch[1] = ABORTED  # every await ends at once
         counted = self.seg.act.flat.clone()  # the warm-up run counts nothing: the replay does
-        side = torch.cuda.Stream(dev)
+        side = self.side or torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         warm = (scratch[0:1], scratch[1:2], scratch[2:7])
         try:
@@ -299,14 +330,7 @@ class DecodeGraphs:
         """Launch the step's graphs and wait for its end; the critical path's split from the GPU's
         stamps: ``exchange`` (a post until the GPU saw the answer), ``segment`` (the rest)."""
         st = self.stats
-        if self.graphs is None:
-            t_c = time.perf_counter()
-            try:
-                self._capture()
-            except Exception as e:  # noqa: BLE001
-                raise GraphCaptureError(f"{type(e).__name__}: {e}") from e
-            st.graph_captures += 1
-            st.capture_s += time.perf_counter() - t_c
+        assert self.graphs is not None, f"the decode graphs of {self.B} sequences were never captured"
         before = self.ex.channel.counters() if self.ex is not None else None
         t0 = time.monotonic_ns()
         for g in self.graphs:

@@ -12,7 +12,8 @@ The script:
      writes them itself if the primary could not);
   3. the primary creates the channel, the CPU executor maps it and serves it;
   4. the primary maps the CPU executor's rows for dense prefill of long prompts;
-  5. the step: a call in a worker thread, or a Unix socket to the primary's actor.
+  5. the primary captures its decode graphs of every batch size the engine admits;
+  6. the step: a call in a worker thread, or a Unix socket to the primary's actor.
 """
 from __future__ import annotations
 
@@ -136,6 +137,9 @@ def start_group(backend: Backend, spec: GroupSpec, src: WeightSource | None = No
             t_a = time.perf_counter()
             g.dense_prefill = call(g.primary, "attach_cold", g.shard)
             g.load_s["attach_cold"] = round(time.perf_counter() - t_a, 2)
+        t_g = time.perf_counter()
+        call(g.primary, "capture_graphs")
+        g.load_s["graphs"] = round(time.perf_counter() - t_g, 2)
         g.step = backend.step_fn(g.primary)
         g.load_s["total"] = round(time.perf_counter() - t0, 2)
     except BaseException:

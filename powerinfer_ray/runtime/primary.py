@@ -4,7 +4,8 @@ layer of every step by the layer schedule (``schedule.py``), exchanging with the
 over the shared-memory channel (``exchange.py``).
 
 A step is dispatched by its shape: decode steps (one token per sequence) of a CUDA primary run
-as captured CUDA graphs (``graphs.DecodeGraphs``, one set per batch-size bucket); prefill chunks,
+as captured CUDA graphs (``graphs.DecodeGraphs``, one set per batch-size bucket, every set captured
+before serving: ``capture_graphs``); prefill chunks,
 and everything on a CPU primary, run the schedule eagerly (``eager.EagerStep``), long prompts
 with the CPU shard's neurons computed here (``cold.ColdRows``).
 
@@ -28,7 +29,7 @@ from .cold import ColdRows
 from .eager import EagerStep, Sink
 from .exchange import Exchange
 from .hostmem import process_memory
-from .graphs import GRAPH_POLICIES, DecodeGraphs, GraphCaptureError
+from .graphs import GRAPH_POLICIES, DecodeGraphs, GraphCaptureError, bucket_of, buckets
 from .layers import Policy
 from .plan import Plan, Swap
 from .schedule import Item, run_eager, step_schedule
@@ -89,7 +90,8 @@ class PrimaryExecutor:
         self.exchange: Exchange | None = None
         self.use_graphs = ((self.device.type == "cuda") if graphs is None else bool(graphs)) \
             and self.policy.name in GRAPH_POLICIES
-        self.graphs: dict[int, DecodeGraphs] = {}  # by batch-size bucket
+        self.graphs: dict[int, DecodeGraphs] = {}  # by batch-size bucket (``capture_graphs``)
+        self._said_uncaptured = False
         self._schedules: dict[bool, list[Item]] = {}  # eager steps, by whether the CPU shard runs here
         # predictor samples (``runtime.engine_samples``, policy 'oracle': each neuron's true h): every
         # step then runs eagerly and densely
@@ -132,6 +134,37 @@ class PrimaryExecutor:
         """The CPU shard's rows for dense prefill of long prompts (``ColdRows.attach``)."""
         return self.cold.attach(spec)
 
+    def capture_graphs(self) -> dict[int, float]:
+        """Capture the decode graphs of every batch-size bucket the engine admits (``graphs.buckets``
+        of its slots; on a CPU primary: build their segments), in one memory pool, before serving:
+        no step waits for a capture. After the channel and the CPU shard's rows (zero-copy) are
+        set up. Logs each set as it is done; returns the seconds of each bucket. A failed capture
+        leaves decode steps eager (warned)."""
+        if not self.use_graphs:
+            return {}
+        cuda = self.device.type == "cuda"
+        pool = torch.cuda.graph_pool_handle() if cuda else None
+        side = torch.cuda.Stream(self.device) if cuda else None
+        todo = [b for b in buckets(self.weights.slots) if b not in self.graphs]
+        seconds: dict[int, float] = {}
+        for i, b in enumerate(todo, 1):
+            t0 = time.perf_counter()
+            try:
+                g = DecodeGraphs(self.weights, self.exchange, self.stats, b, self.activity, self.cold, pool, side)
+                g.capture()
+            except GraphCaptureError as e:
+                log.warning("primary: decode graphs unavailable, running eager steps (%s)", e)
+                self.use_graphs = False
+                self.graphs.clear()
+                return seconds
+            self.graphs[b] = g
+            seconds[b] = time.perf_counter() - t0
+            self.stats.graph_captures += 1
+            self.stats.capture_s += seconds[b]
+            log.info("primary: decode graphs of %d sequences %s in %.2f s (%d of %d)", b,
+                     "captured" if cuda else "built", seconds[b], i, len(todo))
+        return seconds
+
     def weight_bytes(self) -> int:
         return self.weights.weight_bytes()
 
@@ -169,19 +202,16 @@ class PrimaryExecutor:
         return out
 
     def _graph_step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> np.ndarray | None:
-        # batch sizes padded to powers of two (capped at the slots): few graph sets to capture
-        bucket = min(1 << (len(tokens) - 1).bit_length(), self.weights.slots)
-        g = self.graphs.get(bucket)
+        """The decode step on its bucket's graphs; None (run it eagerly) when they were not
+        captured (``capture_graphs`` was not called): a step never captures."""
+        g = self.graphs.get(bucket_of(len(tokens), self.weights.slots))
         if g is None:
-            g = self.graphs[bucket] = DecodeGraphs(self.weights, self.exchange, self.stats, bucket, self.activity,
-                                                   self.cold)
-        try:
-            return g.run(list(slots), [t[0] for t in tokens], list(start_pos))
-        except GraphCaptureError as e:  # before any exchange or replay: the eager step is safe
-            log.warning("primary: decode graphs unavailable, running eager steps (%s)", e)
-            self.use_graphs = False
-            self.graphs.clear()
+            if not self._said_uncaptured:
+                self._said_uncaptured = True
+                log.warning("primary: decode graphs of %d sequences not captured (capture_graphs before serving): "
+                            "eager decode steps", len(tokens))
             return None
+        return g.run(list(slots), [t[0] for t in tokens], list(start_pos))
 
     def _eager_step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> np.ndarray:
         cold = self.cold.dense_for(len(tokens) * len(tokens[0]))

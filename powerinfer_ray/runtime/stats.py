@@ -26,7 +26,7 @@ class ExecStats:
     host_read_bytes: int = 0  # weight bytes of the CPU shard's rows it read in host memory (zero-copy decode)
     gpu_compute_s: float = 0.0  # GPU time of the decode graphs less their waits for answers (the GPU's clock)
     gpu_timed_steps: int = 0
-    graph_captures: int = 0  # decode graph sets captured (a new batch bucket; Triton compiles included)
+    graph_captures: int = 0  # decode graph sets captured (on a CPU primary: built), one per batch bucket, at start
     capture_s: float = 0.0  # and the host seconds they took
     kernel_s: float = 0.0  # CPU executor: inside the FFN kernel call (the rest of an answer is Python)
     kernel_bytes: int = 0  # CPU executor: the FFN rows those calls read, as stored (blocks: compressed)

@@ -8,6 +8,8 @@ Q8_0-rounded activations as ggml does (on these models that rounding alone moves
 up to ~1.5e-2: tolerance 4e-2 with a CPU share, 2e-2 as fp16 without)."""
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 import torch
@@ -121,8 +123,8 @@ def test_cuda_graph_decode_equals_eager_and_reference(tmp_path, variant, dtype, 
         try:
             out = _decode(eng)
             assert bool(eng.primary.graphs) == graphs
-            # one capture per batch bucket used (B = 3 -> 4, B = 1), none on replays
-            assert eng.primary.stats.graph_captures == (2 if graphs else 0)
+            # one capture per batch bucket of max_batch 4 (1, 2, 4), all at the start, none on replays
+            assert eng.primary.stats.graph_captures == (3 if graphs else 0)
             # the CPU shard's neurons, wherever computed (the graphs' zero-copy share on the primary)
             cpu = eng.cpu.stats.neurons + eng.primary.stats.cold_neurons if eng.cpu else 0
             act = eng.activation_stats() if policy == "predictor" else None
@@ -151,6 +153,30 @@ def test_cuda_graph_decode_equals_eager_and_reference(tmp_path, variant, dtype, 
     # run adds none), padding rows none
     assert graph[3].n_tokens == eager[3].n_tokens == 19 + 3 * 3 + 1
     assert abs(int(graph[3].counts.sum()) - int(eager[3].counts.sum())) <= 0.03 * eager[3].counts.sum()
+
+
+def test_cuda_engine_captures_every_bucket_at_start_and_none_while_serving(tmp_path):
+    """The CUDA engine captures the decode graphs of every batch size it admits (max_batch 8: 1, 2, 4,
+    8) before serving; requests of different lengths served together (batches shrinking from 7 to 1)
+    capture none, every decode step replays graphs, and the tokens are the dense greedy ones."""
+    path, ref, plan = _model_and_plan(tmp_path, "llama-gqa", "mixed")
+    eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="dense", device="cuda", max_batch=8))
+    prompts = [list(range(5 + i, 12 + 2 * i)) for i in range(7)]
+    lengths = [2, 3, 4, 5, 6, 7, 8]
+    try:
+        st = eng.primary.stats
+        assert set(eng.primary.graphs) == {1, 2, 4, 8} and st.graph_captures == 4
+
+        async def run():
+            return await asyncio.gather(*(eng.generate(prompt_token_ids=p, max_tokens=n, ignore_eos=True)
+                                          for p, n in zip(prompts, lengths)))
+
+        outs = asyncio.run(run())
+        assert st.graph_captures == 4 and st.graph_steps >= eng.coordinator.stats()["decode_steps"] > 0
+        agree = [np.mean(np.array(o["token_ids"]) == ref.generate_greedy(p, n)) for p, n, o in zip(prompts, lengths, outs)]
+        assert np.mean(agree) >= 0.9, agree  # fp16 against the fp32 reference: a near-tie may flip
+    finally:
+        eng.close()
 
 
 @pytest.mark.parametrize("spec", ["tiny", "tiny-falcon", "tiny?dtype=q4_0"])

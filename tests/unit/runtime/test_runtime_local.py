@@ -17,6 +17,7 @@ from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import write_tiny_model
 from powerinfer_ray.runtime.channel import OP_FFN, REQUEST_FIELDS, Channel, PeerDied, pack_mask, unpack_mask
 from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
+from powerinfer_ray.runtime.graphs import bucket_of, buckets
 from powerinfer_ray.runtime.layers import add_partials
 from powerinfer_ray.runtime.plan import Plan
 from powerinfer_ray.runtime.shard import load_attn_shard, load_ffn_shard
@@ -170,7 +171,7 @@ def test_graph_decode_segments_equal_dense_reference(models, variant, split):
     try:
         prompts, nxt = [[5, 6, 7], list(range(10, 22)), [200, 1, 2, 3]], [[11, 12, 13], [40, 41, 42]]
         got = _decode_batch(eng, prompts, nxt)
-        assert set(eng.primary.graphs) == {1, 4}  # the segment path, 3 sequences padded to 4
+        assert set(eng.primary.graphs) == {1, 2, 4}  # every bucket built at the start; 3 sequences padded to 4
         # the steps counted by kind: 3 prompts (eager), 2 batched decode steps and one alone (segments)
         assert (eng.primary.stats.steps, eng.primary.stats.graph_steps) == (len(prompts) + len(nxt) + 1, len(nxt) + 1)
         for slot, p in enumerate(prompts):
@@ -181,6 +182,42 @@ def test_graph_decode_segments_equal_dense_reference(models, variant, split):
         torch.testing.assert_close(torch.from_numpy(got[-1][0]), full0[-1], rtol=1e-4, atol=1e-4)
         if split != "all-gpu":
             assert eng.cpu.stats.exchanges > 0
+    finally:
+        eng.close()
+
+
+def test_graph_buckets_cover_every_batch_size():
+    """Decode batch sizes pad to powers of two up to the slots: hand-counted buckets, and every size's
+    bucket is one of them and holds it."""
+    assert [buckets(s) for s in (1, 2, 3, 6, 8, 32)] == [[1], [1, 2], [1, 2, 3], [1, 2, 4, 6], [1, 2, 4, 8],
+                                                         [1, 2, 4, 8, 16, 32]]
+    for slots in range(1, 40):
+        for n in range(1, slots + 1):
+            assert bucket_of(n, slots) in buckets(slots) and bucket_of(n, slots) >= n
+
+
+def test_every_bucket_is_built_before_serving_and_none_while_serving(models):
+    """The engine builds the decode segments (captured graphs on a GPU) of every batch size it admits
+    at its start; requests of different lengths served together (batches shrinking from 5 to 1) run
+    every decode step on them and build none, and their tokens are the dense greedy ones."""
+    path = models["llama-gqa"]
+    ref = ReferenceModel.from_file(path)
+    eng = LocalEngine(EngineConfig(str(path), plan=_plans(ref.cfg)["mixed"], policy="dense", max_batch=6, graphs=True))
+    prompts = [list(range(5 + i, 12 + 2 * i)) for i in range(5)]
+    lengths = [2, 3, 4, 5, 6]
+    try:
+        st = eng.primary.stats
+        assert set(eng.primary.graphs) == {1, 2, 4, 6} and st.graph_captures == 4 and st.graph_steps == 0
+
+        async def run():
+            return await asyncio.gather(*(eng.generate(prompt_token_ids=p, max_tokens=n, ignore_eos=True)
+                                          for p, n in zip(prompts, lengths)))
+
+        outs = asyncio.run(run())
+        # (one-token prompt chunks of several prompts run on them too)
+        assert st.graph_captures == 4 and st.graph_steps >= eng.coordinator.stats()["decode_steps"] > 0
+        for p, n, out in zip(prompts, lengths, outs):
+            assert out["token_ids"] == ref.generate_greedy(p, n)
     finally:
         eng.close()
 
