@@ -173,8 +173,12 @@ def test_cuda_engine_captures_every_bucket_at_start_and_none_while_serving(tmp_p
 
         outs = asyncio.run(run())
         assert st.graph_captures == 4 and st.graph_steps >= eng.coordinator.stats()["decode_steps"] > 0
-        agree = [np.mean(np.array(o["token_ids"]) == ref.generate_greedy(p, n)) for p, n, o in zip(prompts, lengths, outs)]
-        assert np.mean(agree) >= 0.9, agree  # fp16 against the fp32 reference: a near-tie may flip
+        for p, n, o in zip(prompts, lengths, outs):  # greedy under the fp32 reference, up to fp16 rounding
+            toks = o["token_ids"]
+            full = ref.forward(p + toks[:-1], ref.new_cache())[len(p) - 1:]  # [n, V]: the logits of each choice
+            assert len(toks) == n
+            for row, t in zip(full, toks):
+                assert float(row.max() - row[t]) <= 2e-2 * float(row.abs().max()), (p, toks)
     finally:
         eng.close()
 
