@@ -1,26 +1,33 @@
-"""Dense prefill of the CPU shard: for long prompts the primary computes the CPU executor's
-neurons itself, densely, streaming their rows to its device once per chunk (upstream PowerInfer's
-dense prefill). A GPU does a chunk of tokens over all of those rows faster than the CPU kernel
-does the few active ones per token, and the exchange with the CPU executor drops out.
+"""The CPU shard's rows as the primary sees them: in prompt chunks it computes a share of them
+itself, densely, streaming their rows to its device once per chunk (upstream PowerInfer's dense
+prefill); in decode steps it computes a share of their active neurons from host memory
+(zero-copy). A GPU does a chunk of tokens over rows faster than the CPU kernel does the few active
+ones per token, once the chunk is long enough to pay for the rows' trip over PCIe.
 
+Prefill (``ffn``): the streamed share is the hottest rows of the shard (the plan orders it hottest
+first): the CPU executor computes the chunk's predicted-active neurons among the rest (its mask
+has the streamed rows' bits clear), where fewer tokens hit a row. Chunks of at least
+``min_tokens`` tokens stream every row (the exchange's FFN drops out); shorter ones the
+``prefill_share`` (``share_for``). The rows reach the device through two device buffers that take
+turns (``RowStream``): a copy stream fills one with the next chunk of rows (the next layer's
+included) while the other's rows are computed on, so the copies run beside the step's compute.
 Where the rows come from, without a second host copy where possible:
-  file    the model file's own memory map (``shard.in_place_ffn_shard``): whole row ranges of
-          ffn_up / ffn_gate / ffn_down_t stream to the device and the rows of the primary's own
-          neurons are masked out there (contiguous copies, no gather on the host). On CUDA the
-          ranges of a file on tmpfs are page-locked (read-only cudaHostRegister) layer by layer
-          at their first use, so the copies are DMA; a file on disk is copied from pageable
-          pages (locking them would pin its page cache);
-  shared  the CPU executor's shared-memory copy (``sharedshard``: sources without a file),
-          pinned here for DMA;
-  copy    a host copy of the primary's own, when it fits.
-Quantized rows stream as their blocks and go through the quantized sparse FFN kernel.
+  file    the model file's own memory map (``shard.in_place_ffn_shard``): on CUDA the layers'
+          ranges of a file on tmpfs are page-locked at attach (read-only cudaHostRegister) and the
+          GPU gathers the shard's rows from them itself (an index_select over the pages' device
+          address, reading over PCIe); a file on disk is gathered on the host from pageable pages
+          (locking them would pin its page cache);
+  shared  the CPU executor's shared-memory copy (``sharedshard``: sources without a file), in
+          shard order, pinned here: contiguous copies;
+  copy    a host copy of the primary's own, when it fits, pinned.
+Quantized rows stream as their blocks and are dequantized in the chunk's matrix products.
 
 Zero-copy decode (``host_rows``): in decode steps the primary also computes a share of the CPU
 shard's active neurons itself, its GPU reading their rows over PCIe where they lie in page-locked
 host memory, while the CPU executor computes the rest (their bits stay clear in its mask). Both
 read host memory at once: the host serves more than the CPU's cores take alone.
 
-Dimension legend: N tokens, D hidden, R rows of the streamed matrices, n the shard's neurons.
+Dimension legend: N tokens, D hidden, R rows of a streamed chunk, n the shard's neurons.
 """
 from __future__ import annotations
 
@@ -31,13 +38,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels.sparse_ffn import sparse_ffn
-from ..kernels.torch_ffn import apply_act_threshold
-from ..model.reference import ffn_activation
+from ..kernels.torch_ffn import sparse_ffn_gemm
 from ..model.source import WeightSource, file_mapping
 from .channel import device_view, pin_host
 from .hostmem import host_memory, on_tmpfs
-from .layers import oracle_mask, shard_activation
+from .layers import shard_activation
 from .plan import Plan, Swap
 from .shard import FFNShard, in_place_ffn_shard, load_ffn_shard, replace_neurons
 from .sharedshard import SharedShardSpec, attach
@@ -66,6 +71,9 @@ def pin_mapped(views: list[torch.Tensor], what: str, pinned: list[int]) -> bool:
     return True
 
 
+STREAM_BYTES = 64 << 20  # each of the two device buffers the streamed rows of prefill take turns in
+PREFILL_DENSE_MIN = 256  # prompt chunks of at least this many tokens stream every row of the CPU shard (CUDA)
+PREFILL_SHARE = 0.5  # and shorter ones this share, its hottest rows (CUDA)
 # zero-copy's default on CUDA: this share of the CPU shard's neurons in decode steps of at least
 # ZERO_COPY_MIN_BATCH sequences (bench/RESULTS.md, zero-copy: at batch 1 the CPU kernel's time is
 # mostly its fixed cost, which fewer rows do not shorten, while the GPU's PCIe reads delay its next
@@ -92,38 +100,47 @@ def interleaved(n: int, share: float) -> np.ndarray:
 
 
 class ColdRows:
-    """The CPU shard's rows as the primary sees them, for prompts of at least ``min_tokens``
-    tokens (None: 32 on CUDA, off on the CPU; 0: off), and the ``zero_copy`` share of the CPU's
-    active neurons that the primary computes in decode steps (``host_rows``; None: ZERO_COPY in
-    steps of at least ZERO_COPY_MIN_BATCH sequences on CUDA, none on the CPU; 0: none)."""
+    """The CPU shard's rows as the primary sees them (see the module docstring): prompt chunks of at
+    least ``min_tokens`` tokens (None: 256 on CUDA, off on the CPU; 0: never) stream all of them,
+    shorter chunks the ``prefill_share`` hottest (None: PREFILL_SHARE on CUDA, none on the CPU;
+    0: none); in decode steps the ``zero_copy`` share of the CPU's active neurons (``host_rows``;
+    None: ZERO_COPY in steps of at least ZERO_COPY_MIN_BATCH sequences on CUDA, none on the CPU;
+    0: none). ``masked``: the CPU executor takes the predictor's mask (policy 'predictor'), so a
+    share of its rows can be split off; without one a chunk streams all rows or none."""
 
     def __init__(self, src: WeightSource, plan: Plan, dtype: torch.dtype, device: torch.device,
-                 stats: ExecStats, min_tokens: int | None, zero_copy: float | None = 0.0) -> None:
+                 stats: ExecStats, min_tokens: int | None, zero_copy: float | None = 0.0,
+                 prefill_share: float | None = None, masked: bool = True) -> None:
         self.src, self.cfg, self.plan, self.dtype, self.device, self.stats = src, src.config, plan, dtype, device, stats
+        cuda = device.type == "cuda"
         self._auto = min_tokens is None
-        self.min_tokens = (32 if device.type == "cuda" else 0) if min_tokens is None else min_tokens
-        self.zero_copy = 0.0 if zero_copy is None and device.type != "cuda" else zero_copy
+        self.min_tokens = (PREFILL_DENSE_MIN if cuda else 0) if min_tokens is None else min_tokens
+        share = (PREFILL_SHARE if cuda else 0.0) if prefill_share is None else prefill_share
+        self.prefill_share = share if masked else 0.0
+        self.zero_copy = 0.0 if zero_copy is None and not cuda else zero_copy
         self._host: dict[tuple[int, float], HostRows | None] = {}
         self._shared_pinned = False
         self._said_no_host = False
         self.rows: list[FFNShard] | None = None  # per layer, once attached
         self.source: str | None = None  # file | shared | copy
         self._pinned: list[int] = []  # addresses cudaHostRegister'ed, for close()
-        self._pin_file = False  # page-lock the file's ranges at their first use
-        self._layer_pinned: set[int] = set()
-        self._sel: dict[int, torch.Tensor] = {}  # in place: the shard's rows [n] on the device, per layer
+        self._pin_file = False  # the file's FFN matrices are page-locked (at attach)
+        self.stream: RowStream | None = None  # the streamed rows' buffers, from the first prefill chunk
+        self.k: list[int] = []  # this step's streamed rows per layer (``begin``)
 
     def attach(self, spec: SharedShardSpec | None) -> str | None:
         """Read the rows in place from the model file, else map the CPU executor's shared pages
         (``spec``), else make a host copy when it takes at most a third of the host's available
-        memory; returns where the rows come from (None: dense prefill off)."""
-        wanted = self.min_tokens > 0 or self.zero_copy != 0
+        memory; returns where the rows come from (None: no prefill share, no zero-copy)."""
+        wanted = self.min_tokens > 0 or self.prefill_share > 0 or self.zero_copy != 0
         if self.rows is not None or not wanted or not any(len(lp.cpu_neurons) for lp in self.plan.layers):
             return self.source
         in_place = [in_place_ffn_shard(self.src, l, lp.cpu_neurons, None) for l, lp in enumerate(self.plan.layers)]
         if all(sh is not None for sh in in_place):
             self.rows, self.source = in_place, "file"
-            self._pin_file = self.device.type == "cuda" and on_tmpfs(file_mapping(self.src).path)
+            if self.device.type == "cuda" and on_tmpfs(file_mapping(self.src).path):  # here, not in a request
+                self._pin_file = pin_mapped([t for sh in self.rows for t in _mats(sh)],
+                                            "the CPU shard's FFN rows in the model file", self._pinned)
             return self.source
         mapped = attach(spec) if spec is not None else None
         if mapped is not None:
@@ -140,7 +157,7 @@ class ColdRows:
             # a second host copy of the CPU shard would crowd the CPU executor's own
             log.warning("primary: dense prefill off: the CPU shard's %.1f GiB would take more than a third "
                         "of the host's %.1f GiB available", cold_bytes / 2**30, avail / 2**30)
-            self.min_tokens, self.zero_copy = 0, 0.0
+            self.min_tokens, self.prefill_share, self.zero_copy = 0, 0.0, 0.0
             return None
         self.rows = [self._host_shard(l) for l in range(self.cfg.n_layer)]
         self.source = "copy"
@@ -153,9 +170,23 @@ class ColdRows:
         host = lambda t: None if t is None else (t.cpu().pin_memory() if pin else t)  # noqa: E731
         return FFNShard(sh.ids, host(sh.up), host(sh.gate), host(sh.down_t), host(sh.up_bias), sh.qtype)
 
-    def dense_for(self, n_tok: int) -> bool:
-        """Whether a step of n_tok tokens computes the CPU shard here."""
-        return self.rows is not None and 0 < self.min_tokens <= n_tok
+    def share_for(self, n_tok: int, decode: bool = False) -> float:
+        """The share of the CPU shard's rows a step of n_tok tokens streams and computes here (a
+        decode step: none, zero-copy is the decode steps' share)."""
+        if self.rows is None or decode:
+            return 0.0
+        return 1.0 if 0 < self.min_tokens <= n_tok else self.prefill_share
+
+    def begin(self, share: float) -> None:
+        """A step that streams ``share`` of every layer's rows (``streamed_rows``) begins: the
+        first chunks' copies start at once (``RowStream``)."""
+        self.k = [streamed_rows(sh.n, share) for sh in self.rows] if self.rows is not None else []
+        if not any(self.k):
+            return
+        if self.stream is None:
+            self.stream = RowStream(self)
+        self.stream.start([(l, a, min(a + self.stream.rows, k)) for l, k in enumerate(self.k)
+                           for a in range(0, k, self.stream.rows)])
 
     def share(self, batch: int) -> float:
         """The zero-copy share of decode steps of ``batch`` sequences (see the class)."""
@@ -173,7 +204,7 @@ class ColdRows:
         hr = None
         cold = self.rows[l] if self.rows is not None and share > 0 else None
         k = 0 if cold is None else int(interleaved(cold.n, share).sum())
-        if k and (cold.qtype is not None or cold.up.dtype == self.dtype) and self._lockable(l):
+        if k and (cold.qtype is not None or cold.up.dtype == self.dtype) and self._lockable():
             mats = [None if t is None else (device_view(t) if self.device.type == "cuda" else t)
                     for t in (cold.up, cold.gate, cold.down_t)]
             bias = None if cold.up_bias is None else cold.up_bias.to(self.device, torch.float32)
@@ -192,10 +223,13 @@ class ColdRows:
     def swap(self, s: Swap) -> None:
         """Re-placement: the neurons ``s.to_cpu`` take the CPU shard's rows ``s.cpu_rows``. In the
         file's map and in a copy of our own the rows change here (ids; rows copied in); in the CPU
-        executor's shared pages it writes them (``CPUExecutor.swap``), and only the ids change here."""
+        executor's shared pages it writes them (``CPUExecutor.swap``), and only the ids change here.
+        The streamed rows' indices and bias on the device are made again at their next use."""
         self.plan = self.plan.swap(s)
         if self.rows is None:
             return
+        if self.stream is not None:
+            self.stream.forget(s.l)
         cold = self.rows[s.l]
         if self.source == "shared":
             cold.ids = cold.ids.copy()
@@ -206,132 +240,171 @@ class ColdRows:
             return
         new = torch.from_numpy(s.to_cpu.astype(np.int32))
         at = torch.from_numpy(s.cpu_rows)
-        if s.l in self._sel:
-            self._sel[s.l][at.to(self.device)] = new.to(self.device, torch.long)
         for (l, _), hr in self._host.items():  # the decode graphs read these in place
             if l == s.l and hr is not None and hr.local.data_ptr() != cold.rows.data_ptr():
                 hr.local[at.to(self.device)] = new.to(self.device)
 
-    def _lockable(self, l: int) -> bool:
-        """Whether layer l's rows are page-locked for the device to read (CPU primary: always)."""
+    def _lockable(self) -> bool:
+        """Whether the rows are page-locked for the device to read (CPU primary: always)."""
         if self.device.type != "cuda":
             return True
         if self.source == "file":
-            if self._pin_file and l not in self._layer_pinned:
-                self._pin_layer(l)
             return self._pin_file
         return self.source == "copy" or self._shared_pinned
 
     def ffn(self, l: int, x: torch.Tensor, mask: torch.Tensor | None, act_threshold: float | None = None,
-            act_on: str = "gate", rows: int = 4096, count: torch.Tensor | None = None,
+            act_on: str = "gate", count: torch.Tensor | None = None,
             h_out: torch.Tensor | None = None) -> torch.Tensor:
-        """The CPU shard's FFN output [N, D] (fp32) for x [N, D], masked by the predictor's
-        mask [N, n] when given and by a sparsified SwiGLU model's activation threshold; rows stream
-        in chunks of ``rows`` (its device memory cost). count [n] int64 (shard order): adds the
-        tokens in which each neuron's h is nonzero (policy 'oracle', ``activity``). h_out [N, n]
-        fp32 (shard order): receives the neurons' activations h (predictor samples, ``eager``)."""
-        cold, dev = self.rows[l], self.device
-        keep = self._keep(l, mask, x.shape[0])  # [N, R] or None (every row)
-        hits = None if count is None else torch.zeros(cold.up.shape[0], dtype=torch.int64, device=dev)  # [R]
-        h_rows = None if h_out is None else torch.zeros(x.shape[0], cold.up.shape[0], device=dev)  # [N, R]
-        if self._pin_file and l not in self._layer_pinned:
-            self._pin_layer(l)
-        y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=dev)
-        streamed = 0
-        for a, b in self._chunks(l, rows):
-            streamed += b - a
-            if cold.qtype is not None:
-                k = None if keep is None else keep[:, a:b]
-                y += self._quantized(cold, a, b, x, k, act_threshold, act_on)
-                if hits is not None:
-                    hits[a:b] += self._active(cold, a, b, x, k, act_threshold, act_on).sum(0)
-                if h_rows is not None:  # the kernel keeps h inside: computed again from the blocks
-                    h = shard_activation(x, self._chunk(cold, a, b), self.cfg.ffn_act, act_threshold, act_on)
-                    h_rows[:, a:b] = h if k is None else h * k
-                continue
-            up = cold.up[a:b].to(dev, x.dtype, non_blocking=True)  # file / shared rows keep their dtype
-            gate = cold.gate[a:b].to(dev, x.dtype, non_blocking=True) if cold.gate is not None else None
-            u = x @ up.T  # [N, b-a]
-            if cold.up_bias is not None:
-                u = u + cold.up_bias[a:b].to(dev, u.dtype, non_blocking=True)  # fp32 bias: keep u's dtype
-            g = x @ gate.T if gate is not None else None
-            hid = ffn_activation(self.cfg.ffn_act, u, g)
-            if act_threshold is not None:
-                hid = apply_act_threshold(hid, g.float(), act_threshold, act_on)  # the criterion in fp32
-            if keep is not None:
-                hid = hid * keep[:, a:b]
-            if hits is not None:
-                hits[a:b] += (hid != 0).sum(0)
-            if h_rows is not None:
-                h_rows[:, a:b] = hid
-            y += (hid @ cold.down_t[a:b].to(dev, hid.dtype, non_blocking=True)).float()
-        if count is not None:
-            count += hits if cold.rows is None else hits[self._sel[l]]
-        if h_out is not None:
-            h_out.copy_(h_rows if cold.rows is None else h_rows[:, self._sel[l]])
-        self.stats.cold_neurons += int(mask.sum()) if mask is not None else x.shape[0] * cold.n
-        self.stats.active_bytes += streamed * self.cfg.neuron_bytes
+        """The FFN output [N, D] (fp32) of the step's streamed rows of layer l (its first ``k[l]``,
+        ``begin``) for x [N, D], masked by the predictor's mask [N, k[l]] when given and by a
+        sparsified SwiGLU model's activation threshold. count [k[l]] int64 (shard order): adds the
+        tokens in which each neuron's h is nonzero (policy 'oracle', ``activity``). h_out
+        [N, k[l]] fp32 (shard order): receives the neurons' activations h (predictor samples,
+        ``eager``)."""
+        cold, k, dev = self.rows[l], self.k[l], self.device
+        y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=dev)  # [N, D]
+        part = torch.empty_like(y)
+        for _ in range(-(-k // self.stream.rows)):
+            a, b, (up, gate, down_t) = self.stream.take(l)
+            m = None if mask is None else mask[:, a:b]  # [N, R]
+            bias = None if cold.up_bias is None else self._bias(l)[a:b]
+            sparse_ffn_gemm(x, up, gate, down_t, torch.arange(b - a, device=dev), m, self.cfg.ffn_act, bias, part,
+                            cold.qtype, act_threshold, act_on, count=None if count is None else count[a:b])
+            y += part
+            if h_out is not None:  # the kernel keeps h inside: computed again from the rows
+                h = shard_activation(x, FFNShard(cold.ids[:0], up, gate, down_t, bias, cold.qtype), self.cfg.ffn_act,
+                                     act_threshold, act_on)
+                h_out[:, a:b] = h if m is None else h * m
+            self.stream.done()
+        self.stats.cold_neurons += int(mask.sum()) if mask is not None else x.shape[0] * k
+        self.stats.active_bytes += k * self.cfg.neuron_bytes
+        self.stats.streamed_bytes += k * self.cfg.neuron_bytes
         return y
 
-    def _keep(self, l: int, mask: torch.Tensor | None, n_tok: int) -> torch.Tensor | None:
-        """Which streamed rows each token keeps [N, R] (bool): the mask's neurons at their rows;
-        in place also none of the rows that are not the CPU's. None: every row."""
+    def _bias(self, l: int) -> torch.Tensor:
+        """Layer l's up bias of the shard's neurons [n] (fp32, shard order) on the device, made once."""
+        if l not in self.stream.bias:
+            cold = self.rows[l]
+            bias = cold.up_bias if cold.rows is None else cold.up_bias[cold.rows.long()]
+            self.stream.bias[l] = bias.to(self.device, torch.float32)
+        return self.stream.bias[l]
+
+    def fill(self, bufs: list[torch.Tensor], l: int, a: int, b: int) -> None:
+        """Rows a..b of layer l's shard (shard order) into the buffers' first b - a rows (up, gate
+        if any, down_t): see the module docstring for how each source gets there."""
         cold = self.rows[l]
-        if cold.rows is None:
-            return mask
-        sel = self._sel.get(l)
-        if sel is None:
-            sel = self._sel[l] = cold.rows.to(self.device).long()
-        keep = torch.zeros(n_tok, cold.up.shape[0], dtype=torch.bool, device=self.device)
-        keep[:, sel] = True if mask is None else mask
-        return keep
-
-    def _chunks(self, l: int, rows: int) -> list[tuple[int, int]]:
-        """[a, b) row ranges to stream: every row of a copy; in place the chunks holding any of
-        the CPU's rows."""
-        cold = self.rows[l]
-        R = cold.up.shape[0]
-        chunks = [(a, min(a + rows, R)) for a in range(0, R, rows)]
-        if cold.rows is None:
-            return chunks
-        used = np.bincount(cold.rows.numpy() // rows, minlength=len(chunks)) > 0
-        return [c for c, u in zip(chunks, used) if u]
-
-    def _pin_layer(self, l: int) -> None:
-        """Page-lock layer l's matrices in the file's mapping (read-only)."""
-        self._layer_pinned.add(l)
-        cold = self.rows[l]
-        if not pin_mapped([t for t in (cold.up, cold.gate, cold.down_t) if t is not None],
-                          f"layer {l}'s FFN rows in the model file (dense prefill)", self._pinned):
-            self._pin_file = False  # said once; the rest copy from pageable pages
-
-    def _quantized(self, cold: FFNShard, a: int, b: int, x: torch.Tensor, mask: torch.Tensor | None,
-                   act_threshold: float | None = None, act_on: str = "gate") -> torch.Tensor:
-        """Rows a..b of a quantized shard [N, D] (fp32): their blocks streamed to the device and
-        computed by the quantized sparse FFN kernel over every row (masked: the predictor's; and
-        by a SwiGLU activation threshold)."""
-        dev = self.device
-        blocks = [None if t is None else t[a:b].to(dev, non_blocking=True) for t in (cold.up, cold.gate, cold.down_t)]
-        bias = None if cold.up_bias is None else cold.up_bias[a:b].to(dev, non_blocking=True)
-        idx = torch.arange(b - a, device=dev)
-        return sparse_ffn(x, *blocks, idx, mask, self.cfg.ffn_act, bias, qtype=cold.qtype, act_threshold=act_threshold,
-                          act_on=act_on).float()
-
-    def _active(self, cold: FFNShard, a: int, b: int, x: torch.Tensor, keep: torch.Tensor | None,
-                act_threshold: float | None, act_on: str) -> torch.Tensor:
-        """Which of the quantized rows a..b are active for each token [N, b-a] (``oracle_mask``
-        over their blocks on the device), within ``keep``."""
-        m = oracle_mask(x, self._chunk(cold, a, b), self.cfg.ffn_act, act_threshold, act_on)
-        return m if keep is None else m & keep
-
-    def _chunk(self, cold: FFNShard, a: int, b: int) -> FFNShard:
-        """Rows a..b of up / gate (and the bias) on the device, for ``oracle_mask`` and
-        ``shard_activation`` (which read only those; its down rows unused)."""
-        up, gate = (None if t is None else t[a:b].to(self.device, non_blocking=True) for t in (cold.up, cold.gate))
-        bias = None if cold.up_bias is None else cold.up_bias[a:b].to(self.device, non_blocking=True)
-        return FFNShard(cold.ids[:0], up, gate, up, bias, cold.qtype)
+        for dst, src in zip(bufs, _mats(cold)):
+            out = dst[:b - a]
+            if cold.rows is None:
+                out.copy_(src[a:b], non_blocking=True)
+            elif self.device.type == "cuda" and self._pin_file:
+                pages = device_view(src)
+                w = _width(pages, out)
+                torch.index_select(_wide(pages, w), 0, self.stream.rows_on_device(l)[a:b], out=_wide(out, w))
+            else:
+                out.copy_(src.index_select(0, cold.rows[a:b].long()))
 
     def close(self) -> None:
         for addr in self._pinned:
             torch.cuda.cudart().cudaHostUnregister(addr)
         self._pinned.clear()
+
+
+def streamed_rows(n: int, share: float) -> int:
+    """How many of a layer's n CPU-shard rows (its first, the hottest) a step with ``share`` streams."""
+    return int(round(n * share))
+
+
+def _mats(cold: FFNShard) -> list[torch.Tensor]:
+    """The shard's row matrices: up, gate (if any), down_t."""
+    return [t for t in (cold.up, cold.gate, cold.down_t) if t is not None]
+
+
+_INTS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _width(*ts: torch.Tensor) -> int:
+    """The widest integer size (bytes) that divides a row of each row-major t [R, c] and its
+    address: a gather of rows viewed so moves the bytes in as few, wide loads as it can."""
+    return next(w for w in _INTS if all(t.shape[1] * t.element_size() % w == 0 and t.data_ptr() % w == 0
+                                        for t in ts))
+
+
+def _wide(t: torch.Tensor, w: int) -> torch.Tensor:
+    """The bytes of t [R, c] as [R, c * element size / w] of the w-byte integer type."""
+    return t.view(torch.uint8).view(_INTS[w])
+
+
+class RowStream:
+    """A step's chunks of streamed rows (``ColdRows.begin``: (layer, a, b) in the order the step
+    computes them) through two device buffers that take turns: ``start`` begins filling the first
+    two; ``take`` hands the next chunk's rows (the compute stream waits for its fill); ``done``
+    says the compute on them is issued, and that buffer's next fill follows it on the copy stream.
+    On CUDA the fills run on a stream of their own, beside the step's compute (the next layer's
+    first rows while this layer's last are computed on); elsewhere they run in line."""
+
+    def __init__(self, cold: ColdRows) -> None:
+        self.cold, self.cuda = cold, cold.device.type == "cuda"
+        mats = [_mats(sh) for sh in cold.rows if sh.n]
+        row_bytes = max(sum(t.shape[1] * t.element_size() for t in m) for m in mats)
+        # rows per chunk: STREAM_BYTES a buffer, no more than a layer's shard holds
+        self.rows = max(1, min(STREAM_BYTES // row_bytes, max(sh.n for sh in cold.rows)))
+        self.bufs = [[torch.empty(self.rows, t.shape[1], dtype=t.dtype, device=cold.device) for t in mats[0]]
+                     for _ in range(2)]  # [R, D] (quantized: [R, blocks' bytes]) each
+        self.copy = torch.cuda.Stream(cold.device) if self.cuda else None
+        self.ready: list[torch.cuda.Event | None] = [None, None]
+        self.free: list[torch.cuda.Event | None] = [None, None]
+        self.jobs: list[tuple[int, int, int]] = []
+        self.filled = self.taken = 0
+        self.bias: dict[int, torch.Tensor] = {}  # in place: per layer, the shard's up bias on the device
+        self._rows_dev: dict[int, torch.Tensor] = {}
+
+    def rows_on_device(self, l: int) -> torch.Tensor:
+        """Layer l's shard rows in the file [n] (int64) on the device (an in-place shard's)."""
+        if l not in self._rows_dev:
+            self._rows_dev[l] = self.cold.rows[l].rows.to(self.cold.device, torch.int64)
+        return self._rows_dev[l]
+
+    def forget(self, l: int) -> None:
+        """Layer l's rows changed (re-placement, between steps): its device indices and bias go."""
+        self._rows_dev.pop(l, None)
+        self.bias.pop(l, None)
+
+    def start(self, jobs: list[tuple[int, int, int]]) -> None:
+        self.jobs, self.filled, self.taken = jobs, 0, 0
+        for _ in range(min(2, len(jobs))):
+            self._fill_next()
+
+    def _fill_next(self) -> None:
+        l, a, b = self.jobs[self.filled]
+        i = self.filled % 2
+        self.filled += 1
+        if not self.cuda:
+            self.cold.fill(self.bufs[i], l, a, b)
+            return
+        with torch.cuda.stream(self.copy):
+            if self.free[i] is not None:
+                self.copy.wait_event(self.free[i])  # the compute on this buffer's last rows is done
+            self.cold.fill(self.bufs[i], l, a, b)
+            self.ready[i] = torch.cuda.Event()
+            self.ready[i].record(self.copy)
+
+    def take(self, l: int) -> tuple[int, int, list[torch.Tensor | None]]:
+        """The next chunk (layer l's): (a, b, [up, gate or None, down_t] rows [b - a, ...])."""
+        jl, a, b = self.jobs[self.taken]
+        assert jl == l, f"layer {l} asked for streamed rows, the step's next chunk is layer {jl}'s"
+        i = self.taken % 2
+        if self.cuda:
+            torch.cuda.current_stream(self.cold.device).wait_event(self.ready[i])
+        views = [t[:b - a] for t in self.bufs[i]]
+        gated = self.cold.rows[l].gate is not None
+        return a, b, [views[0], views[1] if gated else None, views[-1]]
+
+    def done(self) -> None:
+        i = self.taken % 2
+        self.taken += 1
+        if self.cuda:
+            self.free[i] = torch.cuda.Event()
+            self.free[i].record(torch.cuda.current_stream(self.cold.device))
+        if self.filled < len(self.jobs):
+            self._fill_next()

@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the command line builds its flags from this module: it stay
 
     from ..model.config import ModelConfig
     from ..model.source import WeightSource
+    from ..placement.costs import ModelCosts
 
 log = logging.getLogger(__name__)
 
@@ -181,8 +182,12 @@ class ExecutorConfig:
     timeout_s: float = option(120.0, "seconds an executor waits for its peer before failing the step",
                               kind=float)
     prefill_dense_min: int | None = option(
-        None, "prompt chunks of at least this many tokens run every neuron on the primary (default: 32 on "
-        "CUDA, off on the CPU; 0: off)", kind=int)
+        None, "prompt chunks of at least this many tokens run every neuron on the primary, the CPU shard's rows "
+        "streamed to it once a chunk (default: 256 on CUDA, off on the CPU; 0: never)", kind=int)
+    prefill_share: float | None = option(
+        None, "in shorter prompt chunks, the primary streams and computes this share of the CPU shard's rows (its "
+        "hottest) while the CPU executor computes the chunk's active neurons among the rest (predictor policy; "
+        "default: 0.5 on CUDA, none on the CPU; 0: the CPU executor computes all of them)", kind=float)
     graphs: bool | None = option(None, "decode steps as CUDA graphs (default: on CUDA); --no-graphs runs them "
                                  "eagerly (debugging; slower)", kind=bool)
     zero_copy: float | None = option(
@@ -199,6 +204,7 @@ class ExecutorConfig:
         check_choice("dtype", self.dtype, DTYPES)
         check_number("timeout_s", self.timeout_s, 0.0, lo_open=True)
         check_int("prefill_dense_min", self.prefill_dense_min, 0, optional=True)
+        check_number("prefill_share", self.prefill_share, 0.0, 1.0, optional=True)
         _check_flag("graphs", self.graphs, optional=True)
         check_number("zero_copy", self.zero_copy, 0.0, 1.0, optional=True)
 
@@ -210,7 +216,7 @@ class SchedulerConfig:
     n_ctx: int | None = option(None, "context length in tokens (default: the model's, at most 4096)", kind=int,
                                flags=("-c", "--ctx-size"))
     max_batch: int = option(8, "sequences decoded together", kind=int)
-    prefill_chunk: int | None = option(None, "prompt tokens per step (default: 256 on CUDA, 64 on the CPU)",
+    prefill_chunk: int | None = option(None, "prompt tokens per step (default: 1024 on CUDA, 64 on the CPU)",
                                        kind=int)
     max_waiting: int = option(256, "requests the engine queues beyond the running batch (more: overloaded, "
                               "HTTP 429)", kind=int)
@@ -282,13 +288,13 @@ def engine_n_ctx(ec: SchedulerConfig, cfg: ModelConfig) -> int:
 
 
 def resolve_prefill_chunk(ec: SchedulerConfig, device: str) -> int:
-    """Prompt tokens per step: 256 on a CUDA primary, whose dense prefill streams the CPU shard's
-    rows from host memory once per chunk (the copy, not the token count, sets the cost); 64 on
-    the CPU, where cost grows with tokens and a long prompt's chunk delays the other sequences'
-    decode steps."""
+    """Prompt tokens per step: 1024 on a CUDA primary, whose prefill streams the CPU shard's rows
+    from host memory once per chunk (the copy, not the token count, sets a chunk's cost; the chunk's
+    activations take VRAM, which the plan reserves: ``workspace``); 64 on the CPU, where cost
+    grows with tokens and a long prompt's chunk delays the other sequences' decode steps."""
     if ec.prefill_chunk is not None:
         return ec.prefill_chunk
-    return 256 if device == "cuda" else 64
+    return 1024 if device == "cuda" else 64
 
 
 def resolve_policy(ec: ExecutorConfig, cfg: ModelConfig) -> str:
@@ -398,14 +404,41 @@ def placement_inputs(ec: EngineConfig, src: WeightSource, pq: str | None) -> tup
     """(ModelCosts, budget in bytes, HostProfile) the placement of ``ec`` is solved with, the
     predictors held as ``pq`` blocks (``predictor_qtype``), at start and when re-placement solves
     it again."""
-    from ..model.costs import model_costs
     from ..placement.host import HostProfile
 
     cfg = src.config
-    costs = model_costs(src, engine_n_ctx(ec, cfg), ec.max_batch, predictor_qtype=pq)  # a Q6_K head is f16
+    costs = engine_costs(ec, src, pq)
     if cfg.has_predictors and resolve_policy(ec, cfg) != "predictor":  # no predictors loaded
         costs = replace(costs, predictor_bytes=(0,) * cfg.n_layer)
     return costs, ec.vram_budget_bytes, HostProfile.load(ec.host_profile)
+
+
+def engine_costs(ec: EngineConfig, src: WeightSource, pq: str | None = None) -> ModelCosts:
+    """The model's costs for the placement as this engine runs it: weights as stored (a Q6_K head is
+    f16; float predictors as ``pq`` blocks when given: ``predictor_qtype``), a KV cache for
+    max_batch sequences of its context, and what the primary allocates beside them at that batch
+    and its prompt chunk (``workspace``)."""
+    from ..model.costs import model_costs
+    from .workspace import workspace_bytes
+
+    cfg = src.config
+    n_ctx = engine_n_ctx(ec, cfg)
+    chunk = resolve_prefill_chunk(ec, ec.device or "cuda")  # a budget is a GPU's
+    act = 4 if (ec.dtype or cfg.float_dtype) == "f32" else 2
+    return replace(model_costs(src, n_ctx, ec.max_batch, predictor_qtype=pq),
+                   workspace_bytes=workspace_bytes(cfg, ec.max_batch, chunk, n_ctx, act))
+
+
+def split_bytes(costs: ModelCosts, gpu_masks: list[np.ndarray], gpu_groups: list[int] | None = None) -> float:
+    """The GPU bytes of a split (per layer a bool mask of the GPU's neurons, and the KV-head groups
+    on the GPU: None, all of them, as a cached split places them): everything fixed, the groups'
+    attention and KV cache, the GPU's neurons. Infinite when the masks are not the model's."""
+    if len(gpu_masks) != costs.n_layer or any(len(m) != f for m, f in zip(gpu_masks, costs.n_ff)):
+        return float("inf")
+    groups = gpu_groups or [costs.n_kv_groups] * costs.n_layer
+    attention = sum(g * u for g, u in zip(groups, costs.attn_unit_bytes))
+    neurons = sum(int(m.sum()) * b for m, b in zip(gpu_masks, costs.neuron_bytes))
+    return costs.fixed_bytes + attention + neurons
 
 
 def _budget_plan(ec: EngineConfig, src: WeightSource, stats: tuple[list[np.ndarray], int] | None,
@@ -427,13 +460,15 @@ def _budget_plan(ec: EngineConfig, src: WeightSource, stats: tuple[list[np.ndarr
     no_predictors = cfg.has_predictors and resolve_policy(ec, cfg) != "predictor"
     if no_predictors:
         cache = None
+    costs, _, host = placement_inputs(ec, src, pq)
     if cache is not None and cache.exists() and not ec.reset_gpu_index:
         split = gpuidx.read_gpuidx(cache)
-        if len(split.gpu_neurons) == cfg.n_layer and split.vram_capacity <= budget:  # upstream's rule
+        masks = [np.asarray(m, bool) for m in split.gpu_neurons]
+        # upstream's rule (solved for at most this budget), and it fits this engine's batch and context
+        if split.vram_capacity <= budget and split_bytes(costs, masks) <= budget:
             log.info("using cached split %s", cache)
-            return Plan.from_masks([np.asarray(m, bool) for m in split.gpu_neurons], None, cfg)
-        log.warning("cached split %s was solved for another model or budget: re-solving", cache)
-    costs, _, host = placement_inputs(ec, src, pq)
+            return Plan.from_masks(masks, None, cfg)
+        log.warning("cached split %s was solved for another model, budget, batch size or context: re-solving", cache)
     if stats is None:
         log.warning("no activation statistics for %s: placing with uniform frequencies "
                     "(run powerinfer-ray profile for a better split)", ec.model)

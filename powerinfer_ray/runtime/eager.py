@@ -1,6 +1,6 @@
 """The layer schedule's steps over any shapes: B sequences of T new tokens each (prefill chunks,
 and decode steps where they do not run as graphs). Active sets and counts come back to the host
-as they are found; the CPU shard's neurons can run densely here (``cold.ColdRows``).
+as they are found; a share of the CPU shard's neurons can run densely here (``cold.ColdRows``).
 
 A sample sink (``Sink``: predictor training samples, ``runtime.engine_samples``) sees, per layer,
 the predictor input and the activations h of every neuron of the layer: the primary's own
@@ -85,7 +85,12 @@ class EagerStep:
     def stage_ffn(self, s: Step) -> None:
         self.ex.stage_ffn(self.x_f)
         if self.cmask is not None:
-            self.ex.stage_mask(pack_mask(self.cmask), self.cmask.shape[1])  # an eighth of the bytes
+            k = self.cold_rows.k[s.l] if self.cold_rows.k else 0
+            mask = self.cmask
+            if k:  # the rows streamed here: clear for the CPU executor
+                mask = mask.clone()
+                mask[:, :k] = False
+            self.ex.stage_mask(pack_mask(mask), mask.shape[1])  # an eighth of the bytes
 
     def ffn(self, s: Step) -> None:
         w, pol, sh = self.w, self.w.policy, self.w.layers[s.l].ffn
@@ -99,11 +104,13 @@ class EagerStep:
             self.h_own = shard_activation(self.x_f, sh, w.cfg.ffn_act, pol.act_threshold(s.l), pol.act_on)
 
     def cold(self, s: Step) -> None:
-        pol, ng = self.w.policy, self.w.layers[s.l].ffn.n
-        count = self.act.layers[s.l][ng:] if self.act.on and pol.name == "oracle" else None
+        """The streamed share of the CPU shard's neurons (its first k rows), here."""
+        pol, ng, k = self.w.policy, self.w.layers[s.l].ffn.n, self.cold_rows.k[s.l]
+        count = self.act.layers[s.l][ng:ng + k] if self.act.on and pol.name == "oracle" else None
         if self.sink is not None:
-            self.h_cold = torch.empty(self.n_tok, self.cold_rows.rows[s.l].n, device=self.w.device)
-        self.c = self.cold_rows.ffn(s.l, self.x_f, self.cmask, pol.act_threshold(s.l), pol.act_on, count=count,
+            self.h_cold = torch.empty(self.n_tok, k, device=self.w.device)
+        mask = None if self.cmask is None else self.cmask[:, :k]
+        self.c = self.cold_rows.ffn(s.l, self.x_f, mask, pol.act_threshold(s.l), pol.act_on, count=count,
                                     h_out=self.h_cold)
 
     def ffn_out(self, s: Step) -> None:

@@ -45,6 +45,7 @@ def executor_spec(ec: EngineConfig, src: WeightSource, plan: Plan, device: str, 
                      t_max=max(resolve_prefill_chunk(ec, device), ec.max_batch), threads=threads,
                      threshold=ec.threshold, margin=ec.predictor_margin, dtype=ec.dtype, timeout_s=ec.timeout_s,
                      prefill_dense_min=ec.prefill_dense_min, graphs=ec.graphs, zero_copy=ec.zero_copy,
+                     prefill_share=ec.prefill_share,
                      primary_fills=rows_faster_on(src, device))
 
 

@@ -57,13 +57,15 @@ class GroupSpec:
     prefill_dense_min: int | None = None
     graphs: bool | None = None
     zero_copy: float | None = None
+    prefill_share: float | None = None
     primary_fills: bool = False  # the primary writes the CPU executor's rows (step 2)
     host_memory_bytes: int | None = None  # host memory the executors may take (None: what the host has available)
 
     def primary_kwargs(self) -> dict[str, Any]:
         return dict(device=self.device, policy=self.policy, threshold=self.threshold, margin=self.margin, slots=self.slots,
                     n_ctx=self.n_ctx, t_max=self.t_max, dtype=self.dtype, timeout_s=self.timeout_s,
-                    prefill_dense_min=self.prefill_dense_min, graphs=self.graphs, zero_copy=self.zero_copy)
+                    prefill_dense_min=self.prefill_dense_min, graphs=self.graphs, zero_copy=self.zero_copy,
+                    prefill_share=self.prefill_share)
 
     def cpu_kwargs(self) -> dict[str, Any]:
         return dict(policy=self.policy, slots=self.slots, n_ctx=self.n_ctx, threads=self.threads,

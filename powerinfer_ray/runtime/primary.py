@@ -50,9 +50,11 @@ class PrimaryExecutor:
                  policy: str = "predictor", threshold: float | None = None, margin: float = 0.0, slots: int = 8,
                  n_ctx: int | None = None, t_max: int = 128, dtype: str | None = None,
                  timeout_s: float = 60.0, prefill_dense_min: int | None = None,
-                 graphs: bool | None = None, zero_copy: float | None = None) -> None:
-        """slots: sequences of the KV caches; t_max: tokens per step; prefill_dense_min: prompts
-        of at least this many tokens compute the CPU shard here (``ColdRows``); graphs: decode
+                 graphs: bool | None = None, zero_copy: float | None = None,
+                 prefill_share: float | None = None) -> None:
+        """slots: sequences of the KV caches; t_max: tokens per step; prefill_dense_min: prompt
+        chunks of at least this many tokens compute the CPU shard here, shorter ones its
+        ``prefill_share`` (``ColdRows``); graphs: decode
         steps as captured CUDA graphs (None: on CUDA; on the CPU True runs the same fixed-shape
         segments eagerly, which is what the CPU tests check); zero_copy: the share of the CPU
         shard's neurons this executor computes in decode steps from their rows in host memory
@@ -83,7 +85,8 @@ class PrimaryExecutor:
             torch.cuda.synchronize(self.device)
         self.phases["weights"] = time.perf_counter() - t1
         self.phases.update({f"weights.{k}": v for k, v in self.weights.phases.items()})
-        self.cold = ColdRows(self.src, plan, dt, self.device, self.stats, prefill_dense_min, zero_copy)
+        self.cold = ColdRows(self.src, plan, dt, self.device, self.stats, prefill_dense_min, zero_copy,
+                             prefill_share, masked=self.policy.name == "predictor")
         # per layer: the primary's neurons, then the CPU's (the predictor's columns; ``activity``)
         self.activity = ActivityCounts([np.concatenate([lp.gpu_neurons, lp.cpu_neurons]) for lp in plan.layers],
                                        self.device, self.policy.name in COUNTED)
@@ -92,7 +95,7 @@ class PrimaryExecutor:
             and self.policy.name in GRAPH_POLICIES
         self.graphs: dict[int, DecodeGraphs] = {}  # by batch-size bucket (``capture_graphs``)
         self._said_uncaptured = False
-        self._schedules: dict[bool, list[Item]] = {}  # eager steps, by whether the CPU shard runs here
+        self._schedules: dict[float, list[Item]] = {}  # eager steps, by the share of the CPU shard run here
         # predictor samples (``runtime.engine_samples``, policy 'oracle': each neuron's true h): every
         # step then runs eagerly and densely
         self.sample_sink: Sink | None = None
@@ -183,9 +186,9 @@ class PrimaryExecutor:
         end = max(start_pos) + T
         if end > self.weights.n_ctx:
             raise ValueError(f"sequence reaches {end} tokens, beyond the context n_ctx={self.weights.n_ctx}")
-        if self.sample_sink is not None and self.plan.max_cpu_neurons and not self.cold.dense_for(B * T):
-            raise ValueError(f"a step of {B * T} tokens with a sample sink: the CPU shard's neurons run on the primary "
-                             f"only in steps of at least prefill_dense_min={self.cold.min_tokens} tokens (dense "
+        if self.sample_sink is not None and self.plan.max_cpu_neurons and self.cold.share_for(B * T) < 1:
+            raise ValueError(f"a step of {B * T} tokens with a sample sink: all the CPU shard's neurons run on the "
+                             f"primary only in steps of at least prefill_dense_min={self.cold.min_tokens} tokens (dense "
                              f"prefill {'on' if self.cold.rows is not None else 'off'}); set prefill_dense_min=1")
         t0 = time.perf_counter()
         if self.activity.on:  # before the step: a concurrent read never sees more counts than tokens
@@ -214,10 +217,13 @@ class PrimaryExecutor:
         return g.run(list(slots), [t[0] for t in tokens], list(start_pos))
 
     def _eager_step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> np.ndarray:
-        cold = self.cold.dense_for(len(tokens) * len(tokens[0]))
-        items = self._schedules.get(cold)
+        # an eager decode step streams nothing (unless a sample sink needs every neuron here)
+        decode = len(tokens[0]) == 1 and self.sample_sink is None
+        share = self.cold.share_for(len(tokens) * len(tokens[0]), decode)
+        items = self._schedules.get(share)
         if items is None:
-            items = self._schedules[cold] = step_schedule(self.cfg, self.plan, self.policy.name, cold)
+            items = self._schedules[share] = step_schedule(self.cfg, self.plan, self.policy.name, share)
+        self.cold.begin(share)
         steps = EagerStep(self.weights, self.exchange, self.cold, self.stats, self.activity, slots, tokens,
                           start_pos, self.sample_sink)
         if self.exchange is not None:

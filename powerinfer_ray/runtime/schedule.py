@@ -5,7 +5,8 @@ Per layer (sequential attention; parallel attention, as in Falcon, posts one req
     attention    attention of the primary's heads    [await]
     attn_out     h += heads' partial outputs (+ the CPU's) + bias
     ffn_in       FFN norm, predictor, split          [stage_ffn, post OP_FFN: the CPU's neurons]
-    ffn          the primary's active neurons        [cold: the CPU's neurons here, long prompts]
+    ffn          the primary's active neurons        [cold: a share of the CPU's neurons here,
+                                                      prompt chunks; the CPU executor the rest]
                                                      [await]
     ffn_out      h += FFN partial outputs (+ the CPU's) + bias
 The step opens with ``embed`` and closes with ``head``.
@@ -23,6 +24,7 @@ from typing import Any, Callable
 
 from ..model.config import ModelConfig
 from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN
+from .cold import streamed_rows
 from .exchange import Exchange
 from .plan import LayerPlan, Plan
 from .stats import ExecStats
@@ -59,11 +61,13 @@ PHASE = {"attn_in": "attn", "stage_attn": "attn", "attention": "attn", "attn_out
          "ffn_in": "ffn", "stage_ffn": "ffn", "ffn": "ffn", "cold": "ffn", "ffn_out": "ffn"}
 
 
-def layer_schedule(cfg: ModelConfig, lp: LayerPlan, l: int, policy: str, cold: bool = False) -> list[Item]:
-    """Layer l's items (see the module docstring). cold: the CPU shard's neurons are computed
-    densely on the primary (``cold.ColdRows``) instead of by the CPU executor."""
-    heads, neurons = len(lp.cpu_groups) > 0, len(lp.cpu_neurons) > 0
-    cold, cpu_ffn = cold and neurons, neurons and not cold
+def layer_schedule(cfg: ModelConfig, lp: LayerPlan, l: int, policy: str, share: float = 0.0) -> list[Item]:
+    """Layer l's items (see the module docstring). share: of the CPU shard's rows, the primary
+    computes this share densely (``cold.ColdRows``, its first ``streamed_rows``); the CPU executor
+    computes the rest (none at share 1)."""
+    heads, n = len(lp.cpu_groups) > 0, len(lp.cpu_neurons)
+    k = streamed_rows(n, share)
+    cold, cpu_ffn = k > 0, k < n
     n_mask = len(lp.cpu_neurons) if policy == "predictor" and cpu_ffn else 0
     S = lambda op, cpu=False: Step(op, l, cpu)  # noqa: E731
     if cfg.parallel_attn:  # one request: the CPU answers with the sum of its parts
@@ -93,11 +97,11 @@ def layer_schedule(cfg: ModelConfig, lp: LayerPlan, l: int, policy: str, cold: b
     return items + [S("ffn_out", cpu_ffn)]
 
 
-def step_schedule(cfg: ModelConfig, plan: Plan, policy: str, cold: bool = False) -> list[Item]:
+def step_schedule(cfg: ModelConfig, plan: Plan, policy: str, share: float = 0.0) -> list[Item]:
     """A whole step: embed, every layer, head."""
     items: list[Item] = [Step("embed")]
     for l in range(cfg.n_layer):
-        items += layer_schedule(cfg, plan[l], l, policy, cold)
+        items += layer_schedule(cfg, plan[l], l, policy, share)
     return items + [Step("head")]
 
 

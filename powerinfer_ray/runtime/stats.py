@@ -24,6 +24,7 @@ class ExecStats:
     # steps): placed on the CPU, so the GPU share of activations counts them with the CPU's
     cold_neurons: int = 0
     host_read_bytes: int = 0  # weight bytes of the CPU shard's rows it read in host memory (zero-copy decode)
+    streamed_bytes: int = 0  # weight bytes of the CPU shard's rows streamed to this device (prompt chunks)
     gpu_compute_s: float = 0.0  # GPU time of the decode graphs less their waits for answers (the GPU's clock)
     gpu_timed_steps: int = 0
     graph_captures: int = 0  # decode graph sets captured (on a CPU primary: built), one per batch bucket, at start

@@ -9,11 +9,11 @@ import numpy as np
 import torch
 import pytest
 
-from powerinfer_ray.model.costs import fitting_predictor_qtype, model_costs
+from powerinfer_ray.model.costs import fitting_predictor_qtype
 from powerinfer_ray.model.default import default_model_path
 from powerinfer_ray.model.source import open_model
 from powerinfer_ray.placement.gpuidx import gpuidx_path, read_gpuidx
-from powerinfer_ray.runtime.config import GIB
+from powerinfer_ray.runtime.config import GIB, engine_costs
 from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine, resolve_plan
 from powerinfer_ray.runtime.plan import Plan
 
@@ -40,14 +40,16 @@ def model(tmp_path):
     return dst
 
 
-def _budget(cfg, gpu_share_of_ffn: float) -> float:
-    c = model_costs(cfg, min(cfg.n_ctx, 4096), 8)
+def _budget(model, gpu_share_of_ffn: float, **ec) -> float:
+    """A budget with room for everything fixed, the attention and this share of the FFN, as an engine
+    of these options places it (its batch, context and prompt chunk: ``engine_costs``)."""
+    c = engine_costs(EngineConfig(str(model), **ec), open_model(model))
     return (c.fixed_bytes + c.attention_bytes + gpu_share_of_ffn * c.ffn_bytes) / GIB
 
 
 def test_budget_solves_caches_and_reuses_the_split(model, host):
     cfg = open_model(model).config
-    budget = _budget(cfg, 0.3)
+    budget = _budget(model, 0.3)
     ec = EngineConfig(str(model), vram_budget_gib=budget, host_profile=host)
     plan = resolve_plan(ec)
     split = gpuidx_path(model)
@@ -56,13 +58,20 @@ def test_budget_solves_caches_and_reuses_the_split(model, host):
     assert [np.flatnonzero(m).tolist() for m in idx.gpu_neurons] == [lp.gpu_neurons.tolist() for lp in plan.layers]
     n_gpu = sum(len(lp.gpu_neurons) for lp in plan.layers)
     assert 0 < n_gpu < cfg.n_layer * cfg.n_ff  # a real split: hot neurons on the GPU, the rest on the CPU
-    # reused as is (upstream's rule: the cached split fits the budget) ...
-    idx.gpu_neurons[0][:] = True
+    # reused as is when it fits the budget under this engine's costs (upstream's rule, and its batch) ...
     from powerinfer_ray.placement.gpuidx import write_gpuidx
 
+    on_gpu = np.flatnonzero(idx.gpu_neurons[0])
+    idx.gpu_neurons[0][on_gpu[: len(on_gpu) // 2]] = False
     write_gpuidx(split, idx.gpu_neurons, idx.vram_capacity)
-    assert resolve_plan(ec).layers[0].gpu_neurons.size == cfg.n_ff
-    # ... unless --reset-gpu-index, which re-solves and rewrites it
+    assert resolve_plan(ec).layers[0].gpu_neurons.size == len(on_gpu) - len(on_gpu) // 2
+    # ... not when it does not: every neuron of layer 0 on the GPU overflows a budget solved full
+    idx.gpu_neurons[0][:] = True
+    write_gpuidx(split, idx.gpu_neurons, idx.vram_capacity)
+    assert [lp.gpu_neurons.tolist() for lp in resolve_plan(ec).layers] == [lp.gpu_neurons.tolist() for lp in plan.layers]
+    # ... and unless --reset-gpu-index, which re-solves and rewrites it
+    idx.gpu_neurons[0][on_gpu[: len(on_gpu) // 2]] = False
+    write_gpuidx(split, idx.gpu_neurons, idx.vram_capacity)
     again = resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, reset_gpu_index=True, host_profile=host))
     assert [lp.gpu_neurons.tolist() for lp in again.layers] == [lp.gpu_neurons.tolist() for lp in plan.layers]
     # --disable-gpu-index neither reads nor writes
@@ -76,8 +85,7 @@ def test_a_cached_split_loads_without_the_solver(model, host):
     import subprocess
     import sys
 
-    cfg = open_model(model).config
-    budget = _budget(cfg, 0.3)
+    budget = _budget(model, 0.3)
     solved = resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, host_profile=host))
     code = ("import sys; from powerinfer_ray.runtime.engine import EngineConfig, resolve_plan; "
             f"p = resolve_plan(EngineConfig({str(model)!r}, vram_budget_gib={budget!r}, host_profile={host!r})); "
@@ -91,7 +99,7 @@ def test_sync_cost_keeps_small_layers_whole(model):
     goes whole to the GPU (no sync then) or stays whole on the CPU. With room for 30 % of the FFN
     bytes, the whole layers that fit go to the GPU."""
     cfg = open_model(model).config
-    plan = resolve_plan(EngineConfig(str(model), vram_budget_gib=_budget(cfg, 0.3), disable_gpu_index=True))
+    plan = resolve_plan(EngineConfig(str(model), vram_budget_gib=_budget(model, 0.3), disable_gpu_index=True))
     whole = [len(lp.gpu_neurons) == cfg.n_ff for lp in plan.layers]
     assert all(w or len(lp.gpu_neurons) == 0 for w, lp in zip(whole, plan.layers))
     assert sum(whole) == int(0.3 * cfg.n_layer)  # as many whole layers as fit
@@ -101,20 +109,39 @@ def test_hotter_neurons_go_to_the_gpu(model, host):
     from powerinfer_ray.offline.solve import load_counts
 
     counts, _ = load_counts(model.parent / (model.name.split(".")[0] + ".activation.parquet"))
-    plan = resolve_plan(EngineConfig(str(model), vram_budget_gib=_budget(open_model(model).config, 0.3),
-                                     host_profile=host))
+    plan = resolve_plan(EngineConfig(str(model), vram_budget_gib=_budget(model, 0.3), host_profile=host))
     share = plan.gpu_activation_share(counts)
     gpu_frac = sum(len(lp.gpu_neurons) for lp in plan.layers) / sum(len(c) for c in counts)
     assert share > gpu_frac + 0.2  # the solver picked the hot ones: far more activations than neurons
+
+
+def test_a_split_cached_for_a_smaller_batch_is_solved_again_for_a_larger_one(model, host):
+    """The placement reserves the KV cache and the primary's workspace of the engine's largest batch
+    (``engine_costs``: both grow with max_batch): a split solved to fill a budget at batch 1 does not
+    fit an engine of batch 8 at that budget, which solves its own (within the budget at batch 8),
+    while an engine of batch 1 reuses the cached one."""
+    from powerinfer_ray.runtime.config import split_bytes
+
+    b1, b8 = (engine_costs(EngineConfig(str(model), max_batch=b), open_model(model)) for b in (1, 8))
+    assert b8.kv_group_bytes[0] > b1.kv_group_bytes[0] and b8.workspace_bytes > b1.workspace_bytes
+    budget = _budget(model, 0.3, max_batch=1)
+    first = resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, max_batch=1, host_profile=host))
+    masks = lambda p: [np.isin(np.arange(len(lp.gpu_neurons) + len(lp.cpu_neurons)), lp.gpu_neurons)  # noqa: E731
+                       for lp in p.layers]
+    assert split_bytes(b8, masks(first)) > budget * GIB >= split_bytes(b1, masks(first))
+    again = resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, max_batch=1, host_profile=host))
+    assert [lp.gpu_neurons.tolist() for lp in again.layers] == [lp.gpu_neurons.tolist() for lp in first.layers]
+    larger = resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, max_batch=8, host_profile=host))
+    assert split_bytes(b8, masks(larger), [len(lp.gpu_groups) for lp in larger.layers]) <= budget * GIB
+    assert sum(map(len, (lp.gpu_neurons for lp in larger.layers))) < sum(map(len, (lp.gpu_neurons for lp in first.layers)))
 
 
 def test_too_small_budget_fails_before_loading_and_names_the_minimum(model):
     """The minimum is that of predictors held as the finest block type the budget needs
     (Q4_0 at so small a budget), which the message says."""
     src = open_model(model)
-    n_ctx = min(src.config.n_ctx, 4096)
-    pq = fitting_predictor_qtype(src, n_ctx, 8, int(0.001 * GIB))
-    c = model_costs(src, n_ctx, 8, predictor_qtype=pq)
+    pq = fitting_predictor_qtype(src, min(src.config.n_ctx, 4096), 8, int(0.001 * GIB))
+    c = engine_costs(EngineConfig(str(model)), src, pq)
     with pytest.raises(ValueError) as exc:
         LocalEngine(EngineConfig(str(model), vram_budget_gib=0.001))
     msg = str(exc.value)
@@ -123,11 +150,11 @@ def test_too_small_budget_fails_before_loading_and_names_the_minimum(model):
 
 
 def test_prefill_chunk_defaults_by_device_and_checks_values():
-    """256 prompt tokens per step on a CUDA primary (its dense prefill streams the CPU shard
-    once per chunk), 64 on the CPU; an explicit value wins; a chunk below 1 is refused."""
+    """1024 prompt tokens per step on a CUDA primary (its prefill streams the CPU shard once per
+    chunk), 64 on the CPU; an explicit value wins; a chunk below 1 is refused."""
     from powerinfer_ray.runtime.engine import resolve_prefill_chunk
 
-    assert resolve_prefill_chunk(EngineConfig("m.gguf"), "cuda") == 256
+    assert resolve_prefill_chunk(EngineConfig("m.gguf"), "cuda") == 1024
     assert resolve_prefill_chunk(EngineConfig("m.gguf"), "cpu") == 64
     assert resolve_prefill_chunk(EngineConfig("m.gguf", prefill_chunk=16), "cuda") == 16
     with pytest.raises(ValueError, match="prefill_chunk=0"):

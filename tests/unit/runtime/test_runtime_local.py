@@ -16,6 +16,7 @@ from powerinfer_ray.model.planted import planted_model
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import write_tiny_model
 from powerinfer_ray.runtime.channel import OP_FFN, REQUEST_FIELDS, Channel, PeerDied, pack_mask, unpack_mask
+from powerinfer_ray.runtime import cold as cold_module
 from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
 from powerinfer_ray.runtime.graphs import bucket_of, buckets
 from powerinfer_ray.runtime.layers import add_partials
@@ -106,6 +107,47 @@ def test_dense_prefill_of_the_cpu_shard_equals_the_exchange(tmp_path, variant, d
     slack = 0 if dtype == "f32" else out[0][2] // 100
     assert out[0][4] == 0 and abs(out[8][3] - out[0][3]) <= slack
     assert abs(out[8][4] + out[8][2] - out[0][2]) <= slack
+
+
+@pytest.mark.parametrize("variant, dtype", [("llama-reglu", "f32"), ("opt", "f32"), ("falcon-gqa", "f32"),
+                                            ("llama-gqa", "f16")])
+def test_prefill_share_streams_the_hottest_rows_and_equals_the_masked_reference(tmp_path, variant, dtype,
+                                                                                 monkeypatch):
+    """A prompt chunk with a prefill share: the primary streams that share of each layer's CPU rows (the
+    first of the shard, hottest first) through its two buffers, in chunks of 5 rows here (the buffers
+    taking turns within and across layers), and computes their predicted neurons; the CPU executor
+    computes the rest. At shares 0, 0.4 and 1 the logits equal the reference forward under the same
+    predictor masks, the CPU's predicted neurons split between the two executors exactly, and the
+    streamed bytes are the streamed rows'."""
+    path = write_tiny_model(tmp_path / "m.gguf", variant, seed=7, n_layer=3, n_ctx=64, predictor_rank=16)
+    ref = ReferenceModel.from_file(path)
+    cfg, thr = ref.cfg, 0.3
+    plan = _plans(cfg)["split-heads"]
+    monkeypatch.setattr(cold_module, "STREAM_BYTES", 5 * cfg.neuron_bytes)
+    prompt = list(range(3, 23))
+    full = ref.forward(prompt + [9], ref.new_cache(), hooks=_PredictorMask(ref, thr))
+    runs = {}
+    for share in (0.0, 0.4, 1.0):
+        eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="predictor", threshold=thr, prefill_chunk=32,
+                                       prefill_dense_min=0, prefill_share=share, dtype=dtype))
+        try:
+            got = [eng.primary.step([0], [prompt], [0])[0], eng.primary.step([0], [[9]], [20])[0]]
+            assert eng.primary.cold.stream is None or eng.primary.cold.stream.rows == 5
+            st = eng.primary.stats
+            runs[share] = (st.neurons, st.cold_neurons, eng.cpu.stats.neurons, st.streamed_bytes)
+        finally:
+            eng.close()
+        tol = 1e-4 if dtype == "f32" else 2e-2
+        for g, w in zip(got, [full[len(prompt) - 1], full[-1]]):
+            assert float((torch.from_numpy(g).float() - w).abs().max() / w.abs().max()) < tol
+    own, none, cpu_alone, _ = runs[0.0]
+    assert none == 0 and runs[0.0][3] == 0
+    slack = 0 if dtype == "f32" else cpu_alone // 100  # f16: a logit at the threshold may flip
+    for share in (0.4, 1.0):
+        neurons, mine, cpu, streamed = runs[share]
+        assert abs(neurons - own) <= slack and mine > 0 and abs(cpu + mine - cpu_alone) <= slack
+        assert streamed == sum(round(len(lp.cpu_neurons) * share) for lp in plan.layers) * cfg.neuron_bytes
+    assert runs[1.0][1] > runs[0.4][1]
 
 
 def test_batched_decode_equals_single_sequences(models):
