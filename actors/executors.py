@@ -157,7 +157,8 @@ class PrimaryExecutorActor(LoadedLater):
         st = self.impl.stats.as_dict()
         st.update(name=self.name, device=self.device, weight_bytes=self.impl.weight_bytes(),
                   read_bytes_per_step=self.impl.read_bytes_per_step(),
-                  vram_used_bytes=_vram_used(self.impl.device), vram_budget_bytes=self.budget,
+                  vram_used_bytes=_vram_used(self.impl.device), vram_peak_bytes=_vram_used(self.impl.device, peak=True),
+                  vram_budget_bytes=self.budget,
                   memory=process_memory())
         return st
 
@@ -323,7 +324,10 @@ class RayBackend:
             self.link = None
 
 
-def _vram_used(device: Any) -> int:  # noqa: ANN401
+def _vram_used(device: Any, peak: bool = False) -> int:  # noqa: ANN401
+    """Bytes torch has allocated on a CUDA device now (peak: the most since the process started)."""
     import torch
 
-    return int(torch.cuda.memory_allocated(device)) if getattr(device, "type", "") == "cuda" else 0
+    if getattr(device, "type", "") != "cuda":
+        return 0
+    return int(torch.cuda.max_memory_allocated(device) if peak else torch.cuda.memory_allocated(device))

@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
+#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
+stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -63,6 +63,22 @@ offbench() {  # timeout args...: bench/offline_bench.py on the 13B file at $B13 
     timeout -s INT "$limit" python bench/offline_bench.py -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
         -t "$THREADS" --out-dir "$OUT" --name "13b-${B13}gib-h200" "$@" >> "$log" 2>&1
     grep -E "^(profile|predictors) |Error|error:" "$log" | tail -n 4 | cut -c1-400
+}
+table() {  # keys json...: per record of each JSON its batch, prompt and the named keys, one line
+    local keys=$1
+    shift
+    python - "$keys" "$@" <<'PY'
+import json, sys
+keys = sys.argv[1].split(",")
+for path in sys.argv[2:]:
+    try:
+        recs = json.load(open(path))["records"]
+    except (OSError, ValueError, KeyError):
+        continue
+    for r in recs:
+        vals = " ".join(f"{k}={r.get(k):.3g}" if isinstance(r.get(k), float) else f"{k}={r.get(k)}" for k in keys)
+        print(f"{path.split('/')[-1][:-5]} B={r['batch']} prompt={r['prompt_len']}: {vals}")
+PY
 }
 write_file() {  # spec timeout: the planted model as a file in $SHM (not written again when it matches)
     echo "== file $1" >> "$log"
@@ -199,6 +215,37 @@ b32)  # batch 32 (the CPU's per-token path) and long prompts
     suite runtime-13b-16gib-b32-h200 300 -m "$M13" --vram-budget 16 --modes hybrid,layer-offload \
         --shapes 16x32 --batch 32 -t "$THREADS"
     suite runtime-13b-long-h200 200 -m "$M13" --vram-budget 16 --modes hybrid --shapes 1500x128,64x512 -t "$THREADS"
+    ;;
+prefill)  # issue 35: TTFT and prefill tok/s of the 13B file at $B13 GiB, batch 1, prompts of 64 and 1500 tokens
+    # (8 generated), each twice on one engine per configuration (~20 s each): the defaults (chunks of 1024
+    # tokens; chunks from 256 tokens stream every CPU row, shorter ones half), the CPU executor alone below 256
+    # (share0), every chunk streamed whole (share1), shares 0.3 / 0.7, chunks of 512 / 2048 tokens (dry run
+    # elsewhere: M13="planted:tiny" B13=0.01 PREFILL_SHAPES=64x8,400x8 PREFILL_CONFIGS="default share1 chunk128")
+    write_file "$M13" 200 || exit 0
+    for c in ${PREFILL_CONFIGS:-default share0 share1 share0.3 share0.7 chunk512 chunk2048}; do
+        case $c in
+        default) args="" ;;
+        share1) args="--prefill-dense-min 1" ;;
+        share*) args="--prefill-share ${c#share}" ;;
+        chunk*) args="--prefill-chunk ${c#chunk}" ;;
+        *) echo "unknown prefill configuration $c" >&2; continue ;;
+        esac
+        suite runtime-13b-${B13}gib-file-prefill-$c-h200 80 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+            --modes hybrid --shapes "${PREFILL_SHAPES:-64x8,1500x8,64x8,1500x8}" --batch 1 -t "$THREADS" $args > /dev/null
+    done
+    table prefill_tok_s,ttft_s,prefill_stream_gbps,decode_tok_s,vram_peak_gib "$OUT"/runtime-13b-${B13}gib-file-prefill-*-h200.json
+    ;;
+batchbudget)  # issue 35: the GPU tests of the budget at the largest batch and of no capture while serving, then
+    # the 13B file at $B13 GiB at batch 8 and 32 (prompt 16, 32 generated), one engine each: decode tok/s, VRAM
+    # used, torch's peak and the weights against the budget, decode graphs captured inside the timed run (0)
+    timeout -s INT 240 python -m pytest tests/gpu/test_runtime_quant_gpu.py tests/gpu/test_runtime_gpu.py -q -rf \
+        -k "largest_batch or captures_every_bucket" > "$OUT/gpu-budget-tests.log" 2>&1
+    tail -n 2 "$OUT/gpu-budget-tests.log" | cut -c1-300
+    write_file "$M13" 200 || exit 0
+    suite runtime-13b-${B13}gib-file-batchbudget-h200 300 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+        --modes hybrid --shapes 16x32 --batch 8,32 -t "$THREADS" > /dev/null
+    table decode_tok_s,vram_used_gib,vram_peak_gib,gpu_weight_gib,graph_captures,capture_s,load_s \
+        "$OUT"/runtime-13b-${B13}gib-file-batchbudget-h200.json
     ;;
 t8ab)  # the GPU tests and the kernels with the defaults
     timeout -s INT 240 python -m pytest tests/gpu -q -rf > "$OUT/gpu-tests.log" 2>&1

@@ -10,7 +10,8 @@
         --modes hybrid,hybrid-gate-first,hybrid-dense,layer-offload    # a sparsified SwiGLU model
 
 --zero-copy S sets the hybrid engines' share of the CPU shard's neurons that the GPU computes in
-decode steps from their rows in host memory (default: the engine's, by batch size).
+decode steps from their rows in host memory (default: the engine's, by batch size); --prefill-share
+and --prefill-dense-min the share of its rows streamed to the GPU in prompt chunks.
 
 --as-file DIR writes a planted model to DIR/<shape>.gguf once (bench/planted_file.py, in a process of
 its own) and runs every engine from that file, as users run them; the records' ``model`` is the path.
@@ -23,7 +24,8 @@ Every run goes through the real engine (the Coordinator actor and its executors 
 cluster) with B concurrent requests of random prompts, ignore_eos. It reports decode tokens/s
 (decode steps only), upstream's (prompt + output) / time figure separately, prefill tokens/s,
 achieved GB/s per device (bytes each executor's weights read over the decode time), the GPU's
-share of activated neurons, the per-layer sync time, the per-layer time split, VRAM used, and
+share of activated neurons, the per-layer sync time, the per-layer time split, time to first token,
+VRAM used and torch's peak allocation, decode graphs captured inside a timed run (none expected), and
 host memory: each actor's resident memory (peak, private, mapped file, shared), /dev/shm's growth,
 the model file's size and the host's total; the load's seconds by phase. Results go to bench/results/<name>.json (one record per configuration).
 """
@@ -118,8 +120,9 @@ def engine_kwargs(mode: str, a: argparse.Namespace, n_ctx: int, batch: int,
     kw: dict[str, Any] = dict(max_batch=batch, n_ctx=n_ctx, prefill_chunk=a.prefill_chunk,
                               threads=max(a.threads) if a.threads else None, timeout_s=600.0)
     extra: dict[str, Any] = {}
-    if mode in HYBRID_POLICY and a.zero_copy is not None:
-        kw["zero_copy"] = a.zero_copy
+    if mode in HYBRID_POLICY:
+        kw.update({k: getattr(a, k) for k in ("zero_copy", "prefill_share", "prefill_dense_min")
+                   if getattr(a, k) is not None})
     if mode == "hybrid" and a.gpu_fraction is not None:  # the hottest fraction per layer, no solver
         kw.update(gpu_fraction=a.gpu_fraction, policy="predictor")
     elif mode in HYBRID_POLICY:
@@ -190,13 +193,19 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
                  / max((graph_steps if k in ("launch", "segment", "exchange") else steps - graph_steps) * n_layer, 1)
                  for k in g1["layer_s"]}
     generated = sum(o["stats"]["completion_tokens"] for o in outs)
+    ttft = [o["stats"]["ttft_s"] for o in outs if o["stats"].get("ttft_s") is not None]
+    prefill_s = _delta(c1, c0, "prefill_s")
     assert generated == batch * output_len, f"lost tokens: {generated} of {batch * output_len}"
     return {
         "batch": batch, "prompt_len": prompt_len, "output_len": output_len,
         "decode_tok_s": decode_tokens / decode_s if decode_s else 0.0,
         "decode_step_ms": 1e3 * decode_s / decode_steps if decode_steps else 0.0,  # vs n_layer x per_layer_us
         "e2e_tok_s": batch * (prompt_len + output_len) / wall,
-        "prefill_tok_s": _delta(c1, c0, "prompt_tokens") / max(_delta(c1, c0, "prefill_s"), 1e-9),
+        "prefill_tok_s": _delta(c1, c0, "prompt_tokens") / max(prefill_s, 1e-9),
+        # time to first token, median over the requests (submission to the first token: the queue included)
+        "ttft_s": float(np.median(ttft)) if ttft else None,
+        # the CPU shard's rows streamed to the GPU in prompt chunks, over the prefill steps' time
+        "prefill_stream_gbps": _delta(g1, g0, "streamed_bytes") / prefill_s / 1e9 if prefill_s else 0.0,
         "wall_s": wall, "decode_steps": decode_steps,
         "gpu_activation_share": gn / (gn + cn) if gn + cn else 1.0,
         "per_layer_sync_us": 1e6 * _delta(g1, g0, "sync_s") / exchanges if exchanges else 0.0,
@@ -222,6 +231,7 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
         "gpu_bytes_per_token": gpu_bytes / max(steps, 1) / batch,
         "cpu_bytes_per_token": cpu_bytes / max(steps, 1) / batch,
         "vram_used_gib": g1.get("vram_used_bytes", 0) / GIB,
+        "vram_peak_gib": g1.get("vram_peak_bytes", 0) / GIB,  # torch's peak allocation since the engine started
         "gpu_weight_gib": g1.get("weight_bytes", 0) / GIB,
         "cpu_weight_gib": cpu1.get("weight_bytes", 0) / GIB if cpu1 else 0.0,
         "cpu_threads": cpu1.get("threads") if cpu1 else None,
@@ -278,10 +288,12 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
             "executor_phases_s": [i.get("phases") for i in ready],
             "ffn_rows": next((i.get("ffn_rows") for i in ready if "ffn_rows" in i), None),
             "placed": next((i.get("placed") for i in ready if "placed" in i), None)}
-    # warm up at the measured shapes (kernel compilation, graph capture): the longest prompt's
-    # prefill chunks, and decode steps of `batch` sequences
-    warm = list(range(5, 5 + min(max(p for p, _ in a.shapes), a.prefill_chunk or 256)))
-    ray.get([engine.generate.remote(prompt_token_ids=warm, max_tokens=3, ignore_eos=True) for _ in range(batch)])
+    # warm up at the measured shapes (kernel compilation; the decode graphs were captured at the start):
+    # the longest prompt's first chunk and the shortest prompt, each in `batch` requests
+    chunk = a.prefill_chunk or (1024 if info.get("device") == "cuda" else 64)
+    for n in sorted({min(max(p for p, _ in a.shapes), chunk), min(p for p, _ in a.shapes)}):
+        warm = list(range(5, 5 + n))
+        ray.get([engine.generate.remote(prompt_token_ids=warm, max_tokens=3, ignore_eos=True) for _ in range(batch)])
     records = []
     has_cpu = "cpu" in info.get("executors", [])
     sweep = [(p, o, t) for t in (a.threads if a.threads and has_cpu else [None]) for p, o in a.shapes]
@@ -291,17 +303,19 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
         r = run_config(engine, a, batch, p, o, cfg.n_vocab)
         r.update(mode=mode, policy=info.get("policy"), model=a.model, planted=a.planted,
                  vram_budget_gib=budget if mode != "dense-gpu" else None, load_s=load_s, plan_s=info.get("plan_s"),
-                 zero_copy=a.zero_copy,
-                 **load, **extra)
+                 zero_copy=a.zero_copy, prefill_chunk=a.prefill_chunk, prefill_share=a.prefill_share,
+                 prefill_dense_min=a.prefill_dense_min, **load, **extra)
         print(f"{tag} B={batch} prompt={p} out={o} threads={r['cpu_threads']}: decode {r['decode_tok_s']:.2f} tok/s, "
-              f"e2e {r['e2e_tok_s']:.2f}, prefill {r['prefill_tok_s']:.1f}, GPU {r['gpu_gbps']:.0f} GB/s, "
+              f"e2e {r['e2e_tok_s']:.2f}, prefill {r['prefill_tok_s']:.1f} tok/s (TTFT {r['ttft_s'] or 0:.3f} s, rows "
+              f"streamed {r['prefill_stream_gbps']:.1f} GB/s), GPU {r['gpu_gbps']:.0f} GB/s, "
               f"CPU {r['cpu_gbps']:.1f} GB/s, zero-copy {r['zero_copy_gbps']:.1f} GB/s, GPU share {r['gpu_activation_share']:.1%}, "
               f"sync {r['per_layer_sync_us']:.0f} us, GPU compute {r['gpu_compute_us_per_layer']:.0f} us/layer, "
               f"CPU compute {r['cpu_compute_us_per_exchange']:.0f} us/exchange "
               f"(kernel {r['cpu_kernel_us_per_exchange']:.0f} at {r['cpu_kernel_gbps']:.1f} GB/s, "
               f"attention {r['cpu_attn_us_per_exchange']:.0f}), "
               f"layer {r['per_layer_us']}, "
-              f"VRAM {r['vram_used_gib']:.2f} GiB, host beyond the file {r['beyond_file_gib']:.2f} GiB "
+              f"VRAM {r['vram_used_gib']:.2f} GiB (peak {r['vram_peak_gib']:.2f}, weights {r['gpu_weight_gib']:.2f}), "
+              f"host beyond the file {r['beyond_file_gib']:.2f} GiB "
               f"(private {r['private_gib']:.2f}, shm {r['shm_added_gib']:.2f}; FFN rows: {r['ffn_rows']})", flush=True)
         if r["graph_captures"]:
             print(f"{tag} note: {r['graph_captures']} decode graph set(s) captured inside the timed run "
@@ -328,7 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "engine, instead of every --prompt x --output")
     ap.add_argument("-t", "--threads", default=None,
                     help="CPU executor threads; comma-separated: a sweep on one engine (set live)")
-    ap.add_argument("--prefill-chunk", type=int, default=None, help="default: the engine's (256 on CUDA, 64 on CPU)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="default: the engine's (1024 on CUDA, 64 on CPU)")
+    ap.add_argument("--prefill-share", type=float, default=None,
+                    help="hybrid modes: the share of the CPU shard's rows the GPU streams in short prompt chunks "
+                         "(default: the engine's)")
+    ap.add_argument("--prefill-dense-min", type=int, default=None,
+                    help="hybrid modes: prompt chunks of at least this many tokens stream every CPU row "
+                         "(default: the engine's)")
     ap.add_argument("--method", default="ilp", choices=("ilp", "greedy"))
     ap.add_argument("--zero-copy", type=float, default=None,
                     help="hybrid modes: the share of the CPU shard's neurons the GPU computes in decode steps "

@@ -20,7 +20,7 @@ Where the rows come from, without a second host copy where possible:
   shared  the CPU executor's shared-memory copy (``sharedshard``: sources without a file), in
           shard order, pinned here: contiguous copies;
   copy    a host copy of the primary's own, when it fits, pinned.
-Quantized rows stream as their blocks and are dequantized in the chunk's matrix products.
+Quantized rows stream as their blocks, dequantized by the sparse FFN kernels.
 
 Zero-copy decode (``host_rows``): in decode steps the primary also computes a share of the CPU
 shard's active neurons itself, its GPU reading their rows over PCIe where they lie in page-locked
@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..kernels.sparse_ffn import sparse_ffn, takes_gemm
 from ..kernels.torch_ffn import sparse_ffn_gemm
 from ..model.source import WeightSource, file_mapping
 from .channel import device_view, pin_host
@@ -262,23 +263,38 @@ class ColdRows:
         [N, k[l]] fp32 (shard order): receives the neurons' activations h (predictor samples,
         ``eager``)."""
         cold, k, dev = self.rows[l], self.k[l], self.device
+        # counted first: the mask is long computed, where after the loop the count would wait for its products
+        self.stats.cold_neurons += int(mask.sum()) if mask is not None else x.shape[0] * k
         y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=dev)  # [N, D]
-        part = torch.empty_like(y)
         for _ in range(-(-k // self.stream.rows)):
             a, b, (up, gate, down_t) = self.stream.take(l)
-            m = None if mask is None else mask[:, a:b]  # [N, R]
             bias = None if cold.up_bias is None else self._bias(l)[a:b]
-            sparse_ffn_gemm(x, up, gate, down_t, torch.arange(b - a, device=dev), m, self.cfg.ffn_act, bias, part,
-                            cold.qtype, act_threshold, act_on, count=None if count is None else count[a:b])
-            y += part
-            if h_out is not None:  # the kernel keeps h inside: computed again from the rows
-                h = shard_activation(x, FFNShard(cold.ids[:0], up, gate, down_t, bias, cold.qtype), self.cfg.ffn_act,
-                                     act_threshold, act_on)
-                h_out[:, a:b] = h if m is None else h * m
+            y += self._chunk(x, FFNShard(cold.ids[:0], up, gate, down_t, bias, cold.qtype),
+                             None if mask is None else mask[:, a:b], act_threshold, act_on,
+                             None if count is None else count[a:b], None if h_out is None else h_out[:, a:b])
             self.stream.done()
-        self.stats.cold_neurons += int(mask.sum()) if mask is not None else x.shape[0] * k
         self.stats.active_bytes += k * self.cfg.neuron_bytes
         self.stats.streamed_bytes += k * self.cfg.neuron_bytes
+        return y
+
+    def _chunk(self, x: torch.Tensor, rows: FFNShard, mask: torch.Tensor | None, act_threshold: float | None,
+               act_on: str, count: torch.Tensor | None, h_out: torch.Tensor | None) -> torch.Tensor:
+        """The FFN output [N, D] (fp32) of a chunk of streamed rows (all of ``rows``): a GPU's
+        matrix products, counting as they go; on a CPU primary the CPU kernel, which multiplies
+        quantized rows as ggml does. mask [N, R], count [R] and h_out [N, R] as ``ffn``'s."""
+        idx, act = torch.arange(rows.up.shape[0], device=x.device), self.cfg.ffn_act
+        if takes_gemm(x) and h_out is None:
+            return sparse_ffn_gemm(x, rows.up, rows.gate, rows.down_t, idx, mask, act, rows.up_bias, None, rows.qtype,
+                                   act_threshold, act_on, count=count).float()
+        y = sparse_ffn(x, rows.up, rows.gate, rows.down_t, idx, mask, act, rows.up_bias, qtype=rows.qtype,
+                       act_threshold=act_threshold, act_on=act_on).float()
+        if count is not None or h_out is not None:  # the kernel keeps h inside: computed again
+            h = shard_activation(x, rows, act, act_threshold, act_on)  # [N, R]
+            h = h if mask is None else h * mask
+            if count is not None:
+                count += (h != 0).sum(0)
+            if h_out is not None:
+                h_out.copy_(h)
         return y
 
     def _bias(self, l: int) -> torch.Tensor:

@@ -416,17 +416,27 @@ def placement_inputs(ec: EngineConfig, src: WeightSource, pq: str | None) -> tup
 def engine_costs(ec: EngineConfig, src: WeightSource, pq: str | None = None) -> ModelCosts:
     """The model's costs for the placement as this engine runs it: weights as stored (a Q6_K head is
     f16; float predictors as ``pq`` blocks when given: ``predictor_qtype``), a KV cache for
-    max_batch sequences of its context, and what the primary allocates beside them at that batch
-    and its prompt chunk (``workspace``)."""
+    max_batch sequences of its context, and on a CUDA primary what it allocates beside them at that
+    batch and its prompt chunk (``workspace``; a CPU primary's budget, a test's, keeps ModelCosts'
+    estimate of a prompt chunk's buffers)."""
     from ..model.costs import model_costs
-    from .workspace import workspace_bytes
 
     cfg = src.config
     n_ctx = engine_n_ctx(ec, cfg)
-    chunk = resolve_prefill_chunk(ec, ec.device or "cuda")  # a budget is a GPU's
+    costs = model_costs(src, n_ctx, ec.max_batch, predictor_qtype=pq)
+    if (ec.device or ("cuda" if _has_cuda() else "cpu")) != "cuda":
+        return costs
+    from .workspace import workspace_bytes
+
     act = 4 if (ec.dtype or cfg.float_dtype) == "f32" else 2
-    return replace(model_costs(src, n_ctx, ec.max_batch, predictor_qtype=pq),
-                   workspace_bytes=workspace_bytes(cfg, ec.max_batch, chunk, n_ctx, act))
+    return replace(costs, workspace_bytes=workspace_bytes(cfg, ec.max_batch, resolve_prefill_chunk(ec, "cuda"),
+                                                          n_ctx, act))
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def split_bytes(costs: ModelCosts, gpu_masks: list[np.ndarray], gpu_groups: list[int] | None = None) -> float:

@@ -1,5 +1,6 @@
-"""The VRAM budget of a quantized model, measured on CUDA (its exactness: test_runtime_gpu.py); a Q4_0
-file against its dequantized twin."""
+"""The VRAM budget measured on CUDA with torch's peak counters: quantized models at batch 1, an f16
+model at its largest batch (their exactness: test_runtime_gpu.py); a Q4_0 file against its dequantized
+twin."""
 from __future__ import annotations
 
 import pytest
@@ -51,3 +52,40 @@ def test_cuda_primary_multiplies_x_as_it_is(tmp_path, placement, sites):
     embedded model's Q4_0 file computes its F32 twin's float64 forward with every FFN row on the
     GPU, and with half of them on the CPU executor, x rounded to Q8_0 before those rows alone."""
     assert_twin_computes_its_weights(tmp_path, placement, sites, 1e-4, device="cuda", dtype="f32")
+
+
+def test_cuda_vram_budget_holds_at_the_largest_batch(tmp_path):
+    """A 7B-shape f16 model file (4 layers) under a budget 30 % above the solver's minimum for an engine
+    of max_batch 32: torch's peak allocation while it loads, captures the decode graphs of every batch
+    size, prefills a 512-token chunk (every CPU row streamed), then 31 prompts in one step (a share
+    streamed, the CPU executor the rest) and decodes the 32 sequences together stays within budget +
+    2 %, and the weights and KV cache within the budget: the plan reserved the KV cache, the graphs
+    and the workspaces of that batch (``runtime.workspace``)."""
+    spec = str(write_planted_gguf("llama2-7b?dtype=f16&layers=4", tmp_path / "m.gguf", progress=False,
+                                  stats_dir=tmp_path / "activation", n_tokens=10_000))
+    chunk, B = 512, 32
+    ec = dict(device="cuda", max_batch=B, n_ctx=chunk + 16, prefill_chunk=chunk, policy="predictor")
+    with pytest.raises(InfeasibleBudgetError) as exc:
+        resolve_plan(EngineConfig(spec, vram_budget_gib=1e-6, **ec))
+    budget = exc.value.min_budget_bytes * 1.3
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    eng = LocalEngine(EngineConfig(spec, vram_budget_gib=budget / GIB, **ec))
+    try:
+        p = eng.primary
+        assert sum(len(lp.cpu_neurons) for lp in p.plan.layers) > 0  # a hybrid split
+        assert set(p.graphs) == {1, 2, 4, 8, 16, 32}
+        p.step([0], [list(range(5, 5 + chunk))], [0])
+        p.step(list(range(1, B)), [[7, 8, 9, 10]] * (B - 1), [0] * (B - 1))
+        pos = [chunk] + [4] * (B - 1)
+        for i in range(4):
+            p.step(list(range(B)), [[11 + i]] * B, pos)
+            pos = [q + 1 for q in pos]
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        held = p.weight_bytes()
+        assert p.stats.graph_steps == 4 and p.stats.streamed_bytes > 0 and p.stats.graph_captures == 6
+    finally:
+        eng.close()
+    assert held <= budget and peak <= 1.02 * budget, (held, peak, budget)

@@ -116,22 +116,25 @@ def test_hotter_neurons_go_to_the_gpu(model, host):
 
 
 def test_a_split_cached_for_a_smaller_batch_is_solved_again_for_a_larger_one(model, host):
-    """The placement reserves the KV cache and the primary's workspace of the engine's largest batch
-    (``engine_costs``: both grow with max_batch): a split solved to fill a budget at batch 1 does not
-    fit an engine of batch 8 at that budget, which solves its own (within the budget at batch 8),
-    while an engine of batch 1 reuses the cached one."""
+    """A CUDA primary's placement reserves the KV cache and the primary's workspace of the engine's
+    largest batch (``engine_costs``: both grow with max_batch; planned here, no engine runs): a split
+    solved to fill a budget at batch 1 does not fit an engine of batch 8 at that budget, which solves
+    its own (within the budget at batch 8), while an engine of batch 1 reuses the cached one."""
     from powerinfer_ray.runtime.config import split_bytes
+    from powerinfer_ray.runtime.workspace import workspace_bytes
 
-    b1, b8 = (engine_costs(EngineConfig(str(model), max_batch=b), open_model(model)) for b in (1, 8))
+    cfg = open_model(model).config
+    b1, b8 = (engine_costs(EngineConfig(str(model), max_batch=b, device="cuda"), open_model(model)) for b in (1, 8))
     assert b8.kv_group_bytes[0] > b1.kv_group_bytes[0] and b8.workspace_bytes > b1.workspace_bytes
-    budget = _budget(model, 0.3, max_batch=1)
-    first = resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, max_batch=1, host_profile=host))
+    assert b8.workspace_bytes == workspace_bytes(cfg, 8, 1024, min(cfg.n_ctx, 4096), 4 if cfg.float_dtype == "f32" else 2)
+    budget = _budget(model, 0.3, max_batch=1, device="cuda")
+    first = resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, max_batch=1, device="cuda", host_profile=host))
     masks = lambda p: [np.isin(np.arange(len(lp.gpu_neurons) + len(lp.cpu_neurons)), lp.gpu_neurons)  # noqa: E731
                        for lp in p.layers]
     assert split_bytes(b8, masks(first)) > budget * GIB >= split_bytes(b1, masks(first))
-    again = resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, max_batch=1, host_profile=host))
+    again = resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, max_batch=1, device="cuda", host_profile=host))
     assert [lp.gpu_neurons.tolist() for lp in again.layers] == [lp.gpu_neurons.tolist() for lp in first.layers]
-    larger = resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, max_batch=8, host_profile=host))
+    larger = resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, max_batch=8, device="cuda", host_profile=host))
     assert split_bytes(b8, masks(larger), [len(lp.gpu_groups) for lp in larger.layers]) <= budget * GIB
     assert sum(map(len, (lp.gpu_neurons for lp in larger.layers))) < sum(map(len, (lp.gpu_neurons for lp in first.layers)))
 
