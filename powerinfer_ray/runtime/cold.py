@@ -279,15 +279,18 @@ class ColdRows:
 
     def _chunk(self, x: torch.Tensor, rows: FFNShard, mask: torch.Tensor | None, act_threshold: float | None,
                act_on: str, count: torch.Tensor | None, h_out: torch.Tensor | None) -> torch.Tensor:
-        """The FFN output [N, D] (fp32) of a chunk of streamed rows (all of ``rows``): a GPU's
-        matrix products, counting as they go; on a CPU primary the CPU kernel, which multiplies
-        quantized rows as ggml does. mask [N, R], count [R] and h_out [N, R] as ``ffn``'s."""
+        """The FFN output [N, D] (fp32) of a chunk of streamed rows (all of ``rows``): matrix
+        products, counting as they go, for float rows and a GPU's chunk of many tokens; else the
+        sparse FFN kernels (a CPU primary's multiplies quantized rows as ggml does). mask [N, R],
+        count [R] and h_out [N, R] as ``ffn``'s."""
         idx, act = torch.arange(rows.up.shape[0], device=x.device), self.cfg.ffn_act
-        if takes_gemm(x) and h_out is None:
+        gemm = rows.qtype is None or takes_gemm(x)
+        if gemm and h_out is None:
             return sparse_ffn_gemm(x, rows.up, rows.gate, rows.down_t, idx, mask, act, rows.up_bias, None, rows.qtype,
                                    act_threshold, act_on, count=count).float()
-        y = sparse_ffn(x, rows.up, rows.gate, rows.down_t, idx, mask, act, rows.up_bias, qtype=rows.qtype,
-                       act_threshold=act_threshold, act_on=act_on).float()
+        y = (sparse_ffn_gemm if gemm else sparse_ffn)(x, rows.up, rows.gate, rows.down_t, idx, mask, act, rows.up_bias,
+                                                     qtype=rows.qtype, act_threshold=act_threshold,
+                                                     act_on=act_on).float()
         if count is not None or h_out is not None:  # the kernel keeps h inside: computed again
             h = shard_activation(x, rows, act, act_threshold, act_on)  # [N, R]
             h = h if mask is None else h * mask

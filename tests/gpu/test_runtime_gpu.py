@@ -329,7 +329,7 @@ def test_cuda_decode_graph_reports_a_failed_or_silent_cpu_executor(tmp_path, mon
                                        threshold=0.2, timeout_s=2.0))
         try:
             eng.primary.step([0], [[5, 6, 7]], [0])
-            eng.primary.step([0], [[8]], [3])  # the graph captured and replayed
+            eng.primary.step([0], [[8]], [3])  # a replay of the graphs captured at the start
 
             def broken(self, l, n_tok, n_mask):  # noqa: ANN001, ANN202
                 if fault == "raise":
