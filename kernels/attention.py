@@ -146,7 +146,9 @@ def head_attention(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
     One sequence with host positions (the decode and prefill steps of a single request) takes
     a short path: one projection, one rotary call for q and k, slice writes into the cache,
     and no mask at T = 1 -- about a third of the kernel launches of the general path, which
-    matters because at decode sizes the host's launch time, not the GPU, sets the pace.
+    matters because at decode sizes the host's launch time, not the GPU, sets the pace. Prompt
+    chunks of several sequences (T > 1, host positions) project together and attend one sequence
+    at a time over views of its slot: no copy of every sequence's keys and values (B x L rows).
     """
     Hs, Gs, hd = _check(x, wq, wk, wv, wo_t, k_cache, v_cache, qtype)
     B, T, D = x.shape
@@ -181,6 +183,11 @@ def head_attention(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torc
     sl = slots_t[:, None].expand(B, T)  # [B, T]
     k_cache[sl, :, pos] = k.to(k_cache.dtype)  # advanced indices first: [B, T, Gs, hd]
     v_cache[sl, :, pos] = v.to(v_cache.dtype)
+    if T > 1 and not isinstance(start_pos, torch.Tensor) and not (isinstance(slots, torch.Tensor) and slots.is_cuda):
+        # prompt chunks of several sequences: each attends over views of its own slot (a gathered
+        # copy of every sequence's keys and values would take B x L rows of the caches)
+        o = torch.stack([_attend_slot(q[b], k_cache, v_cache, int(slots[b]), int(start_pos[b])) for b in range(B)])
+        return _out_proj(o, wo_t, linear)  # [B, T, D]
     if B == 1 and not (isinstance(slots, torch.Tensor) and slots.is_cuda):  # a view of the slot, no copy
         s = int(slots[0])
         kc, vc = k_cache[s:s + 1, :, :L], v_cache[s:s + 1, :, :L]  # [1, Gs, L, hd]
@@ -224,14 +231,21 @@ def _one_sequence(x, wq, wk, wv, wo_t, k_cache, v_cache, s: int, p: int, theta, 
     q, k = qk[:, :Hs], qk[:, Hs:]
     k_cache[s, :, p:L].copy_(k.transpose(0, 1))  # [Gs, T, hd]
     v_cache[s, :, p:L].copy_(v.transpose(0, 1))
+    return _out_proj(_attend_slot(q, k_cache, v_cache, s, p), wo_t, linear)[None]  # [1, T, D]
+
+
+def _attend_slot(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s: int, p: int) -> torch.Tensor:
+    """o [T, Hs*hd]: queries q [T, Hs, hd] at positions p.. of cache slot s (their K/V written)
+    attend causally over views of that slot's first p + T positions."""
+    T, Hs, hd = q.shape
+    Gs, L = k_cache.shape[1], p + T
     kc, vc = k_cache[s:s + 1, :, :L].to(q.dtype), v_cache[s:s + 1, :, :L].to(q.dtype)  # [1, Gs, L, hd]
     mask = None
     if T > 1:  # causal within the new tokens, everything before them visible
-        mask = torch.arange(L, device=x.device)[None, :] <= torch.arange(p, L, device=x.device)[:, None]  # [T, L]
+        mask = torch.arange(L, device=q.device)[None, :] <= torch.arange(p, L, device=q.device)[:, None]  # [T, L]
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc, vc, attn_mask=mask,
                                        scale=1.0 / math.sqrt(hd), enable_gqa=Hs != Gs)  # [1, Hs, T, hd]
-    o = o[0].transpose(0, 1).reshape(T, Hs * hd)
-    return _out_proj(o, wo_t, linear)[None]  # [1, T, D]
+    return o[0].transpose(0, 1).reshape(T, Hs * hd)
 
 
 def _quantized(linear, qtype: str | None):  # noqa: ANN001, ANN202

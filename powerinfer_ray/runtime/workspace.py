@@ -57,7 +57,7 @@ def prefill_bytes(cfg: ModelConfig, n_tok: int, n_seq: int, n_ctx: int, act_byte
     r = max(cfg.predictor_ranks or (0,))
     per_token = (6 * D * 4  # fp32 residual, its next value, the streamed rows' sums, the CPU's answer
                  + 10 * D * act_bytes  # norms, q / k / v, rotated q / k, attention output, partial outputs
-                 + S * (cfg.n_gqa + 4)  # the attention mask (per query head of a group) and its float bias
+                 + S * 5  # the attention mask of a sequence's tokens and its float bias
                  + F * (act_bytes + 2) + r * act_bytes  # predictor logits, active mask, the CPU's part
                  + 2 * F)  # the FFN products' keep masks (the GPU's rows, a streamed chunk's)
     return n_tok * per_token + 3 * GEMM_CHUNK_BYTES + n_seq * V * 8
