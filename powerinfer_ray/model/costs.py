@@ -70,12 +70,15 @@ def model_costs(model: WeightSource | ModelConfig, n_ctx: int, batch: int,
 
 
 def fitting_predictor_qtype(model: WeightSource | ModelConfig, n_ctx: int, batch: int,
-                            budget_bytes: int) -> str | None:
+                            budget_bytes: int, workspace_bytes: int | None = None) -> str | None:
     """How the primary should hold float predictors under ``budget_bytes``: as stored (None) when
     the budget holds them and all attention with its KV cache, else the finest of q8_0, q4_0 that
     lets it, else q4_0. Attention comes first because a head on the CPU costs far more per token
-    than a predictor's rounding (``placement.problem``'s attention weight)."""
+    than a predictor's rounding (``placement.problem``'s attention weight). workspace_bytes: the
+    primary's beside weights and KV cache, as the engine plans it (None: ModelCosts' estimate)."""
     costs = {q: model_costs(model, n_ctx, batch, predictor_qtype=q) for q in (None, "q8_0", "q4_0")}
+    if workspace_bytes is not None:
+        costs = {q: replace(c, workspace_bytes=workspace_bytes) for q, c in costs.items()}
     if costs["q4_0"].predictor_bytes == costs[None].predictor_bytes:
         return None  # stored as blocks already (or no predictors): nothing to quantize
     for q in (None, "q8_0"):
