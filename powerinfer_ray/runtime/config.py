@@ -360,7 +360,8 @@ def predictor_qtype(ec: EngineConfig, src: WeightSource) -> str | None:
         return None if ec.predictor_qtype == "stored" else ec.predictor_qtype
     if ec.vram_budget_bytes is None or resolve_policy(ec, src.config) != "predictor":
         return None
-    return fitting_predictor_qtype(src, engine_n_ctx(ec, src.config), ec.max_batch, ec.vram_budget_bytes)
+    return fitting_predictor_qtype(src, engine_n_ctx(ec, src.config), ec.max_batch, ec.vram_budget_bytes,
+                                   engine_workspace(ec, src.config))
 
 
 def split_cache_path(model: str) -> Path:
@@ -421,16 +422,20 @@ def engine_costs(ec: EngineConfig, src: WeightSource, pq: str | None = None) -> 
     estimate of a prompt chunk's buffers)."""
     from ..model.costs import model_costs
 
-    cfg = src.config
-    n_ctx = engine_n_ctx(ec, cfg)
-    costs = model_costs(src, n_ctx, ec.max_batch, predictor_qtype=pq)
+    costs = model_costs(src, engine_n_ctx(ec, src.config), ec.max_batch, predictor_qtype=pq)
+    workspace = engine_workspace(ec, src.config)
+    return costs if workspace is None else replace(costs, workspace_bytes=workspace)
+
+
+def engine_workspace(ec: EngineConfig, cfg: ModelConfig) -> int | None:
+    """What a CUDA primary allocates beside weights and KV cache at max_batch and its prompt chunk
+    (``workspace``); None on a CPU primary."""
     if (ec.device or ("cuda" if _has_cuda() else "cpu")) != "cuda":
-        return costs
+        return None
     from .workspace import workspace_bytes
 
     act = 4 if (ec.dtype or cfg.float_dtype) == "f32" else 2
-    return replace(costs, workspace_bytes=workspace_bytes(cfg, ec.max_batch, resolve_prefill_chunk(ec, "cuda"),
-                                                          n_ctx, act))
+    return workspace_bytes(cfg, ec.max_batch, resolve_prefill_chunk(ec, "cuda"), engine_n_ctx(ec, cfg), act)
 
 
 def _has_cuda() -> bool:

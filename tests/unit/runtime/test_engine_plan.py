@@ -135,7 +135,8 @@ def test_a_split_cached_for_a_smaller_batch_is_solved_again_for_a_larger_one(mod
     again = resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, max_batch=1, device="cuda", host_profile=host))
     assert [lp.gpu_neurons.tolist() for lp in again.layers] == [lp.gpu_neurons.tolist() for lp in first.layers]
     larger = resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, max_batch=8, device="cuda", host_profile=host))
-    assert split_bytes(b8, masks(larger), [len(lp.gpu_groups) for lp in larger.layers]) <= budget * GIB
+    held = engine_costs(EngineConfig(str(model), max_batch=8, device="cuda"), open_model(model), larger.predictor_qtype)
+    assert split_bytes(held, masks(larger), [len(lp.gpu_groups) for lp in larger.layers]) <= budget * GIB
     assert sum(map(len, (lp.gpu_neurons for lp in larger.layers))) < sum(map(len, (lp.gpu_neurons for lp in first.layers)))
 
 
