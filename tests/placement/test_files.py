@@ -72,14 +72,17 @@ def test_gpuidx_of_an_upstream_sized_layer(tmp_path):
 
 def test_cached_split_written_by_upstream_is_used(tmp_path):
     """A split file beside the model, in upstream's bytes (type 18), whose vram_capacity fits the
-    budget, is the plan (upstream's rule), not re-solved."""
+    budget (upstream's rule) and whose bytes fit it at the engine's batch and context, is the plan,
+    not re-solved."""
+    from powerinfer_ray.model.source import open_model
     from powerinfer_ray.model.tiny import write_tiny_model
-    from powerinfer_ray.runtime.config import GIB, EngineConfig, resolve_plan
+    from powerinfer_ray.runtime.config import GIB, EngineConfig, engine_costs, resolve_plan, split_bytes
 
     model = write_tiny_model(tmp_path / "m.gguf", predictor_rank=8)  # n_ff 256, 2 layers
     masks = [np.arange(256) % 3 == 0, np.arange(256) >= 200]
     gpuidx_path(model).write_bytes(_hand_gpuidx(masks, 1000, 18))
-    plan = resolve_plan(EngineConfig(str(model), vram_budget_gib=4096 / GIB))
+    need = split_bytes(engine_costs(EngineConfig(str(model)), open_model(model)), masks)
+    plan = resolve_plan(EngineConfig(str(model), vram_budget_gib=need / GIB))
     assert [lp.gpu_neurons.tolist() for lp in plan.layers] == [np.flatnonzero(m).tolist() for m in masks]
 
 
