@@ -225,12 +225,10 @@ class ColdRows:
         """Re-placement: the neurons ``s.to_cpu`` take the CPU shard's rows ``s.cpu_rows``. In the
         file's map and in a copy of our own the rows change here (ids; rows copied in); in the CPU
         executor's shared pages it writes them (``CPUExecutor.swap``), and only the ids change here.
-        The streamed rows' indices and bias on the device are made again at their next use."""
+        The streamed rows' indices and bias on the device change in place."""
         self.plan = self.plan.swap(s)
         if self.rows is None:
             return
-        if self.stream is not None:
-            self.stream.forget(s.l)
         cold = self.rows[s.l]
         if self.source == "shared":
             cold.ids = cold.ids.copy()
@@ -241,6 +239,8 @@ class ColdRows:
             return
         new = torch.from_numpy(s.to_cpu.astype(np.int32))
         at = torch.from_numpy(s.cpu_rows)
+        if self.stream is not None:
+            self.stream.swapped(s.l, at, new)
         for (l, _), hr in self._host.items():  # the decode graphs read these in place
             if l == s.l and hr is not None and hr.local.data_ptr() != cold.rows.data_ptr():
                 hr.local[at.to(self.device)] = new.to(self.device)
@@ -268,7 +268,7 @@ class ColdRows:
         y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=dev)  # [N, D]
         for _ in range(-(-k // self.stream.rows)):
             a, b, (up, gate, down_t) = self.stream.take(l)
-            bias = None if cold.up_bias is None else self._bias(l)[a:b]
+            bias = self._bias(l, a, b)
             y += self._chunk(x, FFNShard(cold.ids[:0], up, gate, down_t, bias, cold.qtype),
                              None if mask is None else mask[:, a:b], act_threshold, act_on,
                              None if count is None else count[a:b], None if h_out is None else h_out[:, a:b])
@@ -300,13 +300,18 @@ class ColdRows:
                 h_out.copy_(h)
         return y
 
-    def _bias(self, l: int) -> torch.Tensor:
-        """Layer l's up bias of the shard's neurons [n] (fp32, shard order) on the device, made once."""
+    def _bias(self, l: int, a: int, b: int) -> torch.Tensor | None:
+        """The up bias of layer l's shard rows a..b [b - a] (fp32) on the device: a slice of a copy
+        or of the shared rows (which re-placement rewrites), or of the in-place shard's bias
+        gathered from the file once (``RowStream.swapped`` keeps it)."""
+        cold = self.rows[l]
+        if cold.up_bias is None:
+            return None
+        if cold.rows is None:
+            return cold.up_bias[a:b].to(self.device, torch.float32, non_blocking=True)
         if l not in self.stream.bias:
-            cold = self.rows[l]
-            bias = cold.up_bias if cold.rows is None else cold.up_bias[cold.rows.long()]
-            self.stream.bias[l] = bias.to(self.device, torch.float32)
-        return self.stream.bias[l]
+            self.stream.bias[l] = cold.up_bias[cold.rows.long()].to(self.device, torch.float32)
+        return self.stream.bias[l][a:b]
 
     def fill(self, bufs: list[torch.Tensor], l: int, a: int, b: int) -> None:
         """Rows a..b of layer l's shard (shard order) into the buffers' first b - a rows (up, gate
@@ -384,13 +389,19 @@ class RowStream:
             self._rows_dev[l] = self.cold.rows[l].rows.to(self.cold.device, torch.int64)
         return self._rows_dev[l]
 
-    def forget(self, l: int) -> None:
-        """Layer l's rows changed (re-placement, between steps): its device indices and bias go."""
-        self._rows_dev.pop(l, None)
-        self.bias.pop(l, None)
+    def swapped(self, l: int, at: torch.Tensor, new: torch.Tensor) -> None:
+        """Re-placement (between steps): the in-place shard's rows ``at`` are now the file's rows
+        ``new``; their device indices and bias follow, in place (nothing is allocated that stays)."""
+        at = at.to(self.cold.device)
+        if l in self._rows_dev:
+            self._rows_dev[l][at] = new.to(self.cold.device, torch.int64)
+        if l in self.bias:
+            self.bias[l][at] = self.cold.rows[l].up_bias[new.long()].to(self.cold.device, torch.float32)
 
     def start(self, jobs: list[tuple[int, int, int]]) -> None:
         self.jobs, self.filled, self.taken = jobs, 0, 0
+        if self.cuda:  # after what was enqueued before the step (a re-placement's indices, in place)
+            self.copy.wait_stream(torch.cuda.current_stream(self.cold.device))
         for _ in range(min(2, len(jobs))):
             self._fill_next()
 
