@@ -11,8 +11,8 @@
   head_attention_step / decode_attention / rope_table: the decode token with device-side slots
   and positions (Triton on CUDA), for CUDA-graph capture.
 
-Imports torch and numpy only; triton and the C++ compiler are used lazily when present. The one
-environment read is the compiled kernels' cache folder (cpu_library.cache_root).
+Imports torch and numpy only; triton and the C++ compiler are used lazily when present. The
+environment reads are the compiled kernels' cache folder and extra compiler flags (cpu_library).
 """
 from .attention import decode_attention, head_attention, head_attention_ref, head_attention_step, rope, rope_table
 from .linear import linear, linear_ref

@@ -8,10 +8,14 @@ type), linked into one library: a host's first start waits for the slowest unit,
 When no compiler works, `library()` returns None, a warning says so once, and callers fall back
 to the torch path.
 
-Cache directory: kernels/ under `cache_root()` ($POWERINFER_RAY_CACHE, else ~/.cache/powerinfer_ray;
-one of the package's two environment reads, the other is serve/config.py's). The file name
-hashes the sources, the flags, the compiler and the CPU's feature flags, so a home directory
-shared between different CPUs never loads a foreign build.
+Cache directory: kernels/ under `cache_root()` ($POWERINFER_RAY_CACHE, else ~/.cache/powerinfer_ray).
+The file name hashes the sources, the flags, the compiler and the CPU's feature flags, so a home
+directory shared between different CPUs never loads a foreign build.
+
+$POWERINFER_RAY_CPU_CFLAGS adds compiler flags to every build of the process and of the processes
+it starts, e.g. `-mno-avx512f` (the vector code of an AVX2 CPU) or `-mno-avx512f -mno-fma` (the
+portable code of a CPU without FMA): `scripts/test.sh --portable` runs the suite so. These two
+variables and serve/config.py's are the package's environment reads.
 
 A process uses one build: the default one, or a variant that `select_build(cflags)` loads before
 the first kernel call (extra compiler flags, e.g. -mno-avx512f for the tests and benchmarks of
@@ -54,6 +58,11 @@ def cache_dir() -> Path:
     return cache_root() / "kernels"
 
 
+def env_cflags() -> tuple[str, ...]:
+    """Compiler flags every build adds ($POWERINFER_RAY_CPU_CFLAGS, split on spaces)."""
+    return tuple(os.environ.get("POWERINFER_RAY_CPU_CFLAGS", "").split())
+
+
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -73,8 +82,9 @@ def _sources() -> bytes:
 
 
 def build(cflags: Sequence[str] = (), cxx: str | None = None) -> Path:
-    """The shared library of the kernels built with FLAGS plus `cflags` (compiled unless cached);
-    RuntimeError with the compiler's message if it cannot be built."""
+    """The shared library of the kernels built with FLAGS, `env_cflags()` and `cflags` (compiled
+    unless cached); RuntimeError with the compiler's message if it cannot be built."""
+    cflags = env_cflags() + tuple(cflags)
     cxx = cxx or _compiler()
     if cxx is None:
         raise RuntimeError(f"no C++ compiler found (looked for {', '.join(COMPILERS)} on PATH)")

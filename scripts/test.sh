@@ -1,5 +1,12 @@
 #!/usr/bin/env bash
 # Quick start: run the test suite (GPU tests skip without CUDA). Extra arguments go to pytest.
+#
+# scripts/test.sh --portable [pytest args]: the suite once per condition below, as on CPUs other
+# than this one: the fp32 rounding of the CPU kernels follows their vector code (csrc/simd.h,
+# csrc/quant.h: AVX-512, AVX2 + FMA, or portable C++ without FMA), torch's follows its kernels' ISA
+# (ATen, MKL, oneDNN) and how many threads split a sum. Each run covers one kernel build; the
+# thread counts alternate, so every build and both counts appear; the plain command is the native
+# build at the machine's thread count. A summary line per condition comes at the end.
 set -e
 cd "$(dirname "$0")/.."
 source scripts/setup-venv.sh test
@@ -7,4 +14,31 @@ source scripts/setup-venv.sh test
 # would shadow the PyPI package `kernels`, which transformers >= 5.25 imports. PYTHONSAFEPATH keeps
 # `python -m` (here and in the tests' subprocesses) from prepending the working directory.
 export PYTHONSAFEPATH=1
-exec python -m pytest -q -ra "$@"
+if [ "${1:-}" != "--portable" ]; then
+    exec python -m pytest -q -ra "$@"
+fi
+shift
+# name | kernel compiler flags | ATen ISA | MKL ISA | oneDNN ISA | torch threads
+CONDITIONS=(
+    "native-t1|||||1"
+    "avx2-t4|-mno-avx512f|avx2|AVX2|AVX2|4"
+    "nofma-t1|-mno-avx512f -mno-fma|default|SSE4_2|SSE41|1"
+)
+summary=()
+status=0
+for c in "${CONDITIONS[@]}"; do
+    IFS='|' read -r name cflags aten mkl dnnl threads <<<"$c"
+    env=(POWERINFER_RAY_CPU_CFLAGS="$cflags" OMP_NUM_THREADS="$threads")
+    [ -n "$aten" ] && env+=(ATEN_CPU_CAPABILITY="$aten" MKL_ENABLE_INSTRUCTIONS="$mkl" ONEDNN_MAX_CPU_ISA="$dnnl")
+    echo "=== portable run $name: ${env[*]}"
+    log=$(mktemp)
+    set +e
+    env "${env[@]}" python -m pytest -q -ra "$@" 2>&1 | tee "$log"
+    rc=${PIPESTATUS[0]}
+    set -e
+    summary+=("$name (${env[*]}): rc=$rc: $(grep -E '^=+ .*(passed|failed|error).* =+$' "$log" | tail -1)")
+    rm -f "$log"
+    [ "$rc" -ne 0 ] && status=1
+done
+printf '%s\n' "=== portable summary" "${summary[@]}"
+exit "$status"

@@ -11,6 +11,25 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+def pytest_configure(config):
+    """OMP_NUM_THREADS as torch's thread count even above the machine's cores (torch caps the
+    variable there): ``scripts/test.sh --portable`` runs the suite at 4 threads on a 2-core CI."""
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
+def pytest_report_header(config):
+    """The conditions that change fp32 rounding (``scripts/test.sh --portable``)."""
+    import torch
+
+    flags = os.environ.get("POWERINFER_RAY_CPU_CFLAGS", "")
+    return (f"fp32 paths: torch {torch.get_num_threads()} threads, ATen {torch.backends.cpu.get_cpu_capability()}; "
+            f"CPU kernels -march=native {flags}".rstrip())
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
