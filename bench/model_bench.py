@@ -145,13 +145,14 @@ def engine_kwargs(mode: str, a: argparse.Namespace, n_ctx: int, batch: int,
 
 
 def stale_split(model: str, budget_gib: float) -> bool:
-    """Whether the split cached beside a model file was solved for another budget (the engine
-    reuses one solved for a smaller budget, as upstream does; a benchmark of this budget must not)."""
+    """Whether the split cached beside a model file was solved for another budget, or does not
+    say for which (the engine reuses one solved for a smaller budget, as upstream does; a
+    benchmark of this budget must not)."""
     from powerinfer_ray.placement.gpuidx import gpuidx_path, read_gpuidx
 
     if model.startswith("planted:") or not gpuidx_path(model).exists():
         return False
-    return read_gpuidx(gpuidx_path(model)).vram_capacity != int(budget_gib * GIB)
+    return read_gpuidx(gpuidx_path(model)).budget_bytes != int(budget_gib * GIB)
 
 
 def _delta(after: dict, before: dict, key: str) -> float:

@@ -5,7 +5,8 @@ Offline and standalone: imports numpy, cvxpy (HiGHS), gguf, pyarrow and the stan
 """
 from .costs import GIB, CostsError, ModelCosts
 from .gpuidx import (GPUIDX_SUFFIX, GpuIndex, GpuIndexError, gpuidx_path, load_placement,
-                     placement_from_gpuidx, read_gpuidx, save_placement, write_gpuidx)
+                     placement_from_gpuidx, read_gpuidx, save_placement, upstream_ffn_budget, write_gpuidx,
+                     write_split)
 from .host import HostProfile, HostProfileError
 from .ilp import SolverError, solve_greedy, solve_ilp
 from .problem import InfeasibleBudgetError, PlacementProblem, StatsError, build_problem, communication_threshold
@@ -18,6 +19,6 @@ __all__ = [
     "Placement", "PlacementError", "PlacementProblem", "InfeasibleBudgetError", "StatsError",
     "SolverError", "build_problem", "communication_threshold", "solve_ilp", "solve_greedy",
     "solve_placement", "run_solve", "GPUIDX_SUFFIX", "GpuIndex", "GpuIndexError", "gpuidx_path", "read_gpuidx", "placement_from_gpuidx",
-    "write_gpuidx", "save_placement", "load_placement", "ActivationStats", "activation_pt_files",
+    "write_gpuidx", "write_split", "upstream_ffn_budget", "save_placement", "load_placement", "ActivationStats", "activation_pt_files",
     "read_activation_parquet", "write_activation_parquet",
 ]

@@ -5,10 +5,16 @@ powerinfer-py's export_split writes it and llama.cpp's load_gpu_idx_for_model re
   tensors, for each layer l in order: blk.{l}.gpu_idx (int32 [n_ff], 1 = neuron on the GPU),
           then blk.{l}.gpu_bucket (int32, the sorted GPU neuron ids). Upstream reads them BY
           POSITION (2l, 2l+1) and checks n_tensors == 2 n_layer, so the order is the format.
-  keys    split.vram_capacity (uint64): upstream loads the file only if this is <= its VRAM budget
-          for FFN neurons, so we store the bytes our GPU neurons take (upstream's own TODO:
-          "better to save the actual capacity that split neurons require");
+  keys    split.vram_capacity (uint64): upstream loads the file only if this is <= the VRAM it
+          has left for FFN neurons (`upstream_ffn_budget`); its own files hold that FFN budget, we
+          store the bytes our GPU neurons take (upstream's own TODO: "better to save the actual
+          capacity that split neurons require"), never less than upstream will load;
           generic.gpu_index.block_count (uint32): layers, as export_split's add_block_count.
+          Ours, which upstream ignores: powerinfer_ray.split.vram_budget (uint64, the whole
+          budget the split was solved for) and powerinfer_ray.split.gpu_attention (int32 0/1
+          [L * K], the KV-head groups on the GPU, layer-major), so a cached split is our plan.
+          Our files before these keys held the whole budget in split.vram_capacity:
+          `capacity_meaning` tells the two apart.
 Upstream overwrites the magic with "PWRI"; its loader accepts "GGUF" and "PWRI" alike, so we
 write plain GGUF and read both. Upstream's ggml predates the IQ quant types: its I32 is type id
 18 (which gguf-py today calls IQ3_XXS, writing I32 as 26). Upstream's files carry 18: we write
@@ -24,16 +30,18 @@ grouping, status, the enforced C_l.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import gguf
 import numpy as np
 
+from .costs import ModelCosts
 from .result import Placement, PlacementError
 
 # --- split-file names (the one place they are spelled) ------------------------------------------
@@ -43,6 +51,8 @@ GPU_IDX_TENSOR = "blk.{layer}.gpu_idx"  # int32 [n_ff] 0/1 mask; tensor 2l
 GPU_BUCKET_TENSOR = "blk.{layer}.gpu_bucket"  # int32 [n_gpu] sorted GPU neuron ids; tensor 2l+1
 VRAM_CAPACITY_KEY = "split.vram_capacity"  # uint64 bytes
 BLOCK_COUNT_KEY = SPLIT_ARCH + ".block_count"  # uint32 layers
+VRAM_BUDGET_KEY = "powerinfer_ray.split.vram_budget"  # uint64 bytes: the budget it was solved for (ours)
+GPU_ATTENTION_KEY = "powerinfer_ray.split.gpu_attention"  # int32 0/1 [L * K], layer-major (ours)
 ARCH_KEY = "general.architecture"
 MAGICS = (b"GGUF", b"PWRI")
 UPSTREAM_I32 = gguf.GGMLQuantizationType(18)  # upstream ggml's GGML_TYPE_I32 (gguf-py: IQ3_XXS)
@@ -62,18 +72,52 @@ def gpuidx_path(model_path: str | Path) -> Path:
 
 @dataclass
 class GpuIndex:
-    """Contents of a split file: per layer a bool GPU mask [n_ff], and vram_capacity bytes."""
+    """Contents of a split file: per layer a bool GPU mask [n_ff], vram_capacity bytes, and our
+    keys when the file has them: the budget it was solved for and the GPU's KV-head groups [L, K]."""
 
     gpu_neurons: list[np.ndarray]
     vram_capacity: int
+    budget_bytes: int | None = None
+    gpu_attention: np.ndarray | None = None
+    magic: bytes = b"GGUF"
+
+    def ffn_bytes(self, costs: ModelCosts) -> int:
+        """Bytes of the FFN rows the masks put on the GPU (what upstream loads for them)."""
+        return sum(int(np.count_nonzero(m)) * b for m, b in zip(self.gpu_neurons, costs.neuron_bytes))
+
+    def capacity_meaning(self, costs: ModelCosts) -> str:
+        """What split.vram_capacity holds: "ffn", upstream's meaning (upstream's files, PWRI magic:
+        the FFN budget it solved for; ours: the FFN bytes of the split), or "budget", the whole
+        VRAM budget (our files before VRAM_BUDGET_KEY, written beside a model by the engine; the
+        solve command's held FFN bytes). A whole budget holds the dense parts (embeddings, output
+        head, norms) beside the split's FFN rows."""
+        if self.budget_bytes is not None or self.magic == b"PWRI":
+            return "ffn"
+        return "budget" if self.vram_capacity >= self.ffn_bytes(costs) + costs.dense_bytes else "ffn"
 
 
 # --- upstream split file ----------------------------------------------------------------------
-def write_gpuidx(path: str | Path, gpu_neurons: Sequence[np.ndarray], vram_capacity: int) -> None:
-    """Write masks [L][n_ff] (bool or 0/1) as upstream's split file, tensors in order 2l, 2l+1."""
+def write_split(path: str | Path, placement: Placement, costs: ModelCosts) -> None:
+    """Write a placement as a split file: its masks, vram_capacity = the FFN bytes they put on the
+    GPU (upstream's meaning), and our keys (the budget, the attention groups)."""
+    write_gpuidx(path, placement.gpu_neurons, placement.gpu_ffn_bytes(costs), placement.budget_bytes,
+                 placement.gpu_attention)
+
+
+def write_gpuidx(path: str | Path, gpu_neurons: Sequence[np.ndarray], vram_capacity: int,
+                 budget_bytes: int | None = None, gpu_attention: np.ndarray | None = None) -> None:
+    """Write masks [L][n_ff] (bool or 0/1) as upstream's split file, tensors in order 2l, 2l+1;
+    budget_bytes and gpu_attention [L, K] as our keys when given."""
     writer = gguf.GGUFWriter(str(path), SPLIT_ARCH)
     writer.add_block_count(len(gpu_neurons))  # generic.gpu_index.block_count
     writer.add_uint64(VRAM_CAPACITY_KEY, int(vram_capacity))
+    if budget_bytes is not None:
+        writer.add_uint64(VRAM_BUDGET_KEY, int(budget_bytes))
+    if gpu_attention is not None:
+        groups = np.asarray(gpu_attention, dtype=bool)
+        if groups.ndim != 2 or groups.shape[0] != len(gpu_neurons) or groups.shape[1] == 0:
+            raise GpuIndexError(f"gpu_attention: expected a bool array [{len(gpu_neurons)}, K], got shape {groups.shape}")
+        writer.add_array(GPU_ATTENTION_KEY, [int(g) for g in groups.reshape(-1)])
     for layer, mask in enumerate(gpu_neurons):
         mask = np.asarray(mask)
         if mask.ndim != 1 or not np.isin(mask, (0, 1)).all():
@@ -93,8 +137,10 @@ def read_gpuidx(path: str | Path, n_ff: Sequence[int] | None = None) -> GpuIndex
     """Read a split file (GGUF or PWRI magic); check positions, names, lengths, bucket == mask.
     n_ff [L]: the model's neurons per layer, checked when given."""
     path = Path(path)
-    with _open_gguf(path) as reader:
-        return _read_index(path, reader, n_ff)
+    with _open_gguf(path) as (reader, magic):
+        index = _read_index(path, reader, n_ff)
+    index.magic = magic
+    return index
 
 
 def _read_index(path: Path, reader: gguf.GGUFReader, n_ff: Sequence[int] | None) -> GpuIndex:
@@ -115,7 +161,20 @@ def _read_index(path: Path, reader: gguf.GGUFReader, n_ff: Sequence[int] | None)
         raise GpuIndexError(f"{path}: expected {len(n_ff)} layers for this model, got {n_layer}; "
                             f"regenerate it (--reset-gpu-index)")
     masks = [_read_layer(path, tensors, l, None if n_ff is None else int(n_ff[l])) for l in range(n_layer)]
-    return GpuIndex(gpu_neurons=masks, vram_capacity=int(_field_value(reader, VRAM_CAPACITY_KEY)))
+    return GpuIndex(gpu_neurons=masks, vram_capacity=int(_field_value(reader, VRAM_CAPACITY_KEY)),
+                    budget_bytes=_field_value(reader, VRAM_BUDGET_KEY), gpu_attention=_read_groups(path, reader, n_layer))
+
+
+def _read_groups(path: Path, reader: gguf.GGUFReader, n_layer: int) -> np.ndarray | None:
+    """Our key GPU_ATTENTION_KEY as bool [L, K], None if absent."""
+    field = reader.fields.get(GPU_ATTENTION_KEY)
+    if field is None:
+        return None
+    flat = np.asarray(field.contents())
+    if flat.size == 0 or flat.size % n_layer or not np.isin(flat, (0, 1)).all():
+        raise GpuIndexError(f"{path}: {GPU_ATTENTION_KEY} expected 0/1 values, n_layer={n_layer} per KV-head group, "
+                            f"got {flat.size} values {np.unique(flat)[:4]}")
+    return flat.reshape(n_layer, -1).astype(bool)
 
 
 def _read_layer(path: Path, tensors: list, layer: int, n_ff: int | None) -> np.ndarray:
@@ -138,9 +197,60 @@ def _read_layer(path: Path, tensors: list, layer: int, n_ff: int | None) -> np.n
     return mask.astype(bool)
 
 
+# --- upstream's VRAM accounting ----------------------------------------------------------------
+UPSTREAM_N_CTX = 512  # upstream main's default context (-c): its KV cache comes out of the budget
+# llama.cpp's get_offloading_level, by tensor name: the levels it offloads, in the order it fills
+# the budget, each tensor whole at its stored size; token and position embeddings stay on the
+# CPU, FFN matrices go by the split file. (Placement may not import the model's gguf_keys.)
+_UPSTREAM_LEVELS = (
+    ("attention", re.compile(r"blk\.\d+\.(attn_norm|attn_norm_2|attn_q|attn_k|attn_v|attn_qkv|attn_output|"
+                             r"attn_rot_embd|attn_q_norm|attn_k_norm)\.(weight|bias)")),
+    ("predictors", re.compile(r"blk\.\d+\.(fc1|fc2)\.weight")),
+    ("ffn_norm", re.compile(r"blk\.\d+\.ffn_norm\.(weight|bias)")),
+    ("output", re.compile(r"(output|output_norm)\.(weight|bias)")),
+)
+_UPSTREAM_CPU = re.compile(r"(token_embd|token_embd_norm|position_embd|rope_freqs)(\.(weight|bias))?|"
+                           r"blk\.\d+\.(ffn_up|ffn_gate|ffn_down|ffn_down_t)\.(weight|bias)")
+
+
+def upstream_ffn_budget(tensor_bytes: Mapping[str, int], n_layer: int, n_embd_gqa: int, budget_bytes: int,
+                        n_ctx: int = UPSTREAM_N_CTX) -> int | None:
+    """The VRAM upstream PowerInfer leaves for FFN neurons of a model at a budget, which a split
+    file's vram_capacity must not exceed (llama_gpu_split_loader::check_vram_allocable); None
+    when the dense part does not fit, where upstream offloads no FFN neuron and reads no split.
+
+    As llm_load_sparse_model_tensors counts: the budget (GiB * 2^30) less attention (norms, q/k/v
+    or qkv, o), predictors, ffn_norm, output head and norm (every tensor not named by
+    _UPSTREAM_CPU), then, when all of them fit, less the KV cache it reserves
+    (llama_reserve_model_kv_cache: K, then V if it fits, each n_embd_gqa x n_layer x n_ctx f16).
+    tensor_bytes: the model file's tensors, name -> stored bytes (ggml_nbytes)."""
+    left = int(budget_bytes) - sum(_upstream_dense(tensor_bytes).values())
+    if left < 0:
+        return None
+    kv = n_embd_gqa * n_layer * n_ctx * 2  # one of K, V in f16
+    for _ in range(2):
+        if left >= kv:
+            left -= kv
+    return left
+
+
+def _upstream_dense(tensor_bytes: Mapping[str, int]) -> dict[str, int]:
+    """Bytes upstream offloads before FFN neurons, per level of _UPSTREAM_LEVELS."""
+    dense = {level: 0 for level, _ in _UPSTREAM_LEVELS}
+    for name, n in tensor_bytes.items():
+        level = next((lv for lv, pattern in _UPSTREAM_LEVELS if pattern.fullmatch(name)), None)
+        if level is not None:
+            dense[level] += int(n)
+        elif not _UPSTREAM_CPU.fullmatch(name):
+            raise GpuIndexError(f"tensor {name!r}: upstream's loader has no offloading level for it "
+                                f"(expected attention, predictor, norm, output, embedding or FFN tensors)")
+    return dense
+
+
 @contextmanager
-def _open_gguf(path: Path) -> Iterator[gguf.GGUFReader]:
-    """GGUFReader on path; a PWRI-magic file is read through a copy with the GGUF magic."""
+def _open_gguf(path: Path) -> Iterator[tuple[gguf.GGUFReader, bytes]]:
+    """GGUFReader on path, and the file's magic; a PWRI-magic file is read through a copy with
+    the GGUF magic."""
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -149,14 +259,14 @@ def _open_gguf(path: Path) -> Iterator[gguf.GGUFReader]:
     if magic not in MAGICS:
         raise GpuIndexError(f"{path}: expected magic GGUF or PWRI, got {magic!r}")
     if magic == b"GGUF":
-        yield _reader(path, path)
+        yield _reader(path, path), magic
         return
     with tempfile.TemporaryDirectory() as tmp:
         copy = Path(tmp) / path.name
         shutil.copyfile(path, copy)
         with open(copy, "r+b") as f:
             f.write(b"GGUF")
-        yield _reader(copy, path)
+        yield _reader(copy, path), magic
 
 
 class _SplitReader(gguf.GGUFReader):

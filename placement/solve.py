@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from .costs import GIB, ModelCosts
-from .gpuidx import save_placement, write_gpuidx
+from .gpuidx import save_placement, write_split
 from .host import HostProfile
 from .ilp import DEFAULT_MIP_GAP, DEFAULT_TIME_LIMIT_S, solve_greedy, solve_ilp
 from .problem import DEFAULT_ATTENTION_WEIGHT, DEFAULT_GROUP_SIZE, StatsError, build_problem
@@ -79,7 +79,7 @@ def run_solve(
     placement = solve_placement(counts, n_tokens, costs, int(vram_budget_gib * GIB), host, method=method,
                                 group_size=group_size, time_limit_s=time_limit_s)
     if gpuidx_out is not None:
-        write_gpuidx(gpuidx_out, placement.gpu_neurons, placement.gpu_ffn_bytes(costs))
+        write_split(gpuidx_out, placement, costs)
     if placement_out is not None:
         save_placement(placement_out, placement)
     return placement

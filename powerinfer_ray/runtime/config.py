@@ -477,13 +477,9 @@ def _budget_plan(ec: EngineConfig, src: WeightSource, stats: tuple[list[np.ndarr
         cache = None
     costs, _, host = placement_inputs(ec, src, pq)
     if cache is not None and cache.exists() and not ec.reset_gpu_index:
-        split = gpuidx.read_gpuidx(cache)
-        masks = [np.asarray(m, bool) for m in split.gpu_neurons]
-        # upstream's rule (solved for at most this budget), and it fits this engine's batch and context
-        if split.vram_capacity <= budget and split_bytes(costs, masks) <= budget:
-            log.info("using cached split %s", cache)
-            return Plan.from_masks(masks, None, cfg)
-        log.warning("cached split %s was solved for another model, budget, batch size or context: re-solving", cache)
+        plan = _cached_plan(cache, src, costs, budget)
+        if plan is not None:
+            return plan
     if stats is None:
         log.warning("no activation statistics for %s: placing with uniform frequencies "
                     "(run powerinfer-ray profile for a better split)", ec.model)
@@ -496,5 +492,44 @@ def _budget_plan(ec: EngineConfig, src: WeightSource, stats: tuple[list[np.ndarr
         raise InfeasibleBudgetError(f"{e} (with the predictors held as {pq} blocks: predictor_qtype)",
                                     e.min_budget_bytes) from None
     if cache is not None:
-        gpuidx.write_gpuidx(cache, placement.gpu_neurons, budget)
+        gpuidx.write_split(cache, placement, costs)
     return Plan.from_masks(placement.gpu_neurons, list(placement.gpu_attention), cfg)
+
+
+def _cached_plan(cache: Path, src: WeightSource, costs: ModelCosts, budget: int) -> Plan | None:
+    """The split file's plan if it is this model's and serves this budget, else None (re-solve).
+
+    Ours records the budget it was solved for: one solved for at most this budget serves (as
+    upstream reuses a split for a larger budget). Without that key, split.vram_capacity is
+    upstream's FFN bytes, checked as upstream checks them (against the VRAM it leaves for FFN
+    neurons at this budget), or our old whole budget, checked against this budget."""
+    from ..placement import gpuidx
+
+    cfg = src.config
+    split = gpuidx.read_gpuidx(cache)
+    groups = split.gpu_attention
+    if (len(split.gpu_neurons) != cfg.n_layer or any(m.size != cfg.n_ff for m in split.gpu_neurons)
+            or (groups is not None and groups.shape[1] != cfg.n_head_kv)):
+        log.warning("cached split %s was solved for another model: re-solving", cache)
+        return None
+    meaning = split.capacity_meaning(costs)
+    cap = f"split.vram_capacity {split.vram_capacity / GIB:.3f} GiB"
+    if split.budget_bytes is not None:
+        what, fits = f"{cap} of FFN rows, solved for {split.budget_bytes / GIB:.3f} GiB", split.budget_bytes <= budget
+    elif meaning == "budget":
+        what, fits = f"{cap}: our old whole-budget value", split.vram_capacity <= budget
+    else:
+        room = gpuidx.upstream_ffn_budget({n: t.n_bytes for n, t in src.tensors.items()}, cfg.n_layer,
+                                          cfg.n_head_kv * cfg.head_dim, budget)
+        what = f"{cap}: FFN bytes (upstream's meaning), upstream's FFN room at this budget {(room or 0) / GIB:.3f} GiB"
+        fits = room is not None and split.vram_capacity <= room
+    if not fits:
+        log.warning("cached split %s (%s) does not serve %.3f GiB: re-solving", cache, what, budget / GIB)
+        return None
+    need = split_bytes(costs, split.gpu_neurons, None if groups is None else [int(g.sum()) for g in groups])
+    if need > budget:  # solved for another batch size or context than this engine's
+        log.warning("cached split %s needs %.3f GiB at this engine's batch and context, over %.3f GiB: re-solving",
+                    cache, need / GIB, budget / GIB)
+        return None
+    log.info("using cached split %s (%s)", cache, what)
+    return Plan.from_masks(split.gpu_neurons, None if groups is None else list(groups), cfg)

@@ -58,20 +58,21 @@ def test_budget_solves_caches_and_reuses_the_split(model, host):
     assert [np.flatnonzero(m).tolist() for m in idx.gpu_neurons] == [lp.gpu_neurons.tolist() for lp in plan.layers]
     n_gpu = sum(len(lp.gpu_neurons) for lp in plan.layers)
     assert 0 < n_gpu < cfg.n_layer * cfg.n_ff  # a real split: hot neurons on the GPU, the rest on the CPU
+    assert idx.budget_bytes == EngineConfig(str(model), vram_budget_gib=budget).vram_budget_bytes
     # reused as is when it fits the budget under this engine's costs (upstream's rule, and its batch) ...
     from powerinfer_ray.placement.gpuidx import write_gpuidx
 
     on_gpu = np.flatnonzero(idx.gpu_neurons[0])
     idx.gpu_neurons[0][on_gpu[: len(on_gpu) // 2]] = False
-    write_gpuidx(split, idx.gpu_neurons, idx.vram_capacity)
+    write_gpuidx(split, idx.gpu_neurons, idx.vram_capacity, idx.budget_bytes, idx.gpu_attention)
     assert resolve_plan(ec).layers[0].gpu_neurons.size == len(on_gpu) - len(on_gpu) // 2
     # ... not when it does not: every neuron of layer 0 on the GPU overflows a budget solved full
     idx.gpu_neurons[0][:] = True
-    write_gpuidx(split, idx.gpu_neurons, idx.vram_capacity)
+    write_gpuidx(split, idx.gpu_neurons, idx.vram_capacity, idx.budget_bytes, idx.gpu_attention)
     assert [lp.gpu_neurons.tolist() for lp in resolve_plan(ec).layers] == [lp.gpu_neurons.tolist() for lp in plan.layers]
     # ... and unless --reset-gpu-index, which re-solves and rewrites it
     idx.gpu_neurons[0][on_gpu[: len(on_gpu) // 2]] = False
-    write_gpuidx(split, idx.gpu_neurons, idx.vram_capacity)
+    write_gpuidx(split, idx.gpu_neurons, idx.vram_capacity, idx.budget_bytes, idx.gpu_attention)
     again = resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, reset_gpu_index=True, host_profile=host))
     assert [lp.gpu_neurons.tolist() for lp in again.layers] == [lp.gpu_neurons.tolist() for lp in plan.layers]
     # --disable-gpu-index neither reads nor writes
