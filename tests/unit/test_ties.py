@@ -1,0 +1,86 @@
+"""The tie-tolerant comparisons of tests/ties.py accept what another CPU's rounding can change
+(a decision within ``tie`` of its threshold, the tokens and counts that follow from it) and catch
+a planted error anywhere else."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from quant_models import KernelReference
+from ties import TieCounts, assert_greedy, match_counts
+
+from powerinfer_ray.model.reference import ReferenceModel
+from powerinfer_ray.model.tiny import write_tiny_model
+
+SEQS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42, 43, 44]]
+
+
+def _counts(ref, flips=frozenset(), tie=1e-4, rounding=None):  # noqa: ANN001, ANN202
+    """TieCounts over SEQS; rounding (call, key): that KernelReference rounding tie taken the other
+    way in that call. Returns the hooks and the rounding ties [(margin, call, key)]."""
+    hooks, ties = TieCounts(ref, flips=flips, tie=tie), []
+    for s, seq in enumerate(SEQS):
+        hooks.call = s
+        if rounding is not None:
+            ref.flips = frozenset({rounding[1]}) if rounding[0] == s else frozenset()
+        ref.forward(seq, ref.new_cache(), hooks)
+        ties += [(m, s, key) for m, key in set(getattr(ref, "ties", ()))]
+    if rounding is not None:
+        ref.flips = frozenset()
+    return hooks, ties
+
+
+def test_a_flipped_decision_tie_is_explained_and_a_planted_count_is_not(tmp_path):
+    """The closest decision of the reference taken the other way (as another CPU may take a tie) is
+    explained by flipping it back; one more count at a neuron whose decisions are far from zero is not."""
+    ref = ReferenceModel.from_file(write_tiny_model(tmp_path / "m.gguf", "llama-reglu", seed=3, n_layer=2),
+                                   dtype=torch.float64)
+    plain = _counts(ref, tie=1.0)[0]
+    margin, key = min(plain.ties)  # the decision closest to its threshold, whatever it is
+    tie = 2 * margin
+    got = _counts(ref, flips=frozenset({key}), tie=tie)[0].counts
+    assert np.abs(got - plain.counts).sum() == 1
+    want, flips = match_counts(ref, SEQS, got, tie=tie)
+    assert np.array_equal(want, got) and len(flips) == 1
+    far = _counts(ref, tie=tie)[0]
+    safe = np.ones_like(got, dtype=bool)
+    for _, (_, l, _, j) in far.ties:
+        safe[l, j] = False
+    l, j = np.argwhere(safe & (got < len(SEQS[0]) + len(SEQS[1])))[0]
+    got[l, j] += 1  # a real error: no decision of this neuron is near its threshold
+    want, _ = match_counts(ref, SEQS, got, tie=tie)
+    assert int(np.abs(want - got).sum()) == 1 and want[l, j] == got[l, j] - 1
+
+
+def test_a_rounding_tie_moves_later_counts_and_is_explained(tmp_path):
+    """A KernelReference (Q8_0 model): an activation rounding tie taken the other way changes the
+    counts of later decisions; match_counts finds a rounding tie that explains them. With no
+    tie allowed (tie=0) the difference stays."""
+    ref = KernelReference.from_file(write_tiny_model(tmp_path / "q.gguf", "llama-reglu", seed=1, n_layer=2,
+                                                     n_embd=64, dtype="q8_0"))
+    ref.TIE = 1e-2  # wide: some rounding decisions of these few tokens are within it
+    plain, ties = _counts(ref, tie=0.0)
+    for _, s, key in sorted(ties):  # the first rounding tie whose other side changes a count
+        got = _counts(ref, tie=0.0, rounding=(s, key))[0].counts
+        if (got != plain.counts).any():
+            break
+    else:
+        pytest.fail("no rounding tie changes a count: widen ref.TIE")
+    want, flips = match_counts(ref, SEQS, got, tie=1e-2)
+    assert np.array_equal(want, got) and any(k[0] == "round" for k in flips)
+    want, _ = match_counts(ref, SEQS, got, tie=0.0)
+    assert not np.array_equal(want, got)
+
+
+def test_greedy_tokens_allow_ties_only(tmp_path):
+    ref = ReferenceModel.from_file(write_tiny_model(tmp_path / "m.gguf", "llama-reglu", seed=3), dtype=torch.float64)
+    prompt = [5, 6, 7]
+    tokens = ref.generate_greedy(prompt, 6)
+    assert assert_greedy(ref, prompt, tokens) == 0
+    logits = ref.forward(prompt + tokens[:2], ref.new_cache())[-1]
+    second = int(logits.argsort(descending=True)[1])  # the runner-up at step 2
+    other = tokens[:2] + [second]
+    gap = float(logits.max() - logits[second]) / float(logits.abs().max())
+    with pytest.raises(AssertionError, match="step 2: token"):
+        assert_greedy(ref, prompt, other)  # a real error: the runner-up is not within 1e-4
+    assert assert_greedy(ref, prompt, other, tie=2 * gap) == 1  # as if its gap were a tie
