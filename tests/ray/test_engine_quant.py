@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import ray
 from quant_models import KernelReference, write_upstream_int4
+from ties import assert_greedy
 
 from powerinfer_ray.actors.coordinator import Coordinator
 from powerinfer_ray.model.tiny import tiny_config
@@ -28,7 +29,8 @@ def test_upstream_int4_file_generates_on_ray(ray_cluster, tmp_path):
         prompts = [[1, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100], [1, 84, 104, 101]]
         outs = ray.get([eng.generate.remote(prompt_token_ids=p, max_tokens=8, ignore_eos=True) for p in prompts])
         for p, o in zip(prompts, outs):
-            assert o["token_ids"] == ref.generate_greedy(p, 8)
+            assert len(o["token_ids"]) == 8
+            assert_greedy(ref, p, o["token_ids"])
         st = ray.get(eng.stats.remote())
         assert st["cpu_executor"]["neurons"] > 0 and st["gpu_executor"]["cold_neurons"] > 0
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import ray
 from swiglu_models import sparsified
+from ties import assert_greedy
 
 from powerinfer_ray.actors.coordinator import Coordinator
 from powerinfer_ray.model.reference import ReferenceModel
@@ -27,7 +28,8 @@ def test_gate_first_engine_generates_the_thresholded_models_greedy_tokens(ray_cl
         prompts = [list(range(5, 25)), [300, 12, 7, 99, 41]]
         outs = ray.get([eng.generate.remote(prompt_token_ids=p, max_tokens=10, ignore_eos=True) for p in prompts])
         for p, o in zip(prompts, outs):
-            assert o["token_ids"] == ref.generate_greedy(p, 10)
+            assert len(o["token_ids"]) == 10
+            assert_greedy(ref, p, o["token_ids"])
         st = ray.get(eng.stats.remote())
         assert st["policy"] == "gate-first"
         assert st["cpu_executor"]["neurons"] > 0 and 0.0 < st["gpu_executor"]["gpu_activation_share"] < 1.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import ray
 import torch
+from ties import FullForward, assert_greedy  # noqa: E402
 
 pytest.importorskip("transformers")
 from transformers import AutoTokenizer  # noqa: E402
@@ -15,15 +16,6 @@ from powerinfer_ray.actors.coordinator import Coordinator  # noqa: E402
 from powerinfer_ray.cli import main  # noqa: E402
 
 N = 16
-
-
-@torch.no_grad()
-def hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
-    """n greedy tokens of the HF model, recomputing the whole sequence each step."""
-    out: list[int] = []
-    for _ in range(n):
-        out.append(int(model(input_ids=torch.tensor([ids + out])).logits[0, -1].argmax()))
-    return out
 
 
 @pytest.mark.parametrize("name", ["llama-silu", "qwen2"])
@@ -38,7 +30,8 @@ def test_engine_greedy_equals_hf(ray_cluster, tmp_path, name):
         info = ray.get(eng.ready.remote())
         assert info["policy"] == "dense" and info["executors"] == ["gpu", "cpu"]
         out = ray.get(eng.generate.remote(prompt_token_ids=ids, max_tokens=N, ignore_eos=True, temperature=0.0))
-        assert out["token_ids"] == hf_greedy(model, ids, N)
+        assert len(out["token_ids"]) == N
+        assert_greedy(FullForward(lambda seq: model(input_ids=torch.tensor([seq])).logits[0]), ids, out["token_ids"])
     finally:
         ray.get(eng.shutdown.remote())
         ray.kill(eng)

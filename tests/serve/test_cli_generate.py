@@ -8,6 +8,7 @@ import json
 import pydoc_data.topics
 import pytest
 import torch
+from ties import FullForward, assert_counts, assert_greedy  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer as HFTokenizer  # noqa: E402
@@ -46,16 +47,9 @@ def hf(tmp_path_factory):
     return model, AutoTokenizer.from_pretrained(out), str(gguf)
 
 
-@torch.no_grad()
-def _hf_greedy(model, ids: list[int], n: int, eos: int) -> list[int]:
-    seq, out = list(ids), []
-    for _ in range(n):
-        tok = int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax())
-        if tok == eos:
-            break
-        out.append(tok)
-        seq.append(tok)
-    return out
+def _hf(model) -> FullForward:  # noqa: ANN001
+    """The HF model as assert_greedy's reference (its greedy would stop at </s>; ours does too)."""
+    return FullForward(lambda ids: model(input_ids=torch.tensor([ids])).logits[0])
 
 
 @pytest.mark.parametrize("policy", ["dense", "oracle"])
@@ -66,7 +60,7 @@ def test_generate_json_ids_equal_hf_greedy(ray_cluster, hf, capsys, policy):
     out = json.loads(capsys.readouterr().out)
     want_prompt = tok(PROMPT).input_ids
     assert out["prompt_token_ids"] == want_prompt and out["policy"] == policy
-    assert out["token_ids"] == _hf_greedy(model, want_prompt, N, tok.eos_token_id)
+    assert_greedy(_hf(model), want_prompt, out["token_ids"])
     assert len(out["token_ids"]) == N  # no early end of sequence: every step compared
     assert out["text"] == tok.decode(out["token_ids"]) and out["stats"]["completion_tokens"] == len(out["token_ids"])
 
@@ -76,7 +70,8 @@ def test_generate_prints_token_ids_and_where_the_primary_ran(ray_cluster, hf, ca
     assert cli.main(["generate", "-m", gguf, "-p", PROMPT, "-n", str(N), "--print-token-ids", "--device", "cpu"]) == 0
     out, err = capsys.readouterr()
     ids = json.loads(out.strip().splitlines()[-1].removeprefix("token ids: "))
-    assert ids == _hf_greedy(model, tok(PROMPT).input_ids, N, tok.eos_token_id)
+    assert len(ids) == N
+    assert_greedy(_hf(model), tok(PROMPT).input_ids, ids)
     assert "no GPU: the primary ran on the CPU" in err and "GPU share" not in err
 
 
@@ -85,7 +80,7 @@ def test_generate_saves_the_engines_activation_counts(ray_cluster, hf, capsys, t
     from DIR are the reference's nonzero activations over the tokens the engine ran (the prompt
     and every generated token but the last, which no step takes in)."""
     from powerinfer_ray.model.reference import ReferenceModel
-    from powerinfer_ray.offline.profile import ActivationStats, CountingHooks
+    from powerinfer_ray.offline.profile import ActivationStats
 
     model, tok, gguf = hf
     assert cli.main(["generate", "-m", gguf, "-p", PROMPT, "-n", str(N), "--json", "--policy", "oracle",
@@ -94,7 +89,6 @@ def test_generate_saves_the_engines_activation_counts(ray_cluster, hf, capsys, t
     ran = json.loads(out)["prompt_token_ids"] + json.loads(out)["token_ids"][:-1]
     got = ActivationStats.load_parquet(tmp_path / "act" / "activation.parquet")
     ref = ReferenceModel.from_file(gguf)
-    hooks = CountingHooks(ref.cfg.n_layer, ref.cfg.n_ff, torch.device("cpu"))
-    ref.forward(ran, ref.new_cache(), hooks)
     assert got.n_tokens == len(ran) and f"activation counts of {len(ran)} tokens" in err
-    assert (got.counts == hooks.counts.numpy()).all() and 0 < got.counts.sum() < got.counts.size * len(ran)
+    assert_counts(ref, [ran], got.counts)
+    assert 0 < got.counts.sum() < got.counts.size * len(ran)

@@ -16,6 +16,7 @@ import pytest
 import pydoc_data.topics
 import torch
 from safetensors.torch import load_file, save_file
+from ties import TIE  # noqa: E402
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
@@ -190,7 +191,8 @@ def assert_parity(hf_model: torch.nn.Module, gguf: Path | ModelFile, prompt: lis
     assert rel_err(ours, want) < REL_TOL, f"prefill: rel err {rel_err(ours, want):.2e}"
     for step in range(N_DECODE):
         tok = int(want[-1].argmax())
-        assert int(ours[-1].argmax()) == tok, f"greedy token differs at step {step}"
+        gap = float(ours[-1].max() - ours[-1][tok])  # HF's greedy token is ours, or within a rounding tie
+        assert gap <= TIE * float(ours[-1].abs().max()), f"greedy token differs at step {step} by {gap:.3g}"
         seq.append(tok)
         ours = ref.forward([tok], cache)
         want = hf_model(input_ids=torch.tensor([seq])).logits[0, -1:].float()

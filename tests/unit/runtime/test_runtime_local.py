@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from ties import assert_greedy
 
 from powerinfer_ray.model import gguf_keys as K
 from powerinfer_ray.model.planted import planted_model
@@ -528,15 +529,12 @@ def test_coordinator_stops_and_limits(models):
     ref = ReferenceModel.from_file(path)
     try:
         prompt = list(range(40, 50))
-        greedy = ref.generate_greedy(prompt, 10)
-
-        async def run():
-            a = await eng.generate(prompt_token_ids=prompt, max_tokens=10, ignore_eos=True)
-            b = await eng.generate(prompt_token_ids=prompt, max_tokens=10, stop_token_ids=[greedy[4]], ignore_eos=True)
-            return a, b
-
-        a, b = asyncio.run(run())
-        assert a["token_ids"] == greedy and a["finish_reason"] == "length"
+        a = asyncio.run(eng.generate(prompt_token_ids=prompt, max_tokens=10, ignore_eos=True))
+        greedy = a["token_ids"]
+        assert len(greedy) == 10 and a["finish_reason"] == "length"
+        assert_greedy(ref, prompt, greedy)
+        b = asyncio.run(eng.generate(prompt_token_ids=prompt, max_tokens=10, stop_token_ids=[greedy[4]],
+                                     ignore_eos=True))
         k = greedy.index(greedy[4])
         assert b["token_ids"] == greedy[:k] and b["finish_reason"] == "stop"
         with pytest.raises(ValueError, match="context"):
@@ -556,9 +554,12 @@ def test_local_engine_is_driven_from_any_event_loop(models):
     ref = ReferenceModel.from_file(path)
     eng = LocalEngine(EngineConfig(str(path), plan=_plans(ref.cfg)["split-heads"], policy="oracle", max_batch=2))
     prompts = [list(range(7, 19)), [40, 41, 42, 43, 44]]
-    want = [ref.generate_greedy(p, 6) for p in prompts]
     gen = lambda p: eng.generate(prompt_token_ids=p, max_tokens=6, ignore_eos=True)  # noqa: E731
     try:
+        want = [asyncio.run(gen(p))["token_ids"] for p in prompts]  # the engine's own, checked once
+        for p, w in zip(prompts, want):
+            assert len(w) == 6
+            assert_greedy(ref, p, w)
         for _ in range(2):
             assert asyncio.run(gen(prompts[0]))["token_ids"] == want[0]
         other: list[dict] = []
