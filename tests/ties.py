@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from powerinfer_ray.model import gguf_keys as K
+from powerinfer_ray.model.reference import threshold_criterion
 
 TIE = 1e-4  # relative margin under which a decision is a tie (quant_models.KernelReference.TIE's reasoning)
 
@@ -81,17 +82,19 @@ class FullForward:
 
 
 # --- activation counts ----------------------------------------------------------------------------
-def decision_margins(ref, l: int, pred_in: torch.Tensor, values: bool = False) -> torch.Tensor:  # noqa: ANN001
+def decision_margins(ref, l: int, pred_in: torch.Tensor, values: bool = False,  # noqa: ANN001
+                     thresholds: Sequence[float] | None = None) -> torch.Tensor:
     """[T, F]: how far, relative to the size of its sums' rounding, each neuron's activity decision
     of layer ``l`` lies from its threshold: the sign of gate (reglu), up (relu), both (drelu); a
     thresholded SwiGLU's |SiLU(gate)| or |h| against t_l (inf: a dense SwiGLU decides nothing).
     ``values``: also how far each factor of h (gate, up) lies from zero, under which h itself is
-    all rounding (a cancellation)."""
+    all rounding (a cancellation). ``thresholds``: a SwiGLU's, when ``ref`` runs without them."""
     if values:
         factors = [K.FFN_UP] + ([K.FFN_GATE] if ref.cfg.gated else [])
         x = ref.ffn_input(l, pred_in).double()
         sums = [_pre(ref, l, x, t) for t in factors]
-        return torch.stack([decision_margins(ref, l, pred_in)] + [v.abs() / sc.clamp_min(1e-30) for v, sc in sums]).amin(0)
+        return torch.stack([decision_margins(ref, l, pred_in, thresholds=thresholds)]
+                           + [v.abs() / sc.clamp_min(1e-30) for v, sc in sums]).amin(0)
     x = ref.ffn_input(l, pred_in).double()
 
     pre = lambda tmpl: _pre(ref, l, x, tmpl)  # noqa: E731
@@ -99,7 +102,8 @@ def decision_margins(ref, l: int, pred_in: torch.Tensor, values: bool = False) -
     if act != "swiglu":
         sums = [pre(t) for t in {"relu": [K.FFN_UP], "reglu": [K.FFN_GATE], "drelu": [K.FFN_GATE, K.FFN_UP]}[act]]
         return torch.stack([v.abs() / sc.clamp_min(1e-30) for v, sc in sums]).amin(0)
-    if ref.thresholds is None:
+    thresholds = ref.thresholds if thresholds is None else thresholds
+    if thresholds is None:
         return torch.full((x.shape[0], ref.cfg.n_ff), torch.inf, dtype=torch.float64)
     (g, sg), (u, su) = pre(K.FFN_GATE), pre(K.FFN_UP)
     sig = torch.sigmoid(g)
@@ -108,7 +112,7 @@ def decision_margins(ref, l: int, pred_in: torch.Tensor, values: bool = False) -
         crit, err = silu.abs(), dsilu * sg
     else:
         crit, err = (silu * u).abs(), dsilu * sg * u.abs() + silu.abs() * su
-    return (crit - ref.thresholds[l]).abs() / err.clamp_min(1e-30)
+    return (crit - thresholds[l]).abs() / err.clamp_min(1e-30)
 
 
 def _pre(ref, l: int, x: torch.Tensor, tmpl: str) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
@@ -231,3 +235,79 @@ def assert_same_up_to_ties(ref, prompt: Sequence[int], a: Sequence[int], b: Sequ
     if list(a) != list(b):
         assert_greedy(ref, prompt, a, tie)
         assert_greedy(ref, prompt, b, tie)
+
+
+# --- decisions that mask the FFN ----------------------------------------------------------------
+DECISIONS = ("predictor", "threshold")
+
+
+class DecisionReference:
+    """A reference forward whose FFN keeps the neurons its decisions keep, a predictor's (fc1,
+    fc2 [float64], threshold: logit >= threshold) and a thresholded SwiGLU's (|SiLU(gate)| or |h|
+    above t_l), exposing the decisions within ``tie`` of their threshold as ``ties`` and taking
+    those keyed in ``flips`` the other way, as quant_models.KernelReference does for its rounding
+    ties: ``match_rounding`` and ``assert_greedy`` take it as their reference. Keys: (kind, row,
+    layer, neuron), kind "predictor" or "threshold", rows of one forward call; a KernelReference
+    underneath keeps its rounding ties beside them (its own keys). ``pairs``: the (token, neuron)
+    pairs the last forward kept, ``decided``: those each kind kept."""
+
+    def __init__(self, ref, predictors: tuple | None = None, tie: float = TIE) -> None:  # noqa: ANN001
+        self.ref, self.pred, self.tie, self.cfg = ref, predictors, tie, ref.cfg
+        self.thresholds = ref.thresholds
+        self.flips: frozenset = frozenset()
+        self.ties: list[tuple[float, tuple]] = []
+        self.pairs, self.decided = 0, {}
+
+    def new_cache(self):  # noqa: ANN201
+        return self.ref.new_cache()
+
+    def forward(self, tokens, cache, hooks=None) -> torch.Tensor:  # noqa: ANN001
+        assert hooks is None, "DecisionReference applies its own decisions"
+        self.ties, self.pairs, self.decided = [], 0, dict.fromkeys(DECISIONS, 0)
+        rounding = hasattr(self.ref, "flips")
+        if rounding:
+            self.ref.flips = frozenset(k for k in self.flips if k[0] not in DECISIONS)
+        self.ref.thresholds = None  # decided in mask(), where a decision can be flipped either way
+        try:
+            out = self.ref.forward(tokens, cache, self)
+        finally:
+            self.ref.thresholds = self.thresholds
+            if rounding:
+                self.ties += self.ref.ties
+                self.ref.flips = frozenset()
+        return out
+
+    def mask(self, l: int, pred_in: torch.Tensor) -> torch.Tensor:
+        keep = torch.ones(pred_in.shape[0], self.cfg.n_ff, dtype=torch.bool)
+        if self.pred is not None:
+            fc1, fc2, thr = self.pred
+            x = pred_in.double()
+            logit = torch.relu(x @ fc1[l].T) @ fc2[l].T  # [T, F]
+            scale = (x.abs() @ fc1[l].abs().T) @ fc2[l].abs().T
+            keep &= self._decide("predictor", l, logit >= thr, (logit - thr).abs() / scale.clamp_min(1e-30))
+        if self.thresholds is not None:
+            _, gate, h = self.ref.ffn_pre(l, self.ref.ffn_input(l, pred_in))
+            crit = threshold_criterion(self.ref.threshold_on, gate, h)
+            margin = decision_margins(self.ref, l, pred_in, thresholds=self.thresholds)
+            keep &= self._decide("threshold", l, crit > self.thresholds[l], margin)
+        self.pairs += int(keep.sum())
+        return keep
+
+    def observe(self, l: int, pred_in: torch.Tensor, h: torch.Tensor) -> None:
+        pass
+
+    def _decide(self, kind: str, l: int, active: torch.Tensor, margin: torch.Tensor) -> torch.Tensor:
+        active = active.clone()
+        for k, row, fl, j in self.flips:
+            if (k, fl) == (kind, l):
+                active[row, j] = ~active[row, j]
+        self.ties += [(float(margin[r, j]), (kind, r, l, j)) for r, j in (margin < self.tie).nonzero().tolist()]
+        self.decided[kind] += int(active.sum())
+        return active
+
+
+def predictor_weights(mf, n_layer: int, threshold: float) -> tuple:  # noqa: ANN001
+    """(fc1, fc2 [float64] per layer, threshold) of a ModelFile's predictors, for TieCounts and
+    DecisionReference."""
+    return ([mf.layer(K.FC1, l, dtype=torch.float64) for l in range(n_layer)],
+            [mf.layer(K.FC2, l, dtype=torch.float64) for l in range(n_layer)], threshold)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from quant_models import KernelReference
-from ties import TieCounts, assert_greedy, match_counts
+from quant_models import KernelReference, match_rounding
+from ties import DecisionReference, TieCounts, assert_greedy, match_counts, predictor_weights
 
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import write_tiny_model
@@ -84,3 +84,28 @@ def test_greedy_tokens_allow_ties_only(tmp_path):
     with pytest.raises(AssertionError, match="step 2: token"):
         assert_greedy(ref, prompt, other)  # a real error: the runner-up is not within 1e-4
     assert assert_greedy(ref, prompt, other, tie=2 * gap)[0] == 1  # as if its gap were a tie
+
+
+def test_a_flipped_predictor_decision_is_explained_and_a_planted_logit_error_is_not(tmp_path):
+    """DecisionReference under match_rounding: logits of the reference with its closest predictor
+    decision taken the other way (as another CPU may) are explained by that flip; an error of
+    1 % of the largest logit is not."""
+    from powerinfer_ray.model.gguf_file import ModelFile
+
+    path = write_tiny_model(tmp_path / "p.gguf", "llama-reglu", seed=2, n_layer=2, predictor_rank=16)
+    ref = ReferenceModel.from_file(path, dtype=torch.float64)
+    tokens, at = list(range(30, 42)), [7, 11]
+    wide = DecisionReference(ref, predictor_weights(ModelFile(path), 2, 0.5), tie=1.0)
+    plain = wide.forward(tokens, wide.new_cache())
+    for margin, key in sorted(wide.ties):  # the closest decision whose other side moves the logits
+        wide.flips = frozenset({key})
+        flipped = wide.forward(tokens, wide.new_cache())
+        if max(float((flipped[i] - plain[i]).abs().max() / plain[i].abs().max()) for i in at) > 1e-4:
+            break
+    got = [flipped[i].numpy() for i in at]
+    masked = DecisionReference(ref, predictor_weights(ModelFile(path), 2, 0.5), tie=2 * margin)
+    errs, flips = match_rounding(masked, tokens, got, at)
+    assert max(errs) < 1e-5 and flips == {key}
+    got[1] = got[1] + 0.01 * np.abs(got[1]).max()
+    errs, _ = match_rounding(masked, tokens, got, at)
+    assert errs[1] > 1e-3

@@ -23,7 +23,7 @@ from powerinfer_ray.offline.solve import solve_for_model
 from powerinfer_ray.placement.gpuidx import read_gpuidx
 from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
 from powerinfer_ray.runtime.plan import Plan
-from ties import assert_counts
+from ties import assert_counts, predictor_weights
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14], list(range(30, 42)), [200, 1, 2, 3]]
 NEXT = [[11, 12, 13], [40, 41, 42], [7, 99, 150]]  # three decode steps of all three sequences
@@ -36,12 +36,7 @@ def _assert_counts(ref, got: np.ndarray, sequences=SEQUENCES, predictors: bool =
                    threshold: float = 0.0) -> np.ndarray:
     """Assert the engine's counts ``got`` are the reference's over ``sequences`` (each on its own),
     up to decisions within rounding of their threshold (``ties.assert_counts``); returns them."""
-    pred = None
-    if predictors:
-        mf = ModelFile(ref.path)
-        L = ref.cfg.n_layer
-        pred = ([mf.layer(K.FC1, l, dtype=torch.float64) for l in range(L)],
-                [mf.layer(K.FC2, l, dtype=torch.float64) for l in range(L)], threshold)
+    pred = predictor_weights(ModelFile(ref.path), ref.cfg.n_layer, threshold) if predictors else None
     return assert_counts(ref, sequences, got, pred)
 
 
