@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # Quick start: run the test suite (GPU tests skip without CUDA). Extra arguments go to pytest.
 #
-# scripts/test.sh --portable [pytest args]: the suite once per condition below, as on CPUs other
-# than this one: the fp32 rounding of the CPU kernels follows their vector code (csrc/simd.h,
-# csrc/quant.h: AVX-512, AVX2 + FMA, or portable C++ without FMA), torch's follows its kernels' ISA
-# (ATen, MKL, oneDNN) and how many threads split a sum. Each run covers one kernel build; the
-# thread counts alternate, so every build and both counts appear; the plain command is the native
-# build at the machine's thread count. A summary line per condition comes at the end.
+# scripts/test.sh --portable [pytest args]: the suite once per condition below, as on x86-64 CPUs
+# other than this one. How fp32 sums round depends on the CPU kernels' vector code (csrc/simd.h,
+# csrc/quant.h: AVX-512 with FMA, AVX2 with FMA, or portable C++ without FMA; built with
+# POWERINFER_RAY_CPU_CFLAGS), on the ISA of torch's own kernels (ATen, MKL, oneDNN: held to the
+# same level) and on how many threads split a sum (OMP_NUM_THREADS: 1 and 4, even on 2 cores,
+# tests/conftest.py). Three runs cross the three builds with the two thread counts, so each build
+# and each count is run once (six runs would cover every pair, at twice the time); the plain
+# command is the native build at the machine's thread count. A decision at a threshold (a
+# neuron's activity, a predictor's mask, a greedy token) may go either way where its value lies
+# within rounding: tests compare with those ties allowed (tests/ties.py,
+# tests/quant_models.py match_rounding). A summary line per condition comes at the end; the exit
+# status is 1 if any run failed. CI (.ci/run) runs the plain command.
 set -e
 cd "$(dirname "$0")/.."
 source scripts/setup-venv.sh test
