@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from powerinfer_ray.model import gguf_keys as K
 from powerinfer_ray.model.costs import model_costs
 from powerinfer_ray.model.gguf_file import ModelFile
 from powerinfer_ray.model.reference import ReferenceModel
