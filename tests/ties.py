@@ -9,9 +9,11 @@ runs the suite so). These helpers accept exactly those decisions, as ``quant_mod
 does for logits, and fail on any other difference (tests/unit/test_ties.py plants such errors).
 
 ``assert_greedy``: every token is the reference's greedy choice or within ``tie`` of it, the
-reference continuing along the tokens given. ``match_counts``: activation counts equal the
+reference continuing along the tokens given. ``DecisionReference``: a predictor's or a SwiGLU's
+decisions as ties that ``match_rounding`` flips. ``match_counts``: activation counts equal the
 reference's once it has taken the other side of decisions within ``tie`` of their threshold
-(and, for a ``KernelReference``, of the Q8_0 rounding ties of its activations).
+(and, for a ``KernelReference``, of the Q8_0 rounding ties of its activations). ``tie_mask``:
+where a reference's activations are within rounding.
 """
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ class FullForward:
         return self.logits_of(list(cache))
 
 
-# --- activation counts ----------------------------------------------------------------------------
+# --- decisions ----------------------------------------------------------------------------------
 def decision_margins(ref, l: int, pred_in: torch.Tensor, values: bool = False,  # noqa: ANN001
                      thresholds: Sequence[float] | None = None) -> torch.Tensor:
     """[T, F]: how far, relative to the size of its sums' rounding, each neuron's activity decision
@@ -142,73 +144,115 @@ def tie_mask(ref, windows: Sequence[Sequence[int]], values: bool = True, tie: fl
     return np.stack([torch.cat(rows).numpy() for rows in out])
 
 
-class TieCounts:
-    """FFNHooks counting, per layer and neuron, the tokens whose activation is nonzero; with
-    predictors (fc1, fc2 [float64], threshold) the predictor's decisions instead, which then
-    also mask the FFN, as the engine's do. Each decision's relative margin from its threshold
-    (``decision_margins``) goes to ``ties`` when under ``tie``; decisions keyed in ``flips``
-    ((call, layer, row, neuron), ``call`` set by the caller per forward) are taken the other way."""
+DECISIONS = ("predictor", "threshold", "active")
 
-    def __init__(self, ref, predictors: tuple | None = None, flips: frozenset = frozenset(),  # noqa: ANN001
-                 tie: float = TIE) -> None:
-        cfg = ref.cfg
-        self.ref, self.pred, self.flips, self.tie = ref, predictors, flips, tie
-        self.counts = np.zeros((cfg.n_layer, cfg.n_ff), np.int64)
+
+class DecisionReference:
+    """A reference forward whose FFN keeps the neurons its decisions keep, a predictor's (fc1,
+    fc2 [float64], threshold: logit >= threshold) and a thresholded SwiGLU's (|SiLU(gate)| or |h|
+    above t_l), exposing the decisions within ``tie`` of their threshold as ``ties`` and taking
+    those keyed in ``flips`` the other way, as quant_models.KernelReference does for its rounding
+    ties: ``match_rounding`` and ``assert_greedy`` take it as their reference. Keys: (kind, row,
+    layer, neuron), rows of one forward call; kind "predictor", "threshold", or "active" (a
+    neuron's activation nonzero: counted, never fed back, for an activation within rounding of
+    its threshold is within rounding of zero). A KernelReference underneath keeps its rounding
+    ties beside them (its own keys). ``counts[kind]`` [L, F]: the tokens each decision kept in
+    the last forward."""
+
+    def __init__(self, ref, predictors: tuple | None = None, tie: float = TIE) -> None:  # noqa: ANN001
+        self.ref, self.pred, self.tie, self.cfg = ref, predictors, tie, ref.cfg
+        self.thresholds = ref.thresholds
+        self.flips: frozenset = frozenset()
         self.ties: list[tuple[float, tuple]] = []
-        self.call = 0
+        self.counts: dict[str, np.ndarray] = {}
 
-    def mask(self, l: int, pred_in: torch.Tensor) -> torch.Tensor | None:
-        if self.pred is None:
-            return None
-        fc1, fc2, thr = self.pred
-        x = pred_in.double()
-        logit = torch.relu(x @ fc1[l].T) @ fc2[l].T  # [T, F]
-        scale = (x.abs() @ fc1[l].abs().T) @ fc2[l].abs().T  # [T, F]: the size of the sums' rounding
-        m = self._decide(l, logit >= thr, (logit - thr).abs() / scale.clamp_min(1e-30))
-        self.counts[l] += m.sum(0).numpy()
-        return m
+    def new_cache(self):  # noqa: ANN201
+        return self.ref.new_cache()
+
+    def forward(self, tokens, cache, hooks=None) -> torch.Tensor:  # noqa: ANN001
+        assert hooks is None, "DecisionReference applies its own decisions"
+        self.ties = []
+        self.counts = {k: np.zeros((self.cfg.n_layer, self.cfg.n_ff), np.int64) for k in DECISIONS}
+        rounding = hasattr(self.ref, "flips")
+        if rounding:
+            self.ref.flips = frozenset(k for k in self.flips if k[0] not in DECISIONS)
+        self.ref.thresholds = None  # decided in mask(), where a decision can be flipped either way
+        try:
+            out = self.ref.forward(tokens, cache, self)
+        finally:
+            self.ref.thresholds = self.thresholds
+            if rounding:
+                self.ties += self.ref.ties
+                self.ref.flips = frozenset()
+        return out
+
+    def mask(self, l: int, pred_in: torch.Tensor) -> torch.Tensor:
+        keep = torch.ones(pred_in.shape[0], self.cfg.n_ff, dtype=torch.bool)
+        if self.pred is not None:
+            fc1, fc2, thr = self.pred
+            x = pred_in.double()
+            logit = torch.relu(x @ fc1[l].T) @ fc2[l].T  # [T, F]
+            scale = (x.abs() @ fc1[l].abs().T) @ fc2[l].abs().T  # the size of the sums' rounding
+            keep &= self._decide("predictor", l, logit >= thr, (logit - thr).abs() / scale.clamp_min(1e-30))
+        if self.thresholds is not None:
+            _, gate, h = self.ref.ffn_pre(l, self.ref.ffn_input(l, pred_in))
+            crit = threshold_criterion(self.ref.threshold_on, gate, h)
+            margin = decision_margins(self.ref, l, pred_in, thresholds=self.thresholds)
+            keep &= self._decide("threshold", l, crit > self.thresholds[l], margin)
+        self._keep = keep
+        return keep
 
     def observe(self, l: int, pred_in: torch.Tensor, h: torch.Tensor) -> None:
-        if self.pred is None:
-            self.counts[l] += self._decide(l, h != 0, decision_margins(self.ref, l, pred_in)).sum(0).numpy()
+        if self.thresholds is None:  # (a SwiGLU's activity is its threshold's decision)
+            self._decide("active", l, (h != 0) & self._keep, decision_margins(self.ref, l, pred_in))
 
-    def _decide(self, l: int, active: torch.Tensor, margin: torch.Tensor) -> torch.Tensor:
-        """active [T, F] with the flipped decisions of this call and layer inverted; records ties."""
+    def _decide(self, kind: str, l: int, active: torch.Tensor, margin: torch.Tensor) -> torch.Tensor:
+        """active [T, F] with this kind's flipped decisions of layer l inverted; records ties."""
         active = active.clone()
-        for c, fl, row, j in self.flips:
-            if (c, fl) == (self.call, l):
+        for k, row, fl, j in self.flips:
+            if (k, fl) == (kind, l):
                 active[row, j] = ~active[row, j]
-        for row, j in (margin < self.tie).nonzero().tolist():
-            self.ties.append((float(margin[row, j]), (self.call, l, row, j)))
+        self.ties += [(float(margin[r, j]), (kind, r, l, j)) for r, j in (margin < self.tie).nonzero().tolist()]
+        self.counts[kind][l] += active.sum(0).numpy()
         return active
 
 
+def predictor_weights(mf, n_layer: int, threshold: float) -> tuple:  # noqa: ANN001
+    """(fc1, fc2 [float64] per layer, threshold) of a ModelFile's predictors, for DecisionReference."""
+    return ([mf.layer(K.FC1, l, dtype=torch.float64) for l in range(n_layer)],
+            [mf.layer(K.FC2, l, dtype=torch.float64) for l in range(n_layer)], threshold)
+
+
+# --- activation counts ----------------------------------------------------------------------------
 def match_counts(ref, sequences: Sequence[Sequence[int]], got: np.ndarray, predictors: tuple | None = None,  # noqa: ANN001
                  tie: float = TIE, max_flips: int = 8) -> tuple[np.ndarray, frozenset]:
-    """The reference's counts over ``sequences`` (each forward on its own, TieCounts' hooks)
-    closest to ``got`` [L, F]: while they differ, a tie is flipped (closest first: a decision of a
-    neuron whose count differs, or a rounding tie of a KernelReference, which moves its later
-    decisions), and the first flip that brings the counts closer is kept, up to max_flips.
-    Returns the counts and the flips; a difference no tie explains stays in the counts."""
+    """The reference's counts over ``sequences`` (each forward on its own; the predictor's
+    decisions with ``predictors``, else the nonzero activations, as ``DecisionReference``
+    counts them) closest to ``got`` [L, F]: while they differ, a tie is flipped (closest first:
+    a decision of a neuron whose count differs, or a rounding tie of a KernelReference, which
+    moves later decisions), and the first flip that brings the counts closer is kept, up to
+    max_flips. Returns the counts and the flips ((call, key)); a difference no tie explains
+    stays in the counts."""
+    dref = DecisionReference(ref, predictors, tie)
+    kind = "predictor" if predictors is not None else "threshold" if dref.thresholds is not None else "active"
+
     def run(flips: frozenset) -> tuple[np.ndarray, list]:
-        hooks = TieCounts(ref, predictors, frozenset(k[1:] for k in flips if k[0] == "decide"), tie)
-        rounding = []
+        counts, ties = np.zeros_like(got), []
         for s, seq in enumerate(sequences):
-            hooks.call = s
-            if hasattr(ref, "flips"):  # a KernelReference: its rounding ties, keyed per forward
-                ref.flips = frozenset(k[2:] for k in flips if k[:2] == ("round", s))
-            ref.forward(list(seq), ref.new_cache(), hooks)
-            rounding += [(m, ("round", s, *key)) for m, key in set(getattr(ref, "ties", ())) if m < tie]
-        if hasattr(ref, "flips"):
-            ref.flips = frozenset()
-        return hooks.counts, sorted(rounding + [(m, ("decide", *key)) for m, key in hooks.ties])
+            dref.flips = frozenset(k for c, k in flips if c == s)
+            dref.forward(list(seq), dref.new_cache())
+            counts += dref.counts[kind]
+            ties += [(m, (s, k)) for m, k in dref.ties if m < tie]
+        return counts, sorted(ties)
+
+    def explains(key: tuple, counts: np.ndarray) -> bool:  # a rounding tie, or a decision where counts differ
+        _, k = key
+        return k[0] not in DECISIONS or (k[0] == kind and got[k[2], k[3]] != counts[k[2], k[3]])
 
     flips = frozenset()
     counts, ties = run(flips)
     while (miss := int(np.abs(got - counts).sum())) and len(flips) < max_flips:
-        candidates = [key for _, key in ties if key not in flips
-                      and (key[0] == "round" or got[key[2], key[4]] != counts[key[2], key[4]])]
-        for key in candidates:
+        for key in [k for _, k in ties if k not in flips and explains(k, counts)]:
             again, again_ties = run(flips | {key})
             if np.abs(got - again).sum() < miss:
                 flips, counts, ties = flips | {key}, again, again_ties
@@ -237,77 +281,3 @@ def assert_same_up_to_ties(ref, prompt: Sequence[int], a: Sequence[int], b: Sequ
         assert_greedy(ref, prompt, b, tie)
 
 
-# --- decisions that mask the FFN ----------------------------------------------------------------
-DECISIONS = ("predictor", "threshold")
-
-
-class DecisionReference:
-    """A reference forward whose FFN keeps the neurons its decisions keep, a predictor's (fc1,
-    fc2 [float64], threshold: logit >= threshold) and a thresholded SwiGLU's (|SiLU(gate)| or |h|
-    above t_l), exposing the decisions within ``tie`` of their threshold as ``ties`` and taking
-    those keyed in ``flips`` the other way, as quant_models.KernelReference does for its rounding
-    ties: ``match_rounding`` and ``assert_greedy`` take it as their reference. Keys: (kind, row,
-    layer, neuron), kind "predictor" or "threshold", rows of one forward call; a KernelReference
-    underneath keeps its rounding ties beside them (its own keys). ``pairs``: the (token, neuron)
-    pairs the last forward kept, ``decided``: those each kind kept."""
-
-    def __init__(self, ref, predictors: tuple | None = None, tie: float = TIE) -> None:  # noqa: ANN001
-        self.ref, self.pred, self.tie, self.cfg = ref, predictors, tie, ref.cfg
-        self.thresholds = ref.thresholds
-        self.flips: frozenset = frozenset()
-        self.ties: list[tuple[float, tuple]] = []
-        self.pairs, self.decided = 0, {}
-
-    def new_cache(self):  # noqa: ANN201
-        return self.ref.new_cache()
-
-    def forward(self, tokens, cache, hooks=None) -> torch.Tensor:  # noqa: ANN001
-        assert hooks is None, "DecisionReference applies its own decisions"
-        self.ties, self.pairs, self.decided = [], 0, dict.fromkeys(DECISIONS, 0)
-        rounding = hasattr(self.ref, "flips")
-        if rounding:
-            self.ref.flips = frozenset(k for k in self.flips if k[0] not in DECISIONS)
-        self.ref.thresholds = None  # decided in mask(), where a decision can be flipped either way
-        try:
-            out = self.ref.forward(tokens, cache, self)
-        finally:
-            self.ref.thresholds = self.thresholds
-            if rounding:
-                self.ties += self.ref.ties
-                self.ref.flips = frozenset()
-        return out
-
-    def mask(self, l: int, pred_in: torch.Tensor) -> torch.Tensor:
-        keep = torch.ones(pred_in.shape[0], self.cfg.n_ff, dtype=torch.bool)
-        if self.pred is not None:
-            fc1, fc2, thr = self.pred
-            x = pred_in.double()
-            logit = torch.relu(x @ fc1[l].T) @ fc2[l].T  # [T, F]
-            scale = (x.abs() @ fc1[l].abs().T) @ fc2[l].abs().T
-            keep &= self._decide("predictor", l, logit >= thr, (logit - thr).abs() / scale.clamp_min(1e-30))
-        if self.thresholds is not None:
-            _, gate, h = self.ref.ffn_pre(l, self.ref.ffn_input(l, pred_in))
-            crit = threshold_criterion(self.ref.threshold_on, gate, h)
-            margin = decision_margins(self.ref, l, pred_in, thresholds=self.thresholds)
-            keep &= self._decide("threshold", l, crit > self.thresholds[l], margin)
-        self.pairs += int(keep.sum())
-        return keep
-
-    def observe(self, l: int, pred_in: torch.Tensor, h: torch.Tensor) -> None:
-        pass
-
-    def _decide(self, kind: str, l: int, active: torch.Tensor, margin: torch.Tensor) -> torch.Tensor:
-        active = active.clone()
-        for k, row, fl, j in self.flips:
-            if (k, fl) == (kind, l):
-                active[row, j] = ~active[row, j]
-        self.ties += [(float(margin[r, j]), (kind, r, l, j)) for r, j in (margin < self.tie).nonzero().tolist()]
-        self.decided[kind] += int(active.sum())
-        return active
-
-
-def predictor_weights(mf, n_layer: int, threshold: float) -> tuple:  # noqa: ANN001
-    """(fc1, fc2 [float64] per layer, threshold) of a ModelFile's predictors, for TieCounts and
-    DecisionReference."""
-    return ([mf.layer(K.FC1, l, dtype=torch.float64) for l in range(n_layer)],
-            [mf.layer(K.FC2, l, dtype=torch.float64) for l in range(n_layer)], threshold)

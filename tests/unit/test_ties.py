@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 from quant_models import KernelReference, match_rounding
-from ties import DecisionReference, TieCounts, assert_greedy, match_counts, predictor_weights
+from ties import DecisionReference, assert_greedy, match_counts, predictor_weights
 
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import write_tiny_model
@@ -15,19 +15,16 @@ from powerinfer_ray.model.tiny import write_tiny_model
 SEQS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42, 43, 44]]
 
 
-def _counts(ref, flips=frozenset(), tie=1e-4, rounding=None):  # noqa: ANN001, ANN202
-    """TieCounts over SEQS; rounding (call, key): that KernelReference rounding tie taken the other
-    way in that call. Returns the hooks and the rounding ties [(margin, call, key)]."""
-    hooks, ties = TieCounts(ref, flips=flips, tie=tie), []
+def _counts(ref, flips=frozenset(), tie=1e-4):  # noqa: ANN001, ANN202
+    """DecisionReference's activity counts over SEQS with ``flips`` ((call, key)) taken the other
+    way, and its ties [(margin, (call, key))]."""
+    dref, counts, ties = DecisionReference(ref, tie=tie), 0, []
     for s, seq in enumerate(SEQS):
-        hooks.call = s
-        if rounding is not None:
-            ref.flips = frozenset({rounding[1]}) if rounding[0] == s else frozenset()
-        ref.forward(seq, ref.new_cache(), hooks)
-        ties += [(m, s, key) for m, key in set(getattr(ref, "ties", ()))]
-    if rounding is not None:
-        ref.flips = frozenset()
-    return hooks, ties
+        dref.flips = frozenset(k for c, k in flips if c == s)
+        dref.forward(seq, dref.new_cache())
+        counts = counts + dref.counts["active"]
+        ties += [(m, (s, k)) for m, k in dref.ties]
+    return counts, ties
 
 
 def test_a_flipped_decision_tie_is_explained_and_a_planted_count_is_not(tmp_path):
@@ -35,16 +32,15 @@ def test_a_flipped_decision_tie_is_explained_and_a_planted_count_is_not(tmp_path
     explained by flipping it back; one more count at a neuron whose decisions are far from zero is not."""
     ref = ReferenceModel.from_file(write_tiny_model(tmp_path / "m.gguf", "llama-reglu", seed=3, n_layer=2),
                                    dtype=torch.float64)
-    plain = _counts(ref, tie=1.0)[0]
-    margin, key = min(plain.ties)  # the decision closest to its threshold, whatever it is
+    plain, ties = _counts(ref, tie=1.0)
+    margin, key = min(t for t in ties if t[1][1][0] == "active")  # the decision closest to its threshold
     tie = 2 * margin
-    got = _counts(ref, flips=frozenset({key}), tie=tie)[0].counts
-    assert np.abs(got - plain.counts).sum() == 1
+    got = _counts(ref, flips=frozenset({key}), tie=tie)[0]
+    assert np.abs(got - plain).sum() == 1
     want, flips = match_counts(ref, SEQS, got, tie=tie)
     assert np.array_equal(want, got) and len(flips) == 1
-    far = _counts(ref, tie=tie)[0]
     safe = np.ones_like(got, dtype=bool)
-    for _, (_, l, _, j) in far.ties:
+    for _, (_, (_, _, l, j)) in _counts(ref, tie=tie)[1]:
         safe[l, j] = False
     l, j = np.argwhere(safe & (got < len(SEQS[0]) + len(SEQS[1])))[0]
     got[l, j] += 1  # a real error: no decision of this neuron is near its threshold
@@ -59,15 +55,15 @@ def test_a_rounding_tie_moves_later_counts_and_is_explained(tmp_path):
     ref = KernelReference.from_file(write_tiny_model(tmp_path / "q.gguf", "llama-reglu", seed=1, n_layer=2,
                                                      n_embd=64, dtype="q8_0"))
     ref.TIE = 1e-2  # wide: some rounding decisions of these few tokens are within it
-    plain, ties = _counts(ref, tie=0.0)
-    for _, s, key in sorted(ties):  # the first rounding tie whose other side changes a count
-        got = _counts(ref, tie=0.0, rounding=(s, key))[0].counts
-        if (got != plain.counts).any():
+    plain, ties = _counts(ref, tie=0.0)  # the rounding ties only
+    for _, key in sorted(ties):  # the first rounding tie whose other side changes a count
+        got = _counts(ref, flips=frozenset({key}), tie=0.0)[0]
+        if (got != plain).any():
             break
     else:
         pytest.fail("no rounding tie changes a count: widen ref.TIE")
     want, flips = match_counts(ref, SEQS, got, tie=1e-2)
-    assert np.array_equal(want, got) and any(k[0] == "round" for k in flips)
+    assert np.array_equal(want, got) and all(k[0] not in ("predictor", "threshold", "active") for _, k in flips)
     want, _ = match_counts(ref, SEQS, got, tie=0.0)
     assert not np.array_equal(want, got)
 
