@@ -110,7 +110,7 @@ def test_exact_modes_equal_the_thresholded_reference_on_every_split(trained, pol
     assert max(errs) < 1e-4, (errs, flips)
     masked.flips = flips  # the thresholded mask (with the runtime's sides of its ties), no neuron more or less
     masked.forward(PROMPT + DECODE, masked.new_cache())
-    assert computed == masked.pairs
+    assert computed == masked.counts["threshold"].sum()
     n_all = (len(PROMPT) + len(DECODE)) * ref.cfg.n_ff * ref.cfg.n_layer
     assert 0.4 < computed / n_all < 0.6  # calibrated for 0.5 sparsity on other text
 
@@ -171,7 +171,7 @@ def test_predicted_mode_equals_the_thresholded_reference_under_the_same_predicti
     assert max(errs) < 1e-4, (errs, flips)
     masked.flips = flips
     want = masked.forward(PROMPT + DECODE, masked.new_cache())
-    assert computed == masked.decided["predictor"]
+    assert computed == masked.counts["predictor"].sum()
     # the threshold matters: without it (the dense reference under the same masks) the logits differ
     dense = ReferenceModel.from_file(with_predictors, thresholded=False)
     assert (want[-1] - _want(dense, PROMPT, DECODE, 8, ActivePairs(_predictor_mask(dense, thr)))[-1]).abs().max() > 1e-2
