@@ -1,6 +1,6 @@
 """``powerinfer-ray convert`` of random HF SwiGLU models (Llama with SiLU, Qwen2), then the engine that
 ``powerinfer-ray generate`` starts (dense: no predictors, no thresholds), on a real local Ray, split
-between the primary and a CPU executor: greedy token ids equal HF transformers' greedy ids."""
+between the primary and a CPU executor: greedy token ids are HF transformers' greedy ids, up to rounding ties."""
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,5 @@
 """``powerinfer-ray generate`` on a model converted from HF transformers: the token ids it prints
-(``--json``, ``--print-token-ids``) equal HF's own greedy ids for the dense and the oracle policy,
+(``--json``, ``--print-token-ids``) are HF's own greedy ids (up to rounding ties) for the dense and the oracle policy,
 and on a host without a GPU its timings say that the primary ran on the CPU."""
 from __future__ import annotations
 
