@@ -43,7 +43,7 @@ for c in "${CONDITIONS[@]}"; do
     env "${env[@]}" python -m pytest -q -ra "$@" 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
     set -e
-    summary+=("$name (${env[*]}): rc=$rc: $(grep -E '^=+ .*(passed|failed|error).* =+$' "$log" | tail -1)")
+    summary+=("$name (${env[*]}): rc=$rc: $(grep -E '[0-9]+ (passed|failed|errors?)' "$log" | tail -1)")
     rm -f "$log"
     [ "$rc" -ne 0 ] && status=1
 done
