@@ -88,9 +88,9 @@ class GpuIndex:
     def capacity_meaning(self, costs: ModelCosts) -> str:
         """What split.vram_capacity holds: "ffn", upstream's meaning (upstream's files, PWRI magic:
         the FFN budget it solved for; ours: the FFN bytes of the split), or "budget", the whole
-        VRAM budget (our files before VRAM_BUDGET_KEY, written beside a model by the engine; the
-        solve command's held FFN bytes). A whole budget holds the dense parts (embeddings, output
-        head, norms) beside the split's FFN rows."""
+        VRAM budget, as the engine wrote it beside a model before VRAM_BUDGET_KEY (the solve
+        command wrote FFN bytes). A whole budget holds the dense parts (embeddings, output head,
+        norms) beside the split's FFN rows; FFN bytes do not."""
         if self.budget_bytes is not None or self.magic == b"PWRI":
             return "ffn"
         return "budget" if self.vram_capacity >= self.ffn_bytes(costs) + costs.dense_bytes else "ffn"

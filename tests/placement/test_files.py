@@ -119,6 +119,25 @@ def test_gpuidx_bad_files(tmp_path, tensors, match):
         read_gpuidx(path)
 
 
+def test_our_keys_round_trip_and_bad_groups_are_named(tmp_path):
+    groups = np.array([[True, False], [False, False], [True, True]])
+    write_gpuidx(tmp_path / "o.gpuidx", MASKS, 5, budget_bytes=1 << 30, gpu_attention=groups)
+    index = read_gpuidx(tmp_path / "o.gpuidx", n_ff=[5, 5, 5])
+    assert index.budget_bytes == 1 << 30 and index.gpu_attention.tolist() == groups.tolist()
+    assert index.vram_capacity == 5 and index.magic == b"GGUF"
+    with pytest.raises(GpuIndexError, match=r"gpu_attention: expected a bool array \[3, K\]"):
+        write_gpuidx(tmp_path / "b.gpuidx", MASKS, 5, gpu_attention=groups[:2])
+    w = gguf.GGUFWriter(str(tmp_path / "b.gpuidx"), "generic.gpu_index")
+    w.add_uint64("split.vram_capacity", 5)
+    w.add_array("powerinfer_ray.split.gpu_attention", [1, 0, 2, 1])  # 2 of 3 layers, a 2
+    for l, m in enumerate(MASKS):
+        w.add_tensor(f"blk.{l}.gpu_idx", m.astype(np.int32), raw_dtype=gguf.GGMLQuantizationType(18))
+        w.add_tensor(f"blk.{l}.gpu_bucket", np.flatnonzero(m).astype(np.int32), raw_dtype=gguf.GGMLQuantizationType(18))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(GpuIndexError, match="b.gpuidx: powerinfer_ray.split.gpu_attention expected 0/1 values"):
+        read_gpuidx(tmp_path / "b.gpuidx")
+
+
 def test_gpuidx_wrong_magic_and_shape(tmp_path):
     path = tmp_path / "x.gpuidx"
     path.write_bytes(b"NOPE" + bytes(20))
