@@ -29,13 +29,13 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def path(tmp_path_factory):
+def model_path(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("serve") / "m.gguf", "llama-gqa", seed=5, n_layer=2, n_ctx=N_CTX)
 
 
 @pytest.fixture(scope="module")
-def engine(engines, path):
-    return engines(ENGINE, path, policy="dense", threads=1, max_batch=MAX_BATCH, max_waiting=MAX_WAITING,
+def engine(engines, model_path):
+    return engines(ENGINE, model_path, policy="dense", threads=1, max_batch=MAX_BATCH, max_waiting=MAX_WAITING,
                    n_ctx=N_CTX)
 
 
@@ -159,7 +159,7 @@ def test_sse_wire_format(url):
     assert all(e.startswith("data: {") for e in events[:-2])
 
 
-def test_sixteen_concurrent_requests_equal_running_them_alone(engine, client, path):
+def test_sixteen_concurrent_requests_equal_running_them_alone(engine, client, model_path):
     prompts = [f"request {i}: " + "ab" * i for i in range(16)]
     alone = [_direct(engine, p, max_tokens=10, temperature=0) for p in prompts]
 
@@ -170,7 +170,7 @@ def test_sixteen_concurrent_requests_equal_running_them_alone(engine, client, pa
     with ThreadPoolExecutor(16) as pool:
         outs = list(pool.map(one, prompts))
     assert len({o.id for o in outs}) == 16
-    ref = ReferenceModel.from_file(path, dtype=torch.float64)
+    ref = ReferenceModel.from_file(model_path, dtype=torch.float64)
     for want, got in zip(alone, outs):
         assert_same_up_to_ties(ref, want["prompt_token_ids"], want["token_ids"], got.choices[0].token_ids)
     assert _wait_idle(engine)["running"] == 0
