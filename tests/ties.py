@@ -91,19 +91,16 @@ def decision_margins(ref, l: int, pred_in: torch.Tensor, values: bool = False,  
     thresholded SwiGLU's |SiLU(gate)| or |h| against t_l (inf: a dense SwiGLU decides nothing).
     ``values``: also how far each factor of h (gate, up) lies from zero, under which h itself is
     all rounding (a cancellation). ``thresholds``: a SwiGLU's, when ``ref`` runs without them."""
+    x = ref.ffn_input(l, pred_in).double()
+    pre = lambda tmpl: _pre(ref, l, x, tmpl)  # noqa: E731
+    near_zero = lambda tmpls: [v.abs() / sc.clamp_min(1e-30) for v, sc in map(pre, tmpls)]  # noqa: E731
     if values:
         factors = [K.FFN_UP] + ([K.FFN_GATE] if ref.cfg.gated else [])
-        x = ref.ffn_input(l, pred_in).double()
-        sums = [_pre(ref, l, x, t) for t in factors]
-        return torch.stack([decision_margins(ref, l, pred_in, thresholds=thresholds)]
-                           + [v.abs() / sc.clamp_min(1e-30) for v, sc in sums]).amin(0)
-    x = ref.ffn_input(l, pred_in).double()
-
-    pre = lambda tmpl: _pre(ref, l, x, tmpl)  # noqa: E731
+        return torch.stack([decision_margins(ref, l, pred_in, thresholds=thresholds)] + near_zero(factors)).amin(0)
     act = ref.cfg.ffn_act
     if act != "swiglu":
-        sums = [pre(t) for t in {"relu": [K.FFN_UP], "reglu": [K.FFN_GATE], "drelu": [K.FFN_GATE, K.FFN_UP]}[act]]
-        return torch.stack([v.abs() / sc.clamp_min(1e-30) for v, sc in sums]).amin(0)
+        return torch.stack(near_zero({"relu": [K.FFN_UP], "reglu": [K.FFN_GATE],
+                                      "drelu": [K.FFN_GATE, K.FFN_UP]}[act])).amin(0)
     thresholds = ref.thresholds if thresholds is None else thresholds
     if thresholds is None:
         return torch.full((x.shape[0], ref.cfg.n_ff), torch.inf, dtype=torch.float64)
