@@ -8,6 +8,7 @@ import urllib.request
 
 import numpy as np
 import ray
+from ties import assert_greedy
 
 from powerinfer_ray.actors.coordinator import Coordinator
 from powerinfer_ray.model.costs import model_costs
@@ -40,7 +41,8 @@ def test_a_bad_split_follows_the_traffic_and_shows_on_stats_and_metrics(ray_clus
         for i in range(12):  # until the move is done, and one interval after it
             p = prompts[i % 3]
             out = ray.get(eng.generate.remote(prompt_token_ids=p, max_tokens=24, temperature=0, ignore_eos=True))
-            assert out["token_ids"] == ref.generate_greedy(p, 24), i
+            assert len(out["token_ids"]) == 24, i
+            assert_greedy(ref, p, out["token_ids"])
             st = ray.get(eng.stats.remote())["replacement"]
             hist = st["gpu_share_history"]
             if st["neurons_moved"] and not st["queued_pauses"] and len(hist) >= 2 and hist[-1]["tokens"] > 0 \
