@@ -3,6 +3,7 @@ executors' counts between steps, solves in its own process and has both executor
 neurons between steps; stats() and /metrics show it."""
 from __future__ import annotations
 
+import itertools
 import time
 import urllib.request
 
@@ -38,7 +39,7 @@ def test_a_bad_split_follows_the_traffic_and_shows_on_stats_and_metrics(ray_clus
         rng = np.random.default_rng(1)
         prompts = [rng.integers(3, ref.cfg.n_vocab, 10).tolist() for _ in range(3)]
         deadline, st = time.time() + 180, {}
-        for i in range(12):  # until the move is done, and one interval after it
+        for i in itertools.count():  # until the move is done, and one interval after it
             p = prompts[i % 3]
             out = ray.get(eng.generate.remote(prompt_token_ids=p, max_tokens=24, temperature=0, ignore_eos=True))
             assert len(out["token_ids"]) == 24, i
@@ -48,7 +49,10 @@ def test_a_bad_split_follows_the_traffic_and_shows_on_stats_and_metrics(ray_clus
             if st["neurons_moved"] and not st["queued_pauses"] and len(hist) >= 2 and hist[-1]["tokens"] > 0 \
                     and st["pauses"] and hist[-1]["gpu_share"] > hist[0]["gpu_share"] + 0.3:
                 break
-            assert time.time() < deadline
+            while st["solving"] and time.time() < deadline:  # a loaded machine: the solve outlasts the traffic
+                time.sleep(0.2)
+                st = ray.get(eng.stats.remote())["replacement"]
+            assert time.time() < deadline, st
         assert st["accepted"] >= 1 and st["neurons_moved"] > 0, st
         assert st["gpu_share_history"][-1]["gpu_share"] > st["gpu_share_history"][0]["gpu_share"] + 0.3, st
         url = f"http://127.0.0.1:{ray_cluster.metrics_port}/metrics"

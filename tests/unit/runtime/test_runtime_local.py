@@ -128,7 +128,8 @@ def test_prefill_share_streams_the_hottest_rows_and_equals_the_masked_reference(
     plan = _plans(cfg)["split-heads"]
     monkeypatch.setattr(cold_module, "STREAM_BYTES", 5 * cfg.neuron_bytes)
     prompt = list(range(3, 23))
-    full = ref.forward(prompt + [9], ref.new_cache(), hooks=_PredictorMask(ref, thr))
+    masked = DecisionReference(ref, predictor_weights(ModelFile(path), cfg.n_layer, thr))
+    full = masked.forward(prompt + [9], masked.new_cache())
     runs = {}
     for share in (0.0, 0.4, 1.0):
         eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="predictor", threshold=thr, prefill_chunk=32,
