@@ -38,6 +38,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the drivers share model_bench's helpers
 from model_bench import ROOT, model_source, write_results
 
 GIB = 1 << 30
@@ -151,7 +152,8 @@ def serve(eng: Any, a: argparse.Namespace, prompts: Iterator[list[int]], tokens:
                  for p in batch])
         done += sum(len(p) for p in batch) + a.batch * a.output
     s1 = ray.get(eng.stats.remote())
-    d = lambda part, key: float(s1[part].get(key, 0)) - float(s0[part].get(key, 0))  # noqa: E731
+    # (a budget that holds the whole model starts no CPU executor: its part is absent)
+    d = lambda part, key: float(s1.get(part, {}).get(key, 0)) - float(s0.get(part, {}).get(key, 0))  # noqa: E731
     gpu = d("gpu_executor", "neurons")
     cpu = d("cpu_executor", "neurons") + d("gpu_executor", "cold_neurons")
     return {"served_tokens": done, "wall_s": time.perf_counter() - t0,
