@@ -174,6 +174,8 @@ def _up_gemv_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_p
     pid = tl.program_id(0)
     if HAS_NACT:
         K = tl.minimum(tl.load(nact_ptr), K)
+    if pid * BK >= K:  # past the active rows (the grid covers the shard's capacity): no masked D loop
+        return
     offs_k, kmask, rows = _block_rows(idx_ptr, pid, K, BK)  # [BK]
     u, g = _rows_dot_x(x_ptr, up_ptr, gate_ptr, rows, kmask, D, s_up, s_gate, HAS_GATE, QT, BK, BD)  # [BK]
     if GPRE:
@@ -215,6 +217,8 @@ def _up_dot_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_pt
     pid = tl.program_id(0)
     if HAS_NACT:
         K = tl.minimum(tl.load(nact_ptr), K)
+    if pid * BK >= K:  # past the active rows: no masked tl.dot loop
+        return
     offs_k, kmask, rows = _block_rows(idx_ptr, pid, K, BK)  # [BK]
     offs_t = tl.arange(0, TP)  # [TP]
     tmask = offs_t < T
