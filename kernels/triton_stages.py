@@ -6,7 +6,8 @@ BK rows per tile, BD columns per tile.
 
 Two launches, no atomics, no memset, fp32 accumulation:
   1. up stage, grid cdiv(K, BK): a program owns BK active neurons, streams their up (and gate)
-     rows over D once, and writes h [T, K] fp32 = mask * act(gate . x, up . x + b).
+     rows over D once, and writes h [T, K] fp32 = mask * act(gate . x, up . x + b). K is the
+     index's capacity; a program past the device count n_active returns at once.
   2. down stage, grid cdiv(D, BD): a program owns BD output columns, streams the BD-wide slices
      of all active down_t rows, and writes y [T, BD] in y's dtype. A row whose h is zero for every
      token is not loaded (masked loads issue no memory traffic).
