@@ -15,6 +15,21 @@ from powerinfer_ray.runtime.engine import LocalEngine
 pytestmark = pytest.mark.gpu
 
 
+def _engine_above_the_minimum(tmp_path, preset: str, ec: dict) -> tuple[LocalEngine, float, int]:  # noqa: ANN001
+    """The planted preset as a model file (4 layers), its engine under a budget 30 % above the
+    solver's minimum for that engine, the budget, and torch's allocation before the engine (its
+    peak counter reset there)."""
+    spec = str(write_planted_gguf(f"{preset}&layers=4", tmp_path / "m.gguf", progress=False,
+                                  stats_dir=tmp_path / "activation", n_tokens=10_000))
+    with pytest.raises(InfeasibleBudgetError) as exc:
+        resolve_plan(EngineConfig(spec, vram_budget_gib=1e-6, **ec))
+    budget = exc.value.min_budget_bytes * 1.3
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    return LocalEngine(EngineConfig(spec, vram_budget_gib=budget / GIB, **ec)), budget, base
+
+
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
 def test_cuda_vram_budget_holds_measured_for_quantized(qtype, tmp_path):
     """A 7B-shape model file (4 layers) quantized, under a budget 30 % above the solver's minimum:
@@ -22,16 +37,8 @@ def test_cuda_vram_budget_holds_measured_for_quantized(qtype, tmp_path):
     blocks streamed to the GPU) and decodes 16 steps as graphs is within budget + 2 %. From a file,
     as users run it: a planted model generates its rows on the GPU as it loads (~1.7 GB of
     temporaries at this shape), which is the generator's memory, not the engine's."""
-    spec = str(write_planted_gguf(f"llama2-7b?dtype={qtype}&layers=4", tmp_path / "m.gguf", progress=False,
-                                  stats_dir=tmp_path / "activation", n_tokens=10_000))
     ec = dict(device="cuda", max_batch=1, n_ctx=128, policy="predictor")
-    with pytest.raises(InfeasibleBudgetError) as exc:
-        resolve_plan(EngineConfig(spec, vram_budget_gib=1e-6, **ec))
-    budget = exc.value.min_budget_bytes * 1.3
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    eng = LocalEngine(EngineConfig(spec, vram_budget_gib=budget / GIB, **ec))
+    eng, budget, base = _engine_above_the_minimum(tmp_path, f"llama2-7b?dtype={qtype}", ec)
     try:
         assert sum(len(lp.cpu_neurons) for lp in eng.primary.plan.layers) > 0  # a hybrid split
         prompt = list(range(5, 69))
@@ -61,17 +68,9 @@ def test_cuda_vram_budget_holds_at_the_largest_batch(tmp_path):
     streamed, the CPU executor the rest) and decodes the 32 sequences together stays within budget +
     2 %, and the weights and KV cache within the budget: the plan reserved the KV cache, the graphs
     and the workspaces of that batch (``runtime.workspace``)."""
-    spec = str(write_planted_gguf("llama2-7b?dtype=f16&layers=4", tmp_path / "m.gguf", progress=False,
-                                  stats_dir=tmp_path / "activation", n_tokens=10_000))
     chunk, B = 512, 32
     ec = dict(device="cuda", max_batch=B, n_ctx=chunk + 16, prefill_chunk=chunk, policy="predictor")
-    with pytest.raises(InfeasibleBudgetError) as exc:
-        resolve_plan(EngineConfig(spec, vram_budget_gib=1e-6, **ec))
-    budget = exc.value.min_budget_bytes * 1.3
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    eng = LocalEngine(EngineConfig(spec, vram_budget_gib=budget / GIB, **ec))
+    eng, budget, base = _engine_above_the_minimum(tmp_path, "llama2-7b?dtype=f16", ec)
     try:
         p = eng.primary
         assert sum(len(lp.cpu_neurons) for lp in p.plan.layers) > 0  # a hybrid split
