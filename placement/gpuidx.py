@@ -42,7 +42,7 @@ import gguf
 import numpy as np
 
 from .costs import ModelCosts
-from .result import Placement, PlacementError
+from .result import Placement, PlacementError, ffn_bytes_of
 
 # --- split-file names (the one place they are spelled) ------------------------------------------
 GPUIDX_SUFFIX = ".generated.gpuidx"  # <model file> + this
@@ -83,7 +83,7 @@ class GpuIndex:
 
     def ffn_bytes(self, costs: ModelCosts) -> int:
         """Bytes of the FFN rows the masks put on the GPU (what upstream loads for them)."""
-        return sum(int(np.count_nonzero(m)) * b for m, b in zip(self.gpu_neurons, costs.neuron_bytes))
+        return ffn_bytes_of(self.gpu_neurons, costs)
 
     def capacity_meaning(self, costs: ModelCosts) -> str:
         """What split.vram_capacity holds: "ffn", upstream's meaning (upstream's files, PWRI magic:

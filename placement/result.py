@@ -59,11 +59,10 @@ class Placement:
         return np.flatnonzero(self.gpu_neurons[layer]).astype(np.int32)
 
     def gpu_ffn_bytes(self, costs: ModelCosts) -> int:
-        return sum(n * b for n, b in zip(self.gpu_counts(), costs.neuron_bytes))
+        return ffn_bytes_of(self.gpu_neurons, costs)
 
     def gpu_attention_bytes(self, costs: ModelCosts) -> int:
-        per_layer = np.count_nonzero(self.gpu_attention, axis=1)  # [L]
-        return int(sum(int(n) * b for n, b in zip(per_layer, costs.attn_unit_bytes)))
+        return attention_bytes_of(np.count_nonzero(self.gpu_attention, axis=1), costs)
 
     def gpu_bytes(self, costs: ModelCosts) -> int:
         """Everything this placement puts on the GPU: fixed parts + attention + FFN."""
@@ -128,6 +127,16 @@ def _check_mask(name: str, mask: np.ndarray, shape: tuple[int, ...]) -> None:
                              f"one device), got {mask.shape}")
     if mask.dtype != np.bool_:
         raise PlacementError(f"{name}: expected a bool mask (True = GPU), got dtype {mask.dtype}")
+
+
+def ffn_bytes_of(gpu_neurons: Sequence[np.ndarray], costs: ModelCosts) -> int:
+    """Bytes of the FFN neurons that per-layer masks [L][n_ff_l] put on the GPU."""
+    return sum(int(np.count_nonzero(m)) * b for m, b in zip(gpu_neurons, costs.neuron_bytes))
+
+
+def attention_bytes_of(groups: Sequence[int], costs: ModelCosts) -> int:
+    """Bytes of ``groups[l]`` KV-head groups of each layer on the GPU (weights and KV cache)."""
+    return sum(int(n) * b for n, b in zip(groups, costs.attn_unit_bytes))
 
 
 def gpu_share(gpu_neurons: Sequence[np.ndarray], freqs: Sequence[np.ndarray]) -> float:

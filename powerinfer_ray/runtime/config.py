@@ -448,12 +448,12 @@ def split_bytes(costs: ModelCosts, gpu_masks: list[np.ndarray], gpu_groups: list
     """The GPU bytes of a split (per layer a bool mask of the GPU's neurons, and the KV-head groups
     on the GPU: None, all of them, as a cached split places them): everything fixed, the groups'
     attention and KV cache, the GPU's neurons. Infinite when the masks are not the model's."""
+    from ..placement.result import attention_bytes_of, ffn_bytes_of
+
     if len(gpu_masks) != costs.n_layer or any(len(m) != f for m, f in zip(gpu_masks, costs.n_ff)):
         return float("inf")
     groups = gpu_groups or [costs.n_kv_groups] * costs.n_layer
-    attention = sum(g * u for g, u in zip(groups, costs.attn_unit_bytes))
-    neurons = sum(int(m.sum()) * b for m, b in zip(gpu_masks, costs.neuron_bytes))
-    return costs.fixed_bytes + attention + neurons
+    return costs.fixed_bytes + attention_bytes_of(groups, costs) + ffn_bytes_of(gpu_masks, costs)
 
 
 def _budget_plan(ec: EngineConfig, src: WeightSource, stats: tuple[list[np.ndarray], int] | None,
