@@ -110,12 +110,6 @@ def solver_inputs(counts: np.ndarray, tokens: float) -> tuple[list[np.ndarray], 
     return [np.minimum(c * scale, n) for c in counts], n
 
 
-def gpu_share(plan: Plan, counts: np.ndarray) -> float:
-    """Share of the counts [L, F] that fall on the plan's GPU neurons (0 without counts)."""
-    total = float(counts.sum())
-    return sum(float(counts[l, lp.gpu_neurons].sum()) for l, lp in enumerate(plan.layers)) / total if total else 0.0
-
-
 def gain(plan: Plan, goal: list[np.ndarray], counts: np.ndarray) -> float:
     """How much more of the counts [L, F] the GPU neurons ``goal`` serve than the plan's (a share)."""
     total = float(counts.sum())
@@ -274,7 +268,7 @@ class Replacer:
         self.newest = self.decayed.update(totals, tokens)
         if self.newest.sum():
             with self._lock:
-                self.history.append({"tokens": int(tokens), "gpu_share": round(gpu_share(self.plan, self.newest), 4)})
+                self.history.append({"tokens": int(tokens), "gpu_share": round(self.plan.gpu_activation_share(self.newest), 4)})
 
     @property
     def ready(self) -> bool:

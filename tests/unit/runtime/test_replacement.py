@@ -23,7 +23,7 @@ from powerinfer_ray.placement.solve import solve_placement
 from powerinfer_ray.runtime.config import EngineConfig, resolve_replacement
 from powerinfer_ray.runtime.engine import LocalEngine
 from powerinfer_ray.runtime.plan import LayerPlan, Plan, Swap
-from powerinfer_ray.runtime.replacement import (DecayedCounts, Replacer, Settings, Solver, gain, gpu_share,
+from powerinfer_ray.runtime.replacement import (DecayedCounts, Replacer, Settings, Solver, gain,
                                                 layer_swaps, pauses, solver_inputs, target)
 from powerinfer_ray.serve.config import serving
 
@@ -86,7 +86,7 @@ def test_swaps_reach_the_target_in_pauses_of_bounded_bytes():
     for l in range(3):
         assert sorted(plan[l].gpu_neurons) == sorted(goal[l])
         assert np.array_equal(np.sort(np.concatenate([plan[l].gpu_neurons, plan[l].cpu_neurons])), np.arange(200))
-    assert gpu_share(plan, counts) == pytest.approx(sum(counts[l, goal[l]].sum() for l in range(3)) / counts.sum())
+    assert plan.gpu_activation_share(counts) == pytest.approx(sum(counts[l, goal[l]].sum() for l in range(3)) / counts.sum())
     with pytest.raises(AssertionError, match="another plan"):
         plan.swap(swaps[0])  # made for the plan before
 
@@ -112,7 +112,7 @@ def test_a_split_is_taken_when_it_gains_on_the_interval_its_solve_did_not_see():
         r.observe(intervals[0], 200)
         assert not r.ready  # nothing yet to solve from
         r.observe(intervals[0] + intervals[1], 400)
-        assert r.ready and r.history[-1]["gpu_share"] == pytest.approx(gpu_share(plan, intervals[1]), abs=1e-4)
+        assert r.ready and r.history[-1]["gpu_share"] == pytest.approx(plan.gpu_activation_share(intervals[1]), abs=1e-4)
         np.testing.assert_array_equal(r.basis[0], intervals[0])  # the solve's view: the first interval
         r._t_solve = time.perf_counter()
         solved = [np.isin(np.arange(50), np.argsort(-intervals[0][l], kind="stable")[:15]) for l in range(2)]
