@@ -41,6 +41,7 @@ class KernelReference(ReferenceModel):
     rows are a ``forward`` call's tokens)."""
 
     quantized: frozenset[str] = frozenset()  # names of the tensors the file stores in blocks
+    ffn_rows: list | None = None  # per layer bool [F]: the neurons whose up / gate round x (None: all)
     head_name = K.global_tensor(K.OUTPUT)  # the head's tensor in the file (token_embd when tied)
     flips: frozenset = frozenset()
     TIE = 1e-4  # relative margin under which a rounding decision is a tie: the runtime's fp32 activations
@@ -58,16 +59,19 @@ class KernelReference(ReferenceModel):
         ref.ties = []
         return ref
 
-    def rounding_at(self, sites) -> "KernelReference":  # noqa: ANN001
+    def rounding_at(self, sites, ffn_rows=None) -> "KernelReference":  # noqa: ANN001
         """Round x only before the products of ``sites`` (of SITES: attn, q/k/v and o; ffn, up and
         gate; head; pred, the predictors' fc1 and fc2 through ``KernelPredictorHooks``), as a
-        runtime whose other products multiply x as it is (a CUDA primary's). Returns self."""
+        runtime whose other products multiply x as it is (a CUDA primary's). ``ffn_rows``: per
+        layer a bool [F] mask, the neurons whose up and gate take the rounded x (the CPU
+        executor's, beside a CUDA primary); None: every neuron. Returns self."""
         def at(n: str) -> bool:
             return (("attn" in sites and ".attn_" in n) or ("ffn" in sites and ".ffn_" in n)
                     or ("head" in sites and n == self.head_name)
                     or ("pred" in sites and (".fc1." in n or ".fc2." in n)))
         assert set(sites) <= set(SITES), sites
         self.quantized = frozenset(n for n in self.quantized if at(n))
+        self.ffn_rows = ffn_rows
         return self
 
     def forward(self, tokens, cache, hooks=None) -> torch.Tensor:  # noqa: ANN001
@@ -108,7 +112,12 @@ class KernelReference(ReferenceModel):
         return super()._linear(x, tmpl, l)
 
     def ffn_pre(self, l: int, x: torch.Tensor):  # noqa: ANN201
-        return super().ffn_pre(l, self._rounded(x, K.tensor(K.FFN_UP, l)))
+        rounded = super().ffn_pre(l, self._rounded(x, K.tensor(K.FFN_UP, l)))
+        if self.ffn_rows is None:
+            return rounded
+        rows = torch.as_tensor(np.asarray(self.ffn_rows[l]), device=x.device)  # [F]
+        return tuple(None if r is None else torch.where(rows, r, p)
+                     for r, p in zip(rounded, super().ffn_pre(l, x)))
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self._rounded(self._norm(x, K.OUTPUT_NORM, None), self.head_name) @ self.w[K.global_tensor(K.OUTPUT)].T
@@ -188,13 +197,15 @@ def match_rounding(ref: KernelReference, tokens: list[int], got: list, at: list[
     return errs, flips
 
 
-def assert_twin_computes_its_weights(folder, placement: str, sites, tol: float, **engine) -> None:  # noqa: ANN001
+def assert_twin_computes_its_weights(folder, placement: str, sites, tol: float, cpu_rows_only: bool = False,  # noqa: ANN001
+                                     **engine) -> None:
     """The embedded model as gguf-py's Q4_0 file and its F32 twin (bench/quant_twin.py's
     ``write_twins``) hold the same weights, and an engine of each (``placement``: 'primary', every
     FFN row on the primary; 'mixed', half of each layer's on the CPU executor; the file's own
     predictors; ``engine``: more EngineConfig fields) computes their float64 forward over a
-    held-out window in decode steps, the Q4_0 file's with x rounded to Q8_0 at ``sites``, to
-    ``tol`` (rounding ties matched)."""
+    held-out window in decode steps, the Q4_0 file's with x rounded to Q8_0 at ``sites``
+    (``cpu_rows_only``: the FFN's before the CPU executor's rows alone), to ``tol`` (rounding ties
+    matched)."""
     from powerinfer_ray.bench import load_driver
     from powerinfer_ray.model.default import default_model_path
     from powerinfer_ray.offline.corpus import iter_texts
@@ -212,7 +223,7 @@ def assert_twin_computes_its_weights(folder, placement: str, sites, tol: float, 
     half = [np.arange(cfg.n_ff) % 2 == 0] * cfg.n_layer
     plan = Plan.all_gpu(cfg) if placement == "primary" else Plan.from_masks(half, None, cfg)
     for path in paths.values():
-        ref = KernelReference.from_file(path).rounding_at(sites)
+        ref = KernelReference.from_file(path).rounding_at(sites, [~m for m in half] if cpu_rows_only else None)
         eng = LocalEngine(EngineConfig(str(path), plan=plan, max_batch=1, prefill_chunk=8, **engine))
         try:
             assert eng.primary.policy.name == "predictor"

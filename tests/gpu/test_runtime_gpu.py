@@ -256,8 +256,10 @@ def test_cuda_zero_copy_decode_reads_the_cpu_rows_in_the_file(variant, dtype):
         path, ref, plan = _model_and_plan(Path(d), variant, "split-heads", dtype)
         runs = {}
         for share in (0.0, 0.5, 1.0):
+            # the prompt's chunks leave the CPU's rows to the CPU executor: the counters are the decode steps'
             eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="predictor", device="cuda", prefill_chunk=16,
-                                           max_batch=4, threshold=0.2, zero_copy=share))
+                                           max_batch=4, threshold=0.2, zero_copy=share, prefill_share=0.0,
+                                           prefill_dense_min=0))
             try:
                 out = _decode(eng)
                 st = eng.primary.stats
