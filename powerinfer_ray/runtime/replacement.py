@@ -60,7 +60,8 @@ if TYPE_CHECKING:
     from .config import EngineConfig
 
 log = logging.getLogger(__name__)
-HALF_LIFE_INTERVALS = 4  # decayed counts halve every this many intervals: old traffic fades
+HALF_LIFE_INTERVALS = 1  # decayed counts halve every this many intervals: old traffic fades (a split
+# solved from older traffic is only judged better on it, and lags a shift by that many intervals)
 MOVE_BYTES = 48 << 20  # rows traded per pause between two steps
 HISTORY = 128  # intervals of the GPU's share kept for stats()
 
@@ -221,8 +222,13 @@ def _serve_solves() -> None:
     """The solver process: requests (pickled tuples of ``solve_placement``'s arguments) on stdin,
     (True, Placement) or (False, exception) on stdout, until EOF. HiGHS writes its banner to the
     C library's stdout: file descriptor 1 goes to stderr, the answers to a copy of it. At the
-    lowest priority: the CPU executor's threads spin on the host's cores while tokens are made."""
+    lowest priority, and each solve on the cores no CPU executor has claimed (``cores.unclaimed``):
+    the CPU executors' workers spin on theirs while tokens are made, and a solve that took one of
+    their cores would hold up every step it ran beside."""
+    from .cores import pin_process, unclaimed
+
     os.nice(19)
+    cpus = sorted(os.sched_getaffinity(0))
     answers = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     import cvxpy  # noqa: F401  (seconds: now, while the engine loads, not in the first solve)
@@ -235,6 +241,8 @@ def _serve_solves() -> None:
             counts, tokens, costs, budget, host, method = pickle.load(requests)
         except EOFError:
             return
+        free = unclaimed(cpus)
+        pin_process(free or cpus)  # every core claimed: the kernel's scheduler decides
         try:
             answer = (True, solve_placement(counts, tokens, costs, budget, host, method=method))
         except Exception as e:  # noqa: BLE001  (the engine logs it)

@@ -5,8 +5,11 @@ the file's map and copied); the engine's loop, whose solve never holds up a step
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +24,7 @@ from powerinfer_ray.placement.host import HostProfile
 from powerinfer_ray.placement.problem import InfeasibleBudgetError
 from powerinfer_ray.placement.solve import solve_placement
 from powerinfer_ray.runtime.config import EngineConfig, resolve_replacement
+from powerinfer_ray.runtime.cores import FOLDER
 from powerinfer_ray.runtime.engine import LocalEngine
 from powerinfer_ray.runtime.plan import LayerPlan, Plan, Swap
 from powerinfer_ray.runtime.replacement import (DecayedCounts, Replacer, Settings, Solver, gain,
@@ -142,8 +146,15 @@ def test_the_solver_process_solves_as_solve_placement_and_passes_its_errors(tmp_
     budget = costs.min_budget_bytes(False) + costs.ffn_bytes // 3
     host = HostProfile(sync_us=0.0)  # tiny neurons are never worth a sync: split the layers anyway
     solver = Solver(costs, budget, host, "ilp")
+    cpus = sorted(os.sched_getaffinity(0))
+    claim = FOLDER / f"{os.getpid()}-solver-test"  # a CPU executor of this process holds the first core
+    FOLDER.mkdir(exist_ok=True)
+    claim.write_text(json.dumps(cpus[:1]))
     try:
         got = solver.submit(counts, 100).result(timeout=300)
+        if len(cpus) > 1:  # it solved on the others, every thread of it (HiGHS's pool too)
+            tasks = Path(f"/proc/{solver._proc.pid}/task")
+            assert {tuple(os.sched_getaffinity(int(t.name))) for t in tasks.iterdir()} == {tuple(cpus[1:])}
         want = solve_placement(counts, 100, costs, budget, host)
         assert all(np.array_equal(a, b) for a, b in zip(got.gpu_neurons, want.gpu_neurons))
         assert 0 < sum(m.sum() for m in got.gpu_neurons) < sum(costs.n_ff)
@@ -153,6 +164,7 @@ def test_the_solver_process_solves_as_solve_placement_and_passes_its_errors(tmp_
             small.submit(counts, 100).result(timeout=300)
         assert solver.submit(counts, 100).result(timeout=300).gpu_share == got.gpu_share  # it still serves
     finally:
+        claim.unlink(missing_ok=True)
         solver.close()
 
 
