@@ -182,11 +182,13 @@ def measure(a: argparse.Namespace, replicas: int, url: str) -> dict[str, Any]:
                   min(a.output, 8))  # warm-up: the batch's decode graphs captured, kernels built
         before = {r.name: ray.get(r.engine.stats.remote())["coordinator"] for r in engines}
         reqs, wall = [], 0.0
-        for _ in range(a.rounds):
+        for i in range(a.rounds):
             out, w = run_round(url, info["name"],
                                [rng.integers(3, info["n_vocab"], a.prompt).tolist() for _ in range(n)], a.output)
             reqs += out
             wall += w
+            print(f"replicas={replicas} round {i + 1}/{a.rounds}: {sum(r.get('tokens', 0) for r in out) / w if w else 0.0:.1f} tok/s "
+                  f"in {w:.1f} s", flush=True)
         after = {r.name: ray.get(r.engine.stats.remote())["coordinator"] for r in engines}
     finally:
         serve.delete("scaleout")
