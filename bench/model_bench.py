@@ -258,6 +258,22 @@ def memory_record(stats: dict[str, Any], a: argparse.Namespace) -> dict[str, Any
             "host_total_gib": host.total / GIB, "host_available_gib": host.available / GIB}
 
 
+def wait_warm(engine: Any, timeout_s: float = 300.0) -> dict[str, Any] | None:  # noqa: ANN401
+    """Until the CPU executor has mapped its in-place rows (``runtime.warm``: a background thread
+    after load, whose page-table work would fall in the first measured tokens), at most
+    ``timeout_s``; its warming state (None: no CPU executor, or rows that are not in place), with
+    ``waited_s``."""
+    import ray
+
+    t0 = time.perf_counter()
+    while True:
+        cpu = ray.get(engine.stats.remote()).get("cpu_executor")
+        warm = (cpu or {}).get("memory", {}).get("warm")
+        if warm is None or warm["done"] or time.perf_counter() - t0 > timeout_s:
+            return None if warm is None else {**warm, "waited_s": round(time.perf_counter() - t0, 2)}
+        time.sleep(0.2)
+
+
 def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
              done: Any = None) -> list[dict[str, Any]]:  # noqa: ANN401
     """One engine (mode, budget, batch), warmed up at the measured shapes, then every (prompt,
@@ -295,6 +311,7 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
     for n in sorted({min(max(p for p, _ in a.shapes), chunk), min(p for p, _ in a.shapes)}):
         warm = list(range(5, 5 + n))
         ray.get([engine.generate.remote(prompt_token_ids=warm, max_tokens=3, ignore_eos=True) for _ in range(batch)])
+    load["warm_rows"] = wait_warm(engine)
     records = []
     has_cpu = "cpu" in info.get("executors", [])
     sweep = [(p, o, t) for t in (a.threads if a.threads and has_cpu else [None]) for p, o in a.shapes]

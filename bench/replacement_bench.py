@@ -39,7 +39,7 @@ from typing import Any, Iterator
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the drivers share model_bench's helpers
-from model_bench import ROOT, model_source, write_results
+from model_bench import ROOT, model_source, wait_warm, write_results
 
 GIB = 1 << 30
 
@@ -133,7 +133,8 @@ def start(a: argparse.Namespace, name: str, plan: Any, replacement: str):  # noq
     info = ray.get(eng.ready.remote())
     warm = [5 + i % 50 for i in range(a.prompt)]  # kernels compiled, decode graphs captured
     ray.get([eng.generate.remote(prompt_token_ids=warm, max_tokens=4, ignore_eos=True) for _ in range(a.batch)])
-    print(f"[{name}] loaded and warm in {time.perf_counter() - t0:.1f} s: {info['load_s']}", flush=True)
+    rows = wait_warm(eng)  # every engine measured with its CPU rows mapped
+    print(f"[{name}] loaded and warm in {time.perf_counter() - t0:.1f} s: {info['load_s']}, rows {rows}", flush=True)
     return eng
 
 
