@@ -229,6 +229,7 @@ def _serve_solves() -> None:
 
     os.nice(19)
     cpus = sorted(os.sched_getaffinity(0))
+    pin_process(unclaimed(cpus) or cpus)  # the import below takes seconds of a core
     answers = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     import cvxpy  # noqa: F401  (seconds: now, while the engine loads, not in the first solve)
