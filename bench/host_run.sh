@@ -430,13 +430,14 @@ scaleout)  # issue 37: two engine replicas behind one Serve app on the one H200,
     # measures the routing and the contention of two engines on it, not scaling (the note in the JSON).
     # RAY_CPUS: Ray's CPUs (a CPU dry run: M13="planted:tiny?layers=2&dtype=f16" B13=0.02 THREADS=1 RAY_CPUS=4);
     # SCALE_ARGS: more bench flags, last wins (at 2618aad two replicas at 8 GiB each outlasted the call in
-    # --rounds 3 --output 128: "--rounds 2 --output 32" fits)
+    # --rounds 3 --output 128: "--rounds 1 --output 32" fit in 190 s with the write; add --solo for one engine at
+    # half the budget alone, which tells the split budget from the two engines' contention on the GPU)
     write_file "$M13" 200 || exit 0
     echo "== scaleout_bench" >> "$log"
     timeout -s INT 450 python bench/scaleout_bench.py -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
         --replicas 1,2 -t "$THREADS" --batch 8 --prompt 64 --output 128 --rounds 3 ${RAY_CPUS:+--num-cpus $RAY_CPUS} \
         --out-dir "$OUT" --name scaleout-13b-${B13}gib-h200 ${SCALE_ARGS:-} >> "$log" 2>&1
-    grep -E "^replicas=|Error|error:" "$log" | tail -n 12 | cut -c1-400
+    grep -E "^(1 engine|[0-9]+ replicas?)|Error|error:" "$log" | tail -n 12 | cut -c1-400
     ;;
 *)
     echo "unknown stage $stage: expected $stages" >&2

@@ -17,7 +17,8 @@ every replica count.
 
 On a host with one GPU the replicas share it, its host's cores and its memory bandwidth: that
 measures the routing and the contention of engines on one GPU, not scaling, which needs a GPU
-per replica.
+per replica. ``--solo`` adds, before each R > 1, one engine alone with a replica's share (1/R of
+the budget, its threads): R replicas against R times that tells the contention from the split budget.
 """
 from __future__ import annotations
 
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     ap.add_argument("--output", type=int, default=128, help="generated tokens per request")
     ap.add_argument("--rounds", type=int, default=3, help="measured rounds (after one warm-up round)")
+    ap.add_argument("--solo", action="store_true",
+                    help="before each R > 1, one engine alone with a replica's share (1/R of the budget, its "
+                         "threads, the whole GPU): what R replicas lose to sharing one GPU, apart from the split budget")
     ap.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: cuda when there is a GPU")
     ap.add_argument("--policy", default=None, help="the engines' policy (default: the model's)")
     ap.add_argument("--num-cpus", type=int, default=None, help="Ray CPUs (default: all)")
@@ -119,8 +123,9 @@ def run_round(url: str, model: str, prompts: list[list[int]], output: int) -> tu
     return out, wall
 
 
-def start_engines(a: argparse.Namespace, replicas: int) -> tuple[list[Any], dict[str, Any]]:
-    """The engines of one configuration, loaded; their Replica handles and the config's numbers."""
+def start_engines(a: argparse.Namespace, replicas: int, share_of: int | None = None) -> tuple[list[Any], dict[str, Any]]:
+    """The engines of one configuration, loaded; their Replica handles and the config's numbers.
+    share_of: a single engine with the budget and threads of one of that many replicas."""
     import ray
 
     from powerinfer_ray.actors.replicas import Replica, start_replicas
@@ -128,9 +133,10 @@ def start_engines(a: argparse.Namespace, replicas: int) -> tuple[list[Any], dict
     from powerinfer_ray.runtime.preflight import prepare
     from powerinfer_ray.serve.launcher import start_engine
 
-    budget = a.vram_budget / replicas if a.vram_budget else None
+    parts = share_of or replicas
+    budget = a.vram_budget / parts if a.vram_budget else None
     gpus = a.replica_gpus or 1.0 / replicas
-    ec = EngineConfig(a.model, vram_budget_gib=budget, threads=replica_threads(a.threads, replicas),
+    ec = EngineConfig(a.model, vram_budget_gib=budget, threads=replica_threads(a.threads, parts),
                       max_batch=a.batch, n_ctx=a.prompt + a.output + 1, device=a.device, policy=a.policy,
                       timeout_s=600.0, reset_gpu_index=budget is not None and stale_split(a.model, budget))
     ec = prepare(ec).config  # the placement solved once, here
@@ -141,7 +147,8 @@ def start_engines(a: argparse.Namespace, replicas: int) -> tuple[list[Any], dict
     else:
         engines = start_replicas(ec, replicas, gpus, name=ENGINE)
     ready = ray.get([r.engine.ready.remote() for r in engines], timeout=READY_TIMEOUT_S)
-    config = {"replicas": replicas, "vram_budget_gib_per_replica": budget, "replica_gpus": gpus if replicas > 1 else 1,
+    config = {"config": label(replicas, share_of), "replicas": replicas, "share_of": parts,
+              "vram_budget_gib_per_replica": budget, "replica_gpus": gpus if replicas > 1 else 1,
               "threads_per_replica": ec.threads, "batch_per_replica": a.batch, "concurrency": a.batch * replicas,
               "prompt_len": a.prompt, "output_len": a.output, "rounds": a.rounds,
               "load_s": round(time.perf_counter() - t0, 2),
@@ -163,15 +170,20 @@ def wait_all_up(url: str, replicas: int) -> None:
         time.sleep(0.5)
 
 
-def measure(a: argparse.Namespace, replicas: int, url: str) -> dict[str, Any]:
-    """One replica count: its engines behind the app, a warm-up round, ``rounds`` measured rounds."""
+def label(replicas: int, share_of: int | None = None) -> str:
+    return f"1 engine at 1/{share_of}" if share_of else f"{replicas} replica{'s' if replicas > 1 else ''}"
+
+
+def measure(a: argparse.Namespace, replicas: int, url: str, share_of: int | None = None) -> dict[str, Any]:
+    """One replica count (or one engine with a replica's share): its engines behind the app, a
+    warm-up round, ``rounds`` measured rounds."""
     import ray
     from ray import serve
 
     from powerinfer_ray.actors.replicas import stop_replicas
     from powerinfer_ray.serve.app import build_app
 
-    engines, record = start_engines(a, replicas)
+    engines, record = start_engines(a, replicas, share_of)
     try:
         serve.run(build_app(engines[0].engine if replicas == 1 else engines), name="scaleout", route_prefix="/")
         wait_all_up(url, replicas)
@@ -187,7 +199,7 @@ def measure(a: argparse.Namespace, replicas: int, url: str) -> dict[str, Any]:
                                [rng.integers(3, info["n_vocab"], a.prompt).tolist() for _ in range(n)], a.output)
             reqs += out
             wall += w
-            print(f"replicas={replicas} round {i + 1}/{a.rounds}: {sum(r.get('tokens', 0) for r in out) / w if w else 0.0:.1f} tok/s "
+            print(f"{record['config']} round {i + 1}/{a.rounds}: {sum(r.get('tokens', 0) for r in out) / w if w else 0.0:.1f} tok/s "
                   f"in {w:.1f} s", flush=True)
         after = {r.name: ray.get(r.engine.stats.remote())["coordinator"] for r in engines}
     finally:
@@ -230,17 +242,21 @@ def main(argv: list[str] | None = None) -> int:
     port = _free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     records: list[dict[str, Any]] = []
+    runs: list[tuple[int, int | None]] = []  # (engines, a replica's share of that many) in order
     for count in counts:
-        r = measure(a, count, f"http://127.0.0.1:{port}")
+        runs += [(1, count)] if a.solo and count > 1 else []
+        runs.append((count, None))
+    for count, share_of in runs:
+        r = measure(a, count, f"http://127.0.0.1:{port}", share_of)
         records.append(r)
         lat = r["latency_s"]
-        print(f"replicas={count}: {r['aggregate_tok_s']:.1f} tok/s aggregate ("
+        print(f"{r['config']}: {r['aggregate_tok_s']:.1f} tok/s aggregate ("
               + ", ".join(f"{n} {p['tok_s']:.1f}" for n, p in r["per_replica"].items())
               + f"), e2e p50 {lat['e2e_s'].get('p50', 0):.2f} s p99 {lat['e2e_s'].get('p99', 0):.2f} s, "
               f"ttft p50 {lat['ttft_s'].get('p50', 0):.3f} s, errors {r['errors']}", flush=True)
         base = records[0]["aggregate_tok_s"]
         write_results(a.out_dir, name, command, note=NOTE, model=a.model, records=records,
-                      aggregate_vs_first={str(x["replicas"]): x["aggregate_tok_s"] / base if base else None
+                      aggregate_vs_first={x["config"]: x["aggregate_tok_s"] / base if base else None
                                           for x in records})
     serve.shutdown()
     return 0
