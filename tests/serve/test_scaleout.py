@@ -222,9 +222,27 @@ def test_concurrent_requests_spread_over_both_and_match_the_reference(url, greed
     assert all(r["served"] > 0 and r["tokens_in_flight"] == 0 for r in h["replicas"] if r["name"] in served)
 
 
-def test_gpu_bundles_pin_one_replica_per_gpu(cluster):
+def test_gpu_bundles_pin_one_replica_per_gpu(cluster, model_path, caplog):
     """A replica's primary executor takes its bundle's GPU: two bundles of one GPU each on the
-    head's two (fake) GPUs give two different GPUs; half a GPU each gives one GPU each."""
+    head's two (fake) GPUs give two different GPUs; half a GPU each gives one GPU each, and the
+    replicas' config warns that they contend for it."""
+    import logging
+
+    import numpy as np
+
+    from powerinfer_ray.actors.replicas import replica_config
+    from powerinfer_ray.model.source import open_model
+    from powerinfer_ray.runtime.config import EngineConfig
+    from powerinfer_ray.runtime.plan import Plan
+
+    cfg = open_model(str(model_path)).config
+    plan = Plan.from_masks([np.arange(cfg.n_ff) % 2 == 0] * cfg.n_layer, None, cfg)  # a CPU executor's share
+    for share in (1.0, 0.5):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="powerinfer_ray.actors.replicas"):
+            ec, bundle = replica_config(EngineConfig(str(model_path), device="cuda", plan=plan, threads=1), 2, share)
+        assert bundle == {"CPU": 2.0, "GPU": share} and ec.threads == 1
+        assert ("share a GPU and contend" in caplog.text) is (share < 1), caplog.text
 
     @ray.remote(num_cpus=0)
     class Probe:
