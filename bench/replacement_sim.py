@@ -15,6 +15,7 @@ import sys
 import numpy as np
 
 from powerinfer_ray.model.source import open_model
+from powerinfer_ray.placement.result import gpu_share
 from powerinfer_ray.placement.solve import solve_placement
 from powerinfer_ray.runtime import replacement as R
 from powerinfer_ray.runtime.config import EngineConfig, placement_inputs, predictor_qtype
@@ -58,11 +59,8 @@ def main(argv: list[str]) -> int:
     plan = Plan.from_masks(static.gpu_neurons, list(static.gpu_attention), src.config).hot_first(counts_a[0])
     oracle = solve_placement(*src.activation_counts(1_000_000, 1), costs, budget, host)
 
-    def share(masks_or_ids: list, pr: np.ndarray) -> float:
-        return sum(pr[l, m].sum() for l, m in enumerate(masks_or_ids)) / pr.sum()
-
-    print(f"static: share {share([lp.gpu_neurons for lp in plan.layers], p[0]):.4f} on A, "
-          f"{share([lp.gpu_neurons for lp in plan.layers], p[1]):.4f} on B; oracle on B {share(oracle.gpu_neurons, p[1]):.4f}")
+    print(f"static: share {plan.gpu_activation_share(p[0]):.4f} on A, {plan.gpu_activation_share(p[1]):.4f} on B; "
+          f"oracle on B {gpu_share(oracle.gpu_neurons, p[1]):.4f}")
     rep = R.Replacer(plan, R.Settings(a.interval, a.threshold), _Solver(costs, budget, host))
     rng = np.random.default_rng(a.seed)
     totals, tokens = np.zeros_like(p[0]), 0
@@ -78,7 +76,7 @@ def main(argv: list[str]) -> int:
             rep.applied(rep.queue.popleft(), 0.0)
         print(f"interval {i} ({'AB'[kind]}): {'moved' if taken else 'kept '} gain unseen {rep.counters['last_gain']:+.4f} "
               f"fitted {rep.counters['last_gain_fitted']:+.4f}, share on B "
-              f"{share([lp.gpu_neurons for lp in rep.plan.layers], p[1]):.4f}", flush=True)
+              f"{rep.plan.gpu_activation_share(p[1]):.4f}", flush=True)
     return 0
 
 

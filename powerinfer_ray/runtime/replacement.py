@@ -229,7 +229,11 @@ def _serve_solves() -> None:
 
     os.nice(19)
     cpus = sorted(os.sched_getaffinity(0))
-    pin_process(unclaimed(cpus) or cpus)  # the import below takes seconds of a core
+
+    def pin() -> None:  # every core claimed: the kernel's scheduler decides
+        pin_process(unclaimed(cpus) or cpus)
+
+    pin()  # the import below takes seconds of a core
     answers = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     import cvxpy  # noqa: F401  (seconds: now, while the engine loads, not in the first solve)
@@ -242,8 +246,7 @@ def _serve_solves() -> None:
             counts, tokens, costs, budget, host, method = pickle.load(requests)
         except EOFError:
             return
-        free = unclaimed(cpus)
-        pin_process(free or cpus)  # every core claimed: the kernel's scheduler decides
+        pin()  # claims made since
         try:
             answer = (True, solve_placement(counts, tokens, costs, budget, host, method=method))
         except Exception as e:  # noqa: BLE001  (the engine logs it)
