@@ -45,20 +45,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def ray_cluster():
     """ray.init(num_cpus=2) with the node's Prometheus /metrics endpoint on a known port
     (``ray_cluster.metrics_port``), so tests can read what the dashboard would show."""
     import ray
-    from ray_nodes import init_local_ray
+    from ray_nodes import free_port, init_local_ray
 
     init_local_ray(free_port())
     yield ray

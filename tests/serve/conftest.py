@@ -10,20 +10,13 @@ import threading
 import time
 
 import pytest
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+import ray_nodes
 
 
 @pytest.fixture(scope="session")
 def free_port():  # noqa: ANN201
     """free_port(): a free TCP port on 127.0.0.1."""
-    return _free_port
+    return ray_nodes.free_port
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +60,7 @@ def serve_url(ray_cluster):
     """Serve's proxy on a free 127.0.0.1 port for this module: its base URL."""
     from ray import serve
 
-    port = _free_port()
+    port = ray_nodes.free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
