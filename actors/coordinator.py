@@ -207,10 +207,12 @@ class Coordinator:
 
     async def _step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]):  # noqa: ANN202
         async with self._step_lock:
+            t0 = time.perf_counter()
             out = await self._running().step(slots, tokens, start_pos)
+            seconds = time.perf_counter() - t0
         self.m_tokens.inc(len(tokens), tags={"engine": self.name})
         if self.replacement is not None:
-            self.replacement.stepped(sum(len(t) for t in tokens))
+            self.replacement.stepped(tokens, seconds)
         return out
 
     # --- re-placement (runtime/replacement.py): both executors, between steps ------------------------

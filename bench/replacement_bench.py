@@ -12,7 +12,7 @@ Traffic A is what the split was solved from, B what is served after the shift: f
 windows of two corpora (A profiled with ``offline.profile``, over --profile-tokens); for a
 planted model with ``ranges=2``, prompts of random tokens of the vocabulary's lower (A) and upper
 (B) half (A's statistics are the planted ones the engine places a planted model by). Requests of
---prompt tokens generating --output, --batch at a time. Three engines (Ray Coordinators, as users
+--prompt tokens generating --output, --batch at a time. Four engines (Ray Coordinators, as users
 run them), one budget, one split solver (the engine's own inputs: ``config.placement_inputs``):
 
   static    the split solved from A; re-placement off. Serves A, then B.
@@ -20,11 +20,15 @@ run them), one budget, one split solver (the engine's own inputs: ``config.place
             then B, measured after --after served tokens of B (the move is done by then).
   oracle    the split solved from B's statistics (the planted ones; for text, the reference over
             the served windows); re-placement off. Serves B.
+  static    again, last: serves A. Engines of one call differ by a few % at the same split (the
+            static engine's A against the oracle's B at the same share): the unshifted ratio is the
+            replaced engine's A against the mean of the two static ones, which bracket it.
 
 Every engine measures B on the same prompts. Each measurement is --measure served tokens: decode tok/s (decode steps only) and the GPU's share
 of the activated neurons (the primary's, as bench/model_bench.py reports it). The JSON's summary
 holds gpu_share_{static,replaced,oracle} and decode_tok_s_* on B, speedup_vs_static,
-replaced_vs_oracle, unshifted_ratio (replaced / static on A) and the replacer's counters.
+replaced_vs_oracle, unshifted_ratio (replaced / the static engines' mean on A; unshifted_ratio_first
+against the first alone, static_a_drift the last against the first) and the replacer's counters.
 """
 from __future__ import annotations
 
@@ -220,13 +224,22 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         out["oracle_b"] = record("oracle", "B", "measure", serve(eng, a, traffic.prompts("B", 2), a.measure))
     finally:
         stop(eng)
+    eng = start(a, "static", static_plan, "off")  # again, last: brackets the replaced engine's A
+    try:
+        out["static_a_last"] = record("static", "A", "measure (last engine)", serve(eng, a, traffic.prompts("A", 1),
+                                                                                  a.measure))
+    finally:
+        stop(eng)
     s, r, o = out["static_b"], out["replaced_b"], out["oracle_b"]
+    static_a = (out["static_a"]["decode_tok_s"] + out["static_a_last"]["decode_tok_s"]) / 2
     out["summary"] = {
         "gpu_share_static": s["gpu_share"], "gpu_share_replaced": r["gpu_share"], "gpu_share_oracle": o["gpu_share"],
         "decode_tok_s_static": s["decode_tok_s"], "decode_tok_s_replaced": r["decode_tok_s"],
         "decode_tok_s_oracle": o["decode_tok_s"], "speedup_vs_static": r["decode_tok_s"] / s["decode_tok_s"],
         "replaced_vs_oracle": r["decode_tok_s"] / o["decode_tok_s"],
-        "unshifted_ratio": out["replaced_a"]["decode_tok_s"] / out["static_a"]["decode_tok_s"],
+        "unshifted_ratio": out["replaced_a"]["decode_tok_s"] / static_a,
+        "unshifted_ratio_first": out["replaced_a"]["decode_tok_s"] / out["static_a"]["decode_tok_s"],
+        "static_a_drift": out["static_a_last"]["decode_tok_s"] / out["static_a"]["decode_tok_s"],
         "gpu_share_static_a": out["static_a"]["gpu_share"], "gpu_share_replaced_a": out["replaced_a"]["gpu_share"],
         # what the ILP expects of each split on its own statistics, and the layers' GPU neurons
         "ilp_share_static": static_placement.gpu_share, "ilp_share_oracle": oracle_placement.gpu_share,

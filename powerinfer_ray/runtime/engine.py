@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Coroutine
 
 from ..model.source import WeightSource, open_model, rows_faster_on
@@ -77,9 +78,10 @@ class LocalEngine:
         self.coordinator = asyncio.run_coroutine_threadsafe(make(), self._loop).result()
 
     async def _step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> Any:  # noqa: ANN401
+        t0 = time.perf_counter()
         out = await self.group.step(slots, tokens, start_pos)
         if self.replacement is not None:
-            self.replacement.stepped(sum(len(t) for t in tokens))
+            self.replacement.stepped(tokens, time.perf_counter() - t0)
         return out
 
     # --- re-placement: both executors, between steps ----------------------------------------------

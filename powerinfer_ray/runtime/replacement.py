@@ -8,7 +8,9 @@ every ``HALF_LIFE_INTERVALS`` intervals), and a process of its own solves the sa
 for the same budget from the estimate as it stood before the newest interval (``Solver``:
 ``placement.solve_placement``, in a process because cvxpy holds the interpreter lock for up to
 ~0.3 s at a time in a solve of a 13B). The engine's steps never wait for it: the loop
-(``ReplacementLoop``) awaits its future.
+(``ReplacementLoop``) awaits its future. While solves find nothing worth moving, they back off
+(``Replacer.ready``: 1, 2, 4, up to ``MAX_BACKOFF`` intervals apart) until the GPU's share of an
+interval drops by the threshold: a settled engine solves every 8 intervals, a shifted one at once.
 
 A solved split is applied at the engine's shard sizes (``target``): each layer keeps the number
 of GPU neurons it was loaded with (the primary's row buffers, the CPU mask's width and the
@@ -62,6 +64,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 HALF_LIFE_INTERVALS = 1  # decayed counts halve every this many intervals: old traffic fades (a split
 # solved from older traffic is only judged better on it, and lags a shift by that many intervals)
+# the solver process: under the idle policy from its first line (its imports included: they take
+# seconds of a core, which a fresh engine's first requests would feel), see _serve_solves
+SOLVER_MAIN = ("import os; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); "
+               f"from {__name__} import _serve_solves; _serve_solves()")
+MAX_BACKOFF = 8  # the most intervals between two solves while the solves find no move worth it
 MOVE_BYTES = 48 << 20  # rows traded per pause between two steps
 HISTORY = 128  # intervals of the GPU's share kept for stats()
 
@@ -165,8 +172,8 @@ def pauses(swaps: list[Swap], neuron_bytes: tuple[int, ...], limit: int = MOVE_B
 
 class Solver:
     """``placement.solve_placement`` for one engine's costs, budget and host, in a process of its
-    own: ``python -m powerinfer_ray.runtime.replacement`` (``start``ed with the engine, so that its
-    imports are done before traffic comes; restarted by a solve if it died), pickles over its stdin
+    own: ``python -c SOLVER_MAIN`` (``start``ed with the engine, so that its imports are done
+    before traffic comes; restarted by a solve if it died), pickles over its stdin
     and stdout. Not a multiprocessing pool: its spawn would import the engine's ``__main__`` again,
     a user's script that starts an engine."""
 
@@ -192,7 +199,7 @@ class Solver:
     def start(self) -> None:
         """Start the process unless it runs."""
         if self._proc is None or self._proc.poll() is not None:
-            self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE,
+            self._proc = subprocess.Popen([sys.executable, "-c", SOLVER_MAIN], stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE)
 
     def _call(self, request: tuple) -> Any:  # noqa: ANN401
@@ -221,13 +228,15 @@ class Solver:
 def _serve_solves() -> None:
     """The solver process: requests (pickled tuples of ``solve_placement``'s arguments) on stdin,
     (True, Placement) or (False, exception) on stdout, until EOF. HiGHS writes its banner to the
-    C library's stdout: file descriptor 1 goes to stderr, the answers to a copy of it. At the
-    lowest priority, and each solve on the cores no CPU executor has claimed (``cores.unclaimed``):
-    the CPU executors' workers spin on theirs while tokens are made, and a solve that took one of
-    their cores would hold up every step it ran beside."""
+    C library's stdout: file descriptor 1 goes to stderr, the answers to a copy of it. Under the
+    idle scheduling policy (``SOLVER_MAIN``: its threads run on a core only when nothing else wants
+    it, and yield it at once to a thread that wakes; nice 19 is not enough, Ray starts the engine's
+    workers at nice 15, which leaves a nice-19 solver ~30 % of a core it shares with them; on a
+    host whose every core is busy, a solve waits), and each solve on the cores no CPU executor has claimed
+    (``cores.unclaimed``): the CPU executors' workers spin on theirs while tokens are made, and a
+    solve that took one of their cores would hold up every step it ran beside."""
     from .cores import pin_process, unclaimed
 
-    os.nice(19)
     cpus = sorted(os.sched_getaffinity(0))
 
     def pin() -> None:  # every core claimed: the kernel's scheduler decides
@@ -271,6 +280,9 @@ class Replacer:
                          "last_gain": None, "last_gain_fitted": None, "last_solve_s": None, "move_s": 0.0}
         self.basis: tuple[np.ndarray, float] = (self.decayed.counts, 0.0)  # what a solve sees
         self.newest = np.zeros_like(self.decayed.counts)  # the newest interval: what a split is judged on
+        self.backoff, self._wait = 1, 0  # intervals between solves, and before the next
+        self._kept_share: float | None = None  # the GPU's share of the interval of the first refusal since a move
+        self._steps = {True: [0.0, 0], False: [0.0, 0]}  # decode steps' seconds and count, while solving or not
 
     def observe(self, totals: np.ndarray, tokens: int) -> None:
         """The engine's running activation totals [L, F] over ``tokens`` counted tokens: the
@@ -278,14 +290,29 @@ class Replacer:
         interval it is judged on."""
         self.basis = (self.decayed.counts.copy(), self.decayed.tokens)
         self.newest = self.decayed.update(totals, tokens)
+        self._wait = max(0, self._wait - 1)
         if self.newest.sum():
+            share = self.plan.gpu_activation_share(self.newest)
             with self._lock:
-                self.history.append({"tokens": int(tokens), "gpu_share": round(self.plan.gpu_activation_share(self.newest), 4)})
+                self.history.append({"tokens": int(tokens), "gpu_share": round(share, 4)})
+            if self._kept_share is not None and share < self._kept_share - self.settings.threshold:
+                self.backoff, self._wait = 1, 0  # the traffic left the split kept: solve now
 
     @property
     def ready(self) -> bool:
-        """Whether there are counts to solve from and an unseen interval to judge by."""
-        return self.basis[1] > 0 and bool(self.newest.sum())
+        """Whether a solve is due: counts to solve from, an unseen interval to judge by, and the
+        backoff waited out (after a refused split the next solve waits ``backoff`` intervals, which
+        then doubles, up to ``MAX_BACKOFF``; a move ends it, and so does every interval whose GPU
+        share is the threshold below the share at the first refusal since the last move)."""
+        return self.basis[1] > 0 and bool(self.newest.sum()) and not self._wait
+
+    def stepped(self, seconds: float, decode: bool) -> None:
+        """A step took ``seconds``; decode steps are timed apart while a solve runs and otherwise
+        (stats: a solve beside the steps must not slow them)."""
+        if decode:
+            t = self._steps[self.solving]
+            t[0] += seconds
+            t[1] += 1
 
     def solve(self) -> Future:
         """Submit the solve of the basis (``accept`` takes its result)."""
@@ -301,19 +328,26 @@ class Replacer:
         self.counters["last_solve_s"] = round(time.perf_counter() - self._t_solve, 3)
         if solved is None:
             self.counters["solve_failures"] += 1
-            return False
+            return self._refused()
         counts = self.basis[0]
         goal = target(self.plan, solved, counts)
         fitted, unseen = gain(self.plan, goal, counts), gain(self.plan, goal, self.newest)
         self.counters["last_gain"], self.counters["last_gain_fitted"] = round(unseen, 4), round(fitted, 4)
         if min(fitted, unseen) < self.settings.threshold:
-            return False
+            return self._refused()
         self.counters["accepted"] += 1
+        self.backoff, self._wait, self._kept_share = 1, 0, None
         swaps = layer_swaps(self.plan, goal, counts)
         self.queue.extend(pauses(sorted(swaps, key=lambda s: -self._gain_of(s, counts)), self._neuron_bytes()))
         log.info("re-placement: the split solved on served traffic serves %.1f %% more of the newest activations on "
                  "the GPU; moving %d neurons in %d pauses", 100 * unseen, sum(len(s) for s in swaps), len(self.queue))
         return True
+
+    def _refused(self) -> bool:
+        self._wait, self.backoff = self.backoff, min(2 * self.backoff, MAX_BACKOFF)
+        if self._kept_share is None and self.newest.sum():  # the share the split was first kept at
+            self._kept_share = self.plan.gpu_activation_share(self.newest)
+        return False
 
     @staticmethod
     def _gain_of(s: Swap, counts: np.ndarray) -> float:
@@ -333,14 +367,17 @@ class Replacer:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             history = list(self.history)
+        step_ms = {f"decode_step_ms_{k}": round(1e3 * t[0] / t[1], 3) if t[1] else None
+                   for k, t in (("solving", self._steps[True]), ("otherwise", self._steps[False]))}
         return {"on": True, "interval": self.settings.interval, "threshold": self.settings.threshold,
-                "solving": self.solving, "queued_pauses": len(self.queue), **self.counters,
+                "solving": self.solving, "queued_pauses": len(self.queue), "backoff": self.backoff, **self.counters,
+                **step_ms,
                 "gpu_share_recent": history[-1]["gpu_share"] if history else None, "gpu_share_history": history}
 
 
 class ReplacementLoop:
-    """Runs a Replacer beside an engine's request loop: ``stepped(n)`` after each step (cheap: a
-    counter), ``run()`` as a task of the engine's event loop. ``read()`` returns the running
+    """Runs a Replacer beside an engine's request loop: ``stepped(tokens, seconds)`` after each
+    step (cheap: counters), ``run()`` as a task of the engine's event loop. ``read()`` returns the running
     activation totals and tokens (the engine reads them between steps); ``apply(pause)`` has both
     executors swap a pause between steps; ``observer(replacer)`` (metrics) after each change."""
 
@@ -353,9 +390,10 @@ class ReplacementLoop:
         self._due = asyncio.Event()
         self.task: asyncio.Task | None = None
 
-    def stepped(self, tokens: int) -> None:
-        """A step of ``tokens`` tokens ran; wakes the loop every interval."""
-        self.served += tokens
+    def stepped(self, tokens: list[list[int]], seconds: float) -> None:
+        """A step of ``tokens`` (per sequence) ran in ``seconds``; wakes the loop every interval."""
+        self.replacer.stepped(seconds, all(len(t) == 1 for t in tokens))
+        self.served += sum(len(t) for t in tokens)
         if self.served >= self._next:
             self._next = self.served + self.replacer.settings.interval
             self._due.set()
@@ -414,6 +452,3 @@ def engine_replacer(ec: EngineConfig, src: WeightSource, plan: Plan, policy: str
     solver.start()
     return Replacer(plan, Settings(ec.replacement_interval, ec.replacement_threshold), solver)
 
-
-if __name__ == "__main__":
-    _serve_solves()

@@ -136,6 +136,52 @@ def test_a_split_is_taken_when_it_gains_on_the_interval_its_solve_did_not_see():
             assert min(fitted, unseen) > 0.1
 
 
+def test_refused_splits_back_off_the_solves_until_the_traffic_leaves_the_split():
+    """Traffic the split already serves: after each refused split the next solve waits 1, 2, 4,
+    8, then 8 intervals (``MAX_BACKOFF``); a shift that drops the GPU's share of an interval by the
+    threshold makes a solve due at every interval (the first refused: its counts are the old
+    traffic's) until a split moves."""
+    from powerinfer_ray.runtime.replacement import MAX_BACKOFF
+
+    plan = _plan(2, 50, seed=5)
+    rng = np.random.default_rng(6)
+    on_gpu = np.zeros((2, 50), bool)
+    for l in range(2):
+        on_gpu[l, plan[l].gpu_neurons] = True
+    r = Replacer(plan, Settings(interval=100, threshold=0.02), _NoSolver())
+    totals, due = np.zeros((2, 50)), []
+
+    def interval(i: int, probs: np.ndarray, split: np.ndarray) -> bool | None:
+        """One interval of traffic of ``probs``; the solve's verdict on ``split`` when one was due."""
+        totals[:] += rng.binomial(100, probs)
+        r.observe(totals.copy(), 100 * (i + 1))
+        if not r.ready:
+            return None
+        due.append(i)
+        r._t_solve = time.perf_counter()
+        return r.accept(split)
+
+    for i in range(25):  # the split's own traffic: nothing better to move to
+        assert interval(i, np.where(on_gpu, 0.8, 0.05), on_gpu) in (None, False)
+    assert due == [1, 2, 4, 8, 16, 24] and r.backoff == MAX_BACKOFF == 8
+    shifted = np.where(on_gpu, 0.05, 0.8)
+    verdicts = [interval(i, shifted, ~on_gpu) for i in range(25, 28)]  # in the backoff's wait
+    assert due[-3:] == [25, 26, 27]  # each interval due: its share is below the one the split was kept at
+    # refused while the counts solved from are mostly the old traffic's; then moved
+    assert verdicts[0] is False and verdicts[-1] is True and r.queue
+    assert r.backoff == 1 and r.stats()["backoff"] == 1
+
+
+def test_decode_steps_are_timed_apart_while_a_solve_runs():
+    r = Replacer(_plan(1, 10, seed=7), Settings(interval=100, threshold=0.02), _NoSolver())
+    for seconds, decode, solving in ((0.010, True, False), (0.030, True, False), (0.5, False, True),
+                                     (0.040, True, True), (0.2, False, False)):
+        r.solving = solving
+        r.stepped(seconds, decode)
+    st = r.stats()
+    assert st["decode_step_ms_otherwise"] == pytest.approx(20.0) and st["decode_step_ms_solving"] == pytest.approx(40.0)
+
+
 def test_the_solver_process_solves_as_solve_placement_and_passes_its_errors(tmp_path):
     path = write_tiny_model(tmp_path / "m.gguf", "llama-reglu", seed=1, n_layer=2, n_ctx=64, predictor_rank=16)
     from powerinfer_ray.model.source import open_model
@@ -152,9 +198,10 @@ def test_the_solver_process_solves_as_solve_placement_and_passes_its_errors(tmp_
     claim.write_text(json.dumps(cpus[:1]))
     try:
         got = solver.submit(counts, 100).result(timeout=300)
+        tasks = [int(t.name) for t in Path(f"/proc/{solver._proc.pid}/task").iterdir()]
+        assert {os.sched_getscheduler(t) for t in tasks} == {os.SCHED_IDLE}  # every thread of it
         if len(cpus) > 1:  # it solved on the others, every thread of it (HiGHS's pool too)
-            tasks = Path(f"/proc/{solver._proc.pid}/task")
-            assert {tuple(os.sched_getaffinity(int(t.name))) for t in tasks.iterdir()} == {tuple(cpus[1:])}
+            assert {tuple(os.sched_getaffinity(t)) for t in tasks} == {tuple(cpus[1:])}
         want = solve_placement(counts, 100, costs, budget, host)
         assert all(np.array_equal(a, b) for a, b in zip(got.gpu_neurons, want.gpu_neurons))
         assert 0 < sum(m.sum() for m in got.gpu_neurons) < sum(costs.n_ff)
@@ -413,5 +460,6 @@ def test_the_background_solve_never_holds_up_a_step_and_its_split_follows_the_tr
     finally:
         eng.close()
     assert st["accepted"] >= 1 and st["neurons_moved"] > 0 and st["last_gain"] is not None
+    assert st["decode_step_ms_solving"] > 0 and st["decode_step_ms_otherwise"] > 0  # steps timed on both sides
     assert st["gpu_share_recent"] > before + 0.3, (before, st["gpu_share_history"])
     assert moved[0] == moved[1] >= st["neurons_moved"]
