@@ -119,9 +119,10 @@ def replica_config(ec: EngineConfig, replicas: int, gpus: float = 1.0,
     bundle = replica_bundle(device, threads or 1, plan.needs_cpu_executor, gpus, resource)
     check_fits(_alive_nodes(), bundle)
     if device == "cuda" and gpus < 1 and plan.needs_cpu_executor:
-        log.warning("replica_gpus=%g: replicas share a GPU and contend for it (two 13B replicas with 8 GiB each "
-                    "served 0.15x one engine with 16 GiB on an H200: bench/RESULTS.md, scale-out); one replica "
-                    "per GPU (replica_gpus=1) serves without that contention", gpus)
+        log.warning("replica_gpus=%g: replicas share a GPU and contend for it (on an H200, two 13B replicas with "
+                    "8 GiB each served 0.70x each of one such engine alone, and 0.13x together one engine with "
+                    "the 16 GiB: bench/RESULTS.md, scale-out); one replica per GPU (replica_gpus=1) serves "
+                    "without that contention", gpus)
     return replace(ec, device=device, threads=threads, plan=plan), bundle
 
 
