@@ -31,8 +31,10 @@ Dimension legend: B sequences (padded to the bucket), D hidden, V vocab.
 """
 from __future__ import annotations
 
+import gc
 import time
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -64,6 +66,19 @@ def buckets(slots: int) -> list[int]:
     """Every bucket a decode step of 1..slots sequences can take (``bucket_of``), ascending."""
     return sorted({bucket_of(n, slots) for n in (1 << k for k in range(slots.bit_length() + 1))})
 
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block: what a collection frees inside a CUDA
+    graph capture (objects of an engine closed before, say) can call into CUDA, which a capture
+    forbids, and the process aborts."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 class GraphCaptureError(RuntimeError):
     """Capturing the decode step failed (before anything ran): the caller falls back to eager."""
@@ -269,11 +284,12 @@ class DecodeGraphs:
     def _record_all(self, header: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list[torch.cuda.CUDAGraph]:
         """The step as one graph per chunk, in one memory pool (replayed in capture order)."""
         pool, graphs, k = self.pool or torch.cuda.graph_pool_handle(), [], 0
-        for c in range(len(self.chunks)):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
-                k = self._record(c, k, header)
-            graphs.append(g)
+        with collector_paused():
+            for c in range(len(self.chunks)):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):  # it collects first
+                    k = self._record(c, k, header)
+                graphs.append(g)
         return graphs
 
     def capture(self) -> None:

@@ -9,6 +9,7 @@ up to ~1.5e-2: tolerance 4e-2 with a CPU share, 2e-2 as fp16 without)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import numpy as np
 import pytest
@@ -400,3 +401,35 @@ def test_cuda_swaps_between_graph_replays_keep_the_graphs_and_the_budget(variant
     for a, b in zip(got, want):
         assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.9
         assert float(np.abs(a - b).max() / np.abs(b).max()) < 0.1
+
+
+def test_no_garbage_collection_runs_inside_a_graph_capture(tmp_path):
+    """The collector set to run at (nearly) every allocation, then an engine whose start captures
+    its decode graphs: no collection starts while a capture is underway (what it frees may call
+    into CUDA, which a capture forbids: the process aborts), the engine still matches the dense
+    reference, and the collector is left on."""
+    path, ref, plan = _model_and_plan(tmp_path, "llama-reglu", "mixed")
+    during: list[str] = []
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "start" and torch.cuda.is_current_stream_capturing():
+            during.append(f"generation {info['generation']}")
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(watch)
+    gc.set_threshold(1, 1000, 1000)
+    try:
+        eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="oracle", device="cuda", prefill_chunk=16))
+        assert gc.isenabled() and eng.primary.use_graphs and eng.primary.stats.graph_captures > 0
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(watch)
+    try:
+        prompt = list(range(3, 19))
+        eng.primary.step([0], [prompt], [0])
+        got = eng.primary.step([0], [[5]], [len(prompt)])[0]
+        want = ref.forward(prompt + [5], ref.new_cache())[len(prompt)]
+        np.testing.assert_allclose(got, want, atol=_tol("f16", "mixed"))
+    finally:
+        eng.close()
+    assert during == []
