@@ -444,6 +444,9 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+SPLIT_SLACK = 0.01  # the budget's share an own cached split may leave unused (the ILP leaves < 0.1 %)
+
+
 def split_bytes(costs: ModelCosts, gpu_masks: list[np.ndarray], gpu_groups: list[int] | None = None) -> float:
     """The GPU bytes of a split (per layer a bool mask of the GPU's neurons, and the KV-head groups
     on the GPU: None, all of them, as a cached split places them): everything fixed, the groups'
@@ -499,8 +502,9 @@ def _budget_plan(ec: EngineConfig, src: WeightSource, stats: tuple[list[np.ndarr
 def _cached_plan(cache: Path, src: WeightSource, costs: ModelCosts, budget: int) -> Plan | None:
     """The split file's plan if it is this model's and serves this budget, else None (re-solve).
 
-    Ours records the budget it was solved for: one solved for at most this budget serves (as
-    upstream reuses a split for a larger budget). Without that key, split.vram_capacity is
+    Ours records the budget it was solved for: one solved for at most this budget serves when it
+    fills it at this engine's batch and context, to within ``SPLIT_SLACK`` of the budget, or puts
+    everything on the GPU (a split solved for a longer context holds a smaller share of the FFN). Without that key, split.vram_capacity is
     upstream's FFN bytes, checked as upstream checks them (against the VRAM it leaves for FFN
     neurons at this budget), or our old whole budget, checked against this budget."""
     from ..placement import gpuidx
@@ -530,6 +534,12 @@ def _cached_plan(cache: Path, src: WeightSource, costs: ModelCosts, budget: int)
     if need > budget:  # solved for another batch size or context than this engine's
         log.warning("cached split %s needs %.3f GiB at this engine's batch and context, over %.3f GiB: re-solving",
                     cache, need / GIB, budget / GIB)
+        return None
+    on_cpu = any(not m.all() for m in split.gpu_neurons) or (groups is not None and not groups.all())
+    if split.budget_bytes is not None and on_cpu and budget - need > SPLIT_SLACK * budget:
+        log.warning("cached split %s leaves %.3f GiB of %.3f GiB unused at this engine's batch and context (solved "
+                    "for another, or a smaller budget) while rows stay on the CPU: re-solving", cache,
+                    (budget - need) / GIB, budget / GIB)
         return None
     log.info("using cached split %s (%s)", cache, what)
     return Plan.from_masks(split.gpu_neurons, None if groups is None else list(groups), cfg)

@@ -20,7 +20,7 @@ from powerinfer_ray.model.source import open_model
 from powerinfer_ray.model.tiny import tiny_config, tiny_weights
 from powerinfer_ray.placement import GIB, HostProfile, gpuidx_path, read_gpuidx, solve_placement, write_gpuidx
 from powerinfer_ray.placement.gpuidx import GpuIndexError, upstream_ffn_budget, write_split
-from powerinfer_ray.runtime.config import EngineConfig, engine_n_ctx, resolve_plan
+from powerinfer_ray.runtime.config import EngineConfig, engine_n_ctx, placement_inputs, resolve_plan, split_bytes
 
 UPSTREAM_13B_16GIB = 5714653184  # split.vram_capacity of the split upstream's main solved for the planted
 # Llama-2-13B f16 file at --vram-budget 16 (issue 34): the 5449.9 MiB it left for FFN neurons
@@ -166,10 +166,10 @@ def tiny(tmp_path):
     return ModelFile(_write(tmp_path / "m.gguf", "f16"))
 
 
-def _resolve(mf: ModelFile, budget: int, host: str, caplog):  # noqa: ANN001, ANN202
+def _resolve(mf: ModelFile, budget: int, host: str, caplog, **kw):  # noqa: ANN001, ANN202
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="powerinfer_ray.runtime.config"):
-        plan = resolve_plan(EngineConfig(str(mf.path), vram_budget_gib=budget / GIB, host_profile=host))
+        plan = resolve_plan(EngineConfig(str(mf.path), vram_budget_gib=budget / GIB, host_profile=host, **kw))
     return plan, caplog.text
 
 
@@ -177,18 +177,43 @@ def _masks(mf: ModelFile, share: float) -> list[np.ndarray]:
     return [np.arange(mf.config.n_ff) % int(1 / share) == l for l in range(mf.config.n_layer)]
 
 
+def _need(mf: ModelFile, masks, groups, host: str) -> int:  # noqa: ANN001
+    """The GPU bytes of a split at the default engine's costs (batch, context, workspace)."""
+    ec = EngineConfig(str(mf.path), vram_budget_gib=1.0, host_profile=host)
+    costs = placement_inputs(ec, open_model(str(mf.path)), None)[0]
+    return int(np.ceil(split_bytes(costs, masks, [int(g.sum()) for g in groups])))
+
+
 def test_our_cached_split_is_our_plan(tiny, host, caplog):
-    """Our keys restore the plan (attention groups included) for a budget at least the one it was
-    solved for; a smaller budget re-solves."""
-    budget = _budget(tiny, 1.0, 0.5)
+    """Our keys restore the plan (attention groups included) at the budget it fills; a smaller
+    budget re-solves, and so does a larger one, in which it would leave room unused while neurons
+    stay on the CPU."""
     masks, groups = _masks(tiny, 0.25), np.array([[True, False], [False, True]])
-    write_gpuidx(gpuidx_path(tiny.path), masks, 1, budget_bytes=budget, gpu_attention=groups)
-    plan, log = _resolve(tiny, budget, host, caplog)
-    assert [lp.gpu_neurons.tolist() for lp in plan.layers] == [np.flatnonzero(m).tolist() for m in masks]
-    assert [lp.cpu_groups.tolist() for lp in plan.layers] == [[1], [0]]
-    assert "using cached split" in log and "solved for" in log
-    plan, log = _resolve(tiny, budget - 1, host, caplog)
-    assert "re-solving" in log and read_gpuidx(gpuidx_path(tiny.path)).budget_bytes == budget - 1
+    budget = _need(tiny, masks, groups, host)
+    for other in (budget - 1, int(budget * 1.02)):
+        write_gpuidx(gpuidx_path(tiny.path), masks, 1, budget_bytes=budget, gpu_attention=groups)
+        plan, log = _resolve(tiny, budget, host, caplog)
+        assert [lp.gpu_neurons.tolist() for lp in plan.layers] == [np.flatnonzero(m).tolist() for m in masks]
+        assert [lp.cpu_groups.tolist() for lp in plan.layers] == [[1], [0]]
+        assert "using cached split" in log and "solved for" in log
+        plan, log = _resolve(tiny, other, host, caplog)
+        assert "re-solving" in log and read_gpuidx(gpuidx_path(tiny.path)).budget_bytes == other
+        assert ("unused" in log) is (other > budget)
+
+
+def test_a_split_cached_for_a_longer_context_is_solved_again_for_a_shorter_one(tiny, host, caplog):
+    """An engine at a long context solves and caches its split; one at a short context would
+    leave the long context's KV cache unused in the budget: it solves again, and puts more of
+    the FFN on the GPU."""
+    budget = _budget(tiny, 1.0, 0.5)
+    long_ctx = engine_n_ctx(EngineConfig(str(tiny.path)), tiny.config)
+    short, log = _resolve(tiny, budget, host, caplog, n_ctx=8, reset_gpu_index=True)
+    long, log = _resolve(tiny, budget, host, caplog, n_ctx=long_ctx)
+    assert "re-solving" in log and "needs" in log  # the short context's split does not fit the long one
+    again, log = _resolve(tiny, budget, host, caplog, n_ctx=8)
+    assert "unused" in log and "re-solving" in log
+    gpu = lambda plan: sum(len(lp.gpu_neurons) for lp in plan.layers)  # noqa: E731
+    assert gpu(again) == gpu(short) > gpu(long)
 
 
 def test_upstreams_split_is_checked_as_upstream_checks_it(tiny, host, caplog):
