@@ -106,6 +106,8 @@ class Coordinator:
             self.backend.discard_started()  # resources would hold this one's end)
             raise
         self._start_named_executors()
+        if self.replacer is not None:  # its solver's imports, started beside the executors' loads
+            self.replacer.solver.ready()
         self._step_lock = asyncio.Lock()  # held by a step: counts are read, neurons swapped between steps
         self.core = Scheduler(self._step, self.tokenizer, n_ctx=self.n_ctx, max_batch=self.ec.max_batch,
                               prefill_chunk=self.prefill_chunk, max_waiting=self.ec.max_waiting,

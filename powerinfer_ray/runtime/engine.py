@@ -66,6 +66,8 @@ class LocalEngine:
         self.primary: PrimaryExecutor = self.group.primary
         self.cpu: CPUExecutor | None = self.group.cpu
         self.replacer = engine_replacer(ec, src, plan, self.primary.policy.name)
+        if self.replacer is not None:
+            self.replacer.solver.ready()  # its imports done before the first request
         self.replacement = ReplacementLoop(self.replacer, self._totals, self._swap) if self.replacer else None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="local-engine", daemon=True)

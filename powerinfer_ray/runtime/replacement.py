@@ -42,6 +42,7 @@ import asyncio
 import logging
 import os
 import pickle
+import select
 import subprocess
 import sys
 import threading
@@ -64,10 +65,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 HALF_LIFE_INTERVALS = 1  # decayed counts halve every this many intervals: old traffic fades (a split
 # solved from older traffic is only judged better on it, and lags a shift by that many intervals)
-# the solver process: under the idle policy from its first line (its imports included: they take
-# seconds of a core, which a fresh engine's first requests would feel), see _serve_solves
-SOLVER_MAIN = ("import os; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)); "
-               f"from {__name__} import _serve_solves; _serve_solves()")
+SOLVER_MAIN = f"from {__name__} import _serve_solves; _serve_solves()"  # the solver process's program
+URGE_INTERVALS = 1  # intervals of served tokens a solve may wait for idle cores before it is urged
 MAX_BACKOFF = 8  # the most intervals between two solves while the solves find no move worth it
 MOVE_BYTES = 48 << 20  # rows traded per pause between two steps
 HISTORY = 128  # intervals of the GPU's share kept for stats()
@@ -170,10 +169,23 @@ def pauses(swaps: list[Swap], neuron_bytes: tuple[int, ...], limit: int = MOVE_B
     return [p for p in out if p]
 
 
+def _set_policy(pid: int, policy: int, nice: int | None = None) -> None:
+    """Every thread of process ``pid`` under ``policy`` (and at ``nice``); threads that ended
+    meanwhile are skipped. Raises PermissionError where the caller may not raise a priority."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+            if nice is not None:
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except ProcessLookupError:
+            continue
+
+
 class Solver:
     """``placement.solve_placement`` for one engine's costs, budget and host, in a process of its
-    own: ``python -c SOLVER_MAIN`` (``start``ed with the engine, so that its imports are done
-    before traffic comes; restarted by a solve if it died), pickles over its stdin
+    own: ``python -c SOLVER_MAIN`` (``start``ed with the engine, which waits for its imports
+    (``ready``) before it serves: they take seconds of a core, which a fresh engine's first requests
+    would feel; restarted by a solve if it died), pickles over its stdin
     and stdout. Not a multiprocessing pool: its spawn would import the engine's ``__main__`` again,
     a user's script that starts an engine."""
 
@@ -202,9 +214,32 @@ class Solver:
             self._proc = subprocess.Popen([sys.executable, "-c", SOLVER_MAIN], stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE)
 
+    def ready(self, timeout_s: float = 60.0) -> bool:
+        """Start the process unless it runs, and wait up to ``timeout_s`` for its imports to be done
+        (after them it runs under the idle policy); whether they are."""
+        with self._lock:
+            self.start()
+            return self._imported(timeout_s)
+
+    def _imported(self, timeout_s: float | None) -> bool:
+        """Whether the process said its imports are done (its first answer), waiting up to
+        ``timeout_s`` (None: until it does); under the lock."""
+        proc = self._proc
+        if getattr(proc, "imported", False):
+            return True
+        if timeout_s is not None and not select.select([proc.stdout], [], [], timeout_s)[0]:
+            return False
+        try:
+            pickle.load(proc.stdout)
+        except EOFError:
+            raise RuntimeError(f"the placement solver process exited ({proc.wait()})") from None
+        proc.imported = True  # on the process: solvers that share it see it
+        return True
+
     def _call(self, request: tuple) -> Any:  # noqa: ANN401
         with self._lock:
             self.start()
+            self._imported(None)
             pickle.dump(request, self._proc.stdin)
             self._proc.stdin.flush()
             try:
@@ -214,6 +249,21 @@ class Solver:
         if not ok:
             raise value
         return value
+
+    def urge(self) -> bool:
+        """The running solve out of the idle policy, at the engine's own priority (``URGE_INTERVALS``:
+        the cores were never idle long enough); the process goes back to idle after its answer.
+        False where this process may not raise the solver's priority (an unprivileged user with no
+        RLIMIT_NICE)."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return False
+        try:
+            _set_policy(proc.pid, os.SCHED_OTHER, os.nice(0))
+        except PermissionError:
+            log.warning("re-placement: the solver's priority cannot be raised here: its solves wait for idle cores")
+            return False
+        return True
 
     def close(self) -> None:
         proc, self._proc = self._proc, None
@@ -228,11 +278,13 @@ class Solver:
 def _serve_solves() -> None:
     """The solver process: requests (pickled tuples of ``solve_placement``'s arguments) on stdin,
     (True, Placement) or (False, exception) on stdout, until EOF. HiGHS writes its banner to the
-    C library's stdout: file descriptor 1 goes to stderr, the answers to a copy of it. Under the
-    idle scheduling policy (``SOLVER_MAIN``: its threads run on a core only when nothing else wants
-    it, and yield it at once to a thread that wakes; nice 19 is not enough, Ray starts the engine's
+    C library's stdout: file descriptor 1 goes to stderr, the answers to a copy of it; the first
+    answer, (True, None), says the imports are done. From then on under the idle scheduling policy
+    (its threads run on a core only when nothing else wants it, and yield it at once to a thread
+    that wakes; nice 19 is not enough, Ray starts the engine's
     workers at nice 15, which leaves a nice-19 solver ~30 % of a core it shares with them; on a
-    host whose every core is busy, a solve waits), and each solve on the cores no CPU executor has claimed
+    host whose every core stays busy, a solve that waited ``URGE_INTERVALS`` runs at the engine's
+    own priority until it answers: ``Solver.urge``), and each solve on the cores no CPU executor has claimed
     (``cores.unclaimed``): the CPU executors' workers spin on theirs while tokens are made, and a
     solve that took one of their cores would hold up every step it ran beside."""
     from .cores import pin_process, unclaimed
@@ -249,6 +301,9 @@ def _serve_solves() -> None:
 
     from ..placement.solve import solve_placement
 
+    _set_policy(os.getpid(), os.SCHED_IDLE)
+    pickle.dump((True, None), answers)  # imported: the engine may serve
+    answers.flush()
     requests = sys.stdin.buffer
     while True:
         try:
@@ -260,6 +315,7 @@ def _serve_solves() -> None:
             answer = (True, solve_placement(counts, tokens, costs, budget, host, method=method))
         except Exception as e:  # noqa: BLE001  (the engine logs it)
             answer = (False, e)
+        _set_policy(os.getpid(), os.SCHED_IDLE)  # urged (Solver.urge): idle again for the next
         pickle.dump(answer, answers)
         answers.flush()
 
@@ -276,7 +332,7 @@ class Replacer:
         self.solving = False
         self.history: deque[dict[str, float]] = deque(maxlen=HISTORY)
         self._lock = threading.Lock()  # stats() may be read from another thread (the in-process engine)
-        self.counters = {"solves": 0, "solve_failures": 0, "accepted": 0, "pauses": 0, "neurons_moved": 0,
+        self.counters = {"solves": 0, "solve_failures": 0, "urged": 0, "accepted": 0, "pauses": 0, "neurons_moved": 0,
                          "last_gain": None, "last_gain_fitted": None, "last_solve_s": None, "move_s": 0.0}
         self.basis: tuple[np.ndarray, float] = (self.decayed.counts, 0.0)  # what a solve sees
         self.newest = np.zeros_like(self.decayed.counts)  # the newest interval: what a split is judged on
@@ -387,6 +443,7 @@ class ReplacementLoop:
         self.replacer, self.read, self.apply = replacer, read, apply
         self.observer = observer or (lambda r: None)
         self.served, self._next = 0, replacer.settings.interval
+        self._urge_at: int | None = None  # served tokens at which the pending solve is urged
         self._due = asyncio.Event()
         self.task: asyncio.Task | None = None
 
@@ -394,6 +451,9 @@ class ReplacementLoop:
         """A step of ``tokens`` (per sequence) ran in ``seconds``; wakes the loop every interval."""
         self.replacer.stepped(seconds, all(len(t) == 1 for t in tokens))
         self.served += sum(len(t) for t in tokens)
+        if self._urge_at is not None and self.served >= self._urge_at and self.replacer.solving:
+            self._urge_at = None
+            self.replacer.counters["urged"] += self.replacer.solver.urge()
         if self.served >= self._next:
             self._next = self.served + self.replacer.settings.interval
             self._due.set()
@@ -410,6 +470,7 @@ class ReplacementLoop:
                 self.observer(r)
                 if not r.ready:
                     continue
+                self._urge_at = self.served + URGE_INTERVALS * r.settings.interval
                 solved = await self._solve()
                 if r.accept(solved):
                     await self._move()

@@ -414,7 +414,8 @@ def _wait_for(what, timeout_s: float = 120.0) -> None:
 def test_the_background_solve_never_holds_up_a_step_and_its_split_follows_the_traffic(tmp_path):
     """An engine started on a bad split (the coldest third of each layer's neurons of a planted
     model on the primary) with re-placement on: the solve due after 16 tokens is held back, and
-    generation goes on meanwhile, step after step; once it answers, the neurons move (in pauses
+    generation goes on meanwhile, step after step (the solver urged out of the idle policy after
+    an interval of it, idle again after its answer); once it answers, the neurons move (in pauses
     between steps, while a request is in flight), the GPU's share of the activations rises, and
     the generated tokens are the dense reference's greedy ones throughout (policy 'oracle':
     exact)."""
@@ -447,12 +448,16 @@ def test_the_background_solve_never_holds_up_a_step_and_its_split_follows_the_tr
         assert gated.asked.is_set() and eng.stats()["replacement"]["solving"]
         generate(1)  # the solve still waits: every step of it ran
         assert eng.coordinator.counters["steps"] >= gated.steps_at_ask + 40 and eng.replacer.counters["solves"] == 0
+        policies = lambda: {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{gated._proc.pid}/task")}  # noqa: E731
+        if os.geteuid() == 0:  # allowed to raise it: urged after an interval of tokens waiting
+            assert eng.replacer.counters["urged"] == 1 and policies() == {os.SCHED_OTHER}
         before = eng.replacer.history[0]["gpu_share"]
         gated.gate.set()  # the solve answers while a request is in flight
         done = threading.Thread(target=generate, args=(2, 120))
         done.start()
         _wait_for(lambda: eng.replacer.counters["pauses"] > 0 and not eng.replacer.queue)
         done.join()
+        assert policies() == {os.SCHED_IDLE}  # idle again after its answer
         generate(3)
         st = eng.stats()["replacement"]
         with eng._backend.step_lock:  # both executors swap under it (the loop may move more meanwhile)
