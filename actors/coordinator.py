@@ -222,8 +222,9 @@ class Coordinator:
         """Each executor's activation counts [L, n_ff] and the tokens counted, between steps."""
         async with self._step_lock:
             g = self._running()
-            counts, tokens = await g.primary.activation_counts.remote(reset)
-            return [counts] + ([await g.cpu.activation_counts.remote(reset)] if g.cpu is not None else []), tokens
+            parts = await asyncio.gather(*[m.activation_counts.remote(reset) for m in (g.primary, g.cpu) if m is not None])
+            (counts, tokens), rest = parts[0], list(parts[1:])
+            return [counts] + rest, tokens
 
     async def _totals(self) -> tuple[Any, int]:
         parts, tokens = await self._counts()

@@ -161,8 +161,16 @@ def serve(eng: Any, a: argparse.Namespace, prompts: Iterator[list[int]], tokens:
     d = lambda part, key: float(s1.get(part, {}).get(key, 0)) - float(s0.get(part, {}).get(key, 0))  # noqa: E731
     gpu = d("gpu_executor", "neurons")
     cpu = d("cpu_executor", "neurons") + d("gpu_executor", "cold_neurons")
+    n = d("coordinator", "decode_tokens")
+    layer = lambda key: float(s1.get("gpu_executor", {}).get("layer_s", {}).get(key, 0)) - float(  # noqa: E731
+        s0.get("gpu_executor", {}).get("layer_s", {}).get(key, 0))
+    # where a token's time went (prefill steps included in the executors' parts): ms per decode token
+    per_token = {"decode": d("coordinator", "decode_s"), "gpu_busy": d("gpu_executor", "busy_s"),
+                 "gpu_launch": layer("launch"), "gpu_segment": layer("segment"), "gpu_exchange": layer("exchange"),
+                 "cpu_busy": d("cpu_executor", "busy_s"), "cpu_kernel": d("cpu_executor", "kernel_s")}
     return {"served_tokens": done, "wall_s": time.perf_counter() - t0,
-            "decode_tok_s": d("coordinator", "decode_tokens") / d("coordinator", "decode_s"),
+            "ms_per_decode_token": {k: round(1e3 * v / n, 3) for k, v in per_token.items()} if n else None,
+            "decode_tok_s": n / d("coordinator", "decode_s"),
             "gpu_share": gpu / (gpu + cpu) if gpu + cpu else 1.0,
             "gpu_move_s": d("gpu_executor", "move_s"), "replacement": s1["replacement"]}
 
@@ -201,7 +209,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         r = {"engine": engine, "traffic": kind, "phase": phase, **r}
         out["records"].append(r)
         print(f"[{engine}] {kind} {phase}: decode {r['decode_tok_s']:.2f} tok/s, GPU share {r['gpu_share']:.1%} "
-              f"over {r['served_tokens']} tokens ({r['wall_s']:.0f} s)", flush=True)
+              f"over {r['served_tokens']} tokens ({r['wall_s']:.0f} s); ms a token {r['ms_per_decode_token']}", flush=True)
         return r
 
     t0 = time.perf_counter()

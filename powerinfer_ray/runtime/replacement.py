@@ -465,14 +465,14 @@ class ReplacementLoop:
         while True:
             await self._due.wait()
             self._due.clear()
-            try:
-                r.observe(*await self.read())
+            try:  # the folds and judgements in a thread: they take tens of ms of numpy, the steps go on
+                await asyncio.to_thread(r.observe, *await self.read())
                 self.observer(r)
                 if not r.ready:
                     continue
                 self._urge_at = self.served + URGE_INTERVALS * r.settings.interval
                 solved = await self._solve()
-                if r.accept(solved):
+                if await asyncio.to_thread(r.accept, solved):
                     await self._move()
             except asyncio.CancelledError:
                 raise
