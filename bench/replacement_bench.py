@@ -45,6 +45,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the drivers share model_bench's helpers
 from model_bench import ROOT, model_source, wait_warm, write_results
 
+from powerinfer_ray.runtime.config import EngineConfig
+
 GIB = 1 << 30
 
 
@@ -108,7 +110,7 @@ def solved_plan(a: argparse.Namespace, stats: tuple[list[np.ndarray], int]):  # 
 
     from powerinfer_ray.model.source import open_model
     from powerinfer_ray.placement.solve import solve_placement
-    from powerinfer_ray.runtime.config import EngineConfig, placement_inputs, predictor_qtype
+    from powerinfer_ray.runtime.config import placement_inputs, predictor_qtype
     from powerinfer_ray.runtime.plan import Plan
 
     src = open_model(a.model)
@@ -272,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--measure", type=int, default=1024, help="served tokens per measurement")
     ap.add_argument("--after", type=int, default=2000, help="served tokens of B before the re-placed engine's measurement")
     ap.add_argument("--interval", type=int, default=256, help="replacement_interval")
-    ap.add_argument("--threshold", type=float, default=0.02, help="replacement_threshold")
+    ap.add_argument("--threshold", type=float, default=EngineConfig.replacement_threshold, help="replacement_threshold")
     ap.add_argument("--profile-corpus", default="builtin:pydoc:train", help="text A (model files)")
     ap.add_argument("--serve-corpus", default="builtin:stdlib:train", help="text B (model files)")
     ap.add_argument("--profile-tokens", type=int, default=8192, help="tokens of A profiled")

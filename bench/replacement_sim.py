@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--vram-budget", type=float, default=16.0)
     ap.add_argument("--half-life", type=int, default=R.HALF_LIFE_INTERVALS, help="intervals")
     ap.add_argument("--interval", type=int, default=256, help="tokens")
-    ap.add_argument("--threshold", type=float, default=0.02)
+    ap.add_argument("--threshold", type=float, default=EngineConfig.replacement_threshold)
     ap.add_argument("--a-intervals", type=int, default=4)
     ap.add_argument("--intervals", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)

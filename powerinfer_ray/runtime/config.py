@@ -133,8 +133,8 @@ class PlanConfig:
     replacement_interval: int = option(512, "re-placement: counted tokens (prompt and output) between two "
                                        "background solves of the placement from them", kind=int)
     replacement_threshold: float = option(
-        0.02, "re-placement: move only when the re-solved split serves at least this share more of the recent "
-        "activations on the GPU (0..1; runtime/replacement.py says what a move costs)", kind=float)
+        0.05, "re-placement: move only when the re-solved split takes at least this share of the CPU's recent "
+        "activations onto the GPU (0..1; runtime/replacement.py says what a move costs)", kind=float)
 
     def check_plan(self) -> None:
         check_number("vram_budget_gib", self.vram_budget_gib, 0.0, lo_open=True, optional=True,

@@ -10,7 +10,7 @@ for the same budget from the estimate as it stood before the newest interval (``
 ~0.3 s at a time in a solve of a 13B). The engine's steps never wait for it: the loop
 (``ReplacementLoop``) awaits its future. While solves find nothing worth moving, they back off
 (``Replacer.ready``: 1, 2, 4, up to ``MAX_BACKOFF`` intervals apart) until the GPU's share of an
-interval drops by the threshold: a settled engine solves every 8 intervals, a shifted one at once.
+interval's CPU share grows by the threshold: a settled engine solves every 8 intervals, a shifted one at once.
 
 A solved split is applied at the engine's shard sizes (``target``): each layer keeps the number
 of GPU neurons it was loaded with (the primary's row buffers, the CPU mask's width and the
@@ -18,16 +18,20 @@ captured decode graphs are sized for it; the budget the ILP was given is what th
 takes the neurons the ILP put on the GPU, the hottest first, topped up by the hottest others
 when the ILP gave the layer fewer. Ties keep the neurons where they are.
 
-The move pays when the new split serves at least ``replacement_threshold`` more of the
-activations on the GPU (``gain``, a share) both in the counts it was solved from and in the newest
+The move pays when the new split takes at least ``replacement_threshold`` of the CPU's
+activations onto the GPU (``gain``: a share of what the CPU computes, which is what its time per
+token follows) both in the counts it was solved from and in the newest
 interval's, which the solve did not see: a split fitted to a few hundred tokens' counts always
 looks better on them (their noise picks its neurons), and only the unseen interval tells a shift
 of the traffic from that noise. The move's cost is a one-off copy of the neurons' rows over PCIe;
 its gain is a lasting cut of the CPU's reads per token. At the Llama-2-13B shape at 16 GiB (30 KiB
 a neuron, ~86k neurons active per token): moving every GPU neuron of every layer (~5 GB) takes
-~0.1 s at 55 GB/s, and one point of share moves ~26 MB per token off the CPU's ~180 GB/s (~0.15
-ms a token): a gain of 0.02 (the default) pays for even the largest move within ~350 tokens, and
-smaller ones sooner.
+~0.1 s at 55 GB/s (pauses between steps: ~1 s on the H200 host), and one point of share moves ~26 MB
+per token off the CPU, ~0.4 ms a token at the ~60 GB/s its kernel reads in the exchange: with ~14 %
+of the activations on the CPU, a gain of 0.05 (the default: 0.7 points) pays for even the largest
+move within ~4,000 tokens, and smaller ones sooner. An absolute share would ask a settled engine
+for the same points whatever the CPU still holds: at 0.02 the 13B stayed 1.5 points (6 % of
+its speed) short of the split solved on its traffic.
 
 Moves go in pauses between steps (``pauses``): each pause trades at most ``MOVE_BYTES`` of rows
 (a transient of a third of that on the GPU, one matrix's rows at a time: the budget holds), both
@@ -75,7 +79,8 @@ HISTORY = 128  # intervals of the GPU's share kept for stats()
 @dataclass(frozen=True)
 class Settings:
     """When the engine re-solves (every ``interval`` counted tokens) and when it moves
-    (``threshold``: the least gain in the GPU's share of the activations, see the module docstring)."""
+    (``threshold``: the least share of the CPU's activations a move takes onto the GPU, see the module
+    docstring)."""
 
     interval: int
     threshold: float
@@ -118,11 +123,12 @@ def solver_inputs(counts: np.ndarray, tokens: float) -> tuple[list[np.ndarray], 
 
 
 def gain(plan: Plan, goal: list[np.ndarray], counts: np.ndarray) -> float:
-    """How much more of the counts [L, F] the GPU neurons ``goal`` serve than the plan's (a share)."""
-    total = float(counts.sum())
+    """The share of the counts [L, F] on the plan's CPU neurons that the GPU neurons ``goal`` take
+    onto the GPU (negative: they leave more there)."""
+    cpu = float(counts.sum()) * (1.0 - plan.gpu_activation_share(counts))
     more = sum(float(counts[l, g].sum() - counts[l, lp.gpu_neurons].sum()) for l, (g, lp) in
                enumerate(zip(goal, plan.layers)))
-    return more / total if total else 0.0
+    return more / cpu if cpu > 0 else 0.0
 
 
 def target(plan: Plan, solved: list[np.ndarray], counts: np.ndarray) -> list[np.ndarray]:
@@ -351,15 +357,15 @@ class Replacer:
             share = self.plan.gpu_activation_share(self.newest)
             with self._lock:
                 self.history.append({"tokens": int(tokens), "gpu_share": round(share, 4)})
-            if self._kept_share is not None and share < self._kept_share - self.settings.threshold:
+            if self._kept_share is not None and 1 - share > (1 - self._kept_share) * (1 + self.settings.threshold):
                 self.backoff, self._wait = 1, 0  # the traffic left the split kept: solve now
 
     @property
     def ready(self) -> bool:
         """Whether a solve is due: counts to solve from, an unseen interval to judge by, and the
         backoff waited out (after a refused split the next solve waits ``backoff`` intervals, which
-        then doubles, up to ``MAX_BACKOFF``; a move ends it, and so does every interval whose GPU
-        share is the threshold below the share at the first refusal since the last move)."""
+        then doubles, up to ``MAX_BACKOFF``; a move ends it, and so does every interval whose CPU
+        share is the threshold (a fraction of it) above the share at the first refusal since the last move)."""
         return self.basis[1] > 0 and bool(self.newest.sum()) and not self._wait
 
     def stepped(self, seconds: float, decode: bool) -> None:
