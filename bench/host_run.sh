@@ -414,8 +414,8 @@ offtrain)  # issue 23: predictors for the 13B's 40 layers, samples through the e
 replacement)  # issue 36: the 13B whose hot set follows its prompts' token range (ranges=2: its own 26 GB file on
     # /dev/shm, ~40 s to write), at 16 GiB, prompt 64, 128 generated, batch 1: the split solved from range A's
     # statistics served range A then range B, static against re-placed (measured after 2000 tokens of B) against the
-    # split solved from range B's; four engines (the static one again last: the two bracket the unshifted case),
-    # ~4 min. Re-placed within 2 % of static on A, >= 1.3x on B and within 5 % of the oracle
+    # split solved from range B's; five engines (static, oracle, replaced, oracle, static: each kind brackets the replaced one),
+    # ~4.5 min. Re-placed within 2 % of static on A, >= 1.3x on B and within 5 % of the oracle
     # (bench/replacement_bench.py's summary: unshifted_ratio, speedup_vs_static, replaced_vs_oracle)
     write_file "$M13R" 200 || exit 0
     echo "== replacement_bench" >> "$log"
