@@ -23,6 +23,9 @@ run them), one after another, one budget, one split solver (the engine's own inp
   oracle    again: serves B.
   static    again, last: serves A.
 
+--unshifted N measures the unshifted case alone, without engine-to-engine drift in the way: N
+pairs of engines, static then re-placed, serving A in turn (unshifted_ratio: the means' ratio).
+
 Engines of one call differ by up to ~10 % at the same split and traffic (the CPU kernel's time per
 token, engine to engine): the replaced engine is compared with the mean of the two engines of each
 kind, which bracket it. Every engine measures B on the same prompts. Each measurement is --measure
@@ -230,6 +233,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     static_plan, static_placement = solved_plan(a, traffic.statistics("A", []))
     out["profile_s"] = round(time.perf_counter() - t0, 1)
+    if a.unshifted:
+        return unshifted(a, static_plan, measure, out)
     with engine(a, "static", static_plan, "off") as eng:
         out["static_a"] = measure(eng, "static", "A", "measure", a.measure)
         out["static_b"] = measure(eng, "static", "B", "measure", a.measure, served_b)
@@ -268,6 +273,21 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def unshifted(a: argparse.Namespace, plan: Any, measure: Any, out: dict[str, Any]) -> dict[str, Any]:  # noqa: ANN401
+    """--unshifted N: the unshifted case alone, N pairs of engines (static, then re-placed) on A in
+    turn; unshifted_ratio is the re-placed engines' mean decode tok/s over the static ones'."""
+    rates: dict[str, list[float]] = {"static": [], "replaced": []}
+    for i in range(a.unshifted):
+        for name, mode in (("static", "off"), ("replaced", "on")):
+            with engine(a, name, plan, mode) as eng:
+                rates[name].append(measure(eng, name, "A", f"measure, pair {i + 1}", a.measure)["decode_tok_s"])
+    mean = {k: sum(v) / len(v) for k, v in rates.items()}
+    out["summary"] = {"unshifted_ratio": mean["replaced"] / mean["static"], "decode_tok_s_static_a": rates["static"],
+                      "decode_tok_s_replaced_a": rates["replaced"],
+                      "replacement": out["records"][-1]["replacement"]}
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="bench/replacement_bench.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", default=None, help="a GGUF file or planted:<preset>?...&ranges=2 "
@@ -283,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--after", type=int, default=2000, help="served tokens of B before the re-placed engine's measurement")
     ap.add_argument("--interval", type=int, default=256, help="replacement_interval")
     ap.add_argument("--threshold", type=float, default=EngineConfig.replacement_threshold, help="replacement_threshold")
+    ap.add_argument("--unshifted", type=int, default=0, metavar="N",
+                    help="the unshifted case alone: N pairs of engines (static, re-placed) serving A in turn")
     ap.add_argument("--profile-corpus", default="builtin:pydoc:train", help="text A (model files)")
     ap.add_argument("--serve-corpus", default="builtin:stdlib:train", help="text B (model files)")
     ap.add_argument("--profile-tokens", type=int, default=8192, help="tokens of A profiled")
@@ -322,7 +344,7 @@ def main(argv: list[str]) -> int:
     name = a.name or f"replacement-{Path(a.model).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     out = run(a)
     settings = {k: getattr(a, k) for k in ("vram_budget", "threads", "batch", "prompt", "output", "measure", "after",
-                                           "interval", "threshold", "sync_us", "profile_tokens")}
+                                           "interval", "threshold", "sync_us", "profile_tokens", "unshifted")}
     traffic = ({"A": "token range A (ids below n_vocab / 2)", "B": "token range B"} if a.planted else
                {"A": a.profile_corpus, "B": a.serve_corpus})
     write_results(a.out_dir, name, "python bench/replacement_bench.py " + " ".join(argv), model=a.model,
