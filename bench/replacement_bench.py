@@ -148,7 +148,9 @@ def start(a: argparse.Namespace, name: str, plan: Any, replacement: str):  # noq
     warm = [5 + i % 50 for i in range(a.prompt)]  # kernels compiled, decode graphs captured
     ray.get([eng.generate.remote(prompt_token_ids=warm, max_tokens=4, ignore_eos=True) for _ in range(a.batch)])
     rows = wait_warm(eng)  # every engine measured with its CPU rows mapped
-    print(f"[{name}] loaded and warm in {time.perf_counter() - t0:.1f} s: {info['load_s']}, rows {rows}", flush=True)
+    pinned = [i["pinned"] for i in info["executors_ready"] if "pinned" in i]  # the CPU workers' cores
+    print(f"[{name}] loaded and warm in {time.perf_counter() - t0:.1f} s: {info['load_s']}, rows {rows}, "
+          f"CPU workers pinned to {pinned}", flush=True)
     return eng
 
 
