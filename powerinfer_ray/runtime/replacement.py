@@ -125,9 +125,11 @@ def solver_inputs(counts: np.ndarray, tokens: float) -> tuple[list[np.ndarray], 
 def gain(plan: Plan, goal: list[np.ndarray], counts: np.ndarray) -> float:
     """The share of the counts [L, F] on the plan's CPU neurons that the GPU neurons ``goal`` take
     onto the GPU (negative: they leave more there)."""
-    cpu = float(counts.sum()) * (1.0 - plan.gpu_activation_share(counts))
-    more = sum(float(counts[l, g].sum() - counts[l, lp.gpu_neurons].sum()) for l, (g, lp) in
-               enumerate(zip(goal, plan.layers)))
+    cpu = more = 0.0
+    for l, (g, lp) in enumerate(zip(goal, plan.layers)):
+        kept = float(counts[l, lp.gpu_neurons].sum())  # the plan's GPU counts, read once
+        cpu += float(counts[l].sum()) - kept
+        more += float(counts[l, g].sum()) - kept
     return more / cpu if cpu > 0 else 0.0
 
 
