@@ -24,7 +24,8 @@ run them), one after another, one budget, one split solver (the engine's own inp
   static    again, last: serves A.
 
 --unshifted N measures the unshifted case alone, without engine-to-engine drift in the way: N
-pairs of engines, static then re-placed, serving A in turn (unshifted_ratio: the means' ratio).
+pairs of engines serving A in turn, static then re-placed, then re-placed then static, and so on
+(ABBA; unshifted_ratio: the means' ratio; an even N balances the order).
 
 Engines of one call differ by up to ~10 % at the same split and traffic (the CPU kernel's time per
 token, engine to engine): the replaced engine is compared with the mean of the two engines of each
@@ -276,11 +277,13 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def unshifted(a: argparse.Namespace, plan: Any, measure: Any, out: dict[str, Any]) -> dict[str, Any]:  # noqa: ANN401
-    """--unshifted N: the unshifted case alone, N pairs of engines (static, then re-placed) on A in
-    turn; unshifted_ratio is the re-placed engines' mean decode tok/s over the static ones'."""
+    """--unshifted N: the unshifted case alone, N pairs of engines on A in turn, static first in the
+    even pairs and re-placed first in the odd ones (ABBA: a drift over the call favours neither);
+    unshifted_ratio is the re-placed engines' mean decode tok/s over the static ones'."""
     rates: dict[str, list[float]] = {"static": [], "replaced": []}
     for i in range(a.unshifted):
-        for name, mode in (("static", "off"), ("replaced", "on")):
+        pair = (("static", "off"), ("replaced", "on"))
+        for name, mode in pair if i % 2 == 0 else pair[::-1]:
             with engine(a, name, plan, mode) as eng:
                 rates[name].append(measure(eng, name, "A", f"measure, pair {i + 1}", a.measure)["decode_tok_s"])
     mean = {k: sum(v) / len(v) for k, v in rates.items()}
@@ -306,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--interval", type=int, default=256, help="replacement_interval")
     ap.add_argument("--threshold", type=float, default=EngineConfig.replacement_threshold, help="replacement_threshold")
     ap.add_argument("--unshifted", type=int, default=0, metavar="N",
-                    help="the unshifted case alone: N pairs of engines (static, re-placed) serving A in turn")
+                    help="the unshifted case alone: N pairs of engines (static and re-placed, ABBA) serving A in turn")
     ap.add_argument("--profile-corpus", default="builtin:pydoc:train", help="text A (model files)")
     ap.add_argument("--serve-corpus", default="builtin:stdlib:train", help="text B (model files)")
     ap.add_argument("--profile-tokens", type=int, default=8192, help="tokens of A profiled")
