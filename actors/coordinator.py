@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 import ray
 from ray.util import metrics
 
+from ..runtime.activity import cpu_counts
 from ..runtime.config import EngineConfig, engine_n_ctx, resolve_plan, resolve_policy, resolve_prefill_chunk
 from .executors import RayBackend
 
@@ -222,7 +223,8 @@ class Coordinator:
         """Each executor's activation counts [L, n_ff] and the tokens counted, between steps."""
         async with self._step_lock:
             g = self._running()
-            parts = await asyncio.gather(*[m.activation_counts.remote(reset) for m in (g.primary, g.cpu) if m is not None])
+            cpu = g.cpu if cpu_counts(self.policy) else None
+            parts = await asyncio.gather(*[m.activation_counts.remote(reset) for m in (g.primary, cpu) if m is not None])
             (counts, tokens), rest = parts[0], list(parts[1:])
             return [counts] + rest, tokens
 

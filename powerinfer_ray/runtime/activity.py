@@ -94,6 +94,13 @@ class ActivityCounts:
         self.retired.clear()
 
 
+def cpu_counts(policy: str) -> bool:
+    """Whether a CPU executor keeps counts of its own under this policy (under 'predictor' the
+    primary counts every neuron): the engine reads its counts only then, since a read is a call
+    into the process whose serving thread the next step waits for."""
+    return policy == "oracle"
+
+
 def check_counted(policy: str) -> None:
     """ValueError unless an engine of this policy keeps activation counts."""
     if policy not in COUNTED:

@@ -21,7 +21,7 @@ from ..kernels.cpu_library import configure_threads
 from ..model import gguf_keys as K
 from ..model.qtypes import row_bytes
 from ..model.source import WeightSource, file_mapping, open_model
-from .activity import ActivityCounts
+from .activity import ActivityCounts, cpu_counts
 from .channel import OP_ATTN, OP_ATTN_FFN, OP_FFN, OP_PING, OP_STOP, Channel, ChannelSpec
 from .cores import CoreClaim
 from .hostmem import process_memory
@@ -139,7 +139,7 @@ class CPUExecutor:
         self.stats = ExecStats()
         # policy 'oracle': the true activity of the rows it computes (``activity``; the primary
         # counts the tokens and, under 'predictor', decides these neurons itself)
-        self.activity = ActivityCounts([lp.cpu_neurons for lp in plan.layers], "cpu", policy == "oracle")
+        self.activity = ActivityCounts([lp.cpu_neurons for lp in plan.layers], "cpu", cpu_counts(policy))
         self.channel: Channel | None = None
         self._calls: dict[tuple[int, int], Callable] = {}  # the FFN kernel's call per (layer, mask width)
         self.error: str | None = None

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Coroutine
 from ..model.source import WeightSource, open_model, rows_faster_on
 from ..model import gguf_keys as K
 from ..model.tokenizer import Tokenizer
-from .activity import activity_summary, check_counted, engine_activation
+from .activity import activity_summary, check_counted, cpu_counts, engine_activation
 from .config import EngineConfig, engine_n_ctx, resolve_plan, resolve_policy, resolve_prefill_chunk
 from .cpu_executor import CPUExecutor
 from .group import ExecutorGroup, GroupSpec, LocalBackend, start_group
@@ -91,7 +91,8 @@ class LocalEngine:
         """Each executor's activation counts [L, n_ff] and the tokens counted, between steps."""
         with self._backend.step_lock:  # between steps: both executors' counts of the same tokens
             counts, tokens = self.primary.activation_counts(reset)
-            return [counts] + ([self.cpu.activation_counts(reset)] if self.cpu is not None else []), tokens
+            counted = self.cpu is not None and cpu_counts(self.primary.policy.name)
+            return [counts] + ([self.cpu.activation_counts(reset)] if counted else []), tokens
 
     async def _totals(self) -> tuple[Any, int]:
         parts, tokens = await asyncio.to_thread(self._counts)
