@@ -107,8 +107,6 @@ class Coordinator:
             self.backend.discard_started()  # resources would hold this one's end)
             raise
         self._start_named_executors()
-        if self.replacer is not None:  # its solver's imports, started beside the executors' loads
-            self.replacer.solver.ready()
         self._step_lock = asyncio.Lock()  # held by a step: counts are read, neurons swapped between steps
         self.core = Scheduler(self._step, self.tokenizer, n_ctx=self.n_ctx, max_batch=self.ec.max_batch,
                               prefill_chunk=self.prefill_chunk, max_waiting=self.ec.max_waiting,
@@ -210,12 +208,10 @@ class Coordinator:
 
     async def _step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]):  # noqa: ANN202
         async with self._step_lock:
-            t0 = time.perf_counter()
             out = await self._running().step(slots, tokens, start_pos)
-            seconds = time.perf_counter() - t0
         self.m_tokens.inc(len(tokens), tags={"engine": self.name})
         if self.replacement is not None:
-            self.replacement.stepped(tokens, seconds)
+            self.replacement.stepped(tokens)
         return out
 
     # --- re-placement (runtime/replacement.py): both executors, between steps ------------------------
@@ -354,6 +350,4 @@ class Coordinator:
         return self.group
 
     def shutdown(self) -> None:
-        if self.replacer is not None:
-            self.replacer.solver.close()
         self._kill_executors()

@@ -1,8 +1,9 @@
 """The re-placement decision loop (runtime/replacement.py's Replacer) on synthetic traffic, without
 an engine: the planted 13B whose hot set follows its prompts' token range, binomial activation
-counts per interval from its planted statistics, the real ILP for the engine's budget. Traffic A
-for --a-intervals, then B; after each interval, what the replacer decided and the true GPU share
-of B's activations of the split it holds (the oracle's: the split solved from B's statistics).
+counts per interval from its planted statistics, the engine's budget (the ILP solves the static
+split and the oracle's). Traffic A for --a-intervals, then B; after each interval, what the
+replacer decided and the true GPU share of B's activations of the split it holds (the oracle's:
+the split solved from B's statistics).
 
     python bench/replacement_sim.py --half-life 1      # decayed counts halve every interval
     python bench/replacement_sim.py --half-life 4
@@ -20,20 +21,6 @@ from powerinfer_ray.placement.solve import solve_placement
 from powerinfer_ray.runtime import replacement as R
 from powerinfer_ray.runtime.config import EngineConfig, placement_inputs, predictor_qtype
 from powerinfer_ray.runtime.plan import Plan
-
-
-class _Solver:
-    """solve_placement in this process, at once (the engine's runs in a process of its own)."""
-
-    def __init__(self, costs, budget, host) -> None:  # noqa: ANN001
-        self.costs, self.budget, self.host = costs, budget, host
-
-    def submit(self, counts, tokens):  # noqa: ANN001, ANN201
-        from concurrent.futures import Future
-
-        fut: Future = Future()
-        fut.set_result(solve_placement(counts, tokens, self.costs, self.budget, self.host))
-        return fut
 
 
 def main(argv: list[str]) -> int:
@@ -61,7 +48,7 @@ def main(argv: list[str]) -> int:
 
     print(f"static: share {plan.gpu_activation_share(p[0]):.4f} on A, {plan.gpu_activation_share(p[1]):.4f} on B; "
           f"oracle on B {gpu_share(oracle.gpu_neurons, p[1]):.4f}")
-    rep = R.Replacer(plan, R.Settings(a.interval, a.threshold), _Solver(costs, budget, host))
+    rep = R.Replacer(plan, R.Settings(a.interval, a.threshold), costs.neuron_bytes)
     rng = np.random.default_rng(a.seed)
     totals, tokens = np.zeros_like(p[0]), 0
     for i in range(a.intervals):
@@ -71,7 +58,7 @@ def main(argv: list[str]) -> int:
         rep.observe(totals.copy(), tokens)
         if not rep.ready:
             continue
-        taken = rep.accept(rep.solve().result().gpu_neurons)
+        taken = rep.judge()
         while rep.queue:
             rep.applied(rep.queue.popleft(), 0.0)
         print(f"interval {i} ({'AB'[kind]}): {'moved' if taken else 'kept '} gain unseen {rep.counters['last_gain']:+.4f} "

@@ -131,7 +131,7 @@ class PlanConfig:
         "off; auto: on where the engine can (a split for vram_budget_gib with neurons on both sides, a policy that "
         "counts activations) (default: auto under serve, off elsewhere)", choices=REPLACEMENT)
     replacement_interval: int = option(512, "re-placement: counted tokens (prompt and output) between two "
-                                       "background solves of the placement from them", kind=int)
+                                       "solves of the split from them, beside the steps", kind=int)
     replacement_threshold: float = option(
         0.05, "re-placement: move only when the re-solved split takes at least this share of the CPU's recent "
         "activations onto the GPU (0..1; runtime/replacement.py says what a move costs)", kind=float)

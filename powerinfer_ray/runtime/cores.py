@@ -5,7 +5,7 @@ A claim is a small file in a node-local folder, ``<pid>-<id>``, listing its core
 process that is gone is void (and removed). Claims are taken under a lock on the folder. An
 executor alone on its host takes the last cores of its process's CPUs, as before claims existed;
 the next takes the last ones still free, and so on, each while ``SPARE`` cores stay free for the
-other threads (the primary's driver thread, Ray, the re-placement solver: ``unclaimed``).
+other threads (the primary's driver thread, Ray).
 """
 from __future__ import annotations
 
@@ -62,23 +62,3 @@ class CoreClaim:
     def release(self) -> None:
         self.path.unlink(missing_ok=True)
         self.cores = []
-
-
-def unclaimed(cpus: Sequence[int], folder: Path = FOLDER) -> list[int]:
-    """The cores of ``cpus`` that no live claim holds: where a helper process (the re-placement
-    solver) runs without taking a core from a CPU executor's pinned workers, whose every step waits
-    for the slowest of them."""
-    if not folder.is_dir():
-        return list(cpus)
-    taken = CoreClaim(folder)._others()
-    return [c for c in cpus if c not in taken]
-
-
-def pin_process(cores: Sequence[int]) -> None:
-    """Every thread of this process (a solver's pool too, which would keep its first cores) on
-    ``cores``; threads started later inherit the calling thread's."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cores)
-        except OSError:  # the thread ended meanwhile
-            continue

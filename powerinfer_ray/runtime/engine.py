@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from typing import TYPE_CHECKING, Any, Coroutine
 
 from ..model.source import WeightSource, open_model, rows_faster_on
@@ -66,8 +65,6 @@ class LocalEngine:
         self.primary: PrimaryExecutor = self.group.primary
         self.cpu: CPUExecutor | None = self.group.cpu
         self.replacer = engine_replacer(ec, src, plan, self.primary.policy.name)
-        if self.replacer is not None:
-            self.replacer.solver.ready()  # its imports done before the first request
         self.replacement = ReplacementLoop(self.replacer, self._totals, self._swap) if self.replacer else None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="local-engine", daemon=True)
@@ -80,10 +77,9 @@ class LocalEngine:
         self.coordinator = asyncio.run_coroutine_threadsafe(make(), self._loop).result()
 
     async def _step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> Any:  # noqa: ANN401
-        t0 = time.perf_counter()
         out = await self.group.step(slots, tokens, start_pos)
         if self.replacement is not None:
-            self.replacement.stepped(tokens, time.perf_counter() - t0)
+            self.replacement.stepped(tokens)
         return out
 
     # --- re-placement: both executors, between steps ----------------------------------------------
@@ -144,8 +140,6 @@ class LocalEngine:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
             self._loop.close()
-        if self.replacer is not None:
-            self.replacer.solver.close()
         self.group.close()
 
 

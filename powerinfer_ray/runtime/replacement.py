@@ -4,19 +4,20 @@ The placement is solved once from a profile; traffic that differs from it leaves
 neurons on the GPU. While it serves, the engine counts activations (``activity``: what
 ``save_activation`` writes). Every ``replacement_interval`` counted tokens it reads the counts
 between two steps and folds them into a decayed estimate (``DecayedCounts``: old traffic halves
-every ``HALF_LIFE_INTERVALS`` intervals), and a process of its own solves the same placement ILP
-for the same budget from the estimate as it stood before the newest interval (``Solver``:
-``placement.solve_placement``, in a process because cvxpy holds the interpreter lock for up to
-~0.3 s at a time in a solve of a 13B). The engine's steps never wait for it: the loop
-(``ReplacementLoop``) awaits its future. While solves find nothing worth moving, they back off
-(``Replacer.ready``: 1, 2, 4, up to ``MAX_BACKOFF`` intervals apart) until the GPU's share of an
-interval's CPU share grows by the threshold: a settled engine solves every 8 intervals, a shifted one at once.
+every ``HALF_LIFE_INTERVALS`` intervals), and solves the split from the estimate as it stood before
+the newest interval, in a thread beside the steps (``Replacer.judge``; the engine's steps never wait
+for it). While the solved splits are not worth moving to, the solves back off (``Replacer.ready``:
+1, 2, 4, up to ``MAX_BACKOFF`` intervals apart) until the GPU's share of an interval's CPU share
+grows by the threshold: a settled engine solves every 8 intervals, a shifted one at once.
 
-A solved split is applied at the engine's shard sizes (``target``): each layer keeps the number
-of GPU neurons it was loaded with (the primary's row buffers, the CPU mask's width and the
-captured decode graphs are sized for it; the budget the ILP was given is what they hold) and
-takes the neurons the ILP put on the GPU, the hottest first, topped up by the hottest others
-when the ILP gave the layer fewer. Ties keep the neurons where they are.
+The split is solved at the engine's shard sizes (``target``): each layer keeps the number of GPU
+neurons it was loaded with (the primary's row buffers, the CPU mask's width and the captured decode
+graphs are sized for it, and they hold the budget the placement was solved for). At those sizes the
+placement ILP (``placement/ilp.py``) for the same budget puts each layer's hottest neurons on the GPU:
+its neurons of a layer cost the same bytes, so an optimum takes them as a prefix by count. ``target``
+takes that prefix directly (a tie keeps the neuron where it is), which is what the ILP's solution
+cut to the shard sizes gives (tests/unit/runtime/test_replacement.py checks it against
+``solve_placement``), in ~30 ms of numpy at the 13B's shape instead of a solve of ~0.3 s.
 
 The move pays when the new split takes at least ``replacement_threshold`` of the CPU's
 activations onto the GPU (``gain``: a share of what the CPU computes, which is what its time per
@@ -44,15 +45,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import pickle
-import select
-import subprocess
-import sys
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -62,15 +57,11 @@ from .plan import Plan, Swap
 
 if TYPE_CHECKING:
     from ..model.source import WeightSource
-    from ..placement.costs import ModelCosts
-    from ..placement.host import HostProfile
     from .config import EngineConfig
 
 log = logging.getLogger(__name__)
 HALF_LIFE_INTERVALS = 1  # decayed counts halve every this many intervals: old traffic fades (a split
 # solved from older traffic is only judged better on it, and lags a shift by that many intervals)
-SOLVER_MAIN = f"from {__name__} import _serve_solves; _serve_solves()"  # the solver process's program
-URGE_INTERVALS = 1  # intervals of served tokens a solve may wait for idle cores before it is urged
 MAX_BACKOFF = 8  # the most intervals between two solves while the solves find no move worth it
 MOVE_BYTES = 48 << 20  # rows traded per pause between two steps
 HISTORY = 128  # intervals of the GPU's share kept for stats()
@@ -114,14 +105,6 @@ class DecayedCounts:
         return delta
 
 
-def solver_inputs(counts: np.ndarray, tokens: float) -> tuple[list[np.ndarray], int]:
-    """Decayed counts [L, F] over ``tokens`` as the placement solver takes them: ([L][F] counts,
-    whole tokens), the counts at most that."""
-    n = max(1, int(round(tokens)))
-    scale = n / tokens if tokens else 0.0
-    return [np.minimum(c * scale, n) for c in counts], n
-
-
 def gain(plan: Plan, goal: list[np.ndarray], counts: np.ndarray) -> float:
     """The share of the counts [L, F] on the plan's CPU neurons that the GPU neurons ``goal`` take
     onto the GPU (negative: they leave more there)."""
@@ -133,15 +116,14 @@ def gain(plan: Plan, goal: list[np.ndarray], counts: np.ndarray) -> float:
     return more / cpu if cpu > 0 else 0.0
 
 
-def target(plan: Plan, solved: list[np.ndarray], counts: np.ndarray) -> list[np.ndarray]:
-    """Per layer, the GPU neurons [k_l] (ids, any order) of the solved split ``solved`` ([L][F]
-    bool) at the plan's sizes k_l: the solved ones first, then by count, then where they are."""
+def target(plan: Plan, counts: np.ndarray) -> list[np.ndarray]:
+    """Per layer, the GPU neurons [k_l] (ids, any order) of the split solved from the counts [L, F]
+    at the plan's sizes k_l: the layer's k_l hottest, the neurons placed there first among ties."""
     out = []
     for l, lp in enumerate(plan.layers):
         here = np.zeros(len(counts[l]), bool)
         here[lp.gpu_neurons] = True
-        order = np.lexsort((~here, -counts[l], ~np.asarray(solved[l], bool)))  # last key first
-        out.append(order[: len(lp.gpu_neurons)])
+        out.append(np.lexsort((~here, -counts[l]))[: len(lp.gpu_neurons)])  # last key first
     return out
 
 
@@ -177,176 +159,24 @@ def pauses(swaps: list[Swap], neuron_bytes: tuple[int, ...], limit: int = MOVE_B
     return [p for p in out if p]
 
 
-def _set_policy(pid: int, policy: int, nice: int | None = None) -> None:
-    """Every thread of process ``pid`` under ``policy`` (and at ``nice``); threads that ended
-    meanwhile are skipped. Raises PermissionError where the caller may not raise a priority."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
-            if nice is not None:
-                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-        except ProcessLookupError:
-            continue
-
-
-class Solver:
-    """``placement.solve_placement`` for one engine's costs, budget and host, in a process of its
-    own: ``python -c SOLVER_MAIN`` (``start``ed with the engine, which waits for its imports
-    (``ready``) before it serves: they take seconds of a core, which a fresh engine's first requests
-    would feel; restarted by a solve if it died), pickles over its stdin
-    and stdout. Not a multiprocessing pool: its spawn would import the engine's ``__main__`` again,
-    a user's script that starts an engine."""
-
-    def __init__(self, costs: ModelCosts, budget_bytes: int, host: HostProfile, method: str) -> None:
-        self.costs, self.budget, self.host, self.method = costs, budget_bytes, host, method
-        self._proc: subprocess.Popen | None = None
-        self._lock = threading.Lock()  # one solve at a time
-
-    def submit(self, counts: list[np.ndarray], tokens: int) -> Future:
-        """A future of the solved Placement (its exception when the solve raised)."""
-        fut: Future = Future()
-        fut.set_running_or_notify_cancel()  # running: a cancelled waiter (the engine closing) leaves it be
-        request = (counts, tokens, self.costs, self.budget, self.host, self.method)
-
-        def run() -> None:
-            try:
-                fut.set_result(self._call(request))
-            except BaseException as e:  # noqa: BLE001  (the future carries it)
-                fut.set_exception(e)
-        threading.Thread(target=run, name="replacement-solve", daemon=True).start()
-        return fut
-
-    def start(self) -> None:
-        """Start the process unless it runs."""
-        if self._proc is None or self._proc.poll() is not None:
-            self._proc = subprocess.Popen([sys.executable, "-c", SOLVER_MAIN], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE)
-
-    def ready(self, timeout_s: float = 60.0) -> bool:
-        """Start the process unless it runs, and wait up to ``timeout_s`` for its imports to be done
-        (after them it runs under the idle policy); whether they are."""
-        with self._lock:
-            self.start()
-            return self._imported(timeout_s)
-
-    def _imported(self, timeout_s: float | None) -> bool:
-        """Whether the process said its imports are done (its first answer), waiting up to
-        ``timeout_s`` (None: until it does); under the lock."""
-        proc = self._proc
-        if getattr(proc, "imported", False):
-            return True
-        if timeout_s is not None and not select.select([proc.stdout], [], [], timeout_s)[0]:
-            return False
-        try:
-            pickle.load(proc.stdout)
-        except EOFError:
-            raise RuntimeError(f"the placement solver process exited ({proc.wait()})") from None
-        proc.imported = True  # on the process: solvers that share it see it
-        return True
-
-    def _call(self, request: tuple) -> Any:  # noqa: ANN401
-        with self._lock:
-            self.start()
-            self._imported(None)
-            pickle.dump(request, self._proc.stdin)
-            self._proc.stdin.flush()
-            try:
-                ok, value = pickle.load(self._proc.stdout)
-            except EOFError:
-                raise RuntimeError(f"the placement solver process exited ({self._proc.wait()})") from None
-        if not ok:
-            raise value
-        return value
-
-    def urge(self) -> bool:
-        """The running solve out of the idle policy, at the engine's own priority (``URGE_INTERVALS``:
-        the cores were never idle long enough); the process goes back to idle after its answer.
-        False where this process may not raise the solver's priority (an unprivileged user with no
-        RLIMIT_NICE)."""
-        proc = self._proc
-        if proc is None or proc.poll() is not None:
-            return False
-        try:
-            _set_policy(proc.pid, os.SCHED_OTHER, os.nice(0))
-        except PermissionError:
-            log.warning("re-placement: the solver's priority cannot be raised here: its solves wait for idle cores")
-            return False
-        return True
-
-    def close(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.stdin.close()  # it ends at EOF
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-
-
-def _serve_solves() -> None:
-    """The solver process: requests (pickled tuples of ``solve_placement``'s arguments) on stdin,
-    (True, Placement) or (False, exception) on stdout, until EOF. HiGHS writes its banner to the
-    C library's stdout: file descriptor 1 goes to stderr, the answers to a copy of it; the first
-    answer, (True, None), says the imports are done. From then on under the idle scheduling policy
-    (its threads run on a core only when nothing else wants it, and yield it at once to a thread
-    that wakes; nice 19 is not enough, Ray starts the engine's
-    workers at nice 15, which leaves a nice-19 solver ~30 % of a core it shares with them; on a
-    host whose every core stays busy, a solve that waited ``URGE_INTERVALS`` runs at the engine's
-    own priority until it answers: ``Solver.urge``), and each solve on the cores no CPU executor has claimed
-    (``cores.unclaimed``): the CPU executors' workers spin on theirs while tokens are made, and a
-    solve that took one of their cores would hold up every step it ran beside."""
-    from .cores import pin_process, unclaimed
-
-    cpus = sorted(os.sched_getaffinity(0))
-
-    def pin() -> None:  # every core claimed: the kernel's scheduler decides
-        pin_process(unclaimed(cpus) or cpus)
-
-    pin()  # the import below takes seconds of a core
-    answers = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    import cvxpy  # noqa: F401  (seconds: now, while the engine loads, not in the first solve)
-
-    from ..placement.solve import solve_placement
-
-    _set_policy(os.getpid(), os.SCHED_IDLE)
-    pickle.dump((True, None), answers)  # imported: the engine may serve
-    answers.flush()
-    requests = sys.stdin.buffer
-    while True:
-        try:
-            counts, tokens, costs, budget, host, method = pickle.load(requests)
-        except EOFError:
-            return
-        pin()  # claims made since
-        try:
-            answer = (True, solve_placement(counts, tokens, costs, budget, host, method=method))
-        except Exception as e:  # noqa: BLE001  (the engine logs it)
-            answer = (False, e)
-        _set_policy(os.getpid(), os.SCHED_IDLE)  # urged (Solver.urge): idle again for the next
-        pickle.dump(answer, answers)
-        answers.flush()
-
-
 class Replacer:
     """The re-placement state of one engine: its current plan, the decayed counts, the pauses of
     an accepted split still to apply, and the counters ``stats()`` reports."""
 
-    def __init__(self, plan: Plan, settings: Settings, solver: Solver) -> None:
-        self.plan, self.settings, self.solver = plan, settings, solver
+    def __init__(self, plan: Plan, settings: Settings, neuron_bytes: tuple[int, ...]) -> None:
+        self.plan, self.settings, self.neuron_bytes = plan, settings, neuron_bytes  # bytes of a layer's neuron
         n_ff = len(plan[0].gpu_neurons) + len(plan[0].cpu_neurons)
         self.decayed = DecayedCounts(len(plan), n_ff, settings.half_life)
         self.queue: deque[list[Swap]] = deque()
         self.solving = False
         self.history: deque[dict[str, float]] = deque(maxlen=HISTORY)
         self._lock = threading.Lock()  # stats() may be read from another thread (the in-process engine)
-        self.counters = {"solves": 0, "solve_failures": 0, "urged": 0, "accepted": 0, "pauses": 0, "neurons_moved": 0,
-                         "last_gain": None, "last_gain_fitted": None, "last_solve_s": None, "move_s": 0.0}
+        self.counters = {"solves": 0, "accepted": 0, "pauses": 0, "neurons_moved": 0,
+                         "last_gain": None, "last_gain_fitted": None, "move_s": 0.0}
         self.basis: tuple[np.ndarray, float] = (self.decayed.counts, 0.0)  # what a solve sees
         self.newest = np.zeros_like(self.decayed.counts)  # the newest interval: what a split is judged on
         self.backoff, self._wait = 1, 0  # intervals between solves, and before the next
         self._kept_share: float | None = None  # the GPU's share of the interval of the first refusal since a move
-        self._steps = {True: [0.0, 0], False: [0.0, 0]}  # decode steps' seconds and count, while solving or not
 
     def observe(self, totals: np.ndarray, tokens: int) -> None:
         """The engine's running activation totals [L, F] over ``tokens`` counted tokens: the
@@ -370,31 +200,13 @@ class Replacer:
         share is the threshold (a fraction of it) above the share at the first refusal since the last move)."""
         return self.basis[1] > 0 and bool(self.newest.sum()) and not self._wait
 
-    def stepped(self, seconds: float, decode: bool) -> None:
-        """A step took ``seconds``; decode steps are timed apart while a solve runs and otherwise
-        (stats: a solve beside the steps must not slow them)."""
-        if decode:
-            t = self._steps[self.solving]
-            t[0] += seconds
-            t[1] += 1
-
-    def solve(self) -> Future:
-        """Submit the solve of the basis (``accept`` takes its result)."""
-        self.solving = True
-        self._t_solve = time.perf_counter()
-        return self.solver.submit(*solver_inputs(*self.basis))
-
-    def accept(self, solved: list[np.ndarray] | None) -> bool:
-        """Judge a solved split ([L][F] bool; None: the solve failed): queue its pauses when its
-        gain reaches the threshold on the basis and on the newest interval. Returns whether it did."""
-        self.solving = False
+    def judge(self) -> bool:
+        """Solve the split from the basis (``target``) and queue its pauses when its gain reaches
+        the threshold on the basis and on the newest interval, which it did not see. Returns whether
+        it did."""
         self.counters["solves"] += 1
-        self.counters["last_solve_s"] = round(time.perf_counter() - self._t_solve, 3)
-        if solved is None:
-            self.counters["solve_failures"] += 1
-            return self._refused()
         counts = self.basis[0]
-        goal = target(self.plan, solved, counts)
+        goal = target(self.plan, counts)
         fitted, unseen = gain(self.plan, goal, counts), gain(self.plan, goal, self.newest)
         self.counters["last_gain"], self.counters["last_gain_fitted"] = round(unseen, 4), round(fitted, 4)
         if min(fitted, unseen) < self.settings.threshold:
@@ -402,7 +214,7 @@ class Replacer:
         self.counters["accepted"] += 1
         self.backoff, self._wait, self._kept_share = 1, 0, None
         swaps = layer_swaps(self.plan, goal, counts)
-        self.queue.extend(pauses(sorted(swaps, key=lambda s: -self._gain_of(s, counts)), self._neuron_bytes()))
+        self.queue.extend(pauses(sorted(swaps, key=lambda s: -self._gain_of(s, counts)), self.neuron_bytes))
         log.info("re-placement: the split solved on served traffic serves %.1f %% more of the newest activations on "
                  "the GPU; moving %d neurons in %d pauses", 100 * unseen, sum(len(s) for s in swaps), len(self.queue))
         return True
@@ -417,9 +229,6 @@ class Replacer:
     def _gain_of(s: Swap, counts: np.ndarray) -> float:
         return float(counts[s.l, s.to_gpu].sum() - counts[s.l, s.to_cpu].sum())
 
-    def _neuron_bytes(self) -> tuple[int, ...]:
-        return self.solver.costs.neuron_bytes
-
     def applied(self, pause: list[Swap], seconds: float) -> None:
         """Both executors swapped ``pause`` (the head of the queue)."""
         for s in pause:
@@ -431,17 +240,14 @@ class Replacer:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             history = list(self.history)
-        step_ms = {f"decode_step_ms_{k}": round(1e3 * t[0] / t[1], 3) if t[1] else None
-                   for k, t in (("solving", self._steps[True]), ("otherwise", self._steps[False]))}
         return {"on": True, "interval": self.settings.interval, "threshold": self.settings.threshold,
                 "solving": self.solving, "queued_pauses": len(self.queue), "backoff": self.backoff, **self.counters,
-                **step_ms,
                 "gpu_share_recent": history[-1]["gpu_share"] if history else None, "gpu_share_history": history}
 
 
 class ReplacementLoop:
-    """Runs a Replacer beside an engine's request loop: ``stepped(tokens, seconds)`` after each
-    step (cheap: counters), ``run()`` as a task of the engine's event loop. ``read()`` returns the running
+    """Runs a Replacer beside an engine's request loop: ``stepped(tokens)`` after each step
+    (cheap: a counter), ``run()`` as a task of the engine's event loop. ``read()`` returns the running
     activation totals and tokens (the engine reads them between steps); ``apply(pause)`` has both
     executors swap a pause between steps; ``observer(replacer)`` (metrics) after each change."""
 
@@ -451,17 +257,12 @@ class ReplacementLoop:
         self.replacer, self.read, self.apply = replacer, read, apply
         self.observer = observer or (lambda r: None)
         self.served, self._next = 0, replacer.settings.interval
-        self._urge_at: int | None = None  # served tokens at which the pending solve is urged
         self._due = asyncio.Event()
         self.task: asyncio.Task | None = None
 
-    def stepped(self, tokens: list[list[int]], seconds: float) -> None:
-        """A step of ``tokens`` (per sequence) ran in ``seconds``; wakes the loop every interval."""
-        self.replacer.stepped(seconds, all(len(t) == 1 for t in tokens))
+    def stepped(self, tokens: list[list[int]]) -> None:
+        """A step of ``tokens`` (per sequence) ran; wakes the loop every interval."""
         self.served += sum(len(t) for t in tokens)
-        if self._urge_at is not None and self.served >= self._urge_at and self.replacer.solving:
-            self._urge_at = None
-            self.replacer.counters["urged"] += self.replacer.solver.urge()
         if self.served >= self._next:
             self._next = self.served + self.replacer.settings.interval
             self._due.set()
@@ -473,29 +274,23 @@ class ReplacementLoop:
         while True:
             await self._due.wait()
             self._due.clear()
-            try:  # the folds and judgements in a thread: they take tens of ms of numpy, the steps go on
+            try:  # the folds and solves in a thread: tens of ms of numpy, the steps go on
                 await asyncio.to_thread(r.observe, *await self.read())
                 self.observer(r)
                 if not r.ready:
                     continue
-                self._urge_at = self.served + URGE_INTERVALS * r.settings.interval
-                solved = await self._solve()
-                if await asyncio.to_thread(r.accept, solved):
+                r.solving = True
+                try:
+                    moving = await asyncio.to_thread(r.judge)
+                finally:
+                    r.solving = False
+                if moving:
                     await self._move()
             except asyncio.CancelledError:
                 raise
             except Exception:  # an executor failed: the request loop recovers them; solve again next time
                 log.exception("re-placement stopped for this interval")
                 r.queue.clear()
-
-    async def _solve(self) -> list[np.ndarray] | None:
-        try:
-            return (await asyncio.wrap_future(self.replacer.solve())).gpu_neurons
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # noqa: BLE001  (a solve that failed: the split stays; said once per failure)
-            log.exception("re-placement: the background solve failed")
-            return None
 
     async def _move(self) -> None:
         r = self.replacer
@@ -516,8 +311,6 @@ def engine_replacer(ec: EngineConfig, src: WeightSource, plan: Plan, policy: str
 
     if not resolve_replacement(ec, plan, policy):
         return None
-    costs, budget, host = placement_inputs(ec, src, plan.predictor_qtype)
-    solver = Solver(costs, budget, host, ec.method)
-    solver.start()
-    return Replacer(plan, Settings(ec.replacement_interval, ec.replacement_threshold), solver)
+    costs = placement_inputs(ec, src, plan.predictor_qtype)[0]
+    return Replacer(plan, Settings(ec.replacement_interval, ec.replacement_threshold), costs.neuron_bytes)
 

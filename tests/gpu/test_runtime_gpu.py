@@ -368,7 +368,7 @@ def test_cuda_swaps_between_graph_replays_keep_the_graphs_and_the_budget(variant
         path, ref, plan = _model_and_plan(Path(d), variant, "split-heads", dtype)
         counts = np.random.default_rng(1).random((len(plan), ref.cfg.n_ff))
         limit = 64 * ref.cfg.neuron_bytes  # rows a pause trades (the engine's: replacement.MOVE_BYTES)
-        moves = pauses(layer_swaps(plan, target(plan, [np.zeros(ref.cfg.n_ff, bool)] * len(plan), counts), counts),
+        moves = pauses(layer_swaps(plan, target(plan, counts), counts),
                        (ref.cfg.neuron_bytes,) * len(plan), limit=limit)
         swapped = plan
         for pause in moves:

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from powerinfer_ray.runtime.cores import CoreClaim, unclaimed
+from powerinfer_ray.runtime.cores import CoreClaim
 
 
 def test_engines_side_by_side_take_different_cores(tmp_path):
@@ -27,14 +27,3 @@ def test_a_gone_process_claims_nothing(tmp_path):
     stale.write_text(json.dumps([6, 7]))
     assert CoreClaim(tmp_path).take(2, range(8)) == [6, 7]
     assert not stale.exists()
-
-
-def test_unclaimed_cores_are_those_no_live_claim_holds(tmp_path):
-    assert unclaimed(range(4), tmp_path / "none") == [0, 1, 2, 3]  # no CPU executor has claimed any yet
-    a = CoreClaim(tmp_path)
-    a.take(3, range(8))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / f"{int(dead.stdout)}-old").write_text(json.dumps([0, 1]))
-    assert unclaimed(range(8), tmp_path) == [0, 1, 2, 3, 4]
-    a.release()
-    assert unclaimed(range(8), tmp_path) == list(range(8))

@@ -1,16 +1,12 @@
-"""Online re-placement (runtime/replacement.py): the decayed counts, the split fitted to the
-engine's shard sizes, its swaps in pauses, the background solver; executors swapping between
+"""Online re-placement (runtime/replacement.py): the decayed counts, the split solved at the
+engine's shard sizes (against the placement ILP), its swaps in pauses; executors swapping between
 steps against the dense reference (eager and the decode segments, zero-copy, dense prefill, rows in
 the file's map and copied); the engine's loop, whose solve never holds up a step."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import threading
 import time
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -21,14 +17,11 @@ from powerinfer_ray.model.costs import model_costs
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import write_tiny_model
 from powerinfer_ray.placement.host import HostProfile
-from powerinfer_ray.placement.problem import InfeasibleBudgetError
 from powerinfer_ray.placement.solve import solve_placement
 from powerinfer_ray.runtime.config import EngineConfig, resolve_replacement
-from powerinfer_ray.runtime.cores import FOLDER
 from powerinfer_ray.runtime.engine import LocalEngine
 from powerinfer_ray.runtime.plan import LayerPlan, Plan, Swap
-from powerinfer_ray.runtime.replacement import (DecayedCounts, Replacer, Settings, Solver, gain,
-                                                layer_swaps, pauses, solver_inputs, target)
+from powerinfer_ray.runtime.replacement import DecayedCounts, Replacer, Settings, gain, layer_swaps, pauses, target
 from powerinfer_ray.serve.config import serving
 
 GIB = 1 << 30
@@ -54,28 +47,48 @@ def test_decayed_counts_halve_old_traffic_and_survive_a_reset():
     d.update(np.array([[4, 0, 0]]), 50)  # totals went back (executors restarted): counted afresh
     f = 0.5 ** 0.5
     np.testing.assert_allclose(d.counts, [[5 * f + 4, 50 * f, 2.5 * f]])
-    counts, n = solver_inputs(d.counts, d.tokens)
-    assert n == round(150 * f + 50) and all(c.max() <= n for c in counts)
-    np.testing.assert_allclose(counts[0] / n, d.counts[0] / d.tokens, rtol=1e-12)
 
 
-def test_target_keeps_each_layers_size_and_takes_the_solved_the_hottest_then_the_placed():
+def test_target_keeps_each_layers_size_and_takes_the_hottest_the_placed_first_on_a_tie():
     plan = Plan((LayerPlan(np.array([0, 1]), np.array([2, 3, 4, 5]), np.array([0]), np.array([], np.int64)),))
     counts = np.array([[1.0, 5.0, 9.0, 5.0, 0.0, 7.0]])
-    # the ILP put 2, 3, 5 on the GPU: three for two rows, the hottest two of them
-    assert sorted(target(plan, [np.array([0, 0, 1, 1, 0, 1], bool)], counts)[0]) == [2, 5]
-    # it put one: that one, then the hottest other; on a tie (1 and 3 at 5.0) the one placed there stays
-    assert sorted(target(plan, [np.array([0, 0, 0, 0, 1, 0], bool)], counts)[0]) == [2, 4]
-    assert sorted(target(plan, [np.zeros(6, bool)], counts)[0]) == [2, 5]
-    counts[0, 5] = 5.0
-    assert sorted(target(plan, [np.zeros(6, bool)], counts)[0]) == [1, 2]
+    assert sorted(target(plan, counts)[0]) == [2, 5]
+    counts[0, 5] = 5.0  # 1, 3 and 5 tie for the second row: 1 is there
+    assert sorted(target(plan, counts)[0]) == [1, 2]
+
+
+def test_target_serves_what_the_placement_ilp_cut_to_the_shard_sizes_serves(tmp_path):
+    """The split re-placement takes is the placement ILP's for the same budget at the plan's sizes:
+    its GPU neurons of each layer, the hottest first, topped up by the hottest others where it gave
+    the layer fewer. Counts of a shifted traffic on a tiny model, plans of other traffic and other
+    budgets (so the sizes are not the ILP's own), the ILP solved by HiGHS."""
+    from powerinfer_ray.model.source import open_model
+
+    path = write_tiny_model(tmp_path / "m.gguf", "llama-reglu", seed=1, n_layer=3, n_ctx=64, predictor_rank=16)
+    costs = model_costs(open_model(str(path)), 64, 2)
+    host = HostProfile(sync_us=0.0)  # tiny neurons are never worth a sync: split the layers anyway
+    rng = np.random.default_rng(5)
+    F = costs.n_ff[0]
+    for trial in range(4):
+        probs = rng.random((costs.n_layer, F)) ** (2 + 2 * trial) * rng.uniform(0.2, 1.0, (costs.n_layer, 1))
+        counts = rng.binomial(512, probs).astype(float)
+        plan = _plan(costs.n_layer, F, seed=10 + trial, fraction=rng.uniform(0.1, 0.6))  # another traffic's split
+        budget = costs.min_budget_bytes(False) + int(costs.ffn_bytes * rng.uniform(0.2, 0.7))
+        ilp = solve_placement([c.astype(np.int64) for c in counts], 512, costs, budget, host).gpu_neurons
+        for l, lp in enumerate(plan.layers):
+            k, mine = len(lp.gpu_neurons), counts[l, target(plan, counts)[l]]
+            by_count = np.argsort(-counts[l], kind="stable")
+            solved = by_count[np.asarray(ilp[l], bool)[by_count]]  # the ILP's, hottest first
+            cut = np.concatenate([solved, by_count[~np.asarray(ilp[l], bool)[by_count]]])[:k]
+            assert len(mine) == k and mine.sum() == counts[l, cut].sum(), (trial, l)
+            assert mine.min() >= counts[l, np.setdiff1d(np.arange(F), target(plan, counts)[l])].max(initial=0)
 
 
 def test_swaps_reach_the_target_in_pauses_of_bounded_bytes():
     plan = _plan(3, 200, seed=1)
     rng = np.random.default_rng(2)
     counts = rng.random((3, 200)) ** 4 * 100
-    goal = target(plan, [np.zeros(200, bool)] * 3, counts)
+    goal = target(plan, counts)
     swaps = layer_swaps(plan, goal, counts)
     assert [s.l for s in swaps] == [0, 1, 2] and all(len(s) for s in swaps)
     for s in swaps:  # the CPU rows freed, frontmost first, go to the leaving neurons, hottest first
@@ -95,8 +108,7 @@ def test_swaps_reach_the_target_in_pauses_of_bounded_bytes():
         plan.swap(swaps[0])  # made for the plan before
 
 
-class _NoSolver:
-    costs = type("Costs", (), {"neuron_bytes": (10, 10)})()
+NEURON_BYTES = (10, 10)
 
 
 def test_a_split_is_taken_when_it_gains_on_the_interval_its_solve_did_not_see():
@@ -112,16 +124,14 @@ def test_a_split_is_taken_when_it_gains_on_the_interval_its_solve_did_not_see():
     shifted = [rng.binomial(200, p) for _ in range(2)]  # two intervals of 200 tokens of it
     noise = [rng.binomial(200, np.full((2, 50), 0.3)) for _ in range(2)]  # no hot set at all
     for intervals, threshold, taken in ((shifted, 0.02, True), (shifted, 0.99, False), (noise, 0.02, False)):
-        r = Replacer(plan, Settings(interval=200, threshold=threshold), _NoSolver())
+        r = Replacer(plan, Settings(interval=200, threshold=threshold), NEURON_BYTES)
         r.observe(intervals[0], 200)
         assert not r.ready  # nothing yet to solve from
         r.observe(intervals[0] + intervals[1], 400)
         assert r.ready and r.history[-1]["gpu_share"] == pytest.approx(plan.gpu_activation_share(intervals[1]), abs=1e-4)
         np.testing.assert_array_equal(r.basis[0], intervals[0])  # the solve's view: the first interval
-        r._t_solve = time.perf_counter()
-        solved = [np.isin(np.arange(50), np.argsort(-intervals[0][l], kind="stable")[:15]) for l in range(2)]
-        assert r.accept(solved) is taken
-        goal = target(plan, solved, intervals[0].astype(float))
+        assert r.judge() is taken
+        goal = target(plan, intervals[0].astype(float))
         fitted, unseen = gain(plan, goal, intervals[0]), gain(plan, goal, intervals[1])
         for l in range(2):  # by hand: the goal's counts beyond the plan's, over all counts
             assert len(goal[l]) == len(plan[l].gpu_neurons)
@@ -149,71 +159,27 @@ def test_refused_splits_back_off_the_solves_until_the_traffic_leaves_the_split()
     on_gpu = np.zeros((2, 50), bool)
     for l in range(2):
         on_gpu[l, plan[l].gpu_neurons] = True
-    r = Replacer(plan, Settings(interval=1000, threshold=0.05), _NoSolver())
+    r = Replacer(plan, Settings(interval=1000, threshold=0.05), NEURON_BYTES)
     totals, due = np.zeros((2, 50)), []
 
-    def interval(i: int, probs: np.ndarray, split: np.ndarray) -> bool | None:
-        """One interval of traffic of ``probs``; the solve's verdict on ``split`` when one was due."""
+    def interval(i: int, probs: np.ndarray) -> bool | None:
+        """One interval of traffic of ``probs``; the solve's verdict when one was due."""
         totals[:] += rng.binomial(1000, probs)  # the CPU's share of an interval: ~2 % noise, below the threshold
         r.observe(totals.copy(), 1000 * (i + 1))
         if not r.ready:
             return None
         due.append(i)
-        r._t_solve = time.perf_counter()
-        return r.accept(split)
+        return r.judge()
 
     for i in range(25):  # the split's own traffic: nothing better to move to
-        assert interval(i, np.where(on_gpu, 0.8, 0.05), on_gpu) in (None, False)
+        assert interval(i, np.where(on_gpu, 0.8, 0.05)) in (None, False)
     assert due == [1, 2, 4, 8, 16, 24] and r.backoff == MAX_BACKOFF == 8
     shifted = np.where(on_gpu, 0.05, 0.8)
-    verdicts = [interval(i, shifted, ~on_gpu) for i in range(25, 28)]  # in the backoff's wait
+    verdicts = [interval(i, shifted) for i in range(25, 28)]  # in the backoff's wait
     assert due[-3:] == [25, 26, 27]  # each interval due: its share is below the one the split was kept at
     # refused while the counts solved from are mostly the old traffic's; then moved
     assert verdicts[0] is False and verdicts[-1] is True and r.queue
     assert r.backoff == 1 and r.stats()["backoff"] == 1
-
-
-def test_decode_steps_are_timed_apart_while_a_solve_runs():
-    r = Replacer(_plan(1, 10, seed=7), Settings(interval=100, threshold=0.02), _NoSolver())
-    for seconds, decode, solving in ((0.010, True, False), (0.030, True, False), (0.5, False, True),
-                                     (0.040, True, True), (0.2, False, False)):
-        r.solving = solving
-        r.stepped(seconds, decode)
-    st = r.stats()
-    assert st["decode_step_ms_otherwise"] == pytest.approx(20.0) and st["decode_step_ms_solving"] == pytest.approx(40.0)
-
-
-def test_the_solver_process_solves_as_solve_placement_and_passes_its_errors(tmp_path):
-    path = write_tiny_model(tmp_path / "m.gguf", "llama-reglu", seed=1, n_layer=2, n_ctx=64, predictor_rank=16)
-    from powerinfer_ray.model.source import open_model
-
-    costs = model_costs(open_model(str(path)), 64, 2)
-    rng = np.random.default_rng(5)
-    counts = [rng.integers(0, 100, costs.n_ff[l]) for l in range(costs.n_layer)]
-    budget = costs.min_budget_bytes(False) + costs.ffn_bytes // 3
-    host = HostProfile(sync_us=0.0)  # tiny neurons are never worth a sync: split the layers anyway
-    solver = Solver(costs, budget, host, "ilp")
-    cpus = sorted(os.sched_getaffinity(0))
-    claim = FOLDER / f"{os.getpid()}-solver-test"  # a CPU executor of this process holds the first core
-    FOLDER.mkdir(exist_ok=True)
-    claim.write_text(json.dumps(cpus[:1]))
-    try:
-        got = solver.submit(counts, 100).result(timeout=300)
-        tasks = [int(t.name) for t in Path(f"/proc/{solver._proc.pid}/task").iterdir()]
-        assert {os.sched_getscheduler(t) for t in tasks} == {os.SCHED_IDLE}  # every thread of it
-        if len(cpus) > 1:  # it solved on the others, every thread of it (HiGHS's pool too)
-            assert {tuple(os.sched_getaffinity(t)) for t in tasks} == {tuple(cpus[1:])}
-        want = solve_placement(counts, 100, costs, budget, host)
-        assert all(np.array_equal(a, b) for a, b in zip(got.gpu_neurons, want.gpu_neurons))
-        assert 0 < sum(m.sum() for m in got.gpu_neurons) < sum(costs.n_ff)
-        small = Solver(costs, 1024, host, "ilp")
-        small._proc, small._lock = solver._proc, solver._lock  # the same process
-        with pytest.raises(InfeasibleBudgetError, match="too small"):
-            small.submit(counts, 100).result(timeout=300)
-        assert solver.submit(counts, 100).result(timeout=300).gpu_share == got.gpu_share  # it still serves
-    finally:
-        claim.unlink(missing_ok=True)
-        solver.close()
 
 
 def test_replacement_is_checked_against_what_the_engine_can_do(tmp_path):
@@ -274,7 +240,7 @@ def _split(cfg, seed: int) -> Plan:
 def _moves(plan: Plan, seed: int) -> list[list[Swap]]:
     """Re-placement toward random traffic: every layer's GPU set changes, in several pauses."""
     counts = np.random.default_rng(seed).random((len(plan), len(plan[0].gpu_neurons) + len(plan[0].cpu_neurons)))
-    goal = target(plan, [np.zeros(counts.shape[1], bool)] * len(plan), counts)
+    goal = target(plan, counts)
     out = pauses(layer_swaps(plan, goal, counts), (1,) * len(plan), limit=7)
     assert len(out) >= 4
     return out
@@ -387,21 +353,20 @@ def test_swaps_rewrite_the_rows_of_a_copied_cpu_shard(monkeypatch, shared):
 
 
 # --- the engine's loop ------------------------------------------------------------------------------
-class GatedSolver(Solver):
-    """The real solver process, answering only once the test opens ``gate``; ``asked`` is set with
-    the engine's step count when a solve comes in."""
+class GatedJudge:
+    """A Replacer's ``judge``, returning only once the test opens ``gate``; ``asked`` is set with
+    the engine's step count when a solve comes in (in the loop's thread, beside the steps)."""
 
-    def __init__(self, inner: Solver, steps: callable) -> None:
-        super().__init__(inner.costs, inner.budget, inner.host, inner.method)
-        self._proc = inner._proc  # the engine's process, started with it
-        self.gate, self.asked, self.steps = threading.Event(), threading.Event(), steps
+    def __init__(self, judge: callable, steps: callable) -> None:
+        self.judge, self.steps = judge, steps
+        self.gate, self.asked = threading.Event(), threading.Event()
         self.steps_at_ask = -1
 
-    def _call(self, request: tuple):
+    def __call__(self) -> bool:
         self.steps_at_ask = self.steps()
         self.asked.set()
         self.gate.wait()
-        return super()._call(request)
+        return self.judge()
 
 
 def _wait_for(what, timeout_s: float = 120.0) -> None:
@@ -415,8 +380,7 @@ def _wait_for(what, timeout_s: float = 120.0) -> None:
 def test_the_background_solve_never_holds_up_a_step_and_its_split_follows_the_traffic(tmp_path):
     """An engine started on a bad split (the coldest third of each layer's neurons of a planted
     model on the primary) with re-placement on: the solve due after 16 tokens is held back, and
-    generation goes on meanwhile, step after step (the solver urged out of the idle policy after
-    an interval of it, idle again after its answer); once it answers, the neurons move (in pauses
+    generation goes on meanwhile, step after step; once it answers, the neurons move (in pauses
     between steps, while a request is in flight), the GPU's share of the activations rises, and
     the generated tokens are the dense reference's greedy ones throughout (policy 'oracle':
     exact)."""
@@ -436,8 +400,8 @@ def test_the_background_solve_never_holds_up_a_step_and_its_split_follows_the_tr
                                    policy="oracle", max_batch=2, prefill_chunk=16, n_ctx=256, replacement="on",
                                    replacement_interval=16))
     try:
-        gated = GatedSolver(eng.replacer.solver, lambda: eng.coordinator.counters["steps"])
-        eng.replacer.solver = gated
+        gated = GatedJudge(eng.replacer.judge, lambda: eng.coordinator.counters["steps"])
+        eng.replacer.judge = gated
 
         def generate(i: int, n: int = 40) -> list[int]:
             out = asyncio.run(eng.generate(prompt_token_ids=prompts[i], max_tokens=n, temperature=0, ignore_eos=True))
@@ -449,16 +413,12 @@ def test_the_background_solve_never_holds_up_a_step_and_its_split_follows_the_tr
         assert gated.asked.is_set() and eng.stats()["replacement"]["solving"]
         generate(1)  # the solve still waits: every step of it ran
         assert eng.coordinator.counters["steps"] >= gated.steps_at_ask + 40 and eng.replacer.counters["solves"] == 0
-        policies = lambda: {os.sched_getscheduler(int(t)) for t in os.listdir(f"/proc/{gated._proc.pid}/task")}  # noqa: E731
-        if os.geteuid() == 0:  # allowed to raise it: urged after an interval of tokens waiting
-            assert eng.replacer.counters["urged"] == 1 and policies() == {os.SCHED_OTHER}
         before = eng.replacer.history[0]["gpu_share"]
         gated.gate.set()  # the solve answers while a request is in flight
         done = threading.Thread(target=generate, args=(2, 120))
         done.start()
         _wait_for(lambda: eng.replacer.counters["pauses"] > 0 and not eng.replacer.queue)
         done.join()
-        assert policies() == {os.SCHED_IDLE}  # idle again after its answer
         generate(3)
         st = eng.stats()["replacement"]
         with eng._backend.step_lock:  # both executors swap under it (the loop may move more meanwhile)
@@ -466,6 +426,5 @@ def test_the_background_solve_never_holds_up_a_step_and_its_split_follows_the_tr
     finally:
         eng.close()
     assert st["accepted"] >= 1 and st["neurons_moved"] > 0 and st["last_gain"] is not None
-    assert st["decode_step_ms_solving"] > 0 and st["decode_step_ms_otherwise"] > 0  # steps timed on both sides
     assert st["gpu_share_recent"] > before + 0.3, (before, st["gpu_share_history"])
     assert moved[0] == moved[1] >= st["neurons_moved"]
