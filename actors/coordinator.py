@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 import ray
 from ray.util import metrics
 
-from ..runtime.activity import cpu_counts
 from ..runtime.config import EngineConfig, engine_n_ctx, resolve_plan, resolve_policy, resolve_prefill_chunk
 from .executors import RayBackend
 
@@ -217,6 +216,8 @@ class Coordinator:
     # --- re-placement (runtime/replacement.py): both executors, between steps ------------------------
     async def _counts(self, reset: bool = False) -> tuple[list[Any], int]:
         """Each executor's activation counts [L, n_ff] and the tokens counted, between steps."""
+        from ..runtime.activity import cpu_counts  # imports torch: the executors start first
+
         async with self._step_lock:
             g = self._running()
             cpu = g.cpu if cpu_counts(self.policy) else None
