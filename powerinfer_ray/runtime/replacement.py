@@ -121,9 +121,17 @@ def target(plan: Plan, counts: np.ndarray) -> list[np.ndarray]:
     at the plan's sizes k_l: the layer's k_l hottest, the neurons placed there first among ties."""
     out = []
     for l, lp in enumerate(plan.layers):
-        here = np.zeros(len(counts[l]), bool)
+        c, k = counts[l], len(lp.gpu_neurons)
+        if k in (0, len(c)):
+            out.append(np.arange(len(c))[:k])
+            continue
+        v = np.partition(c, len(c) - k)[len(c) - k]  # the k-th hottest count: linear, no sort
+        above = np.flatnonzero(c > v)
+        here = np.zeros(len(c), bool)
         here[lp.gpu_neurons] = True
-        out.append(np.lexsort((~here, -counts[l]))[: len(lp.gpu_neurons)])  # last key first
+        tied = np.flatnonzero(c == v)
+        tied = np.concatenate([tied[here[tied]], tied[~here[tied]]])  # the placed first
+        out.append(np.concatenate([above, tied[: k - len(above)]]))
     return out
 
 

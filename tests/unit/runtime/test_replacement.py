@@ -57,6 +57,19 @@ def test_target_keeps_each_layers_size_and_takes_the_hottest_the_placed_first_on
     assert sorted(target(plan, counts)[0]) == [1, 2]
 
 
+def test_target_is_the_first_k_of_the_neurons_sorted_by_count_then_placed_then_id():
+    """Against a sort in Python (key: count descending, placed on the GPU first, id): counts drawn
+    from a few values so that most neurons tie, sizes from none to all."""
+    rng = np.random.default_rng(7)
+    for F, k in [(64, 0), (64, 1), (64, 20), (64, 63), (64, 64), (500, 137)]:
+        gpu = np.sort(rng.permutation(F)[:k])
+        plan = Plan((LayerPlan(gpu, np.setdiff1d(np.arange(F), gpu), np.array([0]), np.array([], np.int64)),))
+        counts = rng.integers(0, 4, (1, F)).astype(float)
+        here = set(gpu.tolist())
+        want = sorted(range(F), key=lambda j: (-counts[0, j], j not in here, j))[:k]
+        assert sorted(target(plan, counts)[0].tolist()) == sorted(want), (F, k)
+
+
 def test_target_serves_what_the_placement_ilp_cut_to_the_shard_sizes_serves(tmp_path):
     """The split re-placement takes is the placement ILP's for the same budget at the plan's sizes:
     its GPU neurons of each layer, the hottest first, topped up by the hottest others where it gave
