@@ -122,8 +122,8 @@ def target(plan: Plan, counts: np.ndarray) -> list[np.ndarray]:
     out = []
     for l, lp in enumerate(plan.layers):
         c, k = counts[l], len(lp.gpu_neurons)
-        if k in (0, len(c)):
-            out.append(np.arange(len(c))[:k])
+        if not k:  # np.partition has no k-th hottest of none
+            out.append(np.zeros(0, np.int64))
             continue
         v = np.partition(c, len(c) - k)[len(c) - k]  # the k-th hottest count: linear, no sort
         above = np.flatnonzero(c > v)
