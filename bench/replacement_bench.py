@@ -24,8 +24,11 @@ run them), one after another, one budget, one split solver (the engine's own inp
   static    again, last: serves A.
 
 --unshifted N measures the unshifted case alone, without engine-to-engine drift in the way: N
-pairs of engines serving A in turn, static then re-placed, then re-placed then static, and so on
-(ABBA; unshifted_ratio: the means' ratio; an even N balances the order).
+rounds of three engines serving A in turn, static, re-placed, and idle (re-placement on with an
+interval no measurement reaches: the replacer built, its loop never reading counts or solving),
+in an order that rotates every round and reverses every other one (each kind in each place
+alike over six rounds); unshifted_ratio and idle_ratio are the re-placed and idle engines' mean
+decode tok/s over the static ones'.
 
 Engines of one call differ by up to ~10 % at the same split and traffic (the CPU kernel's time per
 token, engine to engine): the replaced engine is compared with the mean of the two engines of each
@@ -57,6 +60,7 @@ from model_bench import ROOT, model_source, wait_warm, write_results
 from powerinfer_ray.runtime.config import EngineConfig
 
 GIB = 1 << 30
+NEVER = 1 << 40  # --unshifted's idle engine: an interval no measurement reaches
 
 
 # ------------------------------------------------------------------------------------------------
@@ -136,20 +140,21 @@ def base_options(a: argparse.Namespace) -> dict[str, Any]:
                 policy="predictor", disable_gpu_index=True, host_profile=a.host_profile, timeout_s=600.0)
 
 
-def start(a: argparse.Namespace, name: str, plan: Any, replacement: str):  # noqa: ANN201, ANN401
+def start(a: argparse.Namespace, name: str, plan: Any, replacement: str, interval: int):  # noqa: ANN201, ANN401
     import ray
 
     from powerinfer_ray.actors.coordinator import Coordinator
 
     t0 = time.perf_counter()
     eng = Coordinator.options(name=f"replacement-{name}", max_concurrency=1000).remote(
-        a.model, plan=plan, replacement=replacement, replacement_interval=a.interval,
+        a.model, plan=plan, replacement=replacement, replacement_interval=interval,
         replacement_threshold=a.threshold, **base_options(a))
     info = ray.get(eng.ready.remote())
     warm = [5 + i % 50 for i in range(a.prompt)]  # kernels compiled, decode graphs captured
     ray.get([eng.generate.remote(prompt_token_ids=warm, max_tokens=4, ignore_eos=True) for _ in range(a.batch)])
     rows = wait_warm(eng)  # every engine measured with its CPU rows mapped
     pinned = [i["pinned"] for i in info["executors_ready"] if "pinned" in i]  # the CPU workers' cores
+    a.pinned = pinned  # recorded with the measurements of this engine (one engine runs at a time)
     print(f"[{name}] loaded and warm in {time.perf_counter() - t0:.1f} s: {info['load_s']}, rows {rows}, "
           f"CPU workers pinned to {pinned}", flush=True)
     return eng
@@ -202,11 +207,12 @@ def settle(eng: Any, timeout_s: float = 120.0) -> bool:  # noqa: ANN401
 
 
 @contextmanager
-def engine(a: argparse.Namespace, name: str, plan: Any, replacement: str) -> Iterator[Any]:  # noqa: ANN401
+def engine(a: argparse.Namespace, name: str, plan: Any, replacement: str,  # noqa: ANN401
+           interval: int | None = None) -> Iterator[Any]:
     """An engine (``start``) for the block, shut down and killed after it."""
     import ray
 
-    eng = start(a, name, plan, replacement)
+    eng = start(a, name, plan, replacement, a.interval if interval is None else interval)
     try:
         yield eng
     finally:
@@ -226,7 +232,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
     def measure(eng: Any, engine: str, kind: str, phase: str, tokens: int,  # noqa: ANN401
                 served: list[list[int]] | None = None) -> dict[str, Any]:
-        r = {"engine": engine, "traffic": kind, "phase": phase,
+        r = {"engine": engine, "traffic": kind, "phase": phase, "pinned": a.pinned,
              **serve(eng, a, traffic.prompts(kind, 1 if kind == "A" else 2), tokens, served)}
         out["records"].append(r)
         print(f"[{engine}] {kind} {phase}: decode {r['decode_tok_s']:.2f} tok/s, GPU share {r['gpu_share']:.1%} "
@@ -277,19 +283,18 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def unshifted(a: argparse.Namespace, plan: Any, measure: Any, out: dict[str, Any]) -> dict[str, Any]:  # noqa: ANN401
-    """--unshifted N: the unshifted case alone, N pairs of engines on A in turn, static first in the
-    even pairs and re-placed first in the odd ones (ABBA: a drift over the call favours neither);
-    unshifted_ratio is the re-placed engines' mean decode tok/s over the static ones'."""
-    rates: dict[str, list[float]] = {"static": [], "replaced": []}
+    """--unshifted N: the unshifted case alone (the module's docstring), N rounds of three engines on A."""
+    kinds = [("static", "off", a.interval), ("replaced", "on", a.interval), ("idle", "on", NEVER)]
+    rates: dict[str, list[float]] = {k[0]: [] for k in kinds}
     for i in range(a.unshifted):
-        pair = (("static", "off"), ("replaced", "on"))
-        for name, mode in pair if i % 2 == 0 else pair[::-1]:
-            with engine(a, name, plan, mode) as eng:
-                rates[name].append(measure(eng, name, "A", f"measure, pair {i + 1}", a.measure)["decode_tok_s"])
+        order = kinds[i % 3:] + kinds[:i % 3]
+        for name, mode, interval in order[::-1] if i % 2 else order:
+            with engine(a, name, plan, mode, interval) as eng:
+                rates[name].append(measure(eng, name, "A", f"measure, round {i + 1}", a.measure)["decode_tok_s"])
     mean = {k: sum(v) / len(v) for k, v in rates.items()}
-    out["summary"] = {"unshifted_ratio": mean["replaced"] / mean["static"], "decode_tok_s_static_a": rates["static"],
-                      "decode_tok_s_replaced_a": rates["replaced"],
-                      "replacement": out["records"][-1]["replacement"]}
+    out["summary"] = {"unshifted_ratio": mean["replaced"] / mean["static"], "idle_ratio": mean["idle"] / mean["static"],
+                      **{f"decode_tok_s_{k}_a": v for k, v in rates.items()},
+                      "replacement": [r for r in out["records"] if r["engine"] == "replaced"][-1]["replacement"]}
     return out
 
 
