@@ -876,11 +876,10 @@ GEMV_TILES = [(br, nb, wp) for br in (2, 4, 8) for nb in (16, 32, 64) for wp in 
 def bench_gpu_linear(qtypes, ceiling, gen, quick: bool) -> list[dict]:
     """The dense GEMV on quantized rows (kernels.linear: attention projections, output head,
     predictor) at 1 and 8 tokens; GB/s on the compressed bytes, L2 flushed before each call. At one
-    token also the up stage's elementwise GEMV over every row with its former dequantizing tiles
-    (``baseline``: what it ran before the GEMV kernel) and the GEMV kernel's tiles (BR, NB, warps) as graph replays (``tiles``)."""
+    token also the up stage's elementwise GEMV over every row (``baseline``: what it ran before the
+    GEMV kernel) and the GEMV kernel's tiles (BR, NB, warps) as graph replays (``tiles``)."""
     from powerinfer_ray.kernels.linear import linear
     from powerinfer_ray.kernels.triton_ffn import config_for, launch_up
-    from powerinfer_ray.kernels import triton_stages
     from powerinfer_ray.kernels.triton_linear import _all_rows, qgemv
 
     rows = []
@@ -900,16 +899,14 @@ def bench_gpu_linear(qtypes, ceiling, gen, quick: bool) -> list[dict]:
             if T == 1:
                 y = torch.empty(1, R, dtype=torch.float32, device=GPU)
                 every = _all_rows(R, GPU)
-                triton_stages.AB_OLD_Q = True  # A/B switch (deleted once measured): the old dequantizing tiles
                 b = graph_time(lambda _s: launch_up(x, w, None, None, every, None, None, "none", y, config_for(1), qtype),
                                [None], quick)
-                triton_stages.AB_OLD_Q = False
                 row["baseline_graph_us"] = None if b is None else round(b * 1e6, 2)
                 tiles = {}
-                for tl_ in GEMV_TILES if not triton_stages.AB_OLD_Q else []:
+                for tl_ in GEMV_TILES:
                     g2 = graph_time(lambda _s, tl_=tl_: qgemv(x, w, qtype, None, y, tl_), [None], True)
                     tiles["x".join(map(str, tl_))] = None if g2 is None else round(g2 * 1e6, 2)
-                best = min(((v, k) for k, v in tiles.items() if v is not None), default=(None, None))
+                best = min((v, k) for k, v in tiles.items() if v is not None)
                 row.update(tiles_graph_us=tiles, best_tiles=best[1], best_graph_us=best[0])
             rows.append(row)
             print(f"[gpu linear] {qtype} {name} T={T}: {row['median_us']} us {row['GBps']} GB/s "

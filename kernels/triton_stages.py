@@ -29,7 +29,6 @@ GPRE takes g from a precomputed fp32 [T, N] (the gate-first mode) instead of the
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +38,6 @@ import triton.language as tl
 ACT_CODE = {"relu": 0, "reglu": 1, "drelu": 2, "swiglu": 3, "none": 4}  # none: h = u (the dense linear)
 QT_CODE = {None: 0, "q4_0": 1, "q8_0": 2}
 THR_CODE = {None: 0, "gate": 1, "h": 2}  # an activation threshold's criterion (none: no threshold)
-AB_OLD_Q = bool(os.environ.get("POWERINFER_RAY_AB_OLD_QKERNELS"))  # A/B switch: deleted once measured
 
 
 @dataclass(frozen=True)
@@ -151,48 +149,9 @@ def _block_rows(idx_ptr, b, kc, R: tl.constexpr):
 
 
 @triton.jit
-def q_rows_dot(x_ptr, w_ptr, rows, rmask, D, stride, QT: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr):
-    """T == 1, ggml blocks (QT 1 q4_0, QT 2 q8_0; w_ptr and stride as `w_arg` gives them): x . row
-    of BR rows [BR] fp32, walking NB blocks a step. A block is its f16 scale word and WB words of
-    quants; each word's values are multiplied with the x entries of their columns, loaded in the
-    words' shape (no layout change in registers), and a block's sum takes its scale once."""
-    WB: tl.constexpr = 8 * QT  # words of quants per block (Q4_0: 8, Q8_0: 16), after the scale word
-    j = tl.arange(0, WB)
-    nblk = D // 32
-    base = w_ptr + rows.to(tl.int64)[:, None] * stride  # [BR, 1]
-    acc = tl.zeros((BR, NB), dtype=tl.float32)
-    for b0 in range(0, nblk, NB):
-        b = b0 + tl.arange(0, NB)  # [NB]
-        bok = b < nblk
-        bm = rmask[:, None] & bok[None, :]  # [BR, NB]
-        blk = base + (b * (WB + 1))[None, :]  # [BR, NB] scale words
-        d = tl.load(blk, mask=bm, other=0).to(tl.float16, bitcast=True).to(tl.float32)
-        v = tl.load(blk[:, :, None] + 1 + j[None, None, :], mask=bm[:, :, None], other=0).to(tl.int32) & 0xFFFF
-        c = (b * 32)[:, None] + 2 * j[None, :]  # [NB, WB]: the column of each word's first value
-        cm = bok[:, None]
-        x0 = tl.load(x_ptr + c, mask=cm, other=0.0).to(tl.float32)[None, :, :]
-        x1 = tl.load(x_ptr + c + 1, mask=cm, other=0.0).to(tl.float32)[None, :, :]
-        if QT == 1:  # word j: bytes 2j, 2j + 1 = columns 2j, 2j + 16 and 2j + 1, 2j + 17 (low, high nibbles)
-            x2 = tl.load(x_ptr + c + 16, mask=cm, other=0.0).to(tl.float32)[None, :, :]
-            x3 = tl.load(x_ptr + c + 17, mask=cm, other=0.0).to(tl.float32)[None, :, :]
-            s = ((v & 15) - 8).to(tl.float32) * x0 + (((v >> 8) & 15) - 8).to(tl.float32) * x1 \
-                + (((v >> 4) & 15) - 8).to(tl.float32) * x2 + ((v >> 12) - 8).to(tl.float32) * x3
-        else:  # word j: columns 2j, 2j + 1 (int8 each)
-            s = (((v & 255) ^ 128) - 128).to(tl.float32) * x0 + ((((v >> 8) & 255) ^ 128) - 128).to(tl.float32) * x1
-        acc += d * tl.sum(s, axis=2)
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
 def _rows_dot_x(x_ptr, up_ptr, gate_ptr, rows, kmask, D, s_up, s_gate,
-                HAS_GATE: tl.constexpr, QT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, OLDQ: tl.constexpr = False):
+                HAS_GATE: tl.constexpr, QT: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
     """T == 1: (up . x, gate . x) of BK rows, as [BK] fp32 sums."""
-    if QT != 0 and not OLDQ:
-        u = q_rows_dot(x_ptr, up_ptr, rows, kmask, D, s_up, QT, BK, BD // 32)
-        g = u
-        if HAS_GATE:
-            g = q_rows_dot(x_ptr, gate_ptr, rows, kmask, D, s_gate, QT, BK, BD // 32)
-        return u, g
     acc_u = tl.zeros((BK, BD), dtype=tl.float32)
     acc_g = tl.zeros((BK, BD), dtype=tl.float32)
     for d0 in range(0, D, BD):
@@ -211,8 +170,7 @@ def _up_gemv_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_p
                     D, K, s_up, s_gate, thr,
                     ACT: tl.constexpr, HAS_GATE: tl.constexpr, HAS_BIAS: tl.constexpr,
                     MASK_MODE: tl.constexpr, HAS_NACT: tl.constexpr, QT: tl.constexpr,
-                    THR: tl.constexpr, GPRE: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
-                    OLDQ: tl.constexpr = False):
+                    THR: tl.constexpr, GPRE: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
     """T == 1: h[k] for BK active rows; x [D], h [K]."""
     pid = tl.program_id(0)
     if HAS_NACT:
@@ -220,7 +178,7 @@ def _up_gemv_kernel(x_ptr, up_ptr, gate_ptr, bias_ptr, idx_ptr, nact_ptr, mask_p
     if pid * BK >= K:  # past the active rows (the grid covers the shard's capacity): no masked D loop
         return
     offs_k, kmask, rows = _block_rows(idx_ptr, pid, K, BK)  # [BK]
-    u, g = _rows_dot_x(x_ptr, up_ptr, gate_ptr, rows, kmask, D, s_up, s_gate, HAS_GATE, QT, BK, BD, OLDQ)  # [BK]
+    u, g = _rows_dot_x(x_ptr, up_ptr, gate_ptr, rows, kmask, D, s_up, s_gate, HAS_GATE, QT, BK, BD)  # [BK]
     if GPRE:
         g = tl.load(gpre_ptr + rows, mask=kmask, other=0.0)
     if HAS_BIAS:
@@ -391,7 +349,7 @@ def launch_up(x, up, gate, up_bias, idx, mask, n_active, act, h, cfg: Config, qt
     if T == 1 and not cfg.up_dot:
         grid = (triton.cdiv(K, cfg.up_bk),)
         _up_gemv_kernel[grid](*ptrs, D, K, s_up, s_gate, thr, BK=cfg.up_bk, BD=tile_width(cfg.up_bd, qtype),
-                              num_warps=cfg.up_warps, num_stages=cfg.up_stages, OLDQ=AB_OLD_Q, **common)
+                              num_warps=cfg.up_warps, num_stages=cfg.up_stages, **common)
     else:
         bk = max(16, cfg.up_bk)
         tp = max(16, triton.next_power_of_2(T))
