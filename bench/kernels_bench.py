@@ -870,17 +870,10 @@ def gpu_case(tf, dname, w, layers, cfg, T, pct, ceiling, gen, args) -> dict:
 LINEAR_SHAPES = {"attn_5120x5120": (5120, 5120), "head_32000x5120": (32000, 5120), "fc1_1024x5120": (1024, 5120)}
 
 
-GEMV_TILES = [(br, nb, wp) for br in (2, 4, 8) for nb in (16, 32, 64) for wp in (2, 4, 8)]
-
-
 def bench_gpu_linear(qtypes, ceiling, gen, quick: bool) -> list[dict]:
     """The dense GEMV on quantized rows (kernels.linear: attention projections, output head,
-    predictor) at 1 and 8 tokens; GB/s on the compressed bytes, L2 flushed before each call. At one
-    token also the up stage's elementwise GEMV over every row (``baseline``: what it ran before the
-    GEMV kernel) and the GEMV kernel's tiles (BR, NB, warps) as graph replays (``tiles``)."""
+    predictor) at 1 and 8 tokens; GB/s on the compressed bytes, L2 flushed before each call."""
     from powerinfer_ray.kernels.linear import linear
-    from powerinfer_ray.kernels.triton_ffn import config_for, launch_up
-    from powerinfer_ray.kernels.triton_linear import _all_rows, qgemv
 
     rows = []
     for qtype, (name, (R, Dw)) in itertools.product(qtypes, LINEAR_SHAPES.items()):
@@ -896,22 +889,9 @@ def bench_gpu_linear(qtypes, ceiling, gen, quick: bool) -> list[dict]:
                        GBps=round(nb / t / 1e9, 1), frac_ceiling=round(nb / t / 1e9 / ceiling, 4))
             if g is not None:
                 row.update(graph_median_us=round(g * 1e6, 2), graph_GBps=round(nb / g / 1e9, 1))
-            if T == 1:
-                y = torch.empty(1, R, dtype=torch.float32, device=GPU)
-                every = _all_rows(R, GPU)
-                b = graph_time(lambda _s: launch_up(x, w, None, None, every, None, None, "none", y, config_for(1), qtype),
-                               [None], quick)
-                row["baseline_graph_us"] = None if b is None else round(b * 1e6, 2)
-                tiles = {}
-                for tl_ in GEMV_TILES:
-                    g2 = graph_time(lambda _s, tl_=tl_: qgemv(x, w, qtype, None, y, tl_), [None], True)
-                    tiles["x".join(map(str, tl_))] = None if g2 is None else round(g2 * 1e6, 2)
-                best = min((v, k) for k, v in tiles.items() if v is not None)
-                row.update(tiles_graph_us=tiles, best_tiles=best[1], best_graph_us=best[0])
             rows.append(row)
             print(f"[gpu linear] {qtype} {name} T={T}: {row['median_us']} us {row['GBps']} GB/s "
-                  f"(graph {row.get('graph_median_us')} us, up stage {row.get('baseline_graph_us')} us, "
-                  f"best tiles {row.get('best_tiles')} {row.get('best_graph_us')} us)", flush=True)
+                  f"(graph {row.get('graph_median_us')} us)", flush=True)
         del w
     return rows
 
