@@ -872,27 +872,39 @@ LINEAR_SHAPES = {"attn_5120x5120": (5120, 5120), "head_32000x5120": (32000, 5120
 
 def bench_gpu_linear(qtypes, ceiling, gen, quick: bool) -> list[dict]:
     """The dense GEMV on quantized rows (kernels.linear: attention projections, output head,
-    predictor) at 1 and 8 tokens; GB/s on the compressed bytes, L2 flushed before each call."""
+    predictor) at 1, 8 and 64 tokens, on the file's blocks and on repacked rows (what a CUDA primary
+    holds); at T = 1 also the repacked kernel's tiles around the default. GB/s on the compressed
+    bytes, L2 flushed before each call."""
     from powerinfer_ray.kernels.linear import linear
+    from powerinfer_ray.kernels.triton_qgemv import qgemv_triton
 
     rows = []
+    tiles = [(br, nb, wp) for br in (4, 8, 16) for nb in (16, 32, 64) for wp in (4, 8)]
     for qtype, (name, (R, Dw)) in itertools.product(qtypes, LINEAR_SHAPES.items()):
         nb = R * quant.row_bytes(qtype, Dw)
         w = torch.randint(0, 256, (R, nb // R), generator=gen, dtype=torch.uint8)
         w.view(R, -1, quant.BLOCK_BYTES[qtype])[..., :2] = torch.full((1,), 1e-3, dtype=torch.float16).view(torch.uint8)
         w = w.to(GPU)
-        for T in (1, 8):
+        forms = {"blocks": (w, qtype), "repacked": (quant.repack(w, qtype), quant.REPACKED[qtype])}
+        for T, (form, (wf, q)) in itertools.product((1, 8, 64), forms.items()):
             x = torch.randn(T, Dw, generator=gen).half().to(GPU)
-            t = gpu_time(lambda: linear(x, w, qtype=qtype), quick)
-            g = graph_time(lambda _s: linear(x, w, qtype=qtype), [None], quick)
-            row = dict(qtype=qtype, shape=name, T=T, bytes=nb, median_us=round(t * 1e6, 2),
+            t = gpu_time(lambda: linear(x, wf, qtype=q), quick)
+            g = graph_time(lambda _s: linear(x, wf, qtype=q), [None], quick)
+            row = dict(qtype=qtype, shape=name, T=T, form=form, bytes=nb, median_us=round(t * 1e6, 2),
                        GBps=round(nb / t / 1e9, 1), frac_ceiling=round(nb / t / 1e9 / ceiling, 4))
             if g is not None:
                 row.update(graph_median_us=round(g * 1e6, 2), graph_GBps=round(nb / g / 1e9, 1))
+            if T == 1 and form == "repacked":
+                times = {c: gpu_time(lambda c=c: qgemv_triton(x, wf, q, br=c[0], nb=c[1], warps=c[2]), True)
+                         for c in tiles}
+                best = min(times, key=times.get)
+                row.update(tiles_us={"x".join(map(str, c)): round(v * 1e6, 2) for c, v in times.items()},
+                           best_tiles="x".join(map(str, best)), best_tiles_us=round(times[best] * 1e6, 2))
             rows.append(row)
-            print(f"[gpu linear] {qtype} {name} T={T}: {row['median_us']} us {row['GBps']} GB/s "
-                  f"(graph {row.get('graph_median_us')} us)", flush=True)
-        del w
+            print(f"[gpu linear] {qtype} {name} T={T} {form}: {row['median_us']} us {row['GBps']} GB/s "
+                  f"(graph {row.get('graph_median_us')} us; best tiles {row.get('best_tiles')} "
+                  f"{row.get('best_tiles_us')} us)", flush=True)
+        del w, forms
     return rows
 
 

@@ -9,34 +9,57 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_ffn
-from .quant import check_matrix, dequantize
+from .quant import GEMV_QTYPES, QTYPES, check_matrix, dequantize
 
 _triton_failed = False
+GEMV_MAX_T = 32  # more tokens on CUDA: dequantized row chunks through cuBLAS (`dequantized_linear`)
+CHUNK_BYTES = 16 << 20  # their dequantized rows at a time (within the workspace's GEMM chunks)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, qtype: str | None = None,
            threads: int | None = None) -> torch.Tensor:
     """y [..., R] float32 = x [..., D] . W^T + bias. w [R, D] float, or quantized rows uint8
-    [R, D // 32 * block bytes] of qtype ('q4_0' | 'q8_0'). CPU tensors: the compiled kernel
-    (cpu_ffn.linear: quantized rows against a Q8_0-quantized x, as ggml's); CUDA tensors: the
-    Triton GEMV dequantizing in registers (x as it is), torch for float weights."""
+    [R, D // 32 * block bytes] of qtype: 'q4_0' | 'q8_0' blocks, or their repacked rows 'q4_0r' |
+    'q8_0r' (quant.repack). CPU tensors: the compiled kernel (cpu_ffn.linear: blocks against a
+    Q8_0-quantized x, as ggml's). CUDA tensors: torch for float weights; up to GEMV_MAX_T tokens
+    the Triton GEMVs dequantizing in registers (x as it is; repacked rows: triton_qgemv), more
+    tokens `dequantized_linear`."""
     global _triton_failed
     D = x.shape[-1]
     if qtype is not None:
-        check_matrix(w, qtype, D, "w", "linear")
-    if not x.is_cuda:
+        check_matrix(w, qtype, D, "w", "linear", GEMV_QTYPES)
+    if not x.is_cuda and (qtype is None or qtype in QTYPES):
         return cpu_ffn.linear(x, w, bias, threads, qtype=qtype)
     if qtype is None:
         return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype)).float()
-    if not _triton_failed:
+    x2 = x.reshape(-1, D)
+    if x.is_cuda and not _triton_failed and x2.shape[0] <= GEMV_MAX_T:
         try:
             from .triton_linear import linear_triton
+            from .triton_qgemv import qgemv_triton
         except ImportError:  # no triton: remember, use torch
             _triton_failed = True
         else:
-            y = linear_triton(x.reshape(-1, D), w, qtype, bias)
+            y = (linear_triton if qtype in QTYPES else qgemv_triton)(x2, w, qtype, bias)
             return y.view(*x.shape[:-1], w.shape[0])
-    return F.linear(x.float(), dequantize(w, qtype), None if bias is None else bias.float())
+    return dequantized_linear(x2, w, qtype, bias).view(*x.shape[:-1], w.shape[0])
+
+
+def dequantized_linear(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tensor | None = None,
+                       chunk_bytes: int = CHUNK_BYTES) -> torch.Tensor:
+    """y [T, R] float32 = x [T, D] . dequantize(w, qtype)^T + bias, the rows dequantized a chunk
+    of about ``chunk_bytes`` at a time into x's dtype (fp16 / bf16; else fp32) and multiplied by
+    torch: each row read once whatever T is (the form for a prompt chunk's many tokens)."""
+    T, D = x.shape
+    R = w.shape[0]
+    dt = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
+    xc = x.to(dt)
+    y = torch.empty(T, R, dtype=torch.float32, device=x.device)
+    step = max(1, chunk_bytes // (D * torch.finfo(dt).bits // 8))
+    for a in range(0, R, step):
+        b = min(R, a + step)
+        y[:, a:b] = xc @ dequantize(w[a:b], qtype, dt).T
+    return y if bias is None else y.add_(bias.float())
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

@@ -22,30 +22,38 @@ import torch
 
 QK = 32  # weights per block
 BLOCK_BYTES = {"q4_0": 18, "q8_0": 34}
-QTYPES = tuple(BLOCK_BYTES)
+QTYPES = tuple(BLOCK_BYTES)  # the files' block layouts
+REPACKED = {"q4_0": "q4_0r", "q8_0": "q8_0r"}  # each one's repacked rows
+GEMV_QTYPES = QTYPES + tuple(REPACKED.values())  # what the dense GEMV (linear.py) takes
 
 
-def check_qtype(qtype: str, where: str) -> str:
-    if qtype not in BLOCK_BYTES:
-        raise ValueError(f"{where}: qtype is {qtype!r}, expected one of {QTYPES} (or None for float weights)")
+def block_qtype(qtype: str) -> str:
+    """The block type of a layout: 'q4_0' for 'q4_0' and 'q4_0r'."""
+    return qtype[:-1] if qtype in REPACKED.values() else qtype
+
+
+def check_qtype(qtype: str, where: str, allowed: tuple[str, ...] = QTYPES) -> str:
+    if qtype not in allowed:
+        raise ValueError(f"{where}: qtype is {qtype!r}, expected one of {allowed} (or None for float weights)")
     return qtype
 
 
 def row_bytes(qtype: str, n_cols: int) -> int:
     """Bytes of one quantized row of n_cols weights (n_cols a multiple of 32)."""
-    return n_cols // QK * BLOCK_BYTES[qtype]
+    return n_cols // QK * BLOCK_BYTES[block_qtype(qtype)]
 
 
 def n_cols(w: torch.Tensor, qtype: str) -> int:
     """Weights per row of a quantized matrix w [R, row_bytes]."""
-    return w.shape[-1] // BLOCK_BYTES[qtype] * QK
+    return w.shape[-1] // BLOCK_BYTES[block_qtype(qtype)] * QK
 
 
-def check_matrix(w: torch.Tensor, qtype: str, cols: int | None, name: str, where: str) -> None:
+def check_matrix(w: torch.Tensor, qtype: str, cols: int | None, name: str, where: str,
+                 allowed: tuple[str, ...] = QTYPES) -> None:
     """ValueError naming the field unless w is a quantized matrix uint8 [R, row_bytes(qtype, cols)]
-    (cols None: any whole number of blocks) with unit column stride."""
-    check_qtype(qtype, where)
-    bb = BLOCK_BYTES[qtype]
+    (cols None: any whole number of blocks) with unit column stride; qtype one of ``allowed``."""
+    check_qtype(qtype, where, allowed)
+    bb = BLOCK_BYTES[block_qtype(qtype)]
     if cols is not None and cols % QK:
         raise ValueError(f"{where}: the row length is {cols}, expected a multiple of {QK} for {qtype} weights")
     want = f"uint8 [R, {row_bytes(qtype, cols) if cols is not None else f'k * {bb}'}] ({qtype} blocks of {bb} bytes)"
@@ -59,17 +67,47 @@ def check_matrix(w: torch.Tensor, qtype: str, cols: int | None, name: str, where
 
 
 def dequantize(w: torch.Tensor, qtype: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """w uint8 [..., k * block_bytes] -> [..., k * 32] in dtype (fp32 and wider: exact). Any device."""
-    bb = BLOCK_BYTES[check_qtype(qtype, "dequantize")]
+    """w uint8 [..., k * block_bytes] (blocks, or repacked rows) -> [..., k * 32] in dtype (fp32
+    and wider: exact). Any device."""
+    bq = block_qtype(check_qtype(qtype, "dequantize", GEMV_QTYPES))
+    bb = BLOCK_BYTES[bq]
     k = w.shape[-1] // bb  # explicit: no rows (an empty gather) leaves -1 ambiguous
-    blocks = w.reshape(*w.shape[:-1], k, bb)  # [..., k, bb]
-    d = blocks[..., :2].contiguous().view(torch.float16).to(dtype)  # [..., k, 1]
-    if qtype == "q8_0":
-        q = blocks[..., 2:].contiguous().view(torch.int8)  # [..., k, 32]
+    if bq == qtype:
+        blocks = w.reshape(*w.shape[:-1], k, bb)  # [..., k, bb]
+        d, qb = blocks[..., :2], blocks[..., 2:]  # [..., k, 2], [..., k, bb - 2]
     else:
-        nib = blocks[..., 2:]  # [..., k, 16]
-        q = torch.cat([nib & 15, nib >> 4], dim=-1).to(torch.int8) - 8  # [..., k, 32]
+        qb = w[..., :k * (bb - 2)].reshape(*w.shape[:-1], k, bb - 2)
+        d = w[..., k * (bb - 2):].reshape(*w.shape[:-1], k, 2)
+    d = d.contiguous().view(torch.float16).to(dtype)  # [..., k, 1]
+    if bq == "q8_0":
+        q = qb.contiguous().view(torch.int8)  # [..., k, 32]
+    else:
+        q = torch.cat([qb & 15, qb >> 4], dim=-1).to(torch.int8) - 8  # [..., k, 32]
     return (q.to(dtype) * d).reshape(*w.shape[:-1], k * 32)
+
+
+def repackable(w: torch.Tensor, qtype: str | None) -> bool:
+    """Whether `repack` takes w: file blocks of qtype whose rows are a whole number of 32-bit words."""
+    return qtype in QTYPES and w.dim() == 2 and w.shape[1] % 4 == 0
+
+
+def repack(w: torch.Tensor, qtype: str) -> torch.Tensor:
+    """Blocks w uint8 [R, k * block_bytes] as repacked rows (see the module docstring), contiguous:
+    a new tensor of w's shape on w's device, for qtype ``REPACKED[qtype]``."""
+    bb = BLOCK_BYTES[check_qtype(qtype, "repack")]
+    if not repackable(w, qtype):
+        raise ValueError(f"repack: {qtype} rows of shape {tuple(w.shape)}: expected [R, k * {bb}] with 4 | k * {bb}")
+    R, k = w.shape[0], w.shape[1] // bb
+    blocks = w.reshape(R, k, bb)
+    return torch.cat([blocks[..., 2:].reshape(R, -1), blocks[..., :2].reshape(R, -1)], dim=1).contiguous()
+
+
+def repack_(w: torch.Tensor, qtype: str, chunk_bytes: int = 8 << 20) -> str:
+    """`repack` in place (a chunk of rows at a time: no second copy of w); returns the new qtype."""
+    step = max(1, chunk_bytes // max(1, w.shape[1]))
+    for a in range(0, w.shape[0], step):
+        w[a:a + step] = repack(w[a:a + step], qtype)
+    return REPACKED[qtype]
 
 
 def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ Dimension legend: N tokens of a step, D hidden, V vocab, r predictor width.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ import torch
 from ..kernels.linear import linear
 from ..kernels.norm import add_rms_norm, rms_norm_cast
 from ..kernels.predictor import predictor_logits
-from ..kernels.quant import dequantize
+from ..kernels.quant import dequantize, repack_, repackable
 from ..model import gguf_keys as K
 from ..model.costs import predictor_kind
 from ..model.qtypes import QTYPES
@@ -71,7 +72,7 @@ class PrimaryWeights:
             self.pos_embd, self.pos_q = self._global(K.POS_EMBD) if cfg.arch == "opt" else (None, None)
             self.out_norm = self._norm_pair(K.OUTPUT_NORM, None)
             untied = src.has(K.global_tensor(K.OUTPUT)) and not cfg.tied_output
-            self.out_w, self.out_q = self._global(K.OUTPUT) if untied else (self.embd, self.embd_q)  # [V, D]
+            self.out_w, self.out_q = self._gemv_form(*self._global(K.OUTPUT)) if untied else (self.embd, self.embd_q)
             self.phases["globals"] += time.perf_counter() - t0
             self.layers = [self._layer(l) for l in range(cfg.n_layer)]
         # what the fixed-shape decode step reads: rotary rows of every position, the predictor's
@@ -110,6 +111,14 @@ class PrimaryWeights:
         w = layer_rows(self.src, tmpl, l, rows=rows, dtype=torch.float32, device=self.device)
         return quantize(w, kind), kind
 
+    def _gemv_form(self, w: torch.Tensor, q: str | None) -> tuple[torch.Tensor, str | None]:
+        """A matrix only the dense GEMV reads (``linear``), as it reads it fastest: quantized rows
+        on CUDA repacked in place (``kernels.quant.repack``), anything else as it is."""
+        return (w, repack_(w, q)) if self._repacks(w, q) else (w, q)
+
+    def _repacks(self, w: torch.Tensor, q: str | None) -> bool:
+        return self.device.type == "cuda" and repackable(w, q) and not os.environ.get("POWERINFER_RAY_AB_NO_REPACK")
+
     def _vec(self, tmpl: str, l: int | None, bias: bool = False) -> torch.Tensor | None:
         name = K.global_tensor(tmpl, bias) if l is None else K.tensor(tmpl, l, bias)
         if not self.src.has(name):
@@ -127,11 +136,14 @@ class PrimaryWeights:
         fc1 = fc2 = q1 = q2 = None
         if self.policy.name == "predictor":
             t0 = time.perf_counter()
-            fc1, q1 = self._predictor(K.FC1, l)
-            fc2, q2 = self._predictor(K.FC2, l, np.concatenate([lp.gpu_neurons, lp.cpu_neurons]))
+            fc1, q1 = self._gemv_form(*self._predictor(K.FC1, l))
+            fc2, q2 = self._gemv_form(*self._predictor(K.FC2, l, np.concatenate([lp.gpu_neurons, lp.cpu_neurons])))
             self.phases["predictors"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         attn = load_attn_shard(self.src, l, lp.gpu_groups, dt, dev, self.slots + 1, self.n_ctx)
+        if attn.n_groups and all(self._repacks(w, attn.qtype) for w in (attn.wqkv, attn.wo_t.T)):
+            repack_(attn.wqkv, attn.qtype)  # the projections' rows (wq, wk, wv are views of them)
+            attn.qtype = repack_(attn.wo_t.T, attn.qtype)
         self.phases["attention"] += time.perf_counter() - t0
         attn_out_b, down_b = self._vec(K.ATTN_OUT, l, bias=True), self._vec(K.FFN_DOWN_T, l, bias=True)
         if cfg.parallel_attn:

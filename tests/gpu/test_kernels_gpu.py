@@ -371,18 +371,34 @@ def test_quantized_ffn_at_llama13b_shape_and_in_a_graph(qtype, T):
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("R, D", [(5120, 5120), (32000, 5120), (2048, 5120)], ids=["attn", "head", "fc1"])
 def test_quantized_linear_at_real_shapes(qtype, R, D):
-    """kernels.linear on quantized rows (Triton GEMV: attention projection, output head, predictor
-    fc1) at 1, 8 and 40 tokens, with a bias, against float64 computed on the GPU."""
+    """kernels.linear on quantized rows (attention projection, output head, predictor fc1), the
+    file's blocks and the repacked rows a CUDA primary holds, at 1, 8 and 40 tokens (the Triton
+    GEMVs, then dequantized rows through cuBLAS in fp16), with a bias, against float64 computed on
+    the GPU; the repacked GEMV also replayed from a CUDA graph for new x."""
     from powerinfer_ray.kernels.linear import linear, linear_ref
+    from powerinfer_ray.kernels.quant import REPACKED, repack
 
     gen = torch.Generator().manual_seed(R)
     w = q_rows(R, D, qtype, gen)
     b = torch.randn(R, generator=gen).to(DEV)
-    for T in (1, 8, 40):
-        x = torch.randn(T, D, generator=gen).half().to(DEV)
-        y = linear(x, w, b, qtype=qtype)
-        ref = linear_ref(x, w, b, qtype)
-        assert y.shape == (T, R) and rel_err(y, ref) < Q_TOL[torch.float32], f"{qtype} T={T}: " + what_differs(y, ref)
+    for wf, q in ((w, qtype), (repack(w, qtype), REPACKED[qtype])):
+        for T in (1, 8, 40):
+            x = torch.randn(T, D, generator=gen).half().to(DEV)
+            y = linear(x, wf, b, qtype=q)
+            ref = linear_ref(x, w, b, qtype)
+            tol = Q_TOL[torch.float32 if T <= 32 else torch.float16]
+            assert y.shape == (T, R) and rel_err(y, ref) < tol, f"{q} T={T}: " + what_differs(y, ref)
+    x = torch.randn(1, D, generator=gen).half().to(DEV)
+    wr, rq = repack(w, qtype), REPACKED[qtype]
+    linear(x, wr, b, qtype=rq)  # compiled
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = linear(x, wr, b, qtype=rq)
+    for _ in range(2):
+        x.copy_(torch.randn(1, D, generator=gen).half().to(DEV))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, linear_ref(x, w, b, qtype)) < Q_TOL[torch.float32], f"{rq} graph replay"
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])

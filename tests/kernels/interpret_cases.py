@@ -248,6 +248,28 @@ def test_triton_linear_on_quantized_rows(qtype):
         assert y.dtype == torch.float32 and rel_err(y, linear_ref(x, w, b, qtype)) < TOL[torch.float32], T
 
 
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_triton_qgemv_on_repacked_rows(qtype, dtype):
+    """The repacked rows' GEMV (triton_qgemv) against float64 over the file's blocks: rows not a
+    multiple of a program's, fewer blocks than a step takes (D = 192) and a partial last step (D =
+    1280), with and without a bias, T = 1 and 3 (the token axis of the grid)."""
+    from powerinfer_ray.kernels.linear import linear_ref
+    from powerinfer_ray.kernels.quant import REPACKED, repack
+    from powerinfer_ray.kernels.triton_qgemv import qgemv_triton
+
+    gen = torch.Generator().manual_seed(5)
+    for R, D in ((45, 192), (19, 1280)):
+        w = q_rows(R, D, qtype, gen)
+        wr = repack(w, qtype)
+        for bias in (None, torch.randn(R, generator=gen)):
+            for T in (1, 3):
+                x = torch.randn(T, D, generator=gen).to(dtype)
+                y = qgemv_triton(x, wr, REPACKED[qtype], bias)
+                ref = linear_ref(x, w, bias, qtype)
+                assert y.dtype == torch.float32 and rel_err(y, ref) < TOL[torch.float32], (R, D, T, bias is None)
+
+
 @pytest.mark.parametrize("on", ["gate", "h"])
 @pytest.mark.parametrize("T", [1, 3])
 def test_triton_activation_threshold_and_precomputed_gate(on, T):
