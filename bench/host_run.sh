@@ -223,8 +223,10 @@ prefill)  # issue 35: TTFT and prefill tok/s of the 13B file at $B13 GiB, batch 
     # elsewhere: M13="planted:tiny" B13=0.01 PREFILL_SHAPES=64x8,400x8 PREFILL_CONFIGS="default share1 chunk128")
     write_file "$M13" 200 || exit 0
     for c in ${PREFILL_CONFIGS:-default share0 share1 share0.3 share0.7 chunk512 chunk2048}; do
+        export POWERINFER_RAY_AB_OLD_GATHER=
         case $c in
         default) args="" ;;
+        oldgather) args=""; export POWERINFER_RAY_AB_OLD_GATHER=1 ;;  # temporary: torch's index_select
         share1) args="--prefill-dense-min 1" ;;
         share*) args="--prefill-share ${c#share}" ;;
         chunk*) args="--prefill-chunk ${c#chunk}" ;;

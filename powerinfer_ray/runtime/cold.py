@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -322,9 +323,14 @@ class ColdRows:
             if cold.rows is None:
                 out.copy_(src[a:b], non_blocking=True)
             elif self.device.type == "cuda" and self._pin_file:
-                pages = device_view(src)
-                w = _width(pages, out)
-                torch.index_select(_wide(pages, w), 0, self.stream.rows_on_device(l)[a:b], out=_wide(out, w))
+                from ..kernels.triton_gather import gather_rows, gatherable  # triton: CUDA only
+
+                pages, idx = device_view(src), self.stream.rows_on_device(l)[a:b]
+                if gatherable(pages, out) and not os.environ.get("POWERINFER_RAY_AB_OLD_GATHER"):
+                    gather_rows(pages, idx, out)
+                else:
+                    w = _width(pages, out)
+                    torch.index_select(_wide(pages, w), 0, idx, out=_wide(out, w))
             else:
                 out.copy_(src.index_select(0, cold.rows[a:b].long()))
 

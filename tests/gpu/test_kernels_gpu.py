@@ -401,6 +401,22 @@ def test_quantized_linear_at_real_shapes(qtype, R, D):
         assert rel_err(out, linear_ref(x, w, b, qtype)) < Q_TOL[torch.float32], f"{rq} graph replay"
 
 
+def test_gather_rows_from_page_locked_host_memory():
+    """Prefill's row stream: rows of page-locked host memory (fp16 rows and Q4_0 blocks' bytes) read
+    by the GPU over PCIe into a device buffer, by index, as torch's index_select on the host."""
+    from powerinfer_ray.kernels.triton_gather import gather_rows
+    from powerinfer_ray.runtime.channel import device_view
+
+    gen = torch.Generator().manual_seed(8)
+    for host in (torch.randn(3000, 5120, generator=gen).half().pin_memory(),
+                 torch.randint(0, 256, (3000, 2880), generator=gen, dtype=torch.uint8).pin_memory()):
+        idx = torch.randperm(3000, generator=gen)[:1000]
+        out = torch.zeros(1200, host.shape[1], dtype=host.dtype, device=DEV)
+        gather_rows(device_view(host), idx.to(DEV), out)
+        torch.cuda.synchronize()
+        assert torch.equal(out[:1000].cpu(), host[idx]) and not out[1000:].any()
+
+
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
 def test_quantized_predictor_on_gpu(qtype):
     """predictor_logits with quantized fc1 [r, D] / fc2 [N, r] (upstream writes both as Q4_0)."""

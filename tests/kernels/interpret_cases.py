@@ -270,6 +270,20 @@ def test_triton_qgemv_on_repacked_rows(qtype, dtype):
                 assert y.dtype == torch.float32 and rel_err(y, ref) < TOL[torch.float32], (R, D, T, bias is None)
 
 
+def test_triton_gather_rows_equals_index_select():
+    """Rows by index (repeats, any order, a row of several programs' pieces and a partial last one)
+    into the first rows of a larger buffer, for rows of fp16 and of Q4_0 blocks' bytes."""
+    from powerinfer_ray.kernels.triton_gather import gather_rows
+
+    gen = torch.Generator().manual_seed(6)
+    for src in (torch.randn(40, 2600, generator=gen).half(), torch.randint(0, 256, (40, 2880), generator=gen,
+                                                                           dtype=torch.uint8)):
+        idx = torch.tensor([7, 0, 39, 7, 12], dtype=torch.int64)
+        out = torch.zeros(8, src.shape[1], dtype=src.dtype)
+        gather_rows(src, idx, out)
+        assert torch.equal(out[:5], src[idx]) and not out[5:].any()
+
+
 @pytest.mark.parametrize("on", ["gate", "h"])
 @pytest.mark.parametrize("T", [1, 3])
 def test_triton_activation_threshold_and_precomputed_gate(on, T):
