@@ -263,6 +263,7 @@ class CPUExecutor:
     def serve(self, last: int) -> None:
         ch = self.channel
         applied = torch.get_num_threads()
+        torch.set_grad_enabled(False)  # this thread's mode (no autograd in what it serves), not a context per call
         while True:
             last = ch.wait_request(last, spin_s=0.02)  # hot while generating, asleep when idle
             t_start = time.monotonic_ns()
@@ -283,7 +284,6 @@ class CPUExecutor:
             ch.respond(last, t_start, ok)
             self.stats.busy_s += (time.monotonic_ns() - t_start) * 1e-9
 
-    @torch.no_grad()
     def _compute(self, op: int, l: int, n_seq: int, n_tok: int, n_mask: int) -> None:
         ch, cfg = self.channel, self.cfg
         # the partial outputs are written (and summed) in place in ch.out[:n_tok] [N, D] (x's dtype)
