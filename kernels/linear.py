@@ -55,10 +55,18 @@ def dequantized_linear(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch
     dt = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
     xc = x.to(dt)
     y = torch.empty(T, R, dtype=torch.float32, device=x.device)
-    step = max(1, chunk_bytes // (D * torch.finfo(dt).bits // 8))
+    step = max(1, min(R, chunk_bytes // (D * torch.finfo(dt).bits // 8)))
+    one_launch = x.is_cuda and qtype not in QTYPES and not _triton_failed  # repacked rows on CUDA
+    buf = torch.empty(step, D, dtype=dt, device=x.device) if one_launch else None
     for a in range(0, R, step):
         b = min(R, a + step)
-        y[:, a:b] = xc @ dequantize(w[a:b], qtype, dt).T
+        if one_launch:
+            from .triton_qgemv import dequantize_triton
+
+            rows = dequantize_triton(w[a:b], qtype, buf[:b - a])
+        else:
+            rows = dequantize(w[a:b], qtype, dt)
+        y[:, a:b] = xc @ rows.T
     return y if bias is None else y.add_(bias.float())
 
 

@@ -87,3 +87,40 @@ def qgemv_triton(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tenso
         x, wq, wd, bias if bias is not None else dummy, y, R, wq.stride(0), wd.stride(0), x.stride(0), y.stride(0),
         NBLK=nblk, QT=QT_CODE[qtype], HAS_BIAS=bias is not None, BR=br, NB=nb, num_warps=warps)
     return y
+
+
+@triton.jit
+def _dequant_kernel(wq_ptr, wd_ptr, out_ptr, R, s_wq, s_wd, s_out,
+                    NBLK: tl.constexpr, QT: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr):
+    """out[r, 32 b + c] = d[r, b] * q[r, b, c] for BR rows and NB blocks (grid: rows, blocks)."""
+    QW: tl.constexpr = 4 * QT
+    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)[:, None, None]  # [BR, 1, 1]
+    b = tl.program_id(1) * NB + tl.arange(0, NB)[None, :, None]  # [1, NB, 1]
+    j = tl.arange(0, QW)[None, None, :]  # [1, 1, QW]
+    m = (rows < R) & (b < NBLK) & (j < QW)
+    w = tl.load(wq_ptr + rows * s_wq + b * QW + j, mask=m, other=0)
+    d = tl.load(wd_ptr + rows * s_wd + b + 0 * j, mask=m, other=0.0).to(tl.float32)
+    o = out_ptr + rows * s_out + 32 * b + 4 * j
+    for i in tl.static_range(4):
+        if QT == 1:
+            lo = (((w >> (8 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+            hi = (((w >> (8 * i + 4)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+            tl.store(o + i, (lo * d).to(out_ptr.dtype.element_ty), mask=m)
+            tl.store(o + (16 + i), (hi * d).to(out_ptr.dtype.element_ty), mask=m)
+        else:
+            v = ((((w >> (8 * i)) & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+            tl.store(o + i, (v * d).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def dequantize_triton(w: torch.Tensor, qtype: str, out: torch.Tensor) -> torch.Tensor:
+    """out [R, D] (fp16 / bf16 / fp32, row-major) = the values of repacked rows w (qtype 'q4_0r' |
+    'q8_0r'), each rounded once to out's dtype: `quant.dequantize` in one launch."""
+    R = w.shape[0]
+    bb, nblk = BLOCK_BYTES[block_qtype(qtype)], out.shape[1] // QK
+    if R == 0:
+        return out
+    wq, wd = w.view(torch.int32), w.view(torch.float16)[:, nblk * (bb - 2) // 2:]
+    grid = (triton.cdiv(R, BR), triton.cdiv(nblk, NB))
+    _dequant_kernel[grid](wq, wd, out, R, wq.stride(0), wd.stride(0), out.stride(0),
+                          NBLK=nblk, QT=QT_CODE[qtype], BR=BR, NB=NB, num_warps=WARPS)
+    return out

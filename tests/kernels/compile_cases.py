@@ -49,7 +49,7 @@ def main() -> None:
     from powerinfer_ray.kernels.triton_attention import decode_attention_triton, rope_cache_triton
     from powerinfer_ray.kernels.triton_linear import linear_triton
     from powerinfer_ray.kernels.triton_gather import gather_rows
-    from powerinfer_ray.kernels.triton_qgemv import qgemv_triton
+    from powerinfer_ray.kernels.triton_qgemv import dequantize_triton, qgemv_triton
     from powerinfer_ray.kernels.quant import REPACKED, repack
     from powerinfer_ray.kernels.triton_norm import add_rms_norm_triton, rms_norm_triton
     from gguf import GGMLQuantizationType as GQ
@@ -73,6 +73,7 @@ def main() -> None:
                 linear_triton(torch.randn(T, D), w, qtype, torch.randn(N))
                 qgemv_triton(torch.randn(T, D).to(f16), repack(w, qtype), REPACKED[qtype], torch.randn(N))
                 qgemv_triton(torch.randn(T, D), repack(w, qtype), REPACKED[qtype])
+                dequantize_triton(repack(w, qtype), REPACKED[qtype], torch.empty(N, D, dtype=f16))
     H, G, hd, S, L = 8, 2, 64, 4, 128
     q = torch.randn(3, H, hd).to(f16)
     kc, vc = torch.randn(S, G, L, hd).to(f16), torch.randn(S, G, L, hd).to(f16)

@@ -270,6 +270,21 @@ def test_triton_qgemv_on_repacked_rows(qtype, dtype):
                 assert y.dtype == torch.float32 and rel_err(y, ref) < TOL[torch.float32], (R, D, T, bias is None)
 
 
+@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
+def test_triton_dequantize_of_repacked_rows_equals_quant(qtype):
+    """The prompt chunks' dequantization of repacked rows (one launch) gives quant.dequantize's
+    values exactly, in fp32 and rounded once to fp16 (rows and blocks not multiples of a program's)."""
+    from powerinfer_ray.kernels.quant import REPACKED, dequantize, repack
+    from powerinfer_ray.kernels.triton_qgemv import dequantize_triton
+
+    gen = torch.Generator().manual_seed(7)
+    w = q_rows(13, 32 * 38, qtype, gen)
+    rq = REPACKED[qtype]
+    for dt in (torch.float32, torch.float16):
+        out = dequantize_triton(repack(w, qtype), rq, torch.empty(13, 32 * 38, dtype=dt))
+        assert torch.equal(out, dequantize(w, qtype, dt)), dt
+
+
 def test_triton_gather_rows_equals_index_select():
     """Rows by index (repeats, any order, a row of several programs' pieces and a partial last one)
     into the first rows of a larger buffer, for rows of fp16 and of Q4_0 blocks' bytes."""
