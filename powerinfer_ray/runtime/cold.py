@@ -14,8 +14,8 @@ included) while the other's rows are computed on, so the copies run beside the s
 Where the rows come from, without a second host copy where possible:
   file    the model file's own memory map (``shard.in_place_ffn_shard``): on CUDA the layers'
           ranges of a file on tmpfs are page-locked at attach (read-only cudaHostRegister) and the
-          GPU gathers the shard's rows from them itself (an index_select over the pages' device
-          address, reading over PCIe); a file on disk is gathered on the host from pageable pages
+          GPU gathers the shard's rows from them itself (``kernels.triton_gather`` over the pages'
+          device address, reading over PCIe); a file on disk is gathered on the host from pageable pages
           (locking them would pin its page cache);
   shared  the CPU executor's shared-memory copy (``sharedshard``: sources without a file), in
           shard order, pinned here: contiguous copies;
