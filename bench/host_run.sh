@@ -355,13 +355,17 @@ q4)  # quantized (issue 19): the Q4_0 13B at 4 GiB, hybrid and its own layer-off
     ;;
 q4ab)  # issue 35: the 13B Q4_0 at 4 GiB from its file, the GPU's GEMVs on repacked rows against the file's
     # blocks (POWERINFER_RAY_AB_NO_REPACK, temporary) in ABBA order, one more engine with --prefill-chunk 256
-    # (a smaller prompt workspace leaves VRAM to neurons), then the dense GEMV's kernel rows and tiles
+    # (a smaller prompt workspace leaves VRAM to neurons), then the dense GEMV's kernel rows and tiles; first
+    # the GPU tests of the new kernels (the GEMVs, their dequantization, the row gather)
+    timeout -s INT 100 python -m pytest $KERNEL_TESTS -q -rf -k "quantized_linear or gather_rows or predictor" \
+        > "$OUT/gpu-tests.log" 2>&1
+    tail -n 2 "$OUT/gpu-tests.log" | cut -c1-300
     write_file "$M13Q" 60 || exit 0
     q4run() {  # name switch args...
         local name=$1
         export POWERINFER_RAY_AB_NO_REPACK=$2
         shift 2
-        suite "$name" 120 -m "$M13Q" --as-file "$SHM" --vram-budget 4 --modes hybrid --shapes 64x128,64x32 \
+        suite "$name" 100 -m "$M13Q" --as-file "$SHM" --vram-budget 4 --modes hybrid --shapes 64x128 \
             -t "$THREADS" "$@"
     }
     q4run runtime-13b-q4-4gib-blocks-1-h200 1
@@ -372,7 +376,7 @@ q4ab)  # issue 35: the 13B Q4_0 at 4 GiB from its file, the GPU's GEMVs on repac
     export POWERINFER_RAY_AB_NO_REPACK=
     table decode_tok_s,prefill_tok_s,vram_used_gib,gpu_activation_share,gpu_compute_us_per_layer,cpu_kernel_us_per_exchange \
         "$OUT"/runtime-13b-q4-*.json
-    timeout 200 powerinfer-ray bench kernels --device cuda --gpu-dtypes q4_0,q8_0 --tokens 1 --densities 10 \
+    timeout 150 powerinfer-ray bench kernels --device cuda --gpu-dtypes q4_0,q8_0 --tokens 1 --densities 10 \
         --out "$OUT" >> "$log" 2>&1
     grep -E "^\[gpu linear\]" "$log" | cut -c1-200
     ;;
