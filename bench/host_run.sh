@@ -355,11 +355,12 @@ q4)  # quantized (issue 19): the Q4_0 13B at 4 GiB, hybrid and its own layer-off
     ;;
 q4ab)  # issue 35: the 13B Q4_0 at 4 GiB from its file, the GPU's GEMVs on repacked rows against the file's
     # blocks (POWERINFER_RAY_AB_NO_REPACK, temporary) in ABBA order, one more engine with --prefill-chunk 256
-    # (a smaller prompt workspace leaves VRAM to neurons), then the dense GEMV's kernel rows and tiles; first
-    # the GPU tests of the new kernels (the GEMVs, their dequantization, the row gather)
+    # (a smaller prompt workspace leaves VRAM to neurons), prefill's row gather (POWERINFER_RAY_AB_OLD_GATHER,
+    # temporary) against torch's, then the dense GEMV's kernel rows and tiles; first the GPU tests of the new
+    # kernels (the GEMVs, their dequantization, the row gather). Nine files: tar them for the device tool
     timeout -s INT 100 python -m pytest $KERNEL_TESTS -q -rf -k "quantized_linear or gather_rows or predictor" \
-        > "$OUT/gpu-tests.log" 2>&1
-    tail -n 2 "$OUT/gpu-tests.log" | cut -c1-300
+        > "$OUT/gpu-tests-q4ab.log" 2>&1
+    tail -n 2 "$OUT/gpu-tests-q4ab.log" | cut -c1-300
     write_file "$M13Q" 60 || exit 0
     q4run() {  # name switch args...
         local name=$1
@@ -376,6 +377,13 @@ q4ab)  # issue 35: the 13B Q4_0 at 4 GiB from its file, the GPU's GEMVs on repac
     export POWERINFER_RAY_AB_NO_REPACK=
     table decode_tok_s,prefill_tok_s,vram_used_gib,gpu_activation_share,gpu_compute_us_per_layer,cpu_kernel_us_per_exchange \
         "$OUT"/runtime-13b-q4-*.json
+    for g in 1 ""; do  # prefill's row gather: torch's index_select (temporary switch) against the Triton kernel
+        export POWERINFER_RAY_AB_OLD_GATHER=$g
+        suite runtime-13b-q4-4gib-prefill-gather${g:+-old}-h200 70 -m "$M13Q" --as-file "$SHM" --vram-budget 4 \
+            --modes hybrid --shapes 64x8,1500x8,64x8,1500x8 -t "$THREADS"
+    done
+    export POWERINFER_RAY_AB_OLD_GATHER=
+    table prefill_tok_s,ttft_s,prefill_stream_gbps "$OUT"/runtime-13b-q4-4gib-prefill-*.json
     timeout 150 powerinfer-ray bench kernels --device cuda --gpu-dtypes q4_0,q8_0 --tokens 1 --densities 10 \
         --out "$OUT" >> "$log" 2>&1
     grep -E "^\[gpu linear\]" "$log" | cut -c1-200
