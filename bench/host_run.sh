@@ -373,7 +373,6 @@ q4ab)  # issue 35: the 13B Q4_0 at 4 GiB from its file, the GPU's GEMVs on repac
     q4run runtime-13b-q4-4gib-repacked-1-h200 ""
     q4run runtime-13b-q4-4gib-repacked-2-h200 ""
     q4run runtime-13b-q4-4gib-blocks-2-h200 1
-    q4run runtime-13b-q4-4gib-repacked-chunk256-h200 "" --prefill-chunk 256
     export POWERINFER_RAY_AB_NO_REPACK=
     table decode_tok_s,prefill_tok_s,vram_used_gib,gpu_activation_share,gpu_compute_us_per_layer,cpu_kernel_us_per_exchange \
         "$OUT"/runtime-13b-q4-*.json
@@ -384,6 +383,8 @@ q4ab)  # issue 35: the 13B Q4_0 at 4 GiB from its file, the GPU's GEMVs on repac
     done
     export POWERINFER_RAY_AB_OLD_GATHER=
     table prefill_tok_s,ttft_s,prefill_stream_gbps "$OUT"/runtime-13b-q4-4gib-prefill-*.json
+    q4run runtime-13b-q4-4gib-repacked-chunk256-h200 "" --prefill-chunk 256
+    export POWERINFER_RAY_AB_NO_REPACK=
     timeout 150 powerinfer-ray bench kernels --device cuda --gpu-dtypes q4_0,q8_0 --tokens 1 --densities 10 \
         --out "$OUT" >> "$log" 2>&1
     grep -E "^\[gpu linear\]" "$log" | cut -c1-200
