@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4ab|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
+#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4ab|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
+stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -223,10 +223,8 @@ prefill)  # issue 35: TTFT and prefill tok/s of the 13B file at $B13 GiB, batch 
     # elsewhere: M13="planted:tiny" B13=0.01 PREFILL_SHAPES=64x8,400x8 PREFILL_CONFIGS="default share1 chunk128")
     write_file "$M13" 200 || exit 0
     for c in ${PREFILL_CONFIGS:-default share0 share1 share0.3 share0.7 chunk512 chunk2048}; do
-        export POWERINFER_RAY_AB_OLD_GATHER=
         case $c in
         default) args="" ;;
-        oldgather) args=""; export POWERINFER_RAY_AB_OLD_GATHER=1 ;;  # temporary: torch's index_select
         share1) args="--prefill-dense-min 1" ;;
         share*) args="--prefill-share ${c#share}" ;;
         chunk*) args="--prefill-chunk ${c#chunk}" ;;
@@ -352,42 +350,6 @@ q4)  # quantized (issue 19): the Q4_0 13B at 4 GiB, hybrid and its own layer-off
     # CPU kernel's rate on compressed bytes)
     suite runtime-13b-q4-4gib-h200 560 -m "planted:llama2-13b?dtype=q4_0" --vram-budget 4 \
         --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
-    ;;
-q4ab)  # issue 35: the 13B Q4_0 at 4 GiB from its file, the GPU's GEMVs on repacked rows against the file's
-    # blocks (POWERINFER_RAY_AB_NO_REPACK, temporary) in ABBA order, one more engine with --prefill-chunk 256
-    # (a smaller prompt workspace leaves VRAM to neurons), prefill's row gather (POWERINFER_RAY_AB_OLD_GATHER,
-    # temporary) against torch's, then the dense GEMV's kernel rows and tiles; first the GPU tests of the new
-    # kernels (the GEMVs, their dequantization, the row gather). Nine files: tar them for the device tool
-    timeout -s INT 100 python -m pytest $KERNEL_TESTS -q -rf -k "quantized_linear or gather_rows or predictor" \
-        > "$OUT/gpu-tests-q4ab.log" 2>&1
-    tail -n 2 "$OUT/gpu-tests-q4ab.log" | cut -c1-300
-    write_file "$M13Q" 60 || exit 0
-    q4run() {  # name switch args...
-        local name=$1
-        export POWERINFER_RAY_AB_NO_REPACK=$2
-        shift 2
-        suite "$name" 100 -m "$M13Q" --as-file "$SHM" --vram-budget 4 --modes hybrid --shapes 64x128 \
-            -t "$THREADS" "$@"
-    }
-    q4run runtime-13b-q4-4gib-blocks-1-h200 1
-    q4run runtime-13b-q4-4gib-repacked-1-h200 ""
-    q4run runtime-13b-q4-4gib-repacked-2-h200 ""
-    q4run runtime-13b-q4-4gib-blocks-2-h200 1
-    export POWERINFER_RAY_AB_NO_REPACK=
-    table decode_tok_s,prefill_tok_s,vram_used_gib,gpu_activation_share,gpu_compute_us_per_layer,cpu_kernel_us_per_exchange \
-        "$OUT"/runtime-13b-q4-*.json
-    for g in 1 ""; do  # prefill's row gather: torch's index_select (temporary switch) against the Triton kernel
-        export POWERINFER_RAY_AB_OLD_GATHER=$g
-        suite runtime-13b-q4-4gib-prefill-gather${g:+-old}-h200 70 -m "$M13Q" --as-file "$SHM" --vram-budget 4 \
-            --modes hybrid --shapes 64x8,1500x8,64x8,1500x8 -t "$THREADS"
-    done
-    export POWERINFER_RAY_AB_OLD_GATHER=
-    table prefill_tok_s,ttft_s,prefill_stream_gbps "$OUT"/runtime-13b-q4-4gib-prefill-*.json
-    q4run runtime-13b-q4-4gib-repacked-chunk256-h200 "" --prefill-chunk 256
-    export POWERINFER_RAY_AB_NO_REPACK=
-    timeout 150 powerinfer-ray bench kernels --device cuda --gpu-dtypes q4_0,q8_0 --tokens 1 --densities 10 \
-        --out "$OUT" >> "$log" 2>&1
-    grep -E "^\[gpu linear\]" "$log" | cut -c1-200
     ;;
 q8)  # the Q8_0 13B at 8 GiB, hybrid and layer-offload
     suite runtime-13b-q8-8gib-h200 560 -m "planted:llama2-13b?dtype=q8_0" --vram-budget 8 \

@@ -872,8 +872,8 @@ LINEAR_SHAPES = {"attn_5120x5120": (5120, 5120), "head_32000x5120": (32000, 5120
 
 def bench_gpu_linear(qtypes, ceiling, gen, quick: bool) -> list[dict]:
     """The dense GEMV on quantized rows (kernels.linear: attention projections, output head,
-    predictor) at 1, 8 and 64 tokens, on the file's blocks and on repacked rows (what a CUDA primary
-    holds); at T = 1 also the repacked kernel's tiles around the default. GB/s on the compressed
+    predictor) at 1, 8 and 64 tokens, on the file's blocks and on repacked Q4_0 rows (what a CUDA
+    primary holds); at T = 1 also the repacked kernel's tiles around the default. GB/s on the compressed
     bytes, L2 flushed before each call."""
     from powerinfer_ray.kernels.linear import linear
     from powerinfer_ray.kernels.triton_qgemv import qgemv_triton
@@ -885,7 +885,9 @@ def bench_gpu_linear(qtypes, ceiling, gen, quick: bool) -> list[dict]:
         w = torch.randint(0, 256, (R, nb // R), generator=gen, dtype=torch.uint8)
         w.view(R, -1, quant.BLOCK_BYTES[qtype])[..., :2] = torch.full((1,), 1e-3, dtype=torch.float16).view(torch.uint8)
         w = w.to(GPU)
-        forms = {"blocks": (w, qtype), "repacked": (quant.repack(w, qtype), quant.REPACKED[qtype])}
+        forms = {"blocks": (w, qtype)}
+        if qtype in quant.REPACKED:
+            forms["repacked"] = (quant.repack(w, qtype), quant.REPACKED[qtype])
         for T, (form, (wf, q)) in itertools.product((1, 8, 64), forms.items()):
             x = torch.randn(T, Dw, generator=gen).half().to(GPU)
             t = gpu_time(lambda: linear(x, wf, qtype=q), quick)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .linear import linear as linear_any
-from .quant import check_qtype, row_bytes
+from .quant import GEMV_QTYPES, check_qtype, row_bytes
 
 ROPE_STYLES = ("norm", "neox")
 
@@ -108,7 +108,7 @@ def _check(x, wq, wk, wv, wo_t, k_cache, v_cache, qtype=None) -> tuple[int, int,
                          "expected equal [S_slots, Gs, S_max, hd]")
     Gs, hd = k_cache.shape[1], k_cache.shape[3]
     Hs = wq.shape[0] // hd
-    width = D if qtype is None else row_bytes(check_qtype(qtype, "head_attention"), D)  # quantized: blocks
+    width = D if qtype is None else row_bytes(check_qtype(qtype, "head_attention", GEMV_QTYPES), D)  # quantized
     o_rows = Hs * hd if qtype is None else row_bytes(qtype, Hs * hd)
     want = {"wq": (Hs * hd, width), "wk": (Gs * hd, width), "wv": (Gs * hd, width), "wo_t": (o_rows, D)}
     for name, w in (("wq", wq), ("wk", wk), ("wv", wv), ("wo_t", wo_t)):

@@ -19,8 +19,8 @@ CHUNK_BYTES = 16 << 20  # their dequantized rows at a time (within the workspace
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, qtype: str | None = None,
            threads: int | None = None) -> torch.Tensor:
     """y [..., R] float32 = x [..., D] . W^T + bias. w [R, D] float, or quantized rows uint8
-    [R, D // 32 * block bytes] of qtype: 'q4_0' | 'q8_0' blocks, or their repacked rows 'q4_0r' |
-    'q8_0r' (quant.repack). CPU tensors: the compiled kernel (cpu_ffn.linear: blocks against a
+    [R, D // 32 * block bytes] of qtype: 'q4_0' | 'q8_0' blocks, or repacked Q4_0 rows 'q4_0r'
+    (quant.repack). CPU tensors: the compiled kernel (cpu_ffn.linear: blocks against a
     Q8_0-quantized x, as ggml's). CUDA tensors: torch for float weights; up to GEMV_MAX_T tokens
     the Triton GEMVs dequantizing in registers (x as it is; repacked rows: triton_qgemv), more
     tokens `dequantized_linear`."""
@@ -55,18 +55,10 @@ def dequantized_linear(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch
     dt = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
     xc = x.to(dt)
     y = torch.empty(T, R, dtype=torch.float32, device=x.device)
-    step = max(1, min(R, chunk_bytes // (D * torch.finfo(dt).bits // 8)))
-    one_launch = x.is_cuda and qtype not in QTYPES and not _triton_failed  # repacked rows on CUDA
-    buf = torch.empty(step, D, dtype=dt, device=x.device) if one_launch else None
+    step = max(1, chunk_bytes // (D * torch.finfo(dt).bits // 8))
     for a in range(0, R, step):
         b = min(R, a + step)
-        if one_launch:
-            from .triton_qgemv import dequantize_triton
-
-            rows = dequantize_triton(w[a:b], qtype, buf[:b - a])
-        else:
-            rows = dequantize(w[a:b], qtype, dt)
-        y[:, a:b] = xc @ rows.T
+        y[:, a:b] = xc @ dequantize(w[a:b], qtype, dt).T
     return y if bias is None else y.add_(bias.float())
 
 

@@ -23,7 +23,7 @@ import torch
 QK = 32  # weights per block
 BLOCK_BYTES = {"q4_0": 18, "q8_0": 34}
 QTYPES = tuple(BLOCK_BYTES)  # the files' block layouts
-REPACKED = {"q4_0": "q4_0r", "q8_0": "q8_0r"}  # each one's repacked rows
+REPACKED = {"q4_0": "q4_0r"}  # the repacked rows of a block type (Q8_0's ran slower: kernels/README.md)
 GEMV_QTYPES = QTYPES + tuple(REPACKED.values())  # what the dense GEMV (linear.py) takes
 
 
@@ -87,14 +87,14 @@ def dequantize(w: torch.Tensor, qtype: str, dtype: torch.dtype = torch.float32) 
 
 
 def repackable(w: torch.Tensor, qtype: str | None) -> bool:
-    """Whether `repack` takes w: file blocks of qtype whose rows are a whole number of 32-bit words."""
-    return qtype in QTYPES and w.dim() == 2 and w.shape[1] % 4 == 0
+    """Whether `repack` takes w: Q4_0 blocks whose rows are a whole number of 32-bit words."""
+    return qtype in REPACKED and w.dim() == 2 and w.shape[1] % 4 == 0
 
 
 def repack(w: torch.Tensor, qtype: str) -> torch.Tensor:
     """Blocks w uint8 [R, k * block_bytes] as repacked rows (see the module docstring), contiguous:
     a new tensor of w's shape on w's device, for qtype ``REPACKED[qtype]``."""
-    bb = BLOCK_BYTES[check_qtype(qtype, "repack")]
+    bb = BLOCK_BYTES[check_qtype(qtype, "repack", tuple(REPACKED))]
     if not repackable(w, qtype):
         raise ValueError(f"repack: {qtype} rows of shape {tuple(w.shape)}: expected [R, k * {bb}] with 4 | k * {bb}")
     R, k = w.shape[0], w.shape[1] // bb

@@ -14,8 +14,8 @@ included) while the other's rows are computed on, so the copies run beside the s
 Where the rows come from, without a second host copy where possible:
   file    the model file's own memory map (``shard.in_place_ffn_shard``): on CUDA the layers'
           ranges of a file on tmpfs are page-locked at attach (read-only cudaHostRegister) and the
-          GPU gathers the shard's rows from them itself (``kernels.triton_gather`` over the pages'
-          device address, reading over PCIe); a file on disk is gathered on the host from pageable pages
+          GPU gathers the shard's rows from them itself (an index_select over the pages' device
+          address, reading over PCIe); a file on disk is gathered on the host from pageable pages
           (locking them would pin its page cache);
   shared  the CPU executor's shared-memory copy (``sharedshard``: sources without a file), in
           shard order, pinned here: contiguous copies;
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -323,14 +322,9 @@ class ColdRows:
             if cold.rows is None:
                 out.copy_(src[a:b], non_blocking=True)
             elif self.device.type == "cuda" and self._pin_file:
-                from ..kernels.triton_gather import gather_rows, gatherable  # triton: CUDA only
-
-                pages, idx = device_view(src), self.stream.rows_on_device(l)[a:b]
-                if gatherable(pages, out) and not os.environ.get("POWERINFER_RAY_AB_OLD_GATHER"):
-                    gather_rows(pages, idx, out)
-                else:
-                    w = _width(pages, out)
-                    torch.index_select(_wide(pages, w), 0, idx, out=_wide(out, w))
+                pages = device_view(src)
+                w = _width(pages, out)
+                torch.index_select(_wide(pages, w), 0, self.stream.rows_on_device(l)[a:b], out=_wide(out, w))
             else:
                 out.copy_(src.index_select(0, cold.rows[a:b].long()))
 

@@ -10,7 +10,6 @@ Dimension legend: N tokens of a step, D hidden, V vocab, r predictor width.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -112,12 +111,12 @@ class PrimaryWeights:
         return quantize(w, kind), kind
 
     def _gemv_form(self, w: torch.Tensor, q: str | None) -> tuple[torch.Tensor, str | None]:
-        """A matrix only the dense GEMV reads (``linear``), as it reads it fastest: quantized rows
-        on CUDA repacked in place (``kernels.quant.repack``), anything else as it is."""
+        """A matrix only the dense GEMV reads (``linear``), as it reads it fastest: Q4_0 rows on
+        CUDA repacked in place (``kernels.quant.repack``), anything else as it is."""
         return (w, repack_(w, q)) if self._repacks(w, q) else (w, q)
 
     def _repacks(self, w: torch.Tensor, q: str | None) -> bool:
-        return self.device.type == "cuda" and repackable(w, q) and not os.environ.get("POWERINFER_RAY_AB_NO_REPACK")
+        return self.device.type == "cuda" and repackable(w, q)
 
     def _vec(self, tmpl: str, l: int | None, bias: bool = False) -> torch.Tensor | None:
         name = K.global_tensor(tmpl, bias) if l is None else K.tensor(tmpl, l, bias)

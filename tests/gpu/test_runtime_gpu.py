@@ -85,9 +85,9 @@ def test_cuda_primary_matches_reference(tmp_path, variant, dtype, split, policy)
                 assert err < _tol(dtype, split), float(err)
         if dtype != "f16":
             lw = eng.primary.weights.layers[0]
-            # on CUDA the matrices only the dense GEMV reads are repacked; fc2's rows (rank 32: one
-            # block of 18 or 34 bytes) are not whole 32-bit words and stay blocks
-            want = REPACKED[dtype]
+            # on CUDA the Q4_0 matrices only the dense GEMV reads are repacked; fc2's rows (rank 32:
+            # one block of 18 bytes) are not whole 32-bit words and stay blocks
+            want = REPACKED.get(dtype, dtype)
             assert lw.attn.qtype == want and lw.fc_qtypes == ((want, dtype) if policy == "predictor" else (None, None))
         else:
             assert eng.primary.stats.neurons > 0

@@ -48,8 +48,7 @@ def main() -> None:
     from powerinfer_ray.kernels import triton_ffn, triton_split, triton_signal
     from powerinfer_ray.kernels.triton_attention import decode_attention_triton, rope_cache_triton
     from powerinfer_ray.kernels.triton_linear import linear_triton
-    from powerinfer_ray.kernels.triton_gather import gather_rows
-    from powerinfer_ray.kernels.triton_qgemv import dequantize_triton, qgemv_triton
+    from powerinfer_ray.kernels.triton_qgemv import qgemv_triton
     from powerinfer_ray.kernels.quant import REPACKED, repack
     from powerinfer_ray.kernels.triton_norm import add_rms_norm_triton, rms_norm_triton
     from gguf import GGMLQuantizationType as GQ
@@ -71,9 +70,9 @@ def main() -> None:
         for T in (1, 5):
             if qtype is not None:
                 linear_triton(torch.randn(T, D), w, qtype, torch.randn(N))
-                qgemv_triton(torch.randn(T, D).to(f16), repack(w, qtype), REPACKED[qtype], torch.randn(N))
-                qgemv_triton(torch.randn(T, D), repack(w, qtype), REPACKED[qtype])
-                dequantize_triton(repack(w, qtype), REPACKED[qtype], torch.empty(N, D, dtype=f16))
+                if qtype in REPACKED:
+                    qgemv_triton(torch.randn(T, D).to(f16), repack(w, qtype), REPACKED[qtype], torch.randn(N))
+                    qgemv_triton(torch.randn(T, D), repack(w, qtype), REPACKED[qtype])
     H, G, hd, S, L = 8, 2, 64, 4, 128
     q = torch.randn(3, H, hd).to(f16)
     kc, vc = torch.randn(S, G, L, hd).to(f16), torch.randn(S, G, L, hd).to(f16)
@@ -94,7 +93,6 @@ def main() -> None:
                                 stats=torch.zeros(2, dtype=torch.int64))
         triton_split.split_pack(logits.float(), 0.4, torch.ones(N, dtype=torch.bool), None, N, 0, silu=True)
         triton_split.pack_bits(logits, 0.1, 100, 300, torch.rand(300) < 0.4)
-    gather_rows(torch.randn(N, D).to(f16), torch.arange(8), torch.empty(16, D, dtype=f16))
     seq, stamp = torch.zeros(1, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
     triton_signal.post_request(seq, torch.zeros(6, dtype=torch.int64), torch.ones(6, dtype=torch.int64), stamp)
     triton_signal.await_answer(seq, torch.zeros(1, dtype=torch.int64), stamp)
