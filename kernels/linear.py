@@ -13,7 +13,7 @@ from .quant import GEMV_QTYPES, QTYPES, check_matrix, dequantize
 
 _triton_failed = False
 GEMV_MAX_T = 32  # more tokens on CUDA: dequantized row chunks through cuBLAS (`dequantized_linear`)
-CHUNK_BYTES = 16 << 20  # their dequantized rows at a time (within the workspace's GEMM chunks)
+CHUNK_BYTES = 8 << 20  # their dequantized rows at a time (with torch's temporaries, within the workspace's GEMM chunks)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, qtype: str | None = None,
