@@ -180,12 +180,14 @@ def split_active_packed(logits: torch.Tensor, threshold: float, gpu_mask: torch.
 
 
 def pack_active_bits(logits: torch.Tensor, threshold: float, col0: int = 0, n: int | None = None,
-                     backend: str = "auto", skip: torch.Tensor | None = None) -> torch.Tensor:
+                     backend: str = "auto", skip: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """The active mask of neurons col0 .. col0+n-1 packed 8 to a byte, as the CPU executor reads
     it from the channel: uint8 [T, ceil(n/8)], bit j % 8 of byte j // 8 set iff
     logits[t, col0 + j] >= threshold (fp32 compare) and not skip[j] (skip: bool [n], neurons
     computed elsewhere). One Triton launch on CUDA (threshold and packing fused, no host sync);
-    elsewhere torch (runtime.channel.pack_mask's layout)."""
+    elsewhere torch (runtime.channel.pack_mask's layout). out: written in place and returned
+    (contiguous uint8 [T, ceil(n/8)]; on CUDA it may be host memory seen through a device view)."""
     global _pack_failed
     T, N = logits.shape
     n = N - col0 if n is None else n
@@ -196,7 +198,7 @@ def pack_active_bits(logits: torch.Tensor, threshold: float, col0: int = 0, n: i
     if backend == "triton" or (backend == "auto" and logits.is_cuda and not _pack_failed):
         try:
             from . import triton_split
-            return triton_split.pack_bits(logits, threshold, col0, n, skip)
+            return triton_split.pack_bits(logits, threshold, col0, n, skip, out=out)
         except Exception as e:  # no triton, or the kernel does not build here: torch from now on
             if backend == "triton":
                 raise
@@ -204,7 +206,8 @@ def pack_active_bits(logits: torch.Tensor, threshold: float, col0: int = 0, n: i
             warnings.warn(f"pack_active_bits: Triton kernel unavailable ({type(e).__name__}: {e}); using torch",
                           RuntimeWarning, stacklevel=2)
     active = logits[:, col0:col0 + n].float() >= threshold
-    return pack_bool_bits(active if skip is None else active & ~skip)
+    packed = pack_bool_bits(active if skip is None else active & ~skip)
+    return packed if out is None else out.copy_(packed)
 
 
 def pack_bool_bits(active: torch.Tensor) -> torch.Tensor:

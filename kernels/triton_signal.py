@@ -74,3 +74,17 @@ def await_answer(req: torch.Tensor, resp: torch.Tensor, stamp: torch.Tensor) -> 
 def stamp(out: torch.Tensor) -> None:
     """out[0] = the GPU's global timer (int64 ns) when the stream reaches this kernel."""
     _stamp_kernel[(1,)](out, num_warps=1)
+
+
+@triton.jit
+def _store_rows_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def store_rows(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst[:] = src (contiguous, same dtype and size; dst typically host memory seen through a
+    device view): a kernel's stores, no copy engine."""
+    assert src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype and src.numel() == dst.numel()
+    n = src.numel()
+    _store_rows_kernel[(triton.cdiv(n, 4096),)](src, dst, n, BLOCK=4096, num_warps=4)

@@ -120,13 +120,13 @@ def _pack_bits_kernel(logits_ptr, skip_ptr, out_ptr, s_l, s_o, col0, n, thr, HAS
 
 
 def pack_bits(logits: torch.Tensor, threshold: float, col0: int, n: int, skip: torch.Tensor | None = None,
-              by: int = 256) -> torch.Tensor:
+              by: int = 256, out: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 [T, ceil(n/8)]: bit j % 8 of byte j // 8 set iff logits[t, col0 + j] >= threshold
-    (fp32 compare) and not skip[j], one launch (see predictor.pack_active_bits)."""
+    (fp32 compare) and not skip[j], one launch, into out when given (see predictor.pack_active_bits)."""
     T = logits.shape[0]
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     nb = (n + 7) // 8
-    out = torch.empty(T, nb, dtype=torch.uint8, device=logits.device)
+    out = torch.empty(T, nb, dtype=torch.uint8, device=logits.device) if out is None else out
     sk = skip.contiguous().view(torch.uint8) if skip is not None else out
     _pack_bits_kernel[(T, triton.cdiv(nb, by))](logits, sk, out, logits.stride(0), nb, col0, n, float(threshold),
                                                 HAS_SKIP=skip is not None, BY=by, num_warps=4)

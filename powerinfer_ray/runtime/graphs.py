@@ -32,7 +32,9 @@ Dimension legend: B sequences (padded to the bucket), D hidden, V vocab.
 from __future__ import annotations
 
 import gc
+import os
 import time
+from functools import cached_property
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -44,7 +46,7 @@ from ..kernels.linear import linear
 from ..kernels.predictor import active_of, pack_active_bits, packed_views, split_active_packed
 from ..kernels.sparse_ffn import sparse_ffn
 from .activity import ActivityCounts
-from .channel import ABORTED
+from .channel import ABORTED, device_view
 from .cold import ColdRows
 from .exchange import Exchange
 from .layers import ffn_bytes
@@ -53,6 +55,7 @@ from .stats import ExecStats
 from .weights import Norm, PrimaryWeights
 
 GRAPH_POLICIES = ("predictor", "gate-first", "dense")
+AB_STORES = os.environ.get("POWERINFER_RAY_AB_STORES") == "1"  # TEMPORARY: the host's A/B (kernels' stores)
 CHUNK_STARTS = (1, 4, 16)  # layers that begin a new graph of the step (``_chunks``)
 
 
@@ -141,10 +144,26 @@ class StepSegments:
         self.pending = None
         return self.w.add_norm(self.h, [p for p in parts if p is not None], bias, pair)
 
+    @cached_property
+    def ch(self) -> dict[str, torch.Tensor]:
+        """TEMPORARY (A/B): the channel's buffers on the device (device views of its pinned pages)."""
+        c = self.ex.channel
+        return {"x_attn": device_view(c.x_attn), "x_ffn": device_view(c.x_ffn), "out": device_view(c.out),
+                "mask": device_view(c.mask.view(1, -1))[0]}
+
+    def _stage(self, x: torch.Tensor, name: str) -> None:
+        from ..kernels.triton_signal import store_rows
+        store_rows(x.contiguous(), self.ch[name][:x.shape[0]])
+
+    def _collect(self) -> torch.Tensor:
+        return self.ch["out"][:self.B] if AB_STORES and self.w.device.type == "cuda" else self.ex.collect(self.B)
+
     def attn_in(self, s: Step) -> None:
         self.x_a = self._residual(self.w.layers[s.l].norm_attn)
 
     def stage_attn(self, s: Step) -> None:
+        if AB_STORES and self.w.device.type == "cuda":
+            return self._stage(self.x_a, "x_attn")
         self.ex.stage_attn(self.x_a)
 
     def attention(self, s: Step) -> None:
@@ -156,7 +175,7 @@ class StepSegments:
                                          cfg.rot_dims, qtype=sh.qtype)
 
     def attn_out(self, s: Step) -> None:
-        cpu = self.ex.collect(self.B) if s.cpu else None
+        cpu = self._collect() if s.cpu else None
         self.pending = ([self.a, cpu], self.w.layers[s.l].attn_bias)
 
     def ffn_in(self, s: Step) -> None:
@@ -184,10 +203,19 @@ class StepSegments:
             self.h_part = packed_views(part)
 
     def stage_ffn(self, s: Step) -> None:
-        self.ex.stage_ffn(self.x_f)
+        stores = AB_STORES and self.w.device.type == "cuda"
+        if stores:
+            self._stage(self.x_f, "x_ffn")
+        else:
+            self.ex.stage_ffn(self.x_f)
         if self.logits is not None:
             ng = self.w.layers[s.l].ffn.n
             hr = self.host[s.l]  # the neurons computed here stay clear
+            if stores:
+                nb = (self.logits.shape[1] - ng + 7) // 8
+                pack_active_bits(self.logits, self.w.policy.threshold, ng, skip=None if hr is None else hr.mine,
+                                 out=self.ch["mask"][:self.B * nb].view(self.B, nb))
+                return
             packed = pack_active_bits(self.logits, self.w.policy.threshold, ng,
                                       skip=None if hr is None else hr.mine)  # [B, ceil(n_cpu/8)], one kernel
             self.ex.stage_mask(packed, self.logits.shape[1] - ng)
@@ -220,7 +248,7 @@ class StepSegments:
 
     def ffn_out(self, s: Step) -> None:
         a = self.a if self.w.cfg.parallel_attn else None
-        cpu = self.ex.collect(self.B) if s.cpu else None
+        cpu = self._collect() if s.cpu else None
         self.pending = ([a, self.f, self.f_host, cpu], self.w.layers[s.l].ffn_bias)
 
     def head(self, s: Step) -> None:
