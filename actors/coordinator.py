@@ -99,7 +99,7 @@ class Coordinator:
                                  f"executor one more, but the Ray cluster has {n_cpus} CPUs; use threads <= "
                                  f"{n_cpus - 1} (or start Ray with more CPUs)")
             self.tokenizer = make_tokenizer(src.fields)
-            self.prefill_chunk = resolve_prefill_chunk(self.ec, self.device)
+            self.prefill_chunk = resolve_prefill_chunk(self.ec, self.device, self.cfg)
             self.spec = executor_spec(self.ec, src, self.plan, self.device, threads=threads)
             self.replacer = engine_replacer(self.ec, src, self.plan, self.policy)
         except BaseException:  # the members started stop with this start (an actor still waiting for
@@ -261,7 +261,7 @@ class Coordinator:
     def ready(self) -> dict[str, Any]:
         g = self.group
         return {"model": self.model_name, "n_ctx": self.n_ctx, "policy": self.policy, "device": self.device,
-                "executors": ["gpu"] + (["cpu"] if g and g.cpu else []), "plan_s": self.plan_s,
+                "prefill_chunk": self.prefill_chunk, "executors": ["gpu"] + (["cpu"] if g and g.cpu else []), "plan_s": self.plan_s,
                 "started_at": self.started_at, "init_s": self.init_s,
                 "load_s": g.load_s if g else {}, "dense_prefill": g.dense_prefill if g else None,
                 "pid": os.getpid(), "name": self.name, "node_id": ray.get_runtime_context().get_node_id(),

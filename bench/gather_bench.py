@@ -10,8 +10,7 @@ of its rows in a random order (the plan's hottest-first order is a permutation o
 One fill is ``--chunk-mb`` of rows (the runtime's stream buffer) out of the three matrices of a
 layer into device buffers; timed by CUDA events over every layer's fills, median of --reps:
 
-- ``index_select``: torch.index_select over the rows as 8-byte words (the runtime before);
-- ``triton``: ``kernels.triton_gather.gather_rows`` (16-byte loads, a program per 4 KB piece);
+- ``index_select``: torch.index_select over the rows as 8-byte words (the runtime's gather);
 - ``copy_ceiling``: the same bytes as one contiguous copy per matrix (the copy engine, no gather).
 
 Every gather is checked against the host's own index_select.
@@ -34,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def main() -> int:
     from model_bench import write_results
-    from powerinfer_ray.kernels.triton_gather import gather_rows
     from powerinfer_ray.runtime.channel import device_view, pin_host
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -83,9 +81,7 @@ def main() -> int:
                     b0 = min(k, a0 + per)
                     for m in range(3):
                         out, src, idx = bufs[m][:b0 - a0], dviews[l][m], idx_dev[l][a0:b0]
-                        if how == "triton":
-                            gather_rows(src, idx, out)
-                        elif how == "index_select":
+                        if how == "index_select":
                             torch.index_select(src.view(torch.int64 if wide == 8 else torch.int32), 0, idx,
                                                out=out.view(torch.int64 if wide == 8 else torch.int32))
                         else:  # the same bytes, contiguous
@@ -93,7 +89,7 @@ def main() -> int:
 
         nbytes = 3 * L * k * rb
         records = []
-        for how in ("index_select", "triton", "copy_ceiling"):
+        for how in ("index_select", "copy_ceiling"):
             fills(how)
             torch.cuda.synchronize()
             if how != "copy_ceiling":  # the last fill's rows against the host's gather

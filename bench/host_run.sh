@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh ab|verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
+#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="ab|verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
+stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -88,29 +88,6 @@ write_file() {  # spec timeout: the planted model as a file in $SHM (not written
     return $rc
 }
 case $stage in
-ab)  # TEMPORARY: prefill's row gathers alone (fp16 and Q4_0 rows of the 13B); the 13B file at batch 1 with the
-    # GPU's own stores and reads of the channel (POWERINFER_RAY_AB_STORES=1) against copy-engine copies, ABBA
-    timeout -s INT 90 python bench/gather_bench.py --out-dir "$OUT" --name gather-13b-f16-h200 >> "$log" 2>&1
-    timeout -s INT 60 python bench/gather_bench.py --row-bytes 2880 --out-dir "$OUT" --name gather-13b-q4-h200 >> "$log" 2>&1
-    grep -E "GB/s|Error" "$log" | cut -c1-300
-    write_file "$M13" 200 || exit 0
-    i=0
-    for v in stores copies copies stores; do
-        i=$((i + 1))
-        export POWERINFER_RAY_AB_STORES=$([ $v = stores ] && echo 1 || echo 0)
-        suite runtime-13b-${B13}gib-file-b1-ab$i-$v-h200 90 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
-            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
-    done
-    unset POWERINFER_RAY_AB_STORES
-    table decode_tok_s,cpu_kernel_us_per_exchange,gpu_compute_us_per_layer "$OUT"/runtime-13b-${B13}gib-file-b1-ab*-h200.json
-    python - "$OUT"/runtime-13b-${B13}gib-file-b1-ab*-h200.json <<'PY'
-import json, sys
-for p in sys.argv[1:]:
-    for r in json.load(open(p))["records"]:
-        u = r["per_layer_us"]
-        print(p.split("/")[-1], f"segment {u['segment']:.1f} exchange {u['exchange']:.1f} launch {u['launch']:.1f}")
-PY
-    ;;
 verify)  # the GPU tests, the sync microbenchmark, the Triton sweep (split variant included)
     timeout -s INT 240 python -m pytest tests/gpu -q -rf > "$OUT/gpu-tests.log" 2>&1
     tail -n 5 "$OUT/gpu-tests.log" | cut -c1-300
@@ -244,6 +221,8 @@ prefill)  # issue 35: TTFT and prefill tok/s of the 13B file at $B13 GiB, batch 
     # tokens; chunks from 256 tokens stream every CPU row, shorter ones half), the CPU executor alone below 256
     # (share0), every chunk streamed whole (share1), shares 0.3 / 0.7, chunks of 512 / 2048 tokens (dry run
     # elsewhere: M13="planted:tiny" B13=0.01 PREFILL_SHAPES=64x8,400x8 PREFILL_CONFIGS="default share1 chunk128")
+    timeout -s INT 90 python bench/gather_bench.py --out-dir "$OUT" --name gather-13b-f16-h200 >> "$log" 2>&1
+    grep -E "GB/s|Error" "$log" | cut -c1-300  # the rows' gather alone, against the copy engine's ceiling
     write_file "$M13" 200 || exit 0
     for c in ${PREFILL_CONFIGS:-default share0 share1 share0.3 share0.7 chunk512 chunk2048}; do
         case $c in

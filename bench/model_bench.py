@@ -307,7 +307,7 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
             "placed": next((i.get("placed") for i in ready if "placed" in i), None)}
     # warm up at the measured shapes (kernel compilation; the decode graphs were captured at the start):
     # the longest prompt's first chunk and the shortest prompt, each in `batch` requests
-    chunk = a.prefill_chunk or (1024 if info.get("device") == "cuda" else 64)
+    chunk = info["prefill_chunk"]  # the engine's (by default its budget's: runtime.config.resolve_prefill_chunk)
     for n in sorted({min(max(p for p, _ in a.shapes), chunk), min(p for p, _ in a.shapes)}):
         warm = list(range(5, 5 + n))
         ray.get([engine.generate.remote(prompt_token_ids=warm, max_tokens=3, ignore_eos=True) for _ in range(batch)])
@@ -321,7 +321,7 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
         r = run_config(engine, a, batch, p, o, cfg.n_vocab)
         r.update(mode=mode, policy=info.get("policy"), model=a.model, planted=a.planted,
                  vram_budget_gib=budget if mode != "dense-gpu" else None, load_s=load_s, plan_s=info.get("plan_s"),
-                 zero_copy=a.zero_copy, prefill_chunk=a.prefill_chunk, prefill_share=a.prefill_share,
+                 zero_copy=a.zero_copy, prefill_chunk=chunk, prefill_share=a.prefill_share,
                  prefill_dense_min=a.prefill_dense_min, **load, **extra)
         print(f"{tag} B={batch} prompt={p} out={o} threads={r['cpu_threads']}: decode {r['decode_tok_s']:.2f} tok/s, "
               f"e2e {r['e2e_tok_s']:.2f}, prefill {r['prefill_tok_s']:.1f} tok/s (TTFT {r['ttft_s'] or 0:.3f} s, rows "

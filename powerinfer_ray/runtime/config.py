@@ -216,8 +216,9 @@ class SchedulerConfig:
     n_ctx: int | None = option(None, "context length in tokens (default: the model's, at most 4096)", kind=int,
                                flags=("-c", "--ctx-size"))
     max_batch: int = option(8, "sequences decoded together", kind=int)
-    prefill_chunk: int | None = option(None, "prompt tokens per step (default: 1024 on CUDA, 64 on the CPU)",
-                                       kind=int)
+    prefill_chunk: int | None = option(None, "prompt tokens per step (default on CUDA: 1024, or the largest "
+                                       "of 512 / 256 / 128 whose activations take at most 1/25 of the VRAM budget; "
+                                       "64 on the CPU)", kind=int)
     max_waiting: int = option(256, "requests the engine queues beyond the running batch (more: overloaded, "
                               "HTTP 429)", kind=int)
 
@@ -287,14 +288,35 @@ def engine_n_ctx(ec: SchedulerConfig, cfg: ModelConfig) -> int:
     return n
 
 
-def resolve_prefill_chunk(ec: SchedulerConfig, device: str) -> int:
-    """Prompt tokens per step: 1024 on a CUDA primary, whose prefill streams the CPU shard's rows
-    from host memory once per chunk (the copy, not the token count, sets a chunk's cost; the chunk's
-    activations take VRAM, which the plan reserves: ``workspace``); 64 on the CPU, where cost
-    grows with tokens and a long prompt's chunk delays the other sequences' decode steps."""
+PREFILL_CHUNKS = (1024, 512, 256, 128)  # a CUDA primary's default prompt chunks, the largest that fits
+PREFILL_BUDGET_SHARE = 1 / 25  # of the VRAM budget, at most, for a default chunk's activations
+
+
+def resolve_prefill_chunk(ec: SchedulerConfig, device: str, cfg: ModelConfig | None = None) -> int:
+    """Prompt tokens per step. On a CUDA primary, whose prefill streams the CPU shard's rows from
+    host memory once per chunk (the copy, not the token count, sets a chunk's cost), 1024; under a
+    VRAM budget (with the model's ``cfg``) the largest of ``PREFILL_CHUNKS`` whose activations
+    (``workspace.prefill_bytes``, which the plan reserves) take at most ``PREFILL_BUDGET_SHARE`` of
+    it, since those bytes would otherwise hold hot neurons for every decode step. 64 on the CPU,
+    where cost grows with tokens and a long prompt's chunk delays the other sequences' decode steps."""
     if ec.prefill_chunk is not None:
         return ec.prefill_chunk
-    return 1024 if device == "cuda" else 64
+    if device != "cuda":
+        return 64
+    budget = getattr(ec, "vram_budget_bytes", None)
+    if budget is None or cfg is None:
+        return PREFILL_CHUNKS[0]
+    from .workspace import prefill_bytes
+
+    n_ctx, act = engine_n_ctx(ec, cfg), _act_bytes(ec, cfg)
+    return next((c for c in PREFILL_CHUNKS
+                 if prefill_bytes(cfg, max(c, ec.max_batch), ec.max_batch, n_ctx, act) <= budget * PREFILL_BUDGET_SHARE),
+                PREFILL_CHUNKS[-1])
+
+
+def _act_bytes(ec: ExecutorConfig, cfg: ModelConfig) -> int:
+    """Bytes of an activation in the primary's compute dtype."""
+    return 4 if (ec.dtype or cfg.float_dtype) == "f32" else 2
 
 
 def resolve_policy(ec: ExecutorConfig, cfg: ModelConfig) -> str:
@@ -434,8 +456,8 @@ def engine_workspace(ec: EngineConfig, cfg: ModelConfig) -> int | None:
         return None
     from .workspace import workspace_bytes
 
-    act = 4 if (ec.dtype or cfg.float_dtype) == "f32" else 2
-    return workspace_bytes(cfg, ec.max_batch, resolve_prefill_chunk(ec, "cuda"), engine_n_ctx(ec, cfg), act)
+    return workspace_bytes(cfg, ec.max_batch, resolve_prefill_chunk(ec, "cuda", cfg), engine_n_ctx(ec, cfg),
+                           _act_bytes(ec, cfg))
 
 
 def _has_cuda() -> bool:

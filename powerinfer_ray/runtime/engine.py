@@ -42,7 +42,7 @@ def executor_spec(ec: EngineConfig, src: WeightSource, plan: Plan, device: str, 
     cfg = src.config
     return GroupSpec(model=ec.model if model is None else model, plan=plan, device=device,
                      policy=resolve_policy(ec, cfg), slots=ec.max_batch, n_ctx=engine_n_ctx(ec, cfg),
-                     t_max=max(resolve_prefill_chunk(ec, device), ec.max_batch), threads=threads,
+                     t_max=max(resolve_prefill_chunk(ec, device, cfg), ec.max_batch), threads=threads,
                      threshold=ec.threshold, margin=ec.predictor_margin, dtype=ec.dtype, timeout_s=ec.timeout_s,
                      prefill_dense_min=ec.prefill_dense_min, graphs=ec.graphs, zero_copy=ec.zero_copy,
                      prefill_share=ec.prefill_share,
@@ -69,7 +69,7 @@ class LocalEngine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="local-engine", daemon=True)
         self._thread.start()
-        tok, n_ctx, chunk = make_tokenizer(src.fields), engine_n_ctx(ec, src.config), resolve_prefill_chunk(ec, device)
+        tok, n_ctx, chunk = make_tokenizer(src.fields), engine_n_ctx(ec, src.config), resolve_prefill_chunk(ec, device, src.config)
 
         async def make() -> Scheduler:  # its queues belong to the engine's loop
             return Scheduler(self._step, tok, n_ctx=n_ctx, max_batch=ec.max_batch, prefill_chunk=chunk,

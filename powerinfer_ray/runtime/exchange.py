@@ -3,12 +3,14 @@ channel (``channel.py``): stage a layer's inputs in the channel, post the reques
 answer, collect the CPU's partial output.
 
 Staging copies are asynchronous on a GPU: the eager runner syncs the stream before it posts. A
-decode graph posts and awaits on the GPU itself (``header_on_device``, ``kernels.triton_signal``),
-and the host waits for the step's end (``wait_step``).
+decode graph's kernels read and write the channel themselves (``buffers``), post and await on
+the GPU (``header_on_device``, ``kernels.triton_signal``), and the host waits for the step's end
+(``wait_step``).
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +18,16 @@ from .channel import GIVEN_UP, OP_STOP, REQUEST_FIELDS, Channel, ChannelSpec, Pe
 from .stats import ExecStats
 
 _X_DTYPE = {torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True)
+class ChannelBuffers:
+    """The channel's buffers as the primary's kernels address them (``Exchange.buffers``)."""
+
+    x_attn: torch.Tensor  # [T_max, D]
+    x_ffn: torch.Tensor  # [T_max, D]
+    out: torch.Tensor  # [T_max, D]: the CPU executor's answer
+    mask: torch.Tensor  # uint8 [T_max * ceil(n_mask / 8)]: see Channel.mask_rows
 
 
 class Exchange:
@@ -40,6 +52,17 @@ class Exchange:
             raise RuntimeError("the channel is not page-locked: the GPU cannot address it")
         h = device_view(torch.from_numpy(self.channel.header).view(1, -1))[0]
         return h[0:1], h[1:2], h[REQUEST_FIELDS]
+
+    def buffers(self) -> ChannelBuffers:
+        """The channel's buffers on the primary's device: on CUDA tensors over the page-locked
+        segment's bytes (RuntimeError when it could not be page-locked), else the host tensors."""
+        ch = self.channel
+        if self.device.type != "cuda":
+            return ChannelBuffers(ch.x_attn, ch.x_ffn, ch.out, ch.mask)
+        if not ch.pinned:
+            raise RuntimeError("the channel is not page-locked: the GPU cannot address it")
+        return ChannelBuffers(device_view(ch.x_attn), device_view(ch.x_ffn), device_view(ch.out),
+                              device_view(ch.mask.view(1, -1))[0])
 
     # --- a step's inputs -------------------------------------------------------------------------
     def set_positions(self, slots: list[int], start_pos: list[int]) -> None:

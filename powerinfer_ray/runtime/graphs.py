@@ -10,8 +10,9 @@ schedule (``schedule.py``) without host syncs or shape changes:
     predictor's decisions go into the activation counters in place (``activity``); so does
     gate-first (the gate of every row in one GEMV, its packed split by |SiLU(g)| > t, the sparse
     FFN over the rows above the threshold taking their gate values from the GEMV);
-  - the CPU executor's inputs (hidden state, bit-packed mask) are staged into the channel's
-    pinned buffers by the graph itself, and its answer is copied back once it is there;
+  - the CPU executor's inputs (hidden state, bit-packed mask) are written into the channel's
+    page-locked buffers by the graph's own kernels, and its answer is read in place by the next
+    norm's kernel: no copy-engine node in the graph (each cost ~10 us of gaps around it);
   - a layer's partial outputs wait in ``pending`` until the next step reads the residual: the
     next RMS norm adds them in its own kernel (``PrimaryWeights.add_norm``);
   - with zero-copy (``cold.HostRows``) a share of the CPU shard's active neurons is split off on
@@ -32,10 +33,9 @@ Dimension legend: B sequences (padded to the bucket), D hidden, V vocab.
 from __future__ import annotations
 
 import gc
-import os
 import time
-from functools import cached_property
 from contextlib import contextmanager
+from functools import cached_property
 from typing import Any, Iterator
 
 import numpy as np
@@ -46,16 +46,15 @@ from ..kernels.linear import linear
 from ..kernels.predictor import active_of, pack_active_bits, packed_views, split_active_packed
 from ..kernels.sparse_ffn import sparse_ffn
 from .activity import ActivityCounts
-from .channel import ABORTED, device_view
+from .channel import ABORTED
 from .cold import ColdRows
-from .exchange import Exchange
+from .exchange import ChannelBuffers, Exchange
 from .layers import ffn_bytes
 from .schedule import Post, Step, run_eager, step_schedule
 from .stats import ExecStats
 from .weights import Norm, PrimaryWeights
 
 GRAPH_POLICIES = ("predictor", "gate-first", "dense")
-AB_STORES = os.environ.get("POWERINFER_RAY_AB_STORES") == "1"  # TEMPORARY: the host's A/B (kernels' stores)
 CHUNK_STARTS = (1, 4, 16)  # layers that begin a new graph of the step (``_chunks``)
 
 
@@ -145,26 +144,24 @@ class StepSegments:
         return self.w.add_norm(self.h, [p for p in parts if p is not None], bias, pair)
 
     @cached_property
-    def ch(self) -> dict[str, torch.Tensor]:
-        """TEMPORARY (A/B): the channel's buffers on the device (device views of its pinned pages)."""
-        c = self.ex.channel
-        return {"x_attn": device_view(c.x_attn), "x_ffn": device_view(c.x_ffn), "out": device_view(c.out),
-                "mask": device_view(c.mask.view(1, -1))[0]}
+    def ch(self) -> ChannelBuffers:
+        """The channel's buffers as this device's kernels address them (read at the first use: on
+        CUDA inside the capture, whose failure falls back to eager steps)."""
+        return self.ex.buffers()
 
-    def _stage(self, x: torch.Tensor, name: str) -> None:
-        from ..kernels.triton_signal import store_rows
-        store_rows(x.contiguous(), self.ch[name][:x.shape[0]])
-
-    def _collect(self) -> torch.Tensor:
-        return self.ch["out"][:self.B] if AB_STORES and self.w.device.type == "cuda" else self.ex.collect(self.B)
+    def _stage(self, x: torch.Tensor, dst: torch.Tensor) -> None:
+        """x [B, D] into the channel: on CUDA by a kernel's stores over PCIe (no copy-engine node)."""
+        if x.is_cuda:
+            from ..kernels.triton_signal import store_rows
+            store_rows(x.to(dst.dtype).contiguous(), dst)
+        else:
+            dst.copy_(x)
 
     def attn_in(self, s: Step) -> None:
         self.x_a = self._residual(self.w.layers[s.l].norm_attn)
 
     def stage_attn(self, s: Step) -> None:
-        if AB_STORES and self.w.device.type == "cuda":
-            return self._stage(self.x_a, "x_attn")
-        self.ex.stage_attn(self.x_a)
+        self._stage(self.x_a, self.ch.x_attn[:self.B])
 
     def attention(self, s: Step) -> None:
         cfg, sh = self.w.cfg, self.w.layers[s.l].attn
@@ -175,7 +172,7 @@ class StepSegments:
                                          cfg.rot_dims, qtype=sh.qtype)
 
     def attn_out(self, s: Step) -> None:
-        cpu = self._collect() if s.cpu else None
+        cpu = self.ch.out[:self.B] if s.cpu else None  # read in place by the next norm's kernel
         self.pending = ([self.a, cpu], self.w.layers[s.l].attn_bias)
 
     def ffn_in(self, s: Step) -> None:
@@ -203,22 +200,13 @@ class StepSegments:
             self.h_part = packed_views(part)
 
     def stage_ffn(self, s: Step) -> None:
-        stores = AB_STORES and self.w.device.type == "cuda"
-        if stores:
-            self._stage(self.x_f, "x_ffn")
-        else:
-            self.ex.stage_ffn(self.x_f)
+        self._stage(self.x_f, self.ch.x_ffn[:self.B])
         if self.logits is not None:
             ng = self.w.layers[s.l].ffn.n
+            nb = (self.logits.shape[1] - ng + 7) // 8
             hr = self.host[s.l]  # the neurons computed here stay clear
-            if stores:
-                nb = (self.logits.shape[1] - ng + 7) // 8
-                pack_active_bits(self.logits, self.w.policy.threshold, ng, skip=None if hr is None else hr.mine,
-                                 out=self.ch["mask"][:self.B * nb].view(self.B, nb))
-                return
-            packed = pack_active_bits(self.logits, self.w.policy.threshold, ng,
-                                      skip=None if hr is None else hr.mine)  # [B, ceil(n_cpu/8)], one kernel
-            self.ex.stage_mask(packed, self.logits.shape[1] - ng)
+            pack_active_bits(self.logits, self.w.policy.threshold, ng, skip=None if hr is None else hr.mine,
+                             out=self.ch.mask[:self.B * nb].view(self.B, nb))  # one kernel, into the channel
 
     def ffn(self, s: Step) -> None:
         w, sh = self.w, self.w.layers[s.l].ffn
@@ -248,7 +236,7 @@ class StepSegments:
 
     def ffn_out(self, s: Step) -> None:
         a = self.a if self.w.cfg.parallel_attn else None
-        cpu = self._collect() if s.cpu else None
+        cpu = self.ch.out[:self.B] if s.cpu else None
         self.pending = ([a, self.f, self.f_host, cpu], self.w.layers[s.l].ffn_bias)
 
     def head(self, s: Step) -> None:

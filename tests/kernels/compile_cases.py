@@ -47,7 +47,6 @@ def main() -> None:
 
     from powerinfer_ray.kernels import triton_ffn, triton_split, triton_signal
     from powerinfer_ray.kernels.triton_attention import decode_attention_triton, rope_cache_triton
-    from powerinfer_ray.kernels.triton_gather import gather_rows
     from powerinfer_ray.kernels.triton_linear import linear_triton
     from powerinfer_ray.kernels.triton_qgemv import qgemv_triton
     from powerinfer_ray.kernels.quant import REPACKED, repack
@@ -99,7 +98,6 @@ def main() -> None:
     triton_signal.await_answer(seq, torch.zeros(1, dtype=torch.int64), stamp)
     triton_signal.stamp(stamp)
     triton_signal.store_rows(torch.randn(3, D).to(f16), torch.empty(3, D, dtype=f16))
-    gather_rows(torch.randn(N, D).to(f16), torch.arange(8), torch.empty(16, D, dtype=f16))
     print("\n".join(sorted(compiled)))
 
 

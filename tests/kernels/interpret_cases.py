@@ -132,6 +132,22 @@ def test_triton_pack_bits_matches_torch():
         bits = torch.from_numpy(np.unpackbits(got.numpy(), axis=1, count=n, bitorder="little").astype(bool))
         assert torch.equal(bits, (logits[:, col0:col0 + n].float() >= 0.1) & ~skip)
         assert torch.equal(got, pack_active_bits(logits, 0.1, col0, n, backend="torch", skip=skip))
+        out = torch.full((T, (n + 7) // 8), 0xAA, dtype=torch.uint8)  # into a given buffer (the channel's)
+        assert pack_active_bits(logits, 0.1, col0, n, skip=skip, out=out) is out and torch.equal(out, got)
+        out.fill_(0xAA)
+        assert pack_active_bits(logits, 0.1, col0, n, backend="torch", skip=skip, out=out) is out
+        assert torch.equal(out, got)
+
+
+def test_triton_store_rows_copies_exactly():
+    """The decode graph's staging of x into the channel: every element, two programs and a ragged
+    end, nothing past the destination's rows."""
+    from powerinfer_ray.kernels.triton_signal import store_rows
+
+    x = torch.randn(3, 5000, generator=torch.Generator().manual_seed(23)).half()
+    dst = torch.zeros(4, 5000, dtype=torch.float16)
+    store_rows(x, dst[:3])
+    assert torch.equal(dst[:3], x) and not dst[3].any()
 
 
 def test_triton_sparse_ffn_over_max_t_tokens_runs_in_blocks():

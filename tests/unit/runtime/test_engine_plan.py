@@ -129,6 +129,9 @@ def test_a_split_cached_for_a_smaller_batch_is_solved_again_for_a_larger_one(mod
     assert b8.kv_group_bytes[0] > b1.kv_group_bytes[0] and b8.workspace_bytes > b1.workspace_bytes
     assert b8.workspace_bytes == workspace_bytes(cfg, 8, 1024, min(cfg.n_ctx, 4096), 4 if cfg.float_dtype == "f32" else 2)
     budget = _budget(model, 0.3, max_batch=1, device="cuda")
+    # at this budget the default prompt chunk is smaller (resolve_prefill_chunk): the costs the plans hold
+    b1, b8 = (engine_costs(EngineConfig(str(model), max_batch=b, device="cuda", vram_budget_gib=budget),
+                           open_model(model)) for b in (1, 8))
     first = resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, max_batch=1, device="cuda", host_profile=host))
     masks = lambda p: [np.isin(np.arange(len(lp.gpu_neurons) + len(lp.cpu_neurons)), lp.gpu_neurons)  # noqa: E731
                        for lp in p.layers]
@@ -136,7 +139,8 @@ def test_a_split_cached_for_a_smaller_batch_is_solved_again_for_a_larger_one(mod
     again = resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, max_batch=1, device="cuda", host_profile=host))
     assert [lp.gpu_neurons.tolist() for lp in again.layers] == [lp.gpu_neurons.tolist() for lp in first.layers]
     larger = resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, max_batch=8, device="cuda", host_profile=host))
-    held = engine_costs(EngineConfig(str(model), max_batch=8, device="cuda"), open_model(model), larger.predictor_qtype)
+    held = engine_costs(EngineConfig(str(model), max_batch=8, device="cuda", vram_budget_gib=budget), open_model(model),
+                        larger.predictor_qtype)
     assert split_bytes(held, masks(larger), [len(lp.gpu_groups) for lp in larger.layers]) <= budget * GIB
     assert sum(map(len, (lp.gpu_neurons for lp in larger.layers))) < sum(map(len, (lp.gpu_neurons for lp in first.layers)))
 
@@ -154,14 +158,28 @@ def test_too_small_budget_fails_before_loading_and_names_the_minimum(model):
     assert "GiB" in msg and f"{c.min_budget_bytes(True) / GIB:.3f}"[:5] in msg, msg
 
 
-def test_prefill_chunk_defaults_by_device_and_checks_values():
+def test_prefill_chunk_defaults_by_device_budget_and_checks_values():
     """1024 prompt tokens per step on a CUDA primary (its prefill streams the CPU shard once per
-    chunk), 64 on the CPU; an explicit value wins; a chunk below 1 is refused."""
+    chunk), fewer under a budget too small for that chunk's activations (at most 1/25 of it: the
+    largest chunk that fits, computed here from the workspace's own bound), 64 on the CPU; an
+    explicit value wins; a chunk below 1 is refused."""
+    from powerinfer_ray.model.source import open_model
     from powerinfer_ray.runtime.engine import resolve_prefill_chunk
+    from powerinfer_ray.runtime.workspace import prefill_bytes
 
+    cfg = open_model("planted:llama2-13b?dtype=q4_0").config
     assert resolve_prefill_chunk(EngineConfig("m.gguf"), "cuda") == 1024
+    assert resolve_prefill_chunk(EngineConfig("m.gguf", vram_budget_gib=16), "cuda", cfg) == 1024
     assert resolve_prefill_chunk(EngineConfig("m.gguf"), "cpu") == 64
-    assert resolve_prefill_chunk(EngineConfig("m.gguf", prefill_chunk=16), "cuda") == 16
+    assert resolve_prefill_chunk(EngineConfig("m.gguf", vram_budget_gib=4), "cpu", cfg) == 64
+    for gib in (2, 4, 8):
+        ec = EngineConfig("m.gguf", vram_budget_gib=gib)
+        chunk, room = resolve_prefill_chunk(ec, "cuda", cfg), gib * GIB / 25
+        need = {c: prefill_bytes(cfg, c, ec.max_batch, 4096, 2) for c in (128, 256, 512, 1024)}
+        assert chunk == 128 or need[chunk] <= room, (gib, chunk)
+        assert all(need[c] > room for c in need if c > chunk), (gib, chunk, need, room)
+    assert resolve_prefill_chunk(EngineConfig("m.gguf", vram_budget_gib=4), "cuda", cfg) == 256
+    assert resolve_prefill_chunk(EngineConfig("m.gguf", prefill_chunk=16, vram_budget_gib=1), "cuda", cfg) == 16
     with pytest.raises(ValueError, match="prefill_chunk=0"):
         resolve_prefill_chunk(EngineConfig("m.gguf", prefill_chunk=0), "cpu")
 
