@@ -65,14 +65,18 @@ def machine() -> dict[str, Any]:
 
 
 def commit() -> str:
-    """The source's commit: $POWERINFER_COMMIT when set (a copied tree's .git may be stale), else git.
-    Every benchmark driver records this one."""
+    """The source's commit: $POWERINFER_COMMIT when set (a copied tree's .git may be stale), else git's
+    HEAD, with "-dirty" when tracked files differ from it (a copy whose .git is stale says so, rather
+    than passing for the commit it was copied beside). Every benchmark driver records this one."""
     if os.environ.get("POWERINFER_COMMIT"):
         return os.environ["POWERINFER_COMMIT"]
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)  # noqa: E731
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode:
+            return "unknown"
+        return head.stdout.strip() + ("-dirty" if git("diff", "--quiet", "HEAD").returncode else "")
+    except OSError:
         return "unknown"
 
 
