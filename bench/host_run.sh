@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
+#       bash bench/host_run.sh verify|gputests|confirm|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
+stages="verify|gputests|confirm|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -105,6 +105,24 @@ gputests)  # every GPU test in one call: the kernel tests and the runtime tests 
     timeout -s INT 570 python -m pytest $RUNTIME_TESTS -q -rf > "$OUT/gpu-runtime-tests.log" 2>&1
     wait
     tail -n 4 "$OUT"/gpu-kernel-tests.log "$OUT"/gpu-runtime-tests.log | cut -c1-300
+    ;;
+confirm)  # a final commit on one host: every GPU test (kernel and runtime tests side by side, the model files
+    # written beside them), then the 13B file at $B13 GiB at batch 1 twice and the 13B Q4_0 file at 4 GiB (the
+    # default prompt chunk: its budget's), named by the host's GPU
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[0-9]00' | tr H h)
+    timeout -s INT 420 python -m pytest $KERNEL_TESTS -q -rf > "$OUT/gpu-kernel-tests.log" 2>&1 &
+    timeout -s INT 420 python -m pytest $RUNTIME_TESTS -q -rf > "$OUT/gpu-runtime-tests.log" 2>&1 &
+    write_file "$M13" 200
+    write_file "$M13Q" 120
+    wait
+    tail -n 3 "$OUT"/gpu-kernel-tests.log "$OUT"/gpu-runtime-tests.log | cut -c1-300
+    for i in 1 2; do
+        suite runtime-13b-${B13}gib-file-b1-confirm-$gpu-$i 90 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
+    done
+    suite runtime-13b-q4-4gib-confirm-$gpu 90 -m "$M13Q" --as-file "$SHM" --vram-budget 4 --modes hybrid \
+        --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
+    table decode_tok_s,prefill_tok_s,prefill_chunk,cpu_kernel_us_per_exchange,gpu_activation_share "$OUT"/runtime-*confirm*.json
     ;;
 gpukern)  # the Triton kernels alone: their GPU tests, then the sweep (fused and split variants as graph
     # replays against the two-stage winner) and the densities with the winner
