@@ -176,7 +176,8 @@ class StepSegments:
         self.pending = ([self.a, cpu], self.w.layers[s.l].attn_bias)
 
     def ffn_in(self, s: Step) -> None:
-        """FFN norm, and the predictor's split: the GPU's active rows packed on the device."""
+        """FFN norm and the predictor's logits (the CPU's mask is packed from them by ``stage_ffn``;
+        this device's split waits for ``ffn``, after the CPU's request is posted)."""
         w, lw = self.w, self.w.layers[s.l]
         self.x_f = self._residual(lw.norm_ffn) if lw.norm_ffn else self._residual() or self.x_a
         self.g_part = self.h_part = self.logits = None
@@ -187,7 +188,10 @@ class StepSegments:
         self.logits = w.predict(s.l, self.h)  # [B, n_gpu + n_cpu]
         if self.B > 1:  # padding rows activate nothing
             self.logits = self.logits.masked_fill(self.inp[3, :, None] == 0, float("-inf"))
-        ng, thr = lw.ffn.n, w.policy.threshold
+
+    def _split(self, s: Step) -> None:
+        """The predictor's split of this device's neurons: its active rows packed on the device."""
+        w, ng, thr = self.w, self.w.layers[s.l].ffn.n, self.w.policy.threshold
         # one kernel on CUDA: the split of the primary's neurons, the activity counters of every
         # neuron (padding rows are -inf: none active) and the step's pairs and rows
         part = split_active_packed(self.logits, thr, w.gpu_first[s.l], gpu_capacity=ng, cpu_capacity=0,
@@ -210,6 +214,8 @@ class StepSegments:
 
     def ffn(self, s: Step) -> None:
         w, sh = self.w, self.w.layers[s.l].ffn
+        if self.logits is not None:  # off the critical path: the CPU computes its share meanwhile
+            self._split(s)
         self.f = self.f_host = None
         t, on = w.policy.act_threshold(s.l), w.policy.act_on
         if self.h_part is not None:
