@@ -107,8 +107,8 @@ gputests)  # every GPU test in one call: the kernel tests and the runtime tests 
     tail -n 4 "$OUT"/gpu-kernel-tests.log "$OUT"/gpu-runtime-tests.log | cut -c1-300
     ;;
 confirm)  # a final commit on one host: every GPU test (kernel and runtime tests side by side, the model files
-    # written beside them), then the 13B file at $B13 GiB at batch 1 twice and the 13B Q4_0 file at 4 GiB (the
-    # default prompt chunk: its budget's), named by the host's GPU
+    # written beside them), then the 13B file at $B13 GiB at batch 1 twice, the segment stage's profile (its
+    # timeline) and the 13B Q4_0 file at 4 GiB (the default prompt chunk: its budget's), named by the host's GPU
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[0-9]00' | tr H h)
     timeout -s INT 420 python -m pytest $KERNEL_TESTS -q -rf > "$OUT/gpu-kernel-tests.log" 2>&1 &
     timeout -s INT 420 python -m pytest $RUNTIME_TESTS -q -rf > "$OUT/gpu-runtime-tests.log" 2>&1 &
@@ -120,9 +120,13 @@ confirm)  # a final commit on one host: every GPU test (kernel and runtime tests
         suite runtime-13b-${B13}gib-file-b1-confirm-$gpu-$i 90 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
             --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
     done
+    table decode_tok_s,prefill_tok_s,prefill_chunk,cpu_kernel_us_per_exchange,gpu_activation_share "$OUT"/runtime-*confirm*.json
+    timeout -s INT 120 python bench/profile_step.py -m "planted:llama2-13b?dtype=f16&layers=4" --policy predictor \
+        --gpu-fraction 0.5 -t "$THREADS" --rows 40 --trace /tmp/segment-trace.json.gz > "$OUT/segment-$gpu.log" 2>&1
+    grep -A 30 "segment timeline" "$OUT/segment-$gpu.log" | grep -B 30 -m 1 "^segment [0-9]"
     suite runtime-13b-q4-4gib-confirm-$gpu 90 -m "$M13Q" --as-file "$SHM" --vram-budget 4 --modes hybrid \
         --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
-    table decode_tok_s,prefill_tok_s,prefill_chunk,cpu_kernel_us_per_exchange,gpu_activation_share "$OUT"/runtime-*confirm*.json
+    table decode_tok_s,prefill_tok_s,prefill_chunk,cpu_kernel_us_per_exchange,gpu_activation_share "$OUT"/runtime-13b-q4*confirm*.json
     ;;
 gpukern)  # the Triton kernels alone: their GPU tests, then the sweep (fused and split variants as graph
     # replays against the two-stage winner) and the densities with the winner
