@@ -185,6 +185,7 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
     gpu_bytes = _delta(g1, g0, "active_bytes") + steps * g1.get("read_bytes_per_step", 0)
     cpu_bytes = _delta(cpu1, cpu0, "active_bytes")
     exchanges = _delta(g1, g0, "exchanges")
+    dx = _delta(cpu1, cpu0, "decode_exchanges")  # the CPU executor's answers in decode steps
     # GPU share: activated neurons placed on the GPU (the CPU shard's, when the GPU computes them
     # densely for a long prompt, count as the CPU's)
     gn, cn = _delta(g1, g0, "neurons"), _delta(cpu1, cpu0, "neurons") + _delta(g1, g0, "cold_neurons")
@@ -214,12 +215,16 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
         "wall_s": wall, "decode_steps": decode_steps,
         "gpu_activation_share": gn / (gn + cn) if gn + cn else 1.0,
         "per_layer_sync_us": 1e6 * _delta(g1, g0, "sync_s") / exchanges if exchanges else 0.0,
-        "cpu_compute_us_per_exchange": 1e6 * _delta(g1, g0, "peer_compute_s") / exchanges if exchanges else 0.0,
+        # the CPU executor's answers to the decode steps' requests (one token per sequence; a prompt
+        # chunk's answer, many times longer, would weigh in otherwise): its time per answer
+        "cpu_compute_us_per_exchange": 1e6 * _delta(cpu1, cpu0, "decode_busy_s") / dx if dx else 0.0,
         # of which inside the FFN kernel call (the rest: the CPU executor's Python per answer)
-        "cpu_kernel_us_per_exchange": 1e6 * _delta(cpu1, cpu0, "kernel_s") / exchanges if exchanges else 0.0,
-        # the FFN kernel's read rate: the rows it read as stored (Q8_0 / Q4_0: compressed bytes) over its time
-        "cpu_kernel_gbps": _delta(cpu1, cpu0, "kernel_bytes") / _delta(cpu1, cpu0, "kernel_s") / 1e9
-        if _delta(cpu1, cpu0, "kernel_s") else 0.0,
+        "cpu_kernel_us_per_exchange": 1e6 * _delta(cpu1, cpu0, "decode_kernel_s") / dx if dx else 0.0,
+        # the FFN kernel's read rate there: the rows it read as stored (Q8_0 / Q4_0: compressed bytes) over its time
+        "cpu_kernel_gbps": _delta(cpu1, cpu0, "decode_kernel_bytes") / _delta(cpu1, cpu0, "decode_kernel_s") / 1e9
+        if _delta(cpu1, cpu0, "decode_kernel_s") else 0.0,
+        # over every answer, prompt chunks' included (how these keys read before 2026-12-06)
+        "cpu_kernel_us_all_exchanges": 1e6 * _delta(cpu1, cpu0, "kernel_s") / exchanges if exchanges else 0.0,
         # and in the attention of its KV-head groups (projections, rotary, cache, softmax)
         "cpu_attn_us_per_exchange": 1e6 * _delta(cpu1, cpu0, "attn_s") / exchanges if exchanges else 0.0,
         # GPU compute per layer of the decode graphs, their waits for answers left out (0 for eager steps)

@@ -275,6 +275,7 @@ class CPUExecutor:
                 ch.respond(last, t_start)
                 return
             ok = True
+            st, k_s, k_bytes = self.stats, self.stats.kernel_s, self.stats.kernel_bytes
             try:
                 if op != OP_PING:
                     self._compute(op, l, n_seq, n_tok, n_mask)
@@ -282,7 +283,13 @@ class CPUExecutor:
                 log.exception("cpu executor: layer %d failed", l)
                 self.error, ok = f"layer {l} failed", False
             ch.respond(last, t_start, ok)
-            self.stats.busy_s += (time.monotonic_ns() - t_start) * 1e-9
+            busy = (time.monotonic_ns() - t_start) * 1e-9
+            st.busy_s += busy
+            if op != OP_PING and n_tok == n_seq:  # one token per sequence: a decode step's exchange
+                st.decode_exchanges += 1
+                st.decode_busy_s += busy
+                st.decode_kernel_s += st.kernel_s - k_s
+                st.decode_kernel_bytes += st.kernel_bytes - k_bytes
 
     def _compute(self, op: int, l: int, n_seq: int, n_tok: int, n_mask: int) -> None:
         ch, cfg = self.channel, self.cfg

@@ -32,6 +32,12 @@ class ExecStats:
     kernel_s: float = 0.0  # CPU executor: inside the FFN kernel call (the rest of an answer is Python)
     kernel_bytes: int = 0  # CPU executor: the FFN rows those calls read, as stored (blocks: compressed)
     attn_s: float = 0.0  # CPU executor: in the attention of its KV-head groups
+    # CPU executor: the same, of its answers to requests of one token per sequence (decode steps, and a
+    # prompt chunk of one token): the decode exchange's own cost, without prompt chunks' long answers
+    decode_exchanges: int = 0
+    decode_busy_s: float = 0.0
+    decode_kernel_s: float = 0.0
+    decode_kernel_bytes: int = 0
     moved_neurons: int = 0  # re-placement: neurons that came to this executor (runtime/replacement.py)
     move_s: float = 0.0  # and the host seconds it spent moving them in, between steps
     # seconds of eager steps (host): attn / ffn, wait (for the CPU's answers); of graph steps:

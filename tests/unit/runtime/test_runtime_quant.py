@@ -163,6 +163,13 @@ def test_layer_offload_split_equals_the_kernels_reference(models, variant, qtype
         # one exchange per layer with parallel attention (falcon), two (heads, then neurons) otherwise
         assert eng.cpu.stats.exchanges == steps * 2 * (1 if cfg.parallel_attn else 2)
         assert eng.cpu.stats.kernel_bytes == steps * 2 * cfg.n_ff * cfg.neuron_bytes  # as stored, every row
+        # the decode exchanges' own counters: the requests of one token per sequence (the decode steps and
+        # the prompt's last chunk of one token), not the prompt chunks of eight
+        st, one = eng.cpu.stats, sum(len(prompt[i:i + 8]) == 1 for i in range(0, len(prompt), 8)) + len(decode)
+        assert st.decode_exchanges == one * 2 * (1 if cfg.parallel_attn else 2) < st.exchanges
+        assert st.decode_kernel_bytes == one * 2 * cfg.n_ff * cfg.neuron_bytes
+        assert 0 < st.decode_kernel_s < st.kernel_s and 0 < st.decode_busy_s < st.busy_s
+        assert st.decode_kernel_s <= st.decode_busy_s
     finally:
         eng.close()
     errs, flips = match_rounding(ref, prompt + decode, got, at)
