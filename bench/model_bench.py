@@ -160,7 +160,10 @@ def stale_split(model: str, budget_gib: float) -> bool:
 
 
 def _delta(after: dict, before: dict, key: str) -> float:
-    return float(after.get(key, 0) or 0) - float(before.get(key, 0) or 0)
+    """after[key] - before[key] (0 where missing); "a.b" reads the nested after[a][b]."""
+    get = lambda d: float(d.get(key.split(".")[0], {}).get(key.split(".")[1], 0) or 0) if "." in key \
+        else float(d.get(key, 0) or 0)  # noqa: E731
+    return get(after) - get(before)
 
 
 def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, output_len: int,
@@ -214,7 +217,10 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
         "prefill_stream_gbps": _delta(g1, g0, "streamed_bytes") / prefill_s / 1e9 if prefill_s else 0.0,
         "wall_s": wall, "decode_steps": decode_steps,
         "gpu_activation_share": gn / (gn + cn) if gn + cn else 1.0,
-        "per_layer_sync_us": 1e6 * _delta(g1, g0, "sync_s") / exchanges if exchanges else 0.0,
+        # an exchange's cost beyond the CPU's answer: in decode graphs the GPU's clock from post to the
+        # answer seen, less the CPU executor's time on it (eager steps: the host's round trips)
+        "per_layer_sync_us": 1e6 * (_delta(g1, g0, "layer_s.exchange") - _delta(cpu1, cpu0, "decode_busy_s")) / dx
+        if graph_steps and dx else 1e6 * _delta(g1, g0, "sync_s") / exchanges if exchanges else 0.0,
         # the CPU executor's answers to the decode steps' requests (one token per sequence; a prompt
         # chunk's answer, many times longer, would weigh in otherwise): its time per answer
         "cpu_compute_us_per_exchange": 1e6 * _delta(cpu1, cpu0, "decode_busy_s") / dx if dx else 0.0,
@@ -369,7 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "engine, instead of every --prompt x --output")
     ap.add_argument("-t", "--threads", default=None,
                     help="CPU executor threads; comma-separated: a sweep on one engine (set live)")
-    ap.add_argument("--prefill-chunk", type=int, default=None, help="default: the engine's (1024 on CUDA, 64 on CPU)")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="default: the engine's (on CUDA 1024, less where its activations would take over 1/25 of "
+                    "the VRAM budget; 64 on CPU)")
     ap.add_argument("--prefill-share", type=float, default=None,
                     help="hybrid modes: the share of the CPU shard's rows the GPU streams in short prompt chunks "
                          "(default: the engine's)")
