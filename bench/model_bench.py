@@ -375,7 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "engine, instead of every --prompt x --output")
     ap.add_argument("-t", "--threads", default=None,
                     help="CPU executor threads; comma-separated: a sweep on one engine (set live)")
-    ap.add_argument("--prefill-chunk", type=int, default=None, help="default: the engine's (on CUDA 1024, less where its activations would take over 1/25 of "
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="default: the engine's (on CUDA 1024, less where its activations would take over 1/25 of "
                     "the VRAM budget; 64 on CPU)")
     ap.add_argument("--prefill-share", type=float, default=None,
                     help="hybrid modes: the share of the CPU shard's rows the GPU streams in short prompt chunks "
