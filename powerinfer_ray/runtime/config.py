@@ -308,9 +308,8 @@ def resolve_prefill_chunk(ec: SchedulerConfig, device: str, cfg: ModelConfig | N
         return PREFILL_CHUNKS[0]
     from .workspace import prefill_bytes
 
-    n_ctx, act = engine_n_ctx(ec, cfg), _act_bytes(ec, cfg)
-    return next((c for c in PREFILL_CHUNKS
-                 if prefill_bytes(cfg, max(c, ec.max_batch), ec.max_batch, n_ctx, act) <= budget * PREFILL_BUDGET_SHARE),
+    n_ctx, act, room = engine_n_ctx(ec, cfg), _act_bytes(ec, cfg), budget * PREFILL_BUDGET_SHARE
+    return next((c for c in PREFILL_CHUNKS if prefill_bytes(cfg, max(c, ec.max_batch), ec.max_batch, n_ctx, act) <= room),
                 PREFILL_CHUNKS[-1])
 
 
