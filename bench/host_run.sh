@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|confirm|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
+#       bash bench/host_run.sh verify|gputests|confirm|cpuscale|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|confirm|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
+stages="verify|gputests|confirm|cpuscale|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -308,6 +308,17 @@ cpucost)  # where the Falcon exchange's time goes: K from 112 to 3200 rows (the 
         timeout 150 python bench/kernels_bench.py --cpu-exchange -t "$t" --tokens 1 --exchange-k 112,224,400,800,1600,3200 \
             --exchange-act relu --exchange-dim 8192 --exchange-n 31000 --exchange-layers 4 --exchange-shm \
             --exchange-gap-ms 0.3 --exchange-reps 60 --exchange-policies "$pol" \
+            --out "$OUT/t$t" >> "$log" 2>&1
+    done
+    grep "exchange cold" "$log" | cut -c1-400
+    ;;
+cpuscale)  # the 13B decode exchange over threads: is the CPU kernel bound by the host's memory or by each
+    # thread's reads in flight? The exchange at the decode's K (~250 rows) and 1024, rows of 12 layers' shards
+    # in a /dev/shm file, 1 / 2 / 4 / 8 / 14 threads; per thread GB/s flat = latency-bound, falling = bandwidth
+    for t in 1 2 4 8 $THREADS; do
+        mkdir -p "$OUT/t$t"
+        timeout 100 python bench/kernels_bench.py --cpu-exchange -t "$t" --tokens 1 --exchange-k 250,1024 \
+            --exchange-layers 12 --exchange-shm --exchange-gap-ms 0.3 --exchange-reps 60 --exchange-policies unset \
             --out "$OUT/t$t" >> "$log" 2>&1
     done
     grep "exchange cold" "$log" | cut -c1-400
