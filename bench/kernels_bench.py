@@ -457,7 +457,9 @@ def _exchange_cold(args) -> dict:
     K, every one active: the dense path's access pattern), i.e. what the random placement of the
     active rows costs; 'omp_region': an empty parallel region of the kernel's threads after the same
     gap (their wake-up and fork / join, the call's fixed cost). --exchange-shm: the shards live in
-    one /dev/shm file as in the runtime.
+    one /dev/shm file as in the runtime, their pages mapped before the timing as the runtime's CPU
+    executor warms its rows (runtime/warm.py); before 2026-12-06 they were not, and every random row
+    paid minor page faults (dev machine, 1 thread, K = 250: 1835 us unmapped, 534 mapped).
     (Huge pages for the shards were measured here too, commit 171befb: no gain cold, 2x slower in
     the runtime; bench/results/kernels-exchange-cold-h200.json.)"""
     threads = args.threads or os.cpu_count()
@@ -487,6 +489,10 @@ def _exchange_cold(args) -> dict:
         if shared is None:
             raise RuntimeError("--exchange-shm: /dev/shm has no room for the shards (see the warning above)")
         layers = [[sh.up, sh.gate, sh.down_t] for sh in shared[0]]
+        from powerinfer_ray.runtime.warm import _Populate  # mapped, as the runtime's CPU executor warms its rows
+        populate = _Populate()
+        for t in (t for ts in layers for t in ts if t is not None):
+            populate(t.data_ptr(), t.numel() * t.element_size())
     else:
         layers = [[None if b is None else b.clone() for b in base] for _ in range(L)]
     B = (n + 7) // 8
