@@ -458,8 +458,9 @@ def _exchange_cold(args) -> dict:
     active rows costs; 'omp_region': an empty parallel region of the kernel's threads after the same
     gap (their wake-up and fork / join, the call's fixed cost). --exchange-shm: the shards live in
     one /dev/shm file as in the runtime, their pages mapped before the timing as the runtime's CPU
-    executor warms its rows (runtime/warm.py); before 2026-12-06 they were not, and every random row
-    paid minor page faults (dev machine, 1 thread, K = 250: 1835 us unmapped, 534 mapped).
+    executor maps its rows (sharedshard.prefault, runtime/warm.py); before 2026-12-06 they were not,
+    and every random row paid minor page faults (dev machine, 1 thread, K = 250: 1835 us unmapped,
+    534 mapped).
     (Huge pages for the shards were measured here too, commit 171befb: no gain cold, 2x slower in
     the runtime; bench/results/kernels-exchange-cold-h200.json.)"""
     threads = args.threads or os.cpu_count()
@@ -481,18 +482,15 @@ def _exchange_cold(args) -> dict:
     row_width = dim if qtype is None else quant.row_bytes(qtype, dim)
     if args.exchange_shm:
         from powerinfer_ray.runtime.shard import FFNShard
-        from powerinfer_ray.runtime.sharedshard import share
+        from powerinfer_ray.runtime.sharedshard import prefault, share
 
         ids = np.arange(n)
         shared = share([n] * L, act != "relu", row_width, base[0].dtype,
                        lambda l: FFNShard(ids, base[0], base[1], base[2], None, qtype), qtype=qtype)
         if shared is None:
             raise RuntimeError("--exchange-shm: /dev/shm has no room for the shards (see the warning above)")
+        prefault(shared[0])  # mapped here, as the runtime's CPU executor maps its shared rows
         layers = [[sh.up, sh.gate, sh.down_t] for sh in shared[0]]
-        from powerinfer_ray.runtime.warm import _Populate  # mapped, as the runtime's CPU executor warms its rows
-        populate = _Populate()
-        for t in (t for ts in layers for t in ts if t is not None):
-            populate(t.data_ptr(), t.numel() * t.element_size())
     else:
         layers = [[None if b is None else b.clone() for b in base] for _ in range(L)]
     B = (n + 7) // 8
