@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|confirm|cpuscale|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
+#       bash bench/host_run.sh verify|gputests|confirm|cpuscale|prefillprof|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|confirm|cpuscale|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
+stages="verify|gputests|confirm|cpuscale|prefillprof|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -322,6 +322,13 @@ cpuscale)  # the 13B decode exchange over threads: is the CPU kernel bound by th
             --out "$OUT/t$t" >> "$log" 2>&1
     done
     grep "exchange cold" "$log" | cut -c1-400
+    ;;
+prefillprof)  # where a 64-token prefill's time goes (issue 35: 222-281 tok/s; the eager step's attention took
+    # 1.25 ms of host time a layer, its FFN 5.9 ms with 4.7 waiting for the CPU executor): 4 layers of the 13B
+    # shape under torch.profiler, a third of the FFN rows on the GPU, CPU and CUDA tables
+    timeout -s INT 200 python bench/profile_step.py -m "planted:llama2-13b?dtype=f16&layers=4" --policy predictor \
+        --gpu-fraction 0.3 -t "$THREADS" --rows 40 --prefill > "$OUT/prefill-profile.log" 2>&1
+    grep -E "prefill of|Self CPU time total|Self CUDA time total" "$OUT/prefill-profile.log"
     ;;
 pool)  # the exchange's fixed cost on the kernels' own threads (csrc/pool.h), unpinned and pinned to the
     # last $THREADS CPUs (the CPU executor pins when two CPUs are left over): Falcon rows, K from 112 to 3200
