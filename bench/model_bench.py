@@ -160,10 +160,7 @@ def stale_split(model: str, budget_gib: float) -> bool:
 
 
 def _delta(after: dict, before: dict, key: str) -> float:
-    """after[key] - before[key] (0 where missing); "a.b" reads the nested after[a][b]."""
-    get = lambda d: float(d.get(key.split(".")[0], {}).get(key.split(".")[1], 0) or 0) if "." in key \
-        else float(d.get(key, 0) or 0)  # noqa: E731
-    return get(after) - get(before)
+    return float(after.get(key, 0) or 0) - float(before.get(key, 0) or 0)
 
 
 def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, output_len: int,
@@ -201,6 +198,7 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
     per_layer = {k: 1e6 * (g1["layer_s"][k] - g0["layer_s"].get(k, 0.0))
                  / max((graph_steps if k in ("launch", "segment", "exchange") else steps - graph_steps) * n_layer, 1)
                  for k in g1["layer_s"]}
+    exchange_s = g1["layer_s"]["exchange"] - g0["layer_s"].get("exchange", 0.0)  # decode graphs' (GPU clock)
     generated = sum(o["stats"]["completion_tokens"] for o in outs)
     ttft = [o["stats"]["ttft_s"] for o in outs if o["stats"].get("ttft_s") is not None]
     prefill_s = _delta(c1, c0, "prefill_s")
@@ -219,7 +217,7 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
         "gpu_activation_share": gn / (gn + cn) if gn + cn else 1.0,
         # an exchange's cost beyond the CPU's answer: in decode graphs the GPU's clock from post to the
         # answer seen, less the CPU executor's time on it (eager steps: the host's round trips)
-        "per_layer_sync_us": 1e6 * (_delta(g1, g0, "layer_s.exchange") - _delta(cpu1, cpu0, "decode_busy_s")) / dx
+        "per_layer_sync_us": 1e6 * (exchange_s - _delta(cpu1, cpu0, "decode_busy_s")) / dx
         if graph_steps and dx else 1e6 * _delta(g1, g0, "sync_s") / exchanges if exchanges else 0.0,
         # the CPU executor's answers to the decode steps' requests (one token per sequence; a prompt
         # chunk's answer, many times longer, would weigh in otherwise): its time per answer
