@@ -64,6 +64,25 @@ def predictor_logits(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, qtyp
     return z @ fc2.to(x.dtype).T  # [T, N]
 
 
+_hidden_failed = False
+
+
+def predictor_logits_of(h: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``predictor_logits(h.to(dtype), fc1, fc2)`` for the fp32 residual h [T, D] and float fc1 / fc2:
+    on CUDA for one token the cast, fc1 and the ReLU in one Triton launch (triton_predictor), then
+    fc2 as a GEMV; torch elsewhere."""
+    global _hidden_failed
+    if (h.is_cuda and h.dim() == 2 and h.shape[0] == 1 and dtype in (torch.float16, torch.bfloat16)
+            and not _hidden_failed):
+        try:
+            from . import triton_predictor
+            z = triton_predictor.predictor_hidden(h.contiguous(), fc1, dtype)  # [1, r]
+            return z @ fc2.to(dtype).T  # [1, N]
+        except ImportError:
+            _hidden_failed = True
+    return predictor_logits(h.to(dtype), fc1, fc2)
+
+
 def predictor_logits_ref(x: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
                          qtype: str | None = None) -> torch.Tensor:
     """float64 reference of `predictor_logits` (quantized fc1 / fc2 dequantized exactly)."""

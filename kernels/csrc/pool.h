@@ -7,7 +7,7 @@
 // that it sleeps on a condition variable (an idle engine costs no CPU). Pinned to a core of its
 // own it spins with pause; unpinned it yields the core after a few microseconds (Spin), since
 // the OS may have put another busy thread (the GPU's driver thread, say) on the same core. Inside a region:
-// barrier() (sense-reversing, spinning), for_static / for_dynamic (an atomic counter per loop),
+// barrier() (sense-reversing, spinning), for_static / for_dynamic / for_guided (an atomic counter per loop),
 // as OpenMP's `omp for` with its implicit barrier. pi_pool_config sets the spin and pins the
 // threads to cores (the caller to cpus[0], worker i to cpus[i]).
 #pragma once
@@ -86,6 +86,22 @@ struct Ctx {
         std::atomic<int64_t>& c = sh->ctr[loop++].v;
         for (int64_t i; (i = c.fetch_add(chunk, std::memory_order_relaxed)) < N;)
             for (int64_t j = i, e = i + chunk < N ? i + chunk : N; j < e; ++j) f(j);
+        barrier();
+    }
+    // Guided chunks of [0, N): each claim takes max(1, min(maxc, left / (2 n))) items, so the first
+    // claims are long (few hand-outs, long runs of work) and the last ones single items (an even
+    // end); f(i0, i1) per claim, then a barrier.
+    template <class F>
+    void for_guided(int64_t N, int64_t maxc, F f) {
+        std::atomic<int64_t>& c = sh->ctr[loop++].v;
+        for (int64_t i = c.load(std::memory_order_relaxed); i < N;) {
+            int64_t q = (N - i) / (2 * n);
+            q = q < 1 ? 1 : (q > maxc ? maxc : q);
+            if (c.compare_exchange_weak(i, i + q, std::memory_order_relaxed)) {
+                f(i, i + q < N ? i + q : N);
+                i = c.load(std::memory_order_relaxed);
+            }
+        }
         barrier();
     }
 };

@@ -865,25 +865,18 @@ void run_rows(const Args& a) {
         float* A = scratch + i * TD;
         std::memset(A, 0, TD * sizeof(float));
         prepare_x<W>(a, c);
-        // Chunks of CH rows handed out dynamically: a thread that the OS preempts (cores shared
-        // with other processes) delays the barrier by one chunk, not by a whole slice. ~CHUNKS
-        // chunks per thread (2 .. 4R rows each), so few active rows still keep every thread
-        // reading and the last chunks even out.
-        constexpr int64_t CHUNKS = 8;
-        int64_t CH = K / (CHUNKS * n);
-        CH = CH < 2 ? 2 : (CH > 4 * R ? 4 * R : CH);
-        const int64_t nch = (K + CH - 1) / CH;
+        // Guided chunks (up to 4R rows, shrinking to single rows at the end): few hand-outs while
+        // many rows are left, and an even finish, also when the OS preempts a thread (cores shared
+        // with other processes).
         int64_t n_down = 0;
-        c.for_dynamic(nch, 1, [&](int64_t q) {
-            const int64_t k0 = q * CH, k1 = k0 + CH < K ? k0 + CH : K;
-            n_down += run_slice_w<W>(a, k0, k1, A);
-        });  // barrier: every accumulator complete
+        c.for_guided(K, 4 * R, [&](int64_t k0, int64_t k1) { n_down += run_slice_w<W>(a, k0, k1, A); });
+        // barrier: every accumulator complete
         count_down(a, n_down);
-        // Reduction over threads, split over D in chunks of 256 columns.
+        // Reduction over threads, split over D in chunks of 256 columns, one chunk per claim.
         constexpr int64_t C = 256;
         float buf[C];
         const int64_t nchunks = (D + C - 1) / C;
-        c.for_dynamic(T * nchunks, 4, [&](int64_t q) {
+        c.for_dynamic(T * nchunks, 1, [&](int64_t q) {
             const int64_t t = q / nchunks, d0 = (q % nchunks) * C, d1 = d0 + C < D ? d0 + C : D;
             const float* src = scratch + t * D;
             for (int64_t d = d0; d < d1; ++d) buf[d - d0] = src[d];

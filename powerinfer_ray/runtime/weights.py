@@ -18,7 +18,7 @@ import torch
 
 from ..kernels.linear import linear
 from ..kernels.norm import add_rms_norm, rms_norm_cast
-from ..kernels.predictor import predictor_logits
+from ..kernels.predictor import predictor_logits_of
 from ..kernels.quant import dequantize, repack_, repackable
 from ..model import gguf_keys as K
 from ..model.costs import predictor_kind
@@ -198,10 +198,11 @@ class PrimaryWeights:
 
     def predict(self, l: int, pred_in: torch.Tensor) -> torch.Tensor:
         """The predictor's logits [N, n_gpu + n_cpu] of layer l (the primary's neurons first)."""
-        lw, x = self.layers[l], pred_in.to(self.dtype)
+        lw = self.layers[l]
         q1, q2 = lw.fc_qtypes
         if q1 is None and q2 is None:
-            return predictor_logits(x, lw.fc1, lw.fc2)
+            return predictor_logits_of(pred_in, lw.fc1, lw.fc2, self.dtype)
+        x = pred_in.to(self.dtype)
         z = torch.relu(linear(x, lw.fc1, qtype=q1))  # [N, r] fp32
         return linear(z, lw.fc2, qtype=q2).to(x.dtype)
 

@@ -404,6 +404,32 @@ def test_quantized_linear_at_real_shapes(qtype, R, D):
         assert rel_err(out, linear_ref(x, w, b, qtype)) < Q_TOL[torch.float32], f"{rq} graph replay"
 
 
+def test_predictor_of_the_residual_at_13b_shape_and_in_a_graph():
+    """predictor_logits_of for one token (the cast, fc1 and ReLU in one Triton launch, then fc2) at
+    the 13B predictor's shape against float64 on the rounded input, and replayed from a CUDA graph
+    for new inputs; two tokens take torch's path, to the same values."""
+    from powerinfer_ray.kernels.predictor import predictor_logits_of
+
+    gen = torch.Generator().manual_seed(14)
+    D, r, N = 5120, 1024, 13824
+    fc1 = (torch.randn(r, D, generator=gen) * D ** -0.5).half().to(DEV)
+    fc2 = (torch.randn(N, r, generator=gen) * r ** -0.5).half().to(DEV)
+    ref = lambda h: torch.relu(h.half().double() @ fc1.double().T) @ fc2.double().T  # noqa: E731
+    h = (torch.randn(1, D, generator=gen) * 3).to(DEV)
+    got = predictor_logits_of(h, fc1, fc2, torch.float16)
+    assert got.dtype == torch.float16 and rel_err(got, ref(h)) < GPU_TOL[torch.float16]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = predictor_logits_of(h, fc1, fc2, torch.float16)
+    for _ in range(3):
+        h.copy_((torch.randn(1, D, generator=gen) * 3).to(DEV))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, ref(h)) < GPU_TOL[torch.float16]
+    h2 = (torch.randn(2, D, generator=gen) * 3).to(DEV)
+    assert rel_err(predictor_logits_of(h2, fc1, fc2, torch.float16), ref(h2)) < GPU_TOL[torch.float16]
+
+
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
 def test_quantized_predictor_on_gpu(qtype):
     """predictor_logits with quantized fc1 [r, D] / fc2 [N, r] (upstream writes both as Q4_0)."""

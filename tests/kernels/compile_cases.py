@@ -48,6 +48,7 @@ def main() -> None:
     from powerinfer_ray.kernels import triton_ffn, triton_split, triton_signal
     from powerinfer_ray.kernels.triton_attention import decode_attention_triton, rope_cache_triton
     from powerinfer_ray.kernels.triton_linear import linear_triton
+    from powerinfer_ray.kernels.triton_predictor import predictor_hidden
     from powerinfer_ray.kernels.triton_qgemv import qgemv_triton
     from powerinfer_ray.kernels.quant import REPACKED, repack
     from powerinfer_ray.kernels.triton_norm import add_rms_norm_triton, rms_norm_triton
@@ -97,6 +98,7 @@ def main() -> None:
     triton_signal.post_request(seq, torch.zeros(6, dtype=torch.int64), torch.ones(6, dtype=torch.int64), stamp)
     triton_signal.await_answer(seq, torch.zeros(1, dtype=torch.int64), stamp)
     triton_signal.stamp(stamp)
+    predictor_hidden(torch.randn(1, D), torch.randn(N, D).to(f16), f16)
     triton_signal.store_rows(torch.randn(3, D).to(f16), torch.empty(3, D, dtype=f16))
     print("\n".join(sorted(compiled)))
 

@@ -150,6 +150,23 @@ def test_triton_store_rows_copies_exactly():
     assert torch.equal(dst[:3], x) and not dst[3].any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_predictor_hidden_matches_float64(dtype):
+    """The predictor's first layer for one token: relu(fc1 . x) with x the fp32 residual rounded to the
+    model's dtype inside the kernel, rows past a program's block and columns past a step's masked off:
+    against float64 on the same rounded x."""
+    from powerinfer_ray.kernels.triton_predictor import predictor_hidden
+
+    gen = torch.Generator().manual_seed(31)
+    R, D = 1030, 2100  # neither a multiple of the row block nor of the column step
+    h = torch.randn(1, D, generator=gen) * 3
+    fc1 = (torch.randn(R, D, generator=gen) * D ** -0.5).to(dtype)
+    z = predictor_hidden(h, fc1, dtype)
+    want = torch.relu(h.to(dtype).double() @ fc1.double().T)
+    assert z.dtype == dtype and z.shape == (1, R) and (z >= 0).all()
+    assert rel_err(z, want) < TOL[dtype], rel_err(z, want)
+
+
 def test_triton_sparse_ffn_over_max_t_tokens_runs_in_blocks():
     """T > MAX_T (a prefill chunk) is computed in blocks of MAX_T tokens, the last one ragged:
     equal to the reference."""
