@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|confirm|cpuscale|prefillprof|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
+#       bash bench/host_run.sh verify|gputests|confirm|confirmrun|cpuscale|prefillprof|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|confirm|cpuscale|prefillprof|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
+stages="verify|gputests|confirm|confirmrun|cpuscale|prefillprof|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -106,16 +106,20 @@ gputests)  # every GPU test in one call: the kernel tests and the runtime tests 
     wait
     tail -n 4 "$OUT"/gpu-kernel-tests.log "$OUT"/gpu-runtime-tests.log | cut -c1-300
     ;;
-confirm)  # a final commit on one host: every GPU test (kernel and runtime tests side by side, the model files
-    # written beside them), then the 13B file at $B13 GiB at batch 1 twice, the segment stage's profile (its
-    # timeline) and the 13B Q4_0 file at 4 GiB (the default prompt chunk: its budget's), named by the host's GPU
-    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[0-9]00' | tr H h)
+confirm)  # a final commit on one host, part 1: every GPU test (kernel and runtime tests side by side), the model
+    # files written beside them into $SHM, where they stay for confirmrun while the host is held
     timeout -s INT 420 python -m pytest $KERNEL_TESTS -q -rf > "$OUT/gpu-kernel-tests.log" 2>&1 &
     timeout -s INT 420 python -m pytest $RUNTIME_TESTS -q -rf > "$OUT/gpu-runtime-tests.log" 2>&1 &
     write_file "$M13" 200
     write_file "$M13Q" 120
     wait
     tail -n 3 "$OUT"/gpu-kernel-tests.log "$OUT"/gpu-runtime-tests.log | cut -c1-300
+    ;;
+confirmrun)  # part 2, the next call on the same host: the 13B file at $B13 GiB at batch 1 twice, the segment
+    # stage's profile (its timeline) and the 13B Q4_0 file at 4 GiB (the default prompt chunk: its budget's),
+    # named by the host's GPU
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[0-9]00' | tr H h)
+    write_file "$M13" 200 || exit 0
     for i in 1 2; do
         suite runtime-13b-${B13}gib-file-b1-confirm-$gpu-$i 90 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
             --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
@@ -124,6 +128,7 @@ confirm)  # a final commit on one host: every GPU test (kernel and runtime tests
     timeout -s INT 120 python bench/profile_step.py -m "planted:llama2-13b?dtype=f16&layers=4" --policy predictor \
         --gpu-fraction 0.5 -t "$THREADS" --rows 40 --trace /tmp/segment-trace.json.gz > "$OUT/segment-$gpu.log" 2>&1
     grep -A 30 "segment timeline" "$OUT/segment-$gpu.log" | grep -B 30 -m 1 "^segment [0-9]"
+    write_file "$M13Q" 120 || exit 0
     suite runtime-13b-q4-4gib-confirm-$gpu 90 -m "$M13Q" --as-file "$SHM" --vram-budget 4 --modes hybrid \
         --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
     table decode_tok_s,prefill_tok_s,prefill_chunk,cpu_kernel_us_per_exchange,gpu_activation_share "$OUT"/runtime-13b-q4*confirm*.json
