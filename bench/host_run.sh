@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|confirm|confirmrun|cpuscale|prefillprof|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
+#       bash bench/host_run.sh verify|gputests|confirm|confirmrun|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|confirm|confirmrun|cpuscale|prefillprof|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
+stages="verify|gputests|confirm|confirmrun|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -124,7 +124,7 @@ confirmrun)  # part 2, the next call on the same host: the 13B file at $B13 GiB 
         suite runtime-13b-${B13}gib-file-b1-confirm-$gpu-$i 90 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
             --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
     done
-    table decode_tok_s,prefill_tok_s,prefill_chunk,cpu_kernel_us_per_exchange,gpu_activation_share "$OUT"/runtime-*confirm*.json
+    table decode_tok_s,prefill_tok_s,prefill_chunk,cpu_kernel_us_per_exchange,gpu_activation_share,decode_link_us,decode_primary_host_us "$OUT"/runtime-*confirm*.json
     timeout -s INT 120 python bench/profile_step.py -m "planted:llama2-13b?dtype=f16&layers=4" --policy predictor \
         --gpu-fraction 0.5 -t "$THREADS" --rows 40 --trace /tmp/segment-trace.json.gz > "$OUT/segment-$gpu.log" 2>&1
     grep -A 30 "segment timeline" "$OUT/segment-$gpu.log" | grep -B 30 -m 1 "^segment [0-9]"
@@ -336,6 +336,20 @@ prefillprof)  # where a 64-token prefill's time goes (issue 35: 222-281 tok/s; t
     timeout -s INT 200 python bench/profile_step.py -m "planted:llama2-13b?dtype=f16&layers=4" --policy predictor \
         --gpu-fraction 0.3 -t "$THREADS" --rows 40 --prefill > "$OUT/prefill-profile.log" 2>&1
     grep -E "prefill of|Self CPU time total|Self CUDA time total" "$OUT/prefill-profile.log"
+    ;;
+prefilltrace)  # the engine's 64-token prefill of the 13B file at $B13 GiB under torch.profiler (in process): the
+    # GPU's work per stream (compute; the copy stream of the CPU shard's streamed rows), busy against the span,
+    # at the default share and at ${TRACE_SHARES:-0.7}; the primary's and the CPU executor's counters after
+    write_file "$M13" 200 || exit 0
+    f=$SHM/$(python -c "import sys; sys.path.insert(0, 'bench'); from planted_file import file_name; print(file_name('${M13#planted:}'))")
+    for sh in default ${TRACE_SHARES:-0.7}; do
+        arg=""; [ "$sh" = default ] || arg="--prefill-share $sh"
+        timeout -s INT 150 python bench/profile_step.py -m "$f" --policy predictor --vram-budget "$B13" -t "$THREADS" \
+            --prefill --prompt 64 --steps 5 --rows 30 $arg --trace /tmp/prefill-trace-$sh.json.gz \
+            > "$OUT/prefill-trace-$sh.log" 2>&1
+        grep -E "^prefill of" "$OUT/prefill-trace-$sh.log"
+        sed -n '/^GPU span/,/^-/p' "$OUT/prefill-trace-$sh.log" | grep -v '^-' | head -n 24 | cut -c1-200
+    done
     ;;
 pool)  # the exchange's fixed cost on the kernels' own threads (csrc/pool.h), unpinned and pinned to the
     # last $THREADS CPUs (the CPU executor pins when two CPUs are left over): Falcon rows, K from 112 to 3200

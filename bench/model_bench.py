@@ -199,6 +199,7 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
                  / max((graph_steps if k in ("launch", "segment", "exchange") else steps - graph_steps) * n_layer, 1)
                  for k in g1["layer_s"]}
     exchange_s = g1["layer_s"]["exchange"] - g0["layer_s"].get("exchange", 0.0)  # decode graphs' (GPU clock)
+    gpu_window_s = exchange_s + g1["layer_s"]["segment"] - g0["layer_s"].get("segment", 0.0)
     generated = sum(o["stats"]["completion_tokens"] for o in outs)
     ttft = [o["stats"]["ttft_s"] for o in outs if o["stats"].get("ttft_s") is not None]
     prefill_s = _delta(c1, c0, "prefill_s")
@@ -235,6 +236,13 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
         "gpu_compute_us_per_layer": 1e6 * _delta(g1, g0, "gpu_compute_s")
         / max(_delta(g1, g0, "gpu_timed_steps") * n_layer, 1),
         "per_layer_us": per_layer,
+        # a decode step's host time outside the GPU's window (its first to last stamp), per graph step:
+        # link, the coordinator's step call beyond the primary's (the step link, the coordinator's event
+        # loop); primary, the primary's beyond the window (inputs, the launch until the GPU starts, results)
+        "decode_link_us": 1e6 * (decode_s / decode_steps - _delta(g1, g0, "graph_busy_s") / graph_steps)
+        if decode_steps and graph_steps else 0.0,
+        "decode_primary_host_us": 1e6 * (_delta(g1, g0, "graph_busy_s") - gpu_window_s) / graph_steps
+        if graph_steps and gpu_window_s else 0.0,
         # decode graphs captured inside this run (a batch bucket the warm-up missed): its decode time
         # includes the capture and the Triton compiles
         "graph_captures": int(_delta(g1, g0, "graph_captures")), "capture_s": _delta(g1, g0, "capture_s"),

@@ -195,13 +195,15 @@ class PrimaryExecutor:
             self.activity.tokens += B * T
         graph = T == 1 and self.use_graphs and self.sample_sink is None
         out = self._graph_step(slots, tokens, start_pos) if graph else None
-        st = self.stats
-        st.graph_steps += out is not None
+        st, on_graphs = self.stats, out is not None
+        st.graph_steps += on_graphs
         if out is None:
             out = self._eager_step(slots, tokens, start_pos)
         st.steps += 1
         st.tokens += B * T
-        st.busy_s += time.perf_counter() - t0
+        busy = time.perf_counter() - t0
+        st.busy_s += busy
+        st.graph_busy_s += busy if on_graphs else 0.0
         return out
 
     def _graph_step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> np.ndarray | None:

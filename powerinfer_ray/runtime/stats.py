@@ -16,6 +16,7 @@ class ExecStats:
     # skipped, zero activations; the GPU's counts them), attention in full
     active_bytes: int = 0
     busy_s: float = 0.0
+    graph_busy_s: float = 0.0  # of which the graph steps' (host seconds around the GPU's, launch to result)
     exchanges: int = 0
     sync_s: float = 0.0  # notify + return latency + host copies, summed over exchanges
     peer_compute_s: float = 0.0

@@ -220,6 +220,7 @@ def test_graph_decode_segments_equal_dense_reference(models, variant, split):
         assert set(eng.primary.graphs) == {1, 2, 4}  # every bucket built at the start; 3 sequences padded to 4
         # the steps counted by kind: 3 prompts (eager), 2 batched decode steps and one alone (segments)
         assert (eng.primary.stats.steps, eng.primary.stats.graph_steps) == (len(prompts) + len(nxt) + 1, len(nxt) + 1)
+        assert 0 < eng.primary.stats.graph_busy_s < eng.primary.stats.busy_s  # the segments' share of its time
         for slot, p in enumerate(prompts):
             full = ref.forward(p + [t[slot] for t in nxt] + ([8] if slot == 0 else []), ref.new_cache())
             for j in range(len(nxt)):
