@@ -300,10 +300,13 @@ class Coordinator:
         from ..runtime.activity import activity_summary
         from ..runtime.hostmem import process_memory
 
-        out: dict[str, Any] = {"coordinator": {**self.core.stats(), "memory": process_memory()},
+        g = self._running()
+        link = getattr(g.backend, "link", None)  # the step link's time there, in the step and back
+        link = {f"link_{k}": v for k, v in link.times.items()} if link is not None else {}
+        out: dict[str, Any] = {"coordinator": {**self.core.stats(), **link, "memory": process_memory()},
                                "restarts": self.restarts, "policy": self.policy, "n_ctx": self.n_ctx,
                                "device": self.device}
-        peer, g = None, self._running()
+        peer = None
         if g.cpu is not None:
             out["cpu_executor"] = await g.cpu.stats.remote()
             peer = out["cpu_executor"]["neurons"]

@@ -115,16 +115,24 @@ confirm)  # a final commit on one host, part 1: every GPU test (kernel and runti
     wait
     tail -n 3 "$OUT"/gpu-kernel-tests.log "$OUT"/gpu-runtime-tests.log | cut -c1-300
     ;;
-confirmrun)  # part 2, the next call on the same host: the 13B file at $B13 GiB at batch 1 twice, the segment
-    # stage's profile (its timeline) and the 13B Q4_0 file at 4 GiB (the default prompt chunk: its budget's),
-    # named by the host's GPU
+confirmrun)  # part 2, the next call on the same host: the 13B file at $B13 GiB at batch 1 twice, then with the
+    # CPU executor's threads of $CONFIRM_THREADS, the prompts of 16 / 64 / 128 tokens at the default prefill
+    # shares, the segment stage's profile (its timeline) and the 13B Q4_0 file at 4 GiB (the default prompt
+    # chunk: its budget's), named by the host's GPU
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[0-9]00' | tr H h)
     write_file "$M13" 200 || exit 0
     for i in 1 2; do
         suite runtime-13b-${B13}gib-file-b1-confirm-$gpu-$i 90 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
             --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
     done
-    table decode_tok_s,prefill_tok_s,prefill_chunk,cpu_kernel_us_per_exchange,gpu_activation_share,decode_link_us,decode_primary_host_us "$OUT"/runtime-*confirm*.json
+    for t in ${CONFIRM_THREADS:-}; do
+        suite runtime-13b-${B13}gib-file-b1-confirm-$gpu-t$t 90 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+            --modes hybrid --shapes 64x128 --batch 1 -t "$t" > /dev/null
+    done
+    table decode_tok_s,prefill_tok_s,cpu_kernel_us_per_exchange,gpu_activation_share,decode_link_us,link_there_us,link_back_us,decode_primary_host_us "$OUT"/runtime-*confirm*.json
+    suite runtime-13b-${B13}gib-file-prefill-confirm-$gpu 90 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+        --modes hybrid --shapes 16x8,64x8,128x8,16x8,64x8,128x8 --batch 1 -t "$THREADS" > /dev/null
+    table prefill_tok_s,ttft_s,prefill_stream_gbps "$OUT"/runtime-*prefill-confirm*.json
     timeout -s INT 120 python bench/profile_step.py -m "planted:llama2-13b?dtype=f16&layers=4" --policy predictor \
         --gpu-fraction 0.5 -t "$THREADS" --rows 40 --trace /tmp/segment-trace.json.gz > "$OUT/segment-$gpu.log" 2>&1
     grep -A 30 "segment timeline" "$OUT/segment-$gpu.log" | grep -B 30 -m 1 "^segment [0-9]"

@@ -243,6 +243,12 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
         if decode_steps and graph_steps else 0.0,
         "decode_primary_host_us": 1e6 * (_delta(g1, g0, "graph_busy_s") - gpu_window_s) / graph_steps
         if graph_steps and gpu_window_s else 0.0,
+        # of the link's time, per step (prompt chunks' included): from the coordinator's send until the
+        # primary had read the request, and from the primary's reply until the coordinator had read it
+        "link_there_us": 1e6 * _delta(c1, c0, "link_there_s") / _delta(c1, c0, "link_calls")
+        if _delta(c1, c0, "link_calls") else 0.0,
+        "link_back_us": 1e6 * _delta(c1, c0, "link_back_s") / _delta(c1, c0, "link_calls")
+        if _delta(c1, c0, "link_calls") else 0.0,
         # decode graphs captured inside this run (a batch bucket the warm-up missed): its decode time
         # includes the capture and the Triton compiles
         "graph_captures": int(_delta(g1, g0, "graph_captures")), "capture_s": _delta(g1, g0, "capture_s"),

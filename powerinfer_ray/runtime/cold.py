@@ -7,9 +7,10 @@ ones per token, once the chunk is long enough to pay for the rows' trip over PCI
 Prefill (``ffn``): the streamed share is the hottest rows of the shard (the plan orders it hottest
 first): the CPU executor computes the chunk's predicted-active neurons among the rest (its mask
 has the streamed rows' bits clear), where fewer tokens hit a row. Chunks of at least
-``min_tokens`` tokens stream every row (the exchange's FFN drops out); shorter ones the
-``prefill_share`` (``share_for``). The rows reach the device through two device buffers that take
-turns (``RowStream``): a copy stream fills one with the next chunk of rows (the next layer's
+``min_tokens`` tokens stream every row (the exchange's FFN drops out); shorter ones of at least
+PREFILL_SHARE_MIN tokens the ``prefill_share``, and the CPU executor alone computes the shortest
+(``share_for``): its time grows with the tokens, a stream's does not. The rows reach the device
+through two device buffers that take turns (``RowStream``): a copy stream fills one with the next chunk of rows (the next layer's
 included) while the other's rows are computed on, so the copies run beside the step's compute.
 Where the rows come from, without a second host copy where possible:
   file    the model file's own memory map (``shard.in_place_ffn_shard``): on CUDA the layers'
@@ -74,7 +75,11 @@ def pin_mapped(views: list[torch.Tensor], what: str, pinned: list[int]) -> bool:
 
 STREAM_BYTES = 64 << 20  # each of the two device buffers the streamed rows of prefill take turns in
 PREFILL_DENSE_MIN = 256  # prompt chunks of at least this many tokens stream every row of the CPU shard (CUDA)
-PREFILL_SHARE = 0.5  # and shorter ones this share, its hottest rows (CUDA)
+# shorter chunks of at least PREFILL_SHARE_MIN tokens stream this share, its hottest rows, and the
+# shortest none (CUDA; bench/RESULTS.md, prefill shares: 13B at 16 GiB, 16 tokens 3x faster with
+# none, 64 and 128 tokens 1.2-1.6x faster with 0.3 than with 0.5)
+PREFILL_SHARE = 0.3
+PREFILL_SHARE_MIN = 64
 # zero-copy's default on CUDA: this share of the CPU shard's neurons in decode steps of at least
 # ZERO_COPY_MIN_BATCH sequences (bench/RESULTS.md, zero-copy: at batch 1 the CPU kernel's time is
 # mostly its fixed cost, which fewer rows do not shorten, while the GPU's PCIe reads delay its next
@@ -103,8 +108,9 @@ def interleaved(n: int, share: float) -> np.ndarray:
 class ColdRows:
     """The CPU shard's rows as the primary sees them (see the module docstring): prompt chunks of at
     least ``min_tokens`` tokens (None: 256 on CUDA, off on the CPU; 0: never) stream all of them,
-    shorter chunks the ``prefill_share`` hottest (None: PREFILL_SHARE on CUDA, none on the CPU;
-    0: none); in decode steps the ``zero_copy`` share of the CPU's active neurons (``host_rows``;
+    shorter chunks the ``prefill_share`` hottest (None: PREFILL_SHARE on CUDA in chunks of at least
+    PREFILL_SHARE_MIN tokens, none on the CPU; 0: none; a share given applies to every shorter
+    chunk); in decode steps the ``zero_copy`` share of the CPU's active neurons (``host_rows``;
     None: ZERO_COPY in steps of at least ZERO_COPY_MIN_BATCH sequences on CUDA, none on the CPU;
     0: none). ``masked``: the CPU executor takes the predictor's mask (policy 'predictor'), so a
     share of its rows can be split off; without one a chunk streams all rows or none."""
@@ -118,6 +124,7 @@ class ColdRows:
         self.min_tokens = (PREFILL_DENSE_MIN if cuda else 0) if min_tokens is None else min_tokens
         share = (PREFILL_SHARE if cuda else 0.0) if prefill_share is None else prefill_share
         self.prefill_share = share if masked else 0.0
+        self.share_min = PREFILL_SHARE_MIN if prefill_share is None else 1  # fewer tokens: the CPU executor's
         self.zero_copy = 0.0 if zero_copy is None and not cuda else zero_copy
         self._host: dict[tuple[int, float], HostRows | None] = {}
         self._shared_pinned = False
@@ -176,7 +183,9 @@ class ColdRows:
         decode step: none, zero-copy is the decode steps' share)."""
         if self.rows is None or decode:
             return 0.0
-        return 1.0 if 0 < self.min_tokens <= n_tok else self.prefill_share
+        if 0 < self.min_tokens <= n_tok:
+            return 1.0
+        return self.prefill_share if n_tok >= self.share_min else 0.0
 
     def begin(self, share: float) -> None:
         """A step that streams ``share`` of every layer's rows (``streamed_rows``) begins: the

@@ -187,7 +187,8 @@ class ExecutorConfig:
     prefill_share: float | None = option(
         None, "in shorter prompt chunks, the primary streams and computes this share of the CPU shard's rows (its "
         "hottest) while the CPU executor computes the chunk's active neurons among the rest (predictor policy; "
-        "default: 0.5 on CUDA, none on the CPU; 0: the CPU executor computes all of them)", kind=float)
+        "default: 0.3 on CUDA in chunks of at least 64 tokens and none in shorter ones, none on the CPU; 0: the "
+        "CPU executor computes all of them)", kind=float)
     graphs: bool | None = option(None, "decode steps as CUDA graphs (default: on CUDA); --no-graphs runs them "
                                  "eagerly (debugging; slower)", kind=bool)
     zero_copy: float | None = option(

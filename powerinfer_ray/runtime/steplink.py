@@ -7,7 +7,10 @@ spinning on either side: both block in the kernel). Ray still sets it up (the ex
 and returns its path) and carries everything else.
 
 Frames: 8-byte little-endian length, then a pickle. Request: (slots, tokens, start_pos).
-Response: ("ok", logits) or ("error", exception). When the executor's process dies the kernel
+Response: ("ok", logits, t_recv, t_reply) or ("error", exception, t_recv, t_reply): when the
+executor had read the request and when it began to send the answer (``time.monotonic_ns``, one
+clock for the host's processes), so the client splits a call's time into the way there, the step
+and the way back (``StepClient.times``). When the executor's process dies the kernel
 closes its end, and the coordinator's pending read raises `LinkClosed` at once (a coordinator
 never reconnects to the same executor: a closed link means a dead one).
 
@@ -23,6 +26,7 @@ import pickle
 import socket
 import struct
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -93,14 +97,17 @@ class StepServer:
                         body = None
                     if body is None:
                         break  # the coordinator went away (or close()): wait for the next one
+                    t_recv = time.monotonic_ns()
                     try:
                         reply = ("ok", self.handler(*pickle.loads(body)))
                     except Exception as e:  # noqa: BLE001  (the caller re-raises it)
                         reply = ("error", e)
+                    t_reply = time.monotonic_ns()
                     try:
-                        data = _frame(reply)
+                        data = _frame((*reply, t_recv, t_reply))
                     except Exception:  # noqa: BLE001  (an exception that does not pickle)
-                        data = _frame(("error", RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}")))
+                        data = _frame(("error", RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}"), t_recv,
+                                       t_reply))
                     try:
                         conn.sendall(data)
                     except OSError:
@@ -121,13 +128,17 @@ class StepServer:
 
 
 class StepClient:
-    """The coordinator's end (asyncio): one request in flight at a time."""
+    """The coordinator's end (asyncio): one request in flight at a time. ``times``: seconds summed
+    over its calls: ``there`` (from sending a request until the executor had read it), ``step``
+    (the executor's handler, pickling included), ``back`` (from its reply until the answer is read
+    here), with ``calls``."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.lock = asyncio.Lock()
+        self.times = {"calls": 0, "there_s": 0.0, "step_s": 0.0, "back_s": 0.0}
 
     async def call(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> Any:  # noqa: ANN401
         async with self.lock:
@@ -140,10 +151,16 @@ class StepClient:
                         sock.close()
                         raise
                     self.reader, self.writer = await asyncio.open_unix_connection(sock=sock)
+                t_send = time.monotonic_ns()
                 self.writer.write(_frame((slots, tokens, start_pos)))
                 await self.writer.drain()
                 n = _LEN.unpack(await self.reader.readexactly(_LEN.size))[0]
-                status, obj = pickle.loads(await self.reader.readexactly(n))
+                status, obj, t_recv, t_reply = pickle.loads(await self.reader.readexactly(n))
+                t = self.times
+                t["calls"] += 1
+                t["there_s"] += (t_recv - t_send) * 1e-9
+                t["step_s"] += (t_reply - t_recv) * 1e-9
+                t["back_s"] += (time.monotonic_ns() - t_reply) * 1e-9
             except (asyncio.IncompleteReadError, OSError) as e:
                 self.close()
                 raise LinkClosed(f"the primary executor's step link ({self.path}) closed: the executor "

@@ -79,6 +79,8 @@ def test_eight_concurrent_requests_equal_running_them_alone(engine, model):
     assert st["coordinator"]["running"] == 0
     assert 0.0 < st["gpu_executor"]["gpu_activation_share"] < 1.0
     assert st["cpu_executor"]["neurons"] > 0 and st["gpu_executor"]["exchanges"] > 0
+    c = st["coordinator"]  # every step over the step link (counted since the executors last started)
+    assert 0 < c["link_calls"] <= c["steps"] and 0 < c["link_step_s"] <= c["step_s"]
     # each actor reports its own process's memory (its pid's /proc), the CPU executor where its rows are
     pids = {k: i["pid"] for k, i in zip(("gpu_executor", "cpu_executor"), ray.get(engine.ready.remote())["executors_ready"])}
     for k in ("coordinator", "gpu_executor", "cpu_executor"):

@@ -154,6 +154,27 @@ def test_prefill_share_streams_the_hottest_rows_and_equals_the_masked_reference(
     assert runs[1.0][1] > runs[0.4][1]
 
 
+def test_prompt_chunks_stream_by_their_length_on_cuda(tmp_path):
+    """On CUDA, by default: chunks of at least 256 tokens stream every CPU row, chunks of 64-255 the
+    hottest 0.3, shorter ones none (the CPU executor computes them); a share given applies to every
+    chunk below the dense minimum; decode steps stream nothing. (The rule alone: a ColdRows for a
+    CUDA device, never attached.)"""
+    path = write_tiny_model(tmp_path / "m.gguf", "llama-reglu", seed=7, n_layer=2, n_ctx=64)
+    src = ModelFile(path)
+    plan, st = _plans(ReferenceModel.from_file(path).cfg)["mixed"], None
+    cuda = torch.device("cuda")
+    auto = cold_module.ColdRows(src, plan, torch.float16, cuda, st, None)
+    given = cold_module.ColdRows(src, plan, torch.float16, cuda, st, None, prefill_share=0.6)
+    for c in (auto, given):
+        c.rows = []  # as if attached
+    assert [auto.share_for(n) for n in (1, 16, 63, 64, 200, 255, 256, 3000)] == [0, 0, 0, .3, .3, .3, 1, 1]
+    assert [given.share_for(n) for n in (1, 16, 64, 255, 256)] == [.6, .6, .6, .6, 1]
+    assert auto.share_for(64, decode=True) == given.share_for(300, decode=True) == 0
+    cpu = cold_module.ColdRows(src, plan, torch.float32, torch.device("cpu"), st, None)
+    cpu.rows = []
+    assert [cpu.share_for(n) for n in (16, 64, 3000)] == [0, 0, 0]  # a CPU primary streams nothing
+
+
 def test_batched_decode_equals_single_sequences(models):
     """Sequences of different lengths decoded together give each its own logits."""
     path = models["llama-gqa"]

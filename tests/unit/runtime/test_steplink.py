@@ -54,6 +54,37 @@ def test_steps_over_the_link_equal_direct_calls_and_errors_come_back(loop):
         srv.close()
 
 
+def test_the_link_times_split_each_call_into_there_step_and_back():
+    """The executor's own time (a handler of at least 30 ms) is the step's; the three parts add up
+    to no more than the caller's wall time; failed steps count too."""
+    import time
+
+    def slow(slots, tokens, start_pos):  # noqa: ANN001, ANN202
+        time.sleep(0.03)
+        return fake_step(slots, tokens, start_pos)
+
+    srv = StepServer(slow, name="test")
+    try:
+        async def main():  # noqa: ANN202
+            cli = StepClient(srv.path)
+            t0 = time.monotonic()
+            for r in (([0], [[1]], [0]), ([1], [[2]], [-1]), ([2], [[3]], [4])):
+                try:
+                    await cli.call(*r)
+                except ValueError:
+                    pass
+            wall = time.monotonic() - t0
+            t = dict(cli.times)
+            cli.close()
+            return t, wall
+
+        t, wall = asyncio.run(main())
+        assert t["calls"] == 3 and t["step_s"] >= 3 * 0.03
+        assert 0 <= t["there_s"] and 0 <= t["back_s"] and t["there_s"] + t["step_s"] + t["back_s"] <= wall
+    finally:
+        srv.close()
+
+
 def test_a_closed_executor_end_raises_link_closed():
     srv = StepServer(fake_step, name="test")
     path = srv.path
