@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import numpy as np
 import torch
 
-from ..model.tokenizer import Tokenizer
+from ..model.tokenizer import IncrementalText, Tokenizer
 from .prompt import PromptChecker
 from .sampling import SamplingParams, logprobs_of, make_generator, sample
 
@@ -55,6 +55,7 @@ class Request:
     prompt_logprobs_sent: bool = False  # streamed with the first event
     counts: torch.Tensor | None = None  # [V] times each token was generated (penalties)
     text: str = ""
+    detok: IncrementalText | None = None  # text from output_ids, a few ids a step
     emitted: int = 0  # characters of text already streamed
     finish_reason: str | None = None
     error: str | None = None
@@ -340,8 +341,9 @@ class Scheduler:
     def _detokenize(self, req: Request) -> None:
         if self.tok is None:
             return
-        text = self.tok.decode(req.output_ids)
-        req.text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence waits for its next bytes
+        if req.detok is None:
+            req.detok = IncrementalText(self.tok)
+        req.text = req.detok.update(req.output_ids)  # an incomplete UTF-8 sequence waits for its next bytes
 
     def _push(self, req: Request, hold: int, new_ids: list[int], new_lp: list[dict]) -> None:
         upto = max(req.emitted, len(req.text) - hold)

@@ -20,7 +20,7 @@ from powerinfer_ray.model.gguf_file import ModelFile  # noqa: E402
 from powerinfer_ray.model.gguf_writer import write_model  # noqa: E402
 from powerinfer_ray.model.tiny import tiny_config, tiny_weights  # noqa: E402
 from powerinfer_ray.model.tokenizer import (  # noqa: E402
-    SPM, TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_UNUSED, Tokenizer,
+    SPM, TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_UNUSED, IncrementalText, Tokenizer,
     hf_tokenizer_fields)
 
 CORPUS = list(pydoc_data.topics.topics.values())
@@ -130,6 +130,31 @@ def test_encode_decode_like_hf(tok_dirs, kind, source):
     if source == "llama.cpp-fields":
         fields = without_hf_json(fields)
     assert_same_as_hf(Tokenizer(fields), hf, sample_texts())
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "spm", "spm-legacy"])
+def test_incremental_text_equals_the_full_decode_at_every_token(tok_dirs, kind, monkeypatch):
+    """A generation's text decoded a few ids a step equals the decode of all its ids after every id
+    (less a trailing incomplete UTF-8 sequence): texts whose characters span several byte tokens,
+    and random ids (byte tokens in the middle of words, specials, sequences that never complete)."""
+    tok = Tokenizer(fields_of(tok_dirs[kind]))
+    n = len(tok.tok.get_vocab())
+    rng = random.Random(1)
+    seqs = [tok.encode(t) for t in sample_texts() if t] + [[rng.randrange(n) for _ in range(60)] for _ in range(40)]
+    for ids in seqs:
+        inc = IncrementalText(tok)
+        for i in range(1, len(ids) + 1):
+            assert inc.update(ids[:i]) == tok.decode(ids[:i]).rstrip("\ufffd"), (kind, ids[:i])
+    # and a step decodes a few ids, not the output so far: a long text's (1000+ ids) widest window
+    ids = tok.encode(" ".join(CORPUS[3:6])[:6000])
+    widths: list[int] = []
+    seen = Tokenizer.decode
+    monkeypatch.setattr(Tokenizer, "decode", lambda self, x, skip_special=True: widths.append(len(x))
+                        or seen(self, x, skip_special))
+    inc = IncrementalText(tok)
+    for i in range(1, len(ids) + 1):
+        inc.update(ids[:i])
+    assert len(ids) > 1000 and max(widths[20:]) <= 12, (len(ids), max(widths[20:]))
 
 
 @pytest.mark.parametrize("kind", ["spm", "spm-legacy"])
