@@ -109,6 +109,7 @@ class Coordinator:
         self._step_lock = asyncio.Lock()  # held by a step: counts are read, neurons swapped between steps
         self.core = Scheduler(self._step, self.tokenizer, n_ctx=self.n_ctx, max_batch=self.ec.max_batch,
                               prefill_chunk=self.prefill_chunk, max_waiting=self.ec.max_waiting,
+                              decode_burst=self.ec.decode_burst,
                               n_vocab=self.cfg.n_vocab, on_failure=self._recover, on_finish=self._observe)
         self._metrics()
         self.replacement = ReplacementLoop(self.replacer, self._totals, self._swap, self._replaced) \
@@ -205,12 +206,12 @@ class Coordinator:
                     raise
                 await asyncio.sleep(0.2)
 
-    async def _step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]):  # noqa: ANN202
+    async def _step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int], greedy: int = 0):  # noqa: ANN202
         async with self._step_lock:
-            out = await self._running().step(slots, tokens, start_pos)
-        self.m_tokens.inc(len(tokens), tags={"engine": self.name})
+            out = await self._running().step(slots, tokens, start_pos, greedy)
+        self.m_tokens.inc(len(tokens) * max(1, greedy), tags={"engine": self.name})
         if self.replacement is not None:
-            self.replacement.stepped(tokens)
+            self.replacement.stepped([t * max(1, greedy) for t in tokens])
         return out
 
     # --- re-placement (runtime/replacement.py): both executors, between steps ------------------------

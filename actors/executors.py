@@ -139,11 +139,16 @@ class PrimaryExecutorActor(LoadedLater):
         """The decode graphs of every batch-size bucket, before serving (seconds per bucket)."""
         return self.impl.capture_graphs()
 
-    def step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]):  # noqa: ANN201
+    def step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int], greedy: int = 0):  # noqa: ANN201
+        """A step's logits [B, V]; greedy > 0: that many decode steps back to back, their tokens [n, B]."""
         t0 = time.perf_counter()
-        out = self.impl.step(slots, tokens, start_pos)
+        if greedy:
+            out = self.impl.greedy_steps(slots, [t[0] for t in tokens], start_pos, greedy)
+        else:
+            out = self.impl.step(slots, tokens, start_pos)
         dt = time.perf_counter() - t0
-        self.metrics.tok_s.set(sum(len(t) for t in tokens) / dt if dt > 0 else 0.0, tags=self.metrics.tags)
+        n_tok = sum(len(t) for t in tokens) * max(1, greedy)
+        self.metrics.tok_s.set(n_tok / dt if dt > 0 else 0.0, tags=self.metrics.tags)
         if self.impl.stats.steps % 8 == 1:
             self.metrics.update(self.stats())
         return out

@@ -124,6 +124,8 @@ def engine_kwargs(mode: str, a: argparse.Namespace, n_ctx: int, batch: int,
     kw: dict[str, Any] = dict(max_batch=batch, n_ctx=n_ctx, prefill_chunk=a.prefill_chunk,
                               threads=max(a.threads) if a.threads else None, timeout_s=600.0)
     extra: dict[str, Any] = {}
+    if a.decode_burst is not None:
+        kw["decode_burst"] = a.decode_burst
     if mode in HYBRID_POLICY:
         kw.update({k: getattr(a, k) for k in ("zero_copy", "prefill_share", "prefill_dense_min")
                    if getattr(a, k) is not None})
@@ -243,8 +245,9 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
         if decode_steps and graph_steps else 0.0,
         "decode_primary_host_us": 1e6 * (_delta(g1, g0, "graph_busy_s") - gpu_window_s) / graph_steps
         if graph_steps and gpu_window_s else 0.0,
-        # of the link's time, per step (prompt chunks' included): from the coordinator's send until the
-        # primary had read the request, and from the primary's reply until the coordinator had read it
+        # of the link's time, per call (prompt chunks' and greedy bursts' included): from the coordinator's
+        # send until the primary had read the request, and from the primary's reply until the coordinator
+        # had read it
         "link_there_us": 1e6 * _delta(c1, c0, "link_there_s") / _delta(c1, c0, "link_calls")
         if _delta(c1, c0, "link_calls") else 0.0,
         "link_back_us": 1e6 * _delta(c1, c0, "link_back_s") / _delta(c1, c0, "link_calls")
@@ -349,7 +352,7 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
         r.update(mode=mode, policy=info.get("policy"), model=a.model, planted=a.planted,
                  vram_budget_gib=budget if mode != "dense-gpu" else None, load_s=load_s, plan_s=info.get("plan_s"),
                  zero_copy=a.zero_copy, prefill_chunk=chunk, prefill_share=a.prefill_share,
-                 prefill_dense_min=a.prefill_dense_min, **load, **extra)
+                 prefill_dense_min=a.prefill_dense_min, decode_burst=a.decode_burst, **load, **extra)
         print(f"{tag} B={batch} prompt={p} out={o} threads={r['cpu_threads']}: decode {r['decode_tok_s']:.2f} tok/s, "
               f"e2e {r['e2e_tok_s']:.2f}, prefill {r['prefill_tok_s']:.1f} tok/s (TTFT {r['ttft_s'] or 0:.3f} s, rows "
               f"streamed {r['prefill_stream_gbps']:.1f} GB/s), GPU {r['gpu_gbps']:.0f} GB/s, "
@@ -396,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill-dense-min", type=int, default=None,
                     help="hybrid modes: prompt chunks of at least this many tokens stream every CPU row "
                          "(default: the engine's)")
+    ap.add_argument("--decode-burst", type=int, default=None,
+                    help="decode steps a round trip to the primary for greedy requests (default: the engine's)")
     ap.add_argument("--method", default="ilp", choices=("ilp", "greedy"))
     ap.add_argument("--zero-copy", type=float, default=None,
                     help="hybrid modes: the share of the CPU shard's neurons the GPU computes in decode steps "

@@ -222,12 +222,17 @@ class SchedulerConfig:
                                        "64 on the CPU)", kind=int)
     max_waiting: int = option(256, "requests the engine queues beyond the running batch (more: overloaded, "
                               "HTTP 429)", kind=int)
+    decode_burst: int = option(8, "decode steps the primary runs back to back, choosing each next token itself, "
+                               "while every running request is greedy (temperature 0, no penalties or logprobs) "
+                               "and no prompt waits: one round trip to the coordinator a burst (a new request waits "
+                               "for the burst's end); 1: a round trip every step", kind=int)
 
     def check_scheduler(self) -> None:
         check_int("n_ctx", self.n_ctx, 2, optional=True)
         check_int("max_batch", self.max_batch, 1, fix="sequences decoded together")
         check_int("prefill_chunk", self.prefill_chunk, 1, optional=True)
         check_int("max_waiting", self.max_waiting, 0)
+        check_int("decode_burst", self.decode_burst, 1, fix="decode steps a round trip")
 
 
 @dataclass(frozen=True)

@@ -73,13 +73,14 @@ class LocalEngine:
 
         async def make() -> Scheduler:  # its queues belong to the engine's loop
             return Scheduler(self._step, tok, n_ctx=n_ctx, max_batch=ec.max_batch, prefill_chunk=chunk,
-                             n_vocab=src.config.n_vocab)
+                             n_vocab=src.config.n_vocab, decode_burst=ec.decode_burst)
         self.coordinator = asyncio.run_coroutine_threadsafe(make(), self._loop).result()
 
-    async def _step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> Any:  # noqa: ANN401
-        out = await self.group.step(slots, tokens, start_pos)
+    async def _step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int],
+                    greedy: int = 0) -> Any:  # noqa: ANN401
+        out = await self.group.step(slots, tokens, start_pos, greedy)
         if self.replacement is not None:
-            self.replacement.stepped(tokens)
+            self.replacement.stepped([t * max(1, greedy) for t in tokens])
         return out
 
     # --- re-placement: both executors, between steps ----------------------------------------------

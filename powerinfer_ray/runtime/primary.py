@@ -206,6 +206,17 @@ class PrimaryExecutor:
         st.graph_busy_s += busy if on_graphs else 0.0
         return out
 
+    def greedy_steps(self, slots: list[int], tokens: list[int], start_pos: list[int], n: int) -> np.ndarray:
+        """``n`` decode steps of B sequences back to back, each step's token the argmax of the last
+        step's logits (greedy sampling, as ``sampling.sample`` at temperature 0): from ``tokens``
+        [B] at ``start_pos``; returns the n tokens chosen [n, B] (int64)."""
+        out = np.empty((n, len(tokens)), dtype=np.int64)
+        cur, pos = [[int(t)] for t in tokens], list(start_pos)
+        for j in range(n):
+            out[j] = self.step(slots, cur, pos).argmax(axis=-1)
+            cur, pos = [[int(t)] for t in out[j]], [p + 1 for p in pos]
+        return out
+
     def _graph_step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> np.ndarray | None:
         """The decode step on its bucket's graphs; None (run it eagerly) when they were not
         captured (``capture_graphs`` was not called): a step never captures."""

@@ -3,7 +3,9 @@
 It owns the request queue, continuous batching (a prefill chunk of the prompts that can share a
 step, then one decode step of every running request, in turn), sampling, stop conditions,
 log-probabilities, streaming and per-request statistics; prompts are checked and tokenized off
-its event loop (``runtime.prompt``). It talks to the primary executor once per step through
+its event loop (``runtime.prompt``). While every running request samples greedily and no prompt
+waits, one call runs up to ``decode_burst`` decode steps back to back in the primary, which picks
+each next token itself (``_burst``): the round trip to the primary is paid once a burst. It talks to the primary executor once per step through
 ``step_fn`` (the step link in the actor, a direct call in tests). Executors do the per-layer
 work.
 
@@ -29,7 +31,9 @@ from .sampling import SamplingParams, logprobs_of, make_generator, sample
 
 log = logging.getLogger(__name__)
 
-StepFn = Callable[[list[int], list[list[int]], list[int]], Awaitable[np.ndarray]]
+# (slots, tokens, start_pos) -> logits [B, V]; with a fourth argument n > 0, n greedy decode steps
+# back to back -> the tokens chosen [n, B]
+StepFn = Callable[..., Awaitable[np.ndarray]]
 
 
 class EngineError(RuntimeError):
@@ -101,10 +105,11 @@ class Scheduler:
     def __init__(self, step_fn: StepFn, tokenizer: Tokenizer | None, *, n_ctx: int, max_batch: int = 8,
                  prefill_chunk: int = 128, max_waiting: int = 256, eos_id: int | None = None,
                  n_vocab: int | None = None, on_failure: Callable[[BaseException], Awaitable[None]] | None = None,
-                 on_finish: Callable[[Request], None] | None = None) -> None:
+                 on_finish: Callable[[Request], None] | None = None, decode_burst: int = 1) -> None:
         assert max_batch >= 1 and prefill_chunk >= 1 and n_ctx >= 2, (max_batch, prefill_chunk, n_ctx)
         self.step_fn, self.tok, self.on_failure, self.on_finish = step_fn, tokenizer, on_failure, on_finish
         self.n_ctx, self.max_batch, self.prefill_chunk, self.max_waiting = n_ctx, max_batch, prefill_chunk, max_waiting
+        self.decode_burst = decode_burst
         self.prompts = PromptChecker(tokenizer, n_ctx, n_vocab)
         self.eos_id = eos_id if eos_id is not None else (tokenizer.eos_id if tokenizer else None)
         self.waiting: deque[Request] = deque()
@@ -229,16 +234,35 @@ class Scheduler:
             await self._prefill(group, size)
         dec = [r for r in self.running if not r.prefilling and not r.done][: self.max_batch]
         if dec:
+            n = self._burst(dec)
             t0 = time.perf_counter()
-            logits = await self._execute(dec, [[r.output_ids[-1]] for r in dec])
+            out = await self._execute(dec, [[r.output_ids[-1]] for r in dec], n if n > 1 else 0)
             self.counters["decode_s"] += time.perf_counter() - t0
-            self.counters["decode_steps"] += 1
-            self.counters["decode_tokens"] += len(dec)
-            for r, lg in zip(dec, logits):
-                r.pos += 1
-                if not r.done:
-                    self._emit(r, lg)
+            self.counters["decode_steps"] += n
+            if n > 1:  # the tokens the primary chose, [n, B]: those after a request's end are dropped
+                for row in out:
+                    for r, tok in zip(dec, row):
+                        if not r.done:
+                            r.pos += 1
+                            self.counters["decode_tokens"] += 1
+                            self._accept(r, int(tok))
+            else:
+                self.counters["decode_tokens"] += len(dec)
+                for r, lg in zip(dec, out):
+                    r.pos += 1
+                    if not r.done:
+                        self._emit(r, lg)
         self.running = [r for r in self.running if not r.done]
+
+    def _burst(self, dec: list[Request]) -> int:
+        """Decode steps the primary runs back to back for ``dec``: up to ``decode_burst`` while each of
+        them samples greedily (temperature 0, no penalties, no log-probabilities) and no request waits
+        or prefills (it would wait for the burst's end), never past a request's last token."""
+        if self.decode_burst <= 1 or self.waiting or len(dec) < len(self.running):
+            return 1
+        if not all(r.params.temperature == 0.0 and not r.params.penalized and r.params.logprobs is None for r in dec):
+            return 1
+        return max(1, min(self.decode_burst, min(r.max_new - len(r.output_ids) for r in dec)))
 
     def _prefill_group(self) -> tuple[list[Request], int]:
         """The prompts one prefill step runs, and the tokens each gives it. A step runs sequences
@@ -293,16 +317,21 @@ class Scheduler:
             req.t_admit = time.perf_counter()
             self.running.append(req)
 
-    async def _execute(self, reqs: list[Request], tokens: list[list[int]]) -> np.ndarray:
+    async def _execute(self, reqs: list[Request], tokens: list[list[int]], greedy: int = 0) -> np.ndarray:
         t0 = time.perf_counter()
-        logits = await self.step_fn([r.slot for r in reqs], tokens, [r.pos for r in reqs])
+        args = ([r.slot for r in reqs], tokens, [r.pos for r in reqs]) + ((greedy,) if greedy else ())
+        logits = await self.step_fn(*args)
         self.counters["steps"] += 1
         self.counters["step_s"] += time.perf_counter() - t0
         return logits
 
     def _emit(self, req: Request, logits: np.ndarray) -> None:
+        self._accept(req, sample(logits, req.params, req.gen, req.counts), logits)
+
+    def _accept(self, req: Request, tok: int, logits: np.ndarray | None = None) -> None:
+        """The request's next token (sampled from ``logits``, or chosen by the primary in a greedy
+        burst: then no penalties or log-probabilities, which need the logits): stop, stream."""
         p = req.params
-        tok = sample(logits, p, req.gen, req.counts)
         if req.t_first is None:
             req.t_first = time.perf_counter()
         req.output_ids.append(tok)

@@ -6,7 +6,8 @@ Ray sends inline. The link carries each step's request and logits over a Unix so
 spinning on either side: both block in the kernel). Ray still sets it up (the executor opens it
 and returns its path) and carries everything else.
 
-Frames: 8-byte little-endian length, then a pickle. Request: (slots, tokens, start_pos).
+Frames: 8-byte little-endian length, then a pickle. Request: (slots, tokens, start_pos), or
+(slots, tokens, start_pos, n) for n greedy decode steps back to back (the handler's fourth argument).
 Response: ("ok", logits, t_recv, t_reply) or ("error", exception, t_recv, t_reply): when the
 executor had read the request and when it began to send the answer (``time.monotonic_ns``, one
 clock for the host's processes), so the client splits a call's time into the way there, the step
@@ -140,7 +141,10 @@ class StepClient:
         self.lock = asyncio.Lock()
         self.times = {"calls": 0, "there_s": 0.0, "step_s": 0.0, "back_s": 0.0}
 
-    async def call(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> Any:  # noqa: ANN401
+    async def call(self, slots: list[int], tokens: list[list[int]], start_pos: list[int],
+                   greedy: int = 0) -> Any:  # noqa: ANN401
+        """The handler's answer to a step (greedy: to ``greedy`` decode steps back to back)."""
+        req = (slots, tokens, start_pos) + ((greedy,) if greedy else ())
         async with self.lock:
             try:
                 if self.writer is None:  # connected here: uvloop (Ray's async actors) rejects
@@ -152,7 +156,7 @@ class StepClient:
                         raise
                     self.reader, self.writer = await asyncio.open_unix_connection(sock=sock)
                 t_send = time.monotonic_ns()
-                self.writer.write(_frame((slots, tokens, start_pos)))
+                self.writer.write(_frame(req))
                 await self.writer.drain()
                 n = _LEN.unpack(await self.reader.readexactly(_LEN.size))[0]
                 status, obj, t_recv, t_reply = pickle.loads(await self.reader.readexactly(n))

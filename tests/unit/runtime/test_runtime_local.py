@@ -544,6 +544,9 @@ def test_coordinator_stops_and_limits(models):
         greedy = a["token_ids"]
         assert len(greedy) == 10 and a["finish_reason"] == "length"
         assert_greedy(ref, prompt, greedy)
+        # greedy: after the prompt's step, 8 decode steps in one call (decode_burst), then the last alone
+        st = eng.coordinator.stats()
+        assert (st["steps"], st["decode_steps"], eng.primary.stats.steps) == (3, 9, 10)
         b = asyncio.run(eng.generate(prompt_token_ids=prompt, max_tokens=10, stop_token_ids=[greedy[4]],
                                      ignore_eos=True))
         k = greedy.index(greedy[4])

@@ -20,13 +20,23 @@ N_CTX = 96
 
 
 class ReferenceSteps:
-    """A step function over the dense reference: one KV cache per slot, new when a slot starts at 0."""
+    """A step function over the dense reference: one KV cache per slot, new when a slot starts at 0;
+    with a fourth argument n, n greedy decode steps back to back (the tokens [n, B], as the primary's
+    ``greedy_steps``). ``calls``: each call's (batch, n)."""
 
     def __init__(self, ref: ReferenceModel) -> None:
-        self.ref, self.caches = ref, {}
+        self.ref, self.caches, self.calls = ref, {}, []
 
-    async def __call__(self, slots, tokens, start):
-        return await asyncio.to_thread(self.step, slots, tokens, start)  # off the loop, as the engine's
+    async def __call__(self, slots, tokens, start, greedy=0):
+        self.calls.append((len(slots), greedy))
+        if not greedy:
+            return await asyncio.to_thread(self.step, slots, tokens, start)  # off the loop, as the engine's
+        out, cur, pos = [], [t[0] for t in tokens], list(start)
+        for _ in range(greedy):
+            ids = self.step(slots, [[t] for t in cur], pos).argmax(-1)
+            out.append(ids)
+            cur, pos = list(ids), [p + 1 for p in pos]
+        return np.stack(out)
 
     def step(self, slots, tokens, start):
         out = []
@@ -229,3 +239,43 @@ def test_prompts_queued_together_prefill_in_shared_steps(model, lengths, first):
     for p, ids in zip(prompts, together):
         alone, _, _ = asyncio.run(run([p]))
         assert ids == alone[0]
+
+
+def test_greedy_bursts_equal_the_reference_and_end_where_each_request_ends(model):
+    """With decode_burst 4, greedy requests decoded together run up to 4 steps a call (never past a
+    request's last token): each output is the reference's greedy continuation, cut at max_tokens or at
+    a stop token met inside a burst; a request that samples (or asks for logprobs) runs one step a call."""
+    ref, _ = model
+    prompts = [[5, 77, 190], [33, 12, 99, 4], [61, 62]]
+    want = [ref.generate_greedy(p, 9) for p in prompts]
+    stop = want[2][2]  # the third request stops at its third token, inside a burst
+    assert stop not in want[2][:2]
+    steps = ReferenceSteps(ref)
+    sched = Scheduler(steps, None, n_ctx=N_CTX, max_batch=4, prefill_chunk=8, n_vocab=ref.cfg.n_vocab, decode_burst=4)
+
+    async def main():  # noqa: ANN202
+        return await asyncio.gather(sched.generate(prompt_token_ids=prompts[0], max_tokens=9, ignore_eos=True),
+                                    sched.generate(prompt_token_ids=prompts[1], max_tokens=6, ignore_eos=True),
+                                    sched.generate(prompt_token_ids=prompts[2], max_tokens=9, ignore_eos=True,
+                                                   stop_token_ids=[stop]))
+
+    outs = asyncio.run(main())
+    assert outs[0]["token_ids"] == want[0] and outs[1]["token_ids"] == want[1][:6]
+    assert outs[2]["token_ids"] == want[2][:2] and outs[2]["finish_reason"] == "stop"
+    bursts = [n for _, n in steps.calls if n]
+    assert bursts and max(bursts) == 4  # bursts ran, none past a request's max_tokens (the 6 left 5 at first)
+    # the tokens decode steps gave and the requests took (the first comes from the prompt's step; the
+    # third's last is its stop token; what a burst computed after a request's end is not counted)
+    assert sched.stats()["decode_tokens"] == (9 - 1) + (6 - 1) + (3 - 1)
+
+    sampled = ReferenceSteps(ref)
+    sched = Scheduler(sampled, None, n_ctx=N_CTX, max_batch=4, prefill_chunk=8, n_vocab=ref.cfg.n_vocab, decode_burst=4)
+
+    async def mixed():  # noqa: ANN202
+        return await asyncio.gather(sched.generate(prompt_token_ids=prompts[0], max_tokens=5, ignore_eos=True),
+                                    sched.generate(prompt_token_ids=prompts[1], max_tokens=5, ignore_eos=True,
+                                                   logprobs=1))
+
+    outs = asyncio.run(mixed())
+    assert outs[0]["token_ids"] == want[0][:5] and outs[1]["token_ids"] == want[1][:5]
+    assert all(n == 0 for _, n in sampled.calls)  # logprobs need every step's logits
