@@ -3,11 +3,11 @@
 It owns the request queue, continuous batching (a prefill chunk of the prompts that can share a
 step, then one decode step of every running request, in turn), sampling, stop conditions,
 log-probabilities, streaming and per-request statistics; prompts are checked and tokenized off
-its event loop (``runtime.prompt``). While every running request samples greedily and no prompt
-waits, one call runs up to ``decode_burst`` decode steps back to back in the primary, which picks
-each next token itself (``_burst``): the round trip to the primary is paid once a burst. It talks to the primary executor once per step through
-``step_fn`` (the step link in the actor, a direct call in tests). Executors do the per-layer
-work.
+its event loop (``runtime.prompt``). It talks to the primary executor once per step through
+``step_fn`` (the step link in the actor, a direct call in tests); while every running request
+samples greedily and no prompt waits, once per burst of up to ``decode_burst`` decode steps that
+the primary runs back to back, picking each next token itself (``_burst``). Executors do the
+per-layer work.
 
 ``step()`` reads like its docstring: schedule, execute, make output.
 """
