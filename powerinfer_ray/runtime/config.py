@@ -224,7 +224,7 @@ class SchedulerConfig:
                               "HTTP 429)", kind=int)
     decode_burst: int = option(8, "decode steps the primary runs back to back, choosing each next token itself, "
                                "while every running request is greedy (temperature 0, no penalties or logprobs) "
-                               "and no prompt waits: one round trip to the coordinator a burst (a new request waits "
+                               "and none prefills: one round trip to the coordinator a burst (a new request waits "
                                "for the burst's end); 1: a round trip every step", kind=int)
 
     def check_scheduler(self) -> None:

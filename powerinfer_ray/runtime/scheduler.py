@@ -5,7 +5,7 @@ step, then one decode step of every running request, in turn), sampling, stop co
 log-probabilities, streaming and per-request statistics; prompts are checked and tokenized off
 its event loop (``runtime.prompt``). It talks to the primary executor once per step through
 ``step_fn`` (the step link in the actor, a direct call in tests); while every running request
-samples greedily and no prompt waits, once per burst of up to ``decode_burst`` decode steps that
+samples greedily and none prefills, once per burst of up to ``decode_burst`` decode steps that
 the primary runs back to back, picking each next token itself (``_burst``). Executors do the
 per-layer work.
 
@@ -256,9 +256,10 @@ class Scheduler:
 
     def _burst(self, dec: list[Request]) -> int:
         """Decode steps the primary runs back to back for ``dec``: up to ``decode_burst`` while each of
-        them samples greedily (temperature 0, no penalties, no log-probabilities) and no request waits
-        or prefills (it would wait for the burst's end), never past a request's last token."""
-        if self.decode_burst <= 1 or self.waiting or len(dec) < len(self.running):
+        them samples greedily (temperature 0, no penalties, no log-probabilities) and no request
+        prefills or waits for a free slot (it would wait for the burst's end), never past a request's
+        last token. Requests that wait for a slot to free wait a burst at most."""
+        if self.decode_burst <= 1 or (self.waiting and self.free_slots) or len(dec) < len(self.running):
             return 1
         if not all(r.params.temperature == 0.0 and not r.params.penalized and r.params.logprobs is None for r in dec):
             return 1

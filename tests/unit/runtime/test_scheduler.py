@@ -279,3 +279,21 @@ def test_greedy_bursts_equal_the_reference_and_end_where_each_request_ends(model
     outs = asyncio.run(mixed())
     assert outs[0]["token_ids"] == want[0][:5] and outs[1]["token_ids"] == want[1][:5]
     assert all(n == 0 for _, n in sampled.calls)  # logprobs need every step's logits
+
+
+def test_greedy_bursts_go_on_while_requests_wait_for_a_slot(model):
+    """At capacity (one slot, a second request queued) the running request still decodes in bursts;
+    the queued one starts after it ends, and both are the reference's greedy continuations."""
+    ref, _ = model
+    prompts = [[5, 77, 190], [33, 12, 99, 4]]
+    steps = ReferenceSteps(ref)
+    sched = Scheduler(steps, None, n_ctx=N_CTX, max_batch=1, prefill_chunk=8, n_vocab=ref.cfg.n_vocab, decode_burst=4)
+
+    async def main():  # noqa: ANN202
+        return await asyncio.gather(*[sched.generate(prompt_token_ids=p, max_tokens=9, ignore_eos=True)
+                                      for p in prompts])
+
+    outs = asyncio.run(main())
+    assert [o["token_ids"] for o in outs] == [ref.generate_greedy(p, 9) for p in prompts]
+    # each: its prompt's step, then 8 decode steps in two bursts of 4 (the first while the other waits)
+    assert steps.calls == [(1, 0), (1, 4), (1, 4)] * 2
