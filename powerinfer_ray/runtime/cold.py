@@ -10,8 +10,9 @@ has the streamed rows' bits clear), where fewer tokens hit a row. Chunks of at l
 ``min_tokens`` tokens stream every row (the exchange's FFN drops out); shorter ones of at least
 PREFILL_SHARE_MIN tokens the ``prefill_share``, and the CPU executor alone computes the shortest
 (``share_for``): its time grows with the tokens, a stream's does not. The rows reach the device
-through two device buffers that take turns (``RowStream``): a copy stream fills one with the next chunk of rows (the next layer's
-included) while the other's rows are computed on, so the copies run beside the step's compute.
+through two device buffers that take turns (``RowStream``): a copy stream fills one with the next
+chunk of rows (the next layer's included) while the other's rows are computed on, so the copies
+run beside the step's compute.
 Where the rows come from, without a second host copy where possible:
   file    the model file's own memory map (``shard.in_place_ffn_shard``): on CUDA the layers'
           ranges of a file on tmpfs are page-locked at attach (read-only cudaHostRegister) and the
@@ -76,8 +77,9 @@ def pin_mapped(views: list[torch.Tensor], what: str, pinned: list[int]) -> bool:
 STREAM_BYTES = 64 << 20  # each of the two device buffers the streamed rows of prefill take turns in
 PREFILL_DENSE_MIN = 256  # prompt chunks of at least this many tokens stream every row of the CPU shard (CUDA)
 # shorter chunks of at least PREFILL_SHARE_MIN tokens stream this share, its hottest rows, and the
-# shortest none (CUDA; bench/RESULTS.md, prefill shares: 13B at 16 GiB, 16 tokens 3x faster with
-# none, 64 and 128 tokens 1.2-1.6x faster with 0.3 than with 0.5)
+# shortest none (CUDA; bench/RESULTS.md, prefill shares: 13B at 16 GiB, 16 tokens 2-3x faster with
+# none than with 0.5; 64 and 128 tokens 1.2-1.6x faster with 0.3 on one H100 host, within the
+# spread on another)
 PREFILL_SHARE = 0.3
 PREFILL_SHARE_MIN = 64
 # zero-copy's default on CUDA: this share of the CPU shard's neurons in decode steps of at least
