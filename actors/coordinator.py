@@ -211,7 +211,7 @@ class Coordinator:
             out = await self._running().step(slots, tokens, start_pos, greedy)
         self.m_tokens.inc(len(tokens) * max(1, greedy), tags={"engine": self.name})
         if self.replacement is not None:
-            self.replacement.stepped([t * max(1, greedy) for t in tokens])
+            self.replacement.stepped(tokens, max(1, greedy))
         return out
 
     # --- re-placement (runtime/replacement.py): both executors, between steps ------------------------

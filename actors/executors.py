@@ -142,10 +142,7 @@ class PrimaryExecutorActor(LoadedLater):
     def step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int], greedy: int = 0):  # noqa: ANN201
         """A step's logits [B, V]; greedy > 0: that many decode steps back to back, their tokens [n, B]."""
         t0 = time.perf_counter()
-        if greedy:
-            out = self.impl.greedy_steps(slots, [t[0] for t in tokens], start_pos, greedy)
-        else:
-            out = self.impl.step(slots, tokens, start_pos)
+        out = self.impl.serve_step(slots, tokens, start_pos, greedy)
         dt = time.perf_counter() - t0
         n_tok = sum(len(t) for t in tokens) * max(1, greedy)
         self.metrics.tok_s.set(n_tok / dt if dt > 0 else 0.0, tags=self.metrics.tags)

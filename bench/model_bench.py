@@ -202,6 +202,7 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
                  for k in g1["layer_s"]}
     exchange_s = g1["layer_s"]["exchange"] - g0["layer_s"].get("exchange", 0.0)  # decode graphs' (GPU clock)
     gpu_window_s = exchange_s + g1["layer_s"]["segment"] - g0["layer_s"].get("segment", 0.0)
+    link_calls = _delta(c1, c0, "link_calls")
     generated = sum(o["stats"]["completion_tokens"] for o in outs)
     ttft = [o["stats"]["ttft_s"] for o in outs if o["stats"].get("ttft_s") is not None]
     prefill_s = _delta(c1, c0, "prefill_s")
@@ -248,10 +249,8 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
         # of the link's time, per call (prompt chunks' and greedy bursts' included): from the coordinator's
         # send until the primary had read the request, and from the primary's reply until the coordinator
         # had read it
-        "link_there_us": 1e6 * _delta(c1, c0, "link_there_s") / _delta(c1, c0, "link_calls")
-        if _delta(c1, c0, "link_calls") else 0.0,
-        "link_back_us": 1e6 * _delta(c1, c0, "link_back_s") / _delta(c1, c0, "link_calls")
-        if _delta(c1, c0, "link_calls") else 0.0,
+        "link_there_us": 1e6 * _delta(c1, c0, "link_there_s") / link_calls if link_calls else 0.0,
+        "link_back_us": 1e6 * _delta(c1, c0, "link_back_s") / link_calls if link_calls else 0.0,
         # decode graphs captured inside this run (a batch bucket the warm-up missed): its decode time
         # includes the capture and the Triton compiles
         "graph_captures": int(_delta(g1, g0, "graph_captures")), "capture_s": _delta(g1, g0, "capture_s"),

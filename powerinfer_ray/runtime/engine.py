@@ -80,7 +80,7 @@ class LocalEngine:
                     greedy: int = 0) -> Any:  # noqa: ANN401
         out = await self.group.step(slots, tokens, start_pos, greedy)
         if self.replacement is not None:
-            self.replacement.stepped([t * max(1, greedy) for t in tokens])
+            self.replacement.stepped(tokens, max(1, greedy))
         return out
 
     # --- re-placement: both executors, between steps ----------------------------------------------

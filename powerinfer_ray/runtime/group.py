@@ -183,9 +183,7 @@ class LocalBackend:
     def step_fn(self, primary: PrimaryExecutor) -> StepFn:
         def locked(slots: list[int], tokens: list[list[int]], start_pos: list[int], greedy: int) -> np.ndarray:
             with self.step_lock:
-                if greedy:
-                    return primary.greedy_steps(slots, [t[0] for t in tokens], start_pos, greedy)
-                return primary.step(slots, tokens, start_pos)
+                return primary.serve_step(slots, tokens, start_pos, greedy)
 
         async def step(slots: list[int], tokens: list[list[int]], start_pos: list[int], greedy: int = 0) -> np.ndarray:
             return await asyncio.to_thread(locked, slots, tokens, start_pos, greedy)

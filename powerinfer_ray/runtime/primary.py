@@ -206,6 +206,13 @@ class PrimaryExecutor:
         st.graph_busy_s += busy if on_graphs else 0.0
         return out
 
+    def serve_step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int], greedy: int = 0) -> np.ndarray:
+        """What the coordinator's step call gets: ``step``'s logits [B, V], or with greedy > 0 that
+        many decode steps back to back (``greedy_steps``), their tokens [greedy, B]."""
+        if greedy:
+            return self.greedy_steps(slots, [t[0] for t in tokens], start_pos, greedy)
+        return self.step(slots, tokens, start_pos)
+
     def greedy_steps(self, slots: list[int], tokens: list[int], start_pos: list[int], n: int) -> np.ndarray:
         """``n`` decode steps of B sequences back to back, each step's token the argmax of the last
         step's logits (greedy sampling, as ``sampling.sample`` at temperature 0): from ``tokens``

@@ -268,9 +268,10 @@ class ReplacementLoop:
         self._due = asyncio.Event()
         self.task: asyncio.Task | None = None
 
-    def stepped(self, tokens: list[list[int]]) -> None:
-        """A step of ``tokens`` (per sequence) ran; wakes the loop every interval."""
-        self.served += sum(len(t) for t in tokens)
+    def stepped(self, tokens: list[list[int]], steps: int = 1) -> None:
+        """``steps`` steps of as many ``tokens`` (per sequence) ran (a greedy burst: several decode
+        steps of one token each); wakes the loop every interval."""
+        self.served += sum(len(t) for t in tokens) * steps
         if self.served >= self._next:
             self._next = self.served + self.replacer.settings.interval
             self._due.set()
