@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|confirm|confirmrun|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
+#       bash bench/host_run.sh verify|gputests|confirm|confirmrun|burst|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|confirm|confirmrun|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
+stages="verify|gputests|confirm|confirmrun|burst|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -285,6 +285,25 @@ batchbudget)  # issue 35: the GPU tests of the budget at the largest batch and o
         --modes hybrid --shapes 16x32 --batch 8,32 -t "$THREADS" > /dev/null
     table decode_tok_s,vram_used_gib,vram_peak_gib,gpu_weight_gib,graph_captures,capture_s,load_s \
         "$OUT"/runtime-13b-${B13}gib-file-batchbudget-h200.json
+    ;;
+burst)  # issue 35: greedy decode bursts, the 13B file at $B13 GiB at batch 1, --decode-burst 1 against 8 as ABBA
+    # (one engine each), then batch 8 and 32 at the default burst (prompt 16, 32 generated): decode tok/s and the
+    # host's time per step outside the GPU (the link both ways, the primary's busy time beyond its graphs)
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[0-9]00' | tr H h)
+    write_file "$M13" 200 || exit 0
+    i=0
+    for b in ${BURSTS:-1 8 8 1}; do
+        i=$((i + 1))
+        suite runtime-13b-${B13}gib-file-b1-burst-$gpu-$i-b$b 100 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" --decode-burst "$b" > /dev/null
+    done
+    table decode_tok_s,decode_step_ms,decode_link_us,link_there_us,link_back_us,decode_primary_host_us,cpu_kernel_us_per_exchange \
+        "$OUT"/runtime-*burst*.json
+    if [ "${BURST_BATCH:-1}" = 1 ]; then
+        suite runtime-13b-${B13}gib-file-batch-burst-$gpu 200 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+            --modes hybrid --shapes 16x32 --batch 8,32 -t "$THREADS" > /dev/null
+        table decode_tok_s,vram_used_gib,vram_peak_gib,graph_captures "$OUT"/runtime-*batch-burst*.json
+    fi
     ;;
 t8ab)  # the GPU tests and the kernels with the defaults
     timeout -s INT 240 python -m pytest tests/gpu -q -rf > "$OUT/gpu-tests.log" 2>&1
