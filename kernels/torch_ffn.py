@@ -109,27 +109,28 @@ def sparse_ffn_torch(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | Non
 
 
 def sparse_ffn_gemm(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor,
-                    idx: torch.Tensor, mask: torch.Tensor | None = None, act: str = "reglu",
+                    idx: torch.Tensor | None, mask: torch.Tensor | None = None, act: str = "reglu",
                     up_bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
                     qtype: str | None = None, act_threshold: float | None = None, act_on: str = "gate",
                     gate_pre: torch.Tensor | None = None, count: torch.Tensor | None = None,
                     chunk_bytes: int = 16 << 20) -> torch.Tensor:
     """The path for many tokens at once (a prompt chunk on a GPU): every row of the shard through
     matrix multiplies in the compute dtype (x's when the rows are stored in it or quantized, else
-    fp32), h zeroed outside the active rows idx (distinct) and their mask, so each row is read once
-    per call whatever T is. Rows go in chunks whose temporaries (u, g, h of T tokens; rows in
-    another type converted, quantized rows dequantized) take about ``chunk_bytes``, as little as the
-    VRAM budget leaves to a step. count [N] int64: adds the tokens in which each row's h is nonzero
+    fp32), h zeroed outside the active rows idx (distinct; None: every row, the mask [T, N] over
+    them) and their mask, so each row is read once per call whatever T is. Rows go in chunks whose
+    temporaries (u, g, h of T tokens; rows in another type converted, quantized rows dequantized)
+    take about ``chunk_bytes``, as little as the VRAM budget leaves to a step. count [N] int64: adds the tokens in which each row's h is nonzero
     (after the threshold and the mask)."""
     T, D = x.shape
     N = up.shape[0]
     half = x.dtype in (torch.float16, torch.bfloat16) and (qtype is not None or up.dtype == x.dtype)
     dt = x.dtype if half else torch.float32
-    keep = torch.zeros(T, N, dtype=torch.bool, device=x.device)  # [T, N]
-    if mask is None:
-        keep[:, idx.long()] = True
-    else:
-        keep[:, idx.long()] = mask if mask.dtype == torch.bool else bits_to_mask(mask, T)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = bits_to_mask(mask, T)
+    keep = mask  # [T, N] or None (every row, every token)
+    if idx is not None:
+        keep = torch.zeros(T, N, dtype=torch.bool, device=x.device)
+        keep[:, idx.long()] = True if mask is None else mask
     xc = x.to(dt)
     y = torch.zeros(T, D, dtype=torch.float32, device=x.device)
     converted = 0 if qtype is None and up.dtype == dt else 3 * D * torch.finfo(dt).bits // 8
@@ -144,7 +145,8 @@ def sparse_ffn_gemm(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None
         h = _activation(act, u, g)
         if act_threshold is not None:
             h = apply_act_threshold(h, g, act_threshold, act_on)
-        h = h * keep[:, a:b]
+        if keep is not None:
+            h = h * keep[:, a:b]
         if count is not None:
             count[a:b] += (h != 0).sum(0)
         y += (h.to(dt) @ rows(down_t)).float()

@@ -294,14 +294,15 @@ class ColdRows:
         products, counting as they go, for float rows and a GPU's chunk of many tokens; else the
         sparse FFN kernels (a CPU primary's multiplies quantized rows as ggml does). mask [N, R],
         count [R] and h_out [N, R] as ``ffn``'s."""
-        idx, act = torch.arange(rows.up.shape[0], device=x.device), self.cfg.ffn_act
-        gemm = rows.qtype is None or takes_gemm(x)
-        if gemm and h_out is None:
-            return sparse_ffn_gemm(x, rows.up, rows.gate, rows.down_t, idx, mask, act, rows.up_bias, None, rows.qtype,
-                                   act_threshold, act_on, count=count).float()
-        y = (sparse_ffn_gemm if gemm else sparse_ffn)(x, rows.up, rows.gate, rows.down_t, idx, mask, act, rows.up_bias,
-                                                     qtype=rows.qtype, act_threshold=act_threshold,
-                                                     act_on=act_on).float()
+        act = self.cfg.ffn_act
+        if rows.qtype is None or takes_gemm(x):
+            y = sparse_ffn_gemm(x, rows.up, rows.gate, rows.down_t, None, mask, act, rows.up_bias, None, rows.qtype,
+                                act_threshold, act_on, count=count if h_out is None else None).float()
+            if h_out is None:
+                return y
+        else:
+            y = sparse_ffn(x, rows.up, rows.gate, rows.down_t, torch.arange(rows.up.shape[0], device=x.device), mask,
+                           act, rows.up_bias, qtype=rows.qtype, act_threshold=act_threshold, act_on=act_on).float()
         if count is not None or h_out is not None:  # the kernel keeps h inside: computed again
             h = shard_activation(x, rows, act, act_threshold, act_on)  # [N, R]
             h = h if mask is None else h * mask

@@ -153,8 +153,8 @@ def ffn_partial(x: torch.Tensor, shard: FFNShard, act: str, policy: str,
     gemm = takes_gemm(x)  # sparse_ffn's path for a prompt chunk: every row read once
     if policy == "oracle" and gemm and shard.rows is None:  # h once, the active rows counted where computed
         hits = torch.zeros(shard.n, dtype=torch.int64, device=x.device)
-        y = sparse_ffn_gemm(x, shard.up, shard.gate, shard.down_t, torch.arange(shard.n, device=x.device), None,
-                            act, shard.up_bias, out, shard.qtype, act_threshold, act_on, count=hits)
+        y = sparse_ffn_gemm(x, shard.up, shard.gate, shard.down_t, None, None, act, shard.up_bias, out, shard.qtype,
+                            act_threshold, act_on, count=hits)
         if count is not None:
             count += hits.to(count.device)
         return y, int(hits.sum()), shard.n
@@ -162,6 +162,11 @@ def ffn_partial(x: torch.Tensor, shard: FFNShard, act: str, policy: str,
         mask, act_threshold = oracle_mask(x, shard, act, act_threshold, act_on), None
         if count is not None:
             count += mask.sum(0).to(count.device)
+    if gemm and shard.rows is None:  # every row multiplied: the mask zeroes h, no active list (a sync) needed
+        pairs = T * shard.n if policy == "dense" or mask is None else int(mask.sum())
+        y = sparse_ffn_gemm(x, shard.up, shard.gate, shard.down_t, None, None if policy == "dense" else mask, act,
+                            shard.up_bias, out, shard.qtype, act_threshold, act_on)
+        return y, pairs, shard.n
     if policy == "dense" or mask is None:
         idx = torch.arange(shard.n, device=x.device)
         tok_mask, computed = None, T * shard.n

@@ -221,8 +221,8 @@ def test_precomputed_gate_values_replace_the_gate_rows(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_gemm_path_reads_rows_in_chunks_and_counts_active_rows(qtype, dtype):
     """sparse_ffn_gemm (the path of a CUDA call of many tokens) in its smallest chunks, so the
-    chunk edges fall inside idx: a subset of rows in random order with a bool mask, OPT's up bias
-    and the SwiGLU threshold, against float64; count adds each row's tokens with h != 0, which
+    chunk edges fall inside idx: a subset of rows in random order with a bool mask (and every row,
+    idx None, under a mask over all), OPT's up bias and the SwiGLU threshold, against float64; count adds each row's tokens with h != 0, which
     for every row and no mask is the shard's true activity."""
     from powerinfer_ray.kernels.torch_ffn import sparse_ffn_gemm
 
@@ -246,9 +246,12 @@ def test_gemm_path_reads_rows_in_chunks_and_counts_active_rows(qtype, dtype):
         assert rel_err(y, ref) < TOL[dtype], (act, rel_err(y, ref))
         assert count.sum() <= int(mask.sum()) and not count[torch.ones(N, dtype=torch.bool).index_fill_(
             0, idx, False)].any(), "rows outside idx counted"
+        full = torch.rand(T, N, generator=gen) < 0.6  # idx None: the mask is over every row
+        y = sparse_ffn_gemm(x, up, gate, down_t, None, full, act, bias, None, qtype, act_threshold=t, chunk_bytes=1)
+        ref = sparse_ffn_ref(x, up, gate, down_t, torch.arange(N), full, act, bias, qtype=qtype, act_threshold=t)
+        assert rel_err(y, ref) < TOL[dtype], (act, "every row", rel_err(y, ref))
         every = torch.zeros(N, dtype=torch.int64)
-        sparse_ffn_gemm(x, up, gate, down_t, torch.arange(N), None, act, bias, None, qtype, act_threshold=t,
-                        count=every)
+        sparse_ffn_gemm(x, up, gate, down_t, None, None, act, bias, None, qtype, act_threshold=t, count=every)
         w = (lambda m: m.double()) if qtype is None else (lambda m: dequantize(m, qtype, torch.float64))
         u = x.double() @ w(up).T + (0 if bias is None else bias.double())
         g = None if gate is None else x.double() @ w(gate).T
