@@ -206,12 +206,14 @@ class Coordinator:
                     raise
                 await asyncio.sleep(0.2)
 
-    async def _step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int], greedy: int = 0):  # noqa: ANN202
+    async def _step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int], burst=None):  # noqa: ANN001, ANN202
+        """A step on the running executors (burst: a ``sampling.Burst``, its decode steps back to back)."""
+        n = burst.n if burst else 1
         async with self._step_lock:
-            out = await self._running().step(slots, tokens, start_pos, greedy)
-        self.m_tokens.inc(len(tokens) * max(1, greedy), tags={"engine": self.name})
+            out = await self._running().step(slots, tokens, start_pos, burst)
+        self.m_tokens.inc(len(tokens) * n, tags={"engine": self.name})
         if self.replacement is not None:
-            self.replacement.stepped(tokens, max(1, greedy))
+            self.replacement.stepped(tokens, n)
         return out
 
     # --- re-placement (runtime/replacement.py): both executors, between steps ------------------------

@@ -139,12 +139,13 @@ class PrimaryExecutorActor(LoadedLater):
         """The decode graphs of every batch-size bucket, before serving (seconds per bucket)."""
         return self.impl.capture_graphs()
 
-    def step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int], greedy: int = 0):  # noqa: ANN201
-        """A step's logits [B, V]; greedy > 0: that many decode steps back to back, their tokens [n, B]."""
+    def step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int], burst=None):  # noqa: ANN001, ANN201
+        """A step's logits [B, V]; burst (a ``sampling.Burst``): its decode steps back to back, their
+        tokens [n, B] and the samplers' states (``PrimaryExecutor.serve_step``)."""
         t0 = time.perf_counter()
-        out = self.impl.serve_step(slots, tokens, start_pos, greedy)
+        out = self.impl.serve_step(slots, tokens, start_pos, burst)
         dt = time.perf_counter() - t0
-        n_tok = sum(len(t) for t in tokens) * max(1, greedy)
+        n_tok = sum(len(t) for t in tokens) * (burst.n if burst else 1)
         self.metrics.tok_s.set(n_tok / dt if dt > 0 else 0.0, tags=self.metrics.tags)
         if self.impl.stats.steps % 8 == 1:
             self.metrics.update(self.stats())

@@ -222,10 +222,10 @@ class SchedulerConfig:
                                        "64 on the CPU)", kind=int)
     max_waiting: int = option(256, "requests the engine queues beyond the running batch (more: overloaded, "
                               "HTTP 429)", kind=int)
-    decode_burst: int = option(8, "decode steps the primary runs back to back, choosing each next token itself, "
-                               "while every running request is greedy (temperature 0, no penalties or logprobs) "
-                               "and none prefills: one round trip to the coordinator a burst (a new request waits "
-                               "for the burst's end); 1: a round trip every step", kind=int)
+    decode_burst: int = option(8, "decode steps the primary runs back to back, sampling each next token itself, "
+                               "while no running request prefills or asks for penalties or logprobs: one round trip "
+                               "to the coordinator a burst (a new request waits for the burst's end); 1: a round "
+                               "trip every step", kind=int)
 
     def check_scheduler(self) -> None:
         check_int("n_ctx", self.n_ctx, 2, optional=True)

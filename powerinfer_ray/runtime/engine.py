@@ -24,6 +24,7 @@ from .group import ExecutorGroup, GroupSpec, LocalBackend, start_group
 from .plan import Plan, Swap
 from .primary import PrimaryExecutor
 from .replacement import ReplacementLoop, engine_replacer
+from .sampling import Burst
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -77,10 +78,10 @@ class LocalEngine:
         self.coordinator = asyncio.run_coroutine_threadsafe(make(), self._loop).result()
 
     async def _step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int],
-                    greedy: int = 0) -> Any:  # noqa: ANN401
-        out = await self.group.step(slots, tokens, start_pos, greedy)
+                    burst: Burst | None = None) -> Any:  # noqa: ANN401
+        out = await self.group.step(slots, tokens, start_pos, burst)
         if self.replacement is not None:
-            self.replacement.stepped(tokens, max(1, greedy))
+            self.replacement.stepped(tokens, burst.n if burst else 1)
         return out
 
     # --- re-placement: both executors, between steps ----------------------------------------------

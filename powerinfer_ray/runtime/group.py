@@ -31,6 +31,7 @@ from ..model.source import WeightSource, open_model
 from .cpu_executor import CPUExecutor
 from .hostmem import check_fits, host_need
 from .plan import Plan
+from .sampling import Burst
 from .primary import PrimaryExecutor
 from .sharedshard import SharedShardSpec
 
@@ -181,12 +182,13 @@ class LocalBackend:
         return [getattr(member, method)(*args) for member, method, args in calls]
 
     def step_fn(self, primary: PrimaryExecutor) -> StepFn:
-        def locked(slots: list[int], tokens: list[list[int]], start_pos: list[int], greedy: int) -> np.ndarray:
+        def locked(slots: list[int], tokens: list[list[int]], start_pos: list[int], burst: Burst | None) -> Any:  # noqa: ANN401
             with self.step_lock:
-                return primary.serve_step(slots, tokens, start_pos, greedy)
+                return primary.serve_step(slots, tokens, start_pos, burst)
 
-        async def step(slots: list[int], tokens: list[list[int]], start_pos: list[int], greedy: int = 0) -> np.ndarray:
-            return await asyncio.to_thread(locked, slots, tokens, start_pos, greedy)
+        async def step(slots: list[int], tokens: list[list[int]], start_pos: list[int],
+                       burst: Burst | None = None) -> Any:  # noqa: ANN401
+            return await asyncio.to_thread(locked, slots, tokens, start_pos, burst)
         return step
 
     def close(self, group: ExecutorGroup) -> None:

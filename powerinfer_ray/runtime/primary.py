@@ -32,6 +32,7 @@ from .hostmem import process_memory
 from .graphs import GRAPH_POLICIES, DecodeGraphs, GraphCaptureError, bucket_of, buckets
 from .layers import Policy
 from .plan import Plan, Swap
+from .sampling import Burst
 from .schedule import Item, run_eager, step_schedule
 from .sharedshard import SharedShardSpec, fill
 from .stats import ExecStats
@@ -206,23 +207,13 @@ class PrimaryExecutor:
         st.graph_busy_s += busy if on_graphs else 0.0
         return out
 
-    def serve_step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int], greedy: int = 0) -> np.ndarray:
-        """What the coordinator's step call gets: ``step``'s logits [B, V], or with greedy > 0 that
-        many decode steps back to back (``greedy_steps``), their tokens [greedy, B]."""
-        if greedy:
-            return self.greedy_steps(slots, [t[0] for t in tokens], start_pos, greedy)
+    def serve_step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int],
+                   burst: Burst | None = None) -> np.ndarray | tuple[np.ndarray, list]:
+        """What the coordinator's step call gets: ``step``'s logits [B, V], or for a burst its decode
+        steps back to back (``Burst.run``): the tokens chosen [n, B] and the samplers' states."""
+        if burst is not None:
+            return burst.run(lambda toks, pos: self.step(slots, toks, pos), [t[0] for t in tokens], start_pos)
         return self.step(slots, tokens, start_pos)
-
-    def greedy_steps(self, slots: list[int], tokens: list[int], start_pos: list[int], n: int) -> np.ndarray:
-        """``n`` decode steps of B sequences back to back, each step's token the argmax of the last
-        step's logits (greedy sampling, as ``sampling.sample`` at temperature 0): from ``tokens``
-        [B] at ``start_pos``; returns the n tokens chosen [n, B] (int64)."""
-        out = np.empty((n, len(tokens)), dtype=np.int64)
-        cur, pos = [[int(t)] for t in tokens], list(start_pos)
-        for j in range(n):
-            out[j] = self.step(slots, cur, pos).argmax(axis=-1)
-            cur, pos = [[int(t)] for t in out[j]], [p + 1 for p in pos]
-        return out
 
     def _graph_step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> np.ndarray | None:
         """The decode step on its bucket's graphs; None (run it eagerly) when they were not

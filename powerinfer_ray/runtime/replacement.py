@@ -269,7 +269,7 @@ class ReplacementLoop:
         self.task: asyncio.Task | None = None
 
     def stepped(self, tokens: list[list[int]], steps: int = 1) -> None:
-        """``steps`` steps of as many ``tokens`` (per sequence) ran (a greedy burst: several decode
+        """``steps`` steps of as many ``tokens`` (per sequence) ran (a burst: several decode
         steps of one token each); wakes the loop every interval."""
         self.served += sum(len(t) for t in tokens) * steps
         if self.served >= self._next:

@@ -3,7 +3,7 @@ top-k, top-p) and the log-probabilities a request may ask for."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -125,3 +125,30 @@ def logprobs_of(logits: np.ndarray | torch.Tensor, token: int, top: int) -> tupl
         vals, ids = torch.topk(lp, min(top, lp.numel()))
         alts = [(int(i), float(v)) for i, v in zip(ids, vals)]
     return float(lp[token]), alts
+
+
+@dataclass
+class Burst:
+    """A decode burst (``Scheduler._burst``): ``n`` decode steps that the primary runs back to back,
+    choosing each sequence's next token itself as the scheduler would (``sample``): ``samplers[i]``
+    None is greedy, else the request's parameters (no penalties: they need the tokens so far) and
+    its generator's state (``torch.Generator.get_state``), which ``run`` hands back advanced."""
+
+    n: int
+    samplers: list[tuple[SamplingParams, torch.Tensor] | None]
+
+    def run(self, step: Callable[[list[list[int]], list[int]], np.ndarray], tokens: list[int],
+            start_pos: list[int]) -> tuple[np.ndarray, list[torch.Tensor | None]]:
+        """The burst over ``step(tokens [B][1], start_pos [B]) -> logits [B, V]``, from ``tokens`` [B]
+        at ``start_pos``: the tokens chosen [n, B] (int64), and each sampler's generator state after."""
+        gens: list[torch.Generator | None] = []
+        for s in self.samplers:
+            gens.append(None if s is None else torch.Generator().set_state(s[1]))
+        out = np.empty((self.n, len(tokens)), dtype=np.int64)
+        cur, pos = list(tokens), list(start_pos)
+        for j in range(self.n):
+            logits = step([[int(t)] for t in cur], pos)
+            for i, (s, g) in enumerate(zip(self.samplers, gens)):
+                out[j, i] = int(np.argmax(logits[i])) if s is None else sample(logits[i], s[0], g)
+            cur, pos = out[j], [p + 1 for p in pos]
+        return out, [None if g is None else g.get_state() for g in gens]

@@ -4,9 +4,9 @@ It owns the request queue, continuous batching (a prefill chunk of the prompts t
 step, then one decode step of every running request, in turn), sampling, stop conditions,
 log-probabilities, streaming and per-request statistics; prompts are checked and tokenized off
 its event loop (``runtime.prompt``). It talks to the primary executor once per step through
-``step_fn`` (the step link in the actor, a direct call in tests); while every running request
-samples greedily and none prefills, once per burst of up to ``decode_burst`` decode steps that
-the primary runs back to back, picking each next token itself (``_burst``). Executors do the
+``step_fn`` (the step link in the actor, a direct call in tests); while no running request
+prefills, penalizes or asks for log-probabilities, once per burst of up to ``decode_burst`` decode
+steps that the primary runs back to back, sampling each next token itself (``_burst``). Executors do the
 per-layer work.
 
 ``step()`` reads like its docstring: schedule, execute, make output.
@@ -27,12 +27,12 @@ import torch
 
 from ..model.tokenizer import IncrementalText, Tokenizer
 from .prompt import PromptChecker
-from .sampling import SamplingParams, logprobs_of, make_generator, sample
+from .sampling import Burst, SamplingParams, logprobs_of, make_generator, sample
 
 log = logging.getLogger(__name__)
 
-# (slots, tokens, start_pos) -> logits [B, V]; with a fourth argument n > 0, n greedy decode steps
-# back to back -> the tokens chosen [n, B]
+# (slots, tokens, start_pos) -> logits [B, V]; with a fourth argument, a Burst: its decode steps back
+# to back -> (the tokens chosen [n, B], the samplers' generator states after them)
 StepFn = Callable[..., Awaitable[np.ndarray]]
 
 
@@ -234,12 +234,16 @@ class Scheduler:
             await self._prefill(group, size)
         dec = [r for r in self.running if not r.prefilling and not r.done][: self.max_batch]
         if dec:
-            n = self._burst(dec)
+            burst = self._burst(dec)
             t0 = time.perf_counter()
-            out = await self._execute(dec, [[r.output_ids[-1]] for r in dec], n if n > 1 else 0)
+            out = await self._execute(dec, [[r.output_ids[-1]] for r in dec], burst)
             self.counters["decode_s"] += time.perf_counter() - t0
-            self.counters["decode_steps"] += n
-            if n > 1:  # the tokens the primary chose, [n, B]: those after a request's end are dropped
+            self.counters["decode_steps"] += burst.n if burst else 1
+            if burst:  # the tokens the primary chose, [n, B]: those after a request's end are dropped
+                out, states = out
+                for r, state in zip(dec, states):
+                    if state is not None:
+                        r.gen.set_state(state)
                 for row in out:
                     for r, tok in zip(dec, row):
                         if not r.done:
@@ -254,16 +258,20 @@ class Scheduler:
                         self._emit(r, lg)
         self.running = [r for r in self.running if not r.done]
 
-    def _burst(self, dec: list[Request]) -> int:
-        """Decode steps the primary runs back to back for ``dec``: up to ``decode_burst`` while each of
-        them samples greedily (temperature 0, no penalties, no log-probabilities) and no request
-        prefills or waits for a free slot (it would wait for the burst's end), never past a request's
-        last token. Requests that wait for a slot to free wait a burst at most."""
+    def _burst(self, dec: list[Request]) -> Burst | None:
+        """The decode steps the primary runs back to back for ``dec`` (None: one step, its logits here):
+        up to ``decode_burst`` while none of them penalizes or asks for log-probabilities (both need
+        every step here) and no request prefills or waits for a free slot (it would wait for the
+        burst's end), never past a request's last token. Requests that wait for a slot to free wait
+        a burst at most. The primary samples with each request's generator, as ``_emit`` would."""
         if self.decode_burst <= 1 or (self.waiting and self.free_slots) or len(dec) < len(self.running):
-            return 1
-        if not all(r.params.temperature == 0.0 and not r.params.penalized and r.params.logprobs is None for r in dec):
-            return 1
-        return max(1, min(self.decode_burst, min(r.max_new - len(r.output_ids) for r in dec)))
+            return None
+        if any(r.params.penalized or r.params.logprobs is not None for r in dec):
+            return None
+        n = min(self.decode_burst, min(r.max_new - len(r.output_ids) for r in dec))
+        if n <= 1:
+            return None
+        return Burst(n, [None if r.params.temperature == 0.0 else (r.params, r.gen.get_state()) for r in dec])
 
     def _prefill_group(self) -> tuple[list[Request], int]:
         """The prompts one prefill step runs, and the tokens each gives it. A step runs sequences
@@ -318,9 +326,9 @@ class Scheduler:
             req.t_admit = time.perf_counter()
             self.running.append(req)
 
-    async def _execute(self, reqs: list[Request], tokens: list[list[int]], greedy: int = 0) -> np.ndarray:
+    async def _execute(self, reqs: list[Request], tokens: list[list[int]], burst: Burst | None = None) -> Any:  # noqa: ANN401
         t0 = time.perf_counter()
-        args = ([r.slot for r in reqs], tokens, [r.pos for r in reqs]) + ((greedy,) if greedy else ())
+        args = ([r.slot for r in reqs], tokens, [r.pos for r in reqs]) + ((burst,) if burst else ())
         logits = await self.step_fn(*args)
         self.counters["steps"] += 1
         self.counters["step_s"] += time.perf_counter() - t0
@@ -330,8 +338,8 @@ class Scheduler:
         self._accept(req, sample(logits, req.params, req.gen, req.counts), logits)
 
     def _accept(self, req: Request, tok: int, logits: np.ndarray | None = None) -> None:
-        """The request's next token (sampled from ``logits``, or chosen by the primary in a greedy
-        burst: then no penalties or log-probabilities, which need the logits): stop, stream."""
+        """The request's next token (sampled from ``logits``, or by the primary in a burst: then no
+        penalties or log-probabilities, which need the logits): stop, stream."""
         p = req.params
         if req.t_first is None:
             req.t_first = time.perf_counter()

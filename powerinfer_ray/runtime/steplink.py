@@ -7,7 +7,7 @@ spinning on either side: both block in the kernel). Ray still sets it up (the ex
 and returns its path) and carries everything else.
 
 Frames: 8-byte little-endian length, then a pickle. Request: (slots, tokens, start_pos), or
-(slots, tokens, start_pos, n) for n greedy decode steps back to back (the handler's fourth argument).
+(slots, tokens, start_pos, burst) for a burst of decode steps back to back (``sampling.Burst``).
 Response: ("ok", logits, t_recv, t_reply) or ("error", exception, t_recv, t_reply): when the
 executor had read the request and when it began to send the answer (``time.monotonic_ns``, one
 clock for the host's processes), so the client splits a call's time into the way there, the step
@@ -142,9 +142,9 @@ class StepClient:
         self.times = {"calls": 0, "there_s": 0.0, "step_s": 0.0, "back_s": 0.0}
 
     async def call(self, slots: list[int], tokens: list[list[int]], start_pos: list[int],
-                   greedy: int = 0) -> Any:  # noqa: ANN401
-        """The handler's answer to a step (greedy: to ``greedy`` decode steps back to back)."""
-        req = (slots, tokens, start_pos) + ((greedy,) if greedy else ())
+                   burst: Any = None) -> Any:  # noqa: ANN401
+        """The handler's answer to a step (burst: a ``sampling.Burst``, its decode steps back to back)."""
+        req = (slots, tokens, start_pos) + ((burst,) if burst else ())
         async with self.lock:
             try:
                 if self.writer is None:  # connected here: uvloop (Ray's async actors) rejects

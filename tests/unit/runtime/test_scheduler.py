@@ -21,22 +21,17 @@ N_CTX = 96
 
 class ReferenceSteps:
     """A step function over the dense reference: one KV cache per slot, new when a slot starts at 0;
-    with a fourth argument n, n greedy decode steps back to back (the tokens [n, B], as the primary's
-    ``greedy_steps``). ``calls``: each call's (batch, n)."""
+    with a fourth argument, a Burst: its decode steps back to back (as the primary's ``serve_step``).
+    ``calls``: each call's (batch, the burst's steps or 0)."""
 
     def __init__(self, ref: ReferenceModel) -> None:
         self.ref, self.caches, self.calls = ref, {}, []
 
-    async def __call__(self, slots, tokens, start, greedy=0):
-        self.calls.append((len(slots), greedy))
-        if not greedy:
+    async def __call__(self, slots, tokens, start, burst=None):
+        self.calls.append((len(slots), burst.n if burst else 0))
+        if burst is None:
             return await asyncio.to_thread(self.step, slots, tokens, start)  # off the loop, as the engine's
-        out, cur, pos = [], [t[0] for t in tokens], list(start)
-        for _ in range(greedy):
-            ids = self.step(slots, [[t] for t in cur], pos).argmax(-1)
-            out.append(ids)
-            cur, pos = list(ids), [p + 1 for p in pos]
-        return np.stack(out)
+        return burst.run(lambda toks, pos: self.step(slots, toks, pos), [t[0] for t in tokens], start)
 
     def step(self, slots, tokens, start):
         out = []
@@ -244,7 +239,7 @@ def test_prompts_queued_together_prefill_in_shared_steps(model, lengths, first):
 def test_greedy_bursts_equal_the_reference_and_end_where_each_request_ends(model):
     """With decode_burst 4, greedy requests decoded together run up to 4 steps a call (never past a
     request's last token): each output is the reference's greedy continuation, cut at max_tokens or at
-    a stop token met inside a burst; a request that samples (or asks for logprobs) runs one step a call."""
+    a stop token met inside a burst; a request that asks for logprobs runs one step a call."""
     ref, _ = model
     prompts = [[5, 77, 190], [33, 12, 99, 4], [61, 62]]
     want = [ref.generate_greedy(p, 9) for p in prompts]
@@ -279,6 +274,32 @@ def test_greedy_bursts_equal_the_reference_and_end_where_each_request_ends(model
     outs = asyncio.run(mixed())
     assert outs[0]["token_ids"] == want[0][:5] and outs[1]["token_ids"] == want[1][:5]
     assert all(n == 0 for _, n in sampled.calls)  # logprobs need every step's logits
+
+
+def test_sampled_bursts_equal_single_steps_with_the_same_seeds(model):
+    """Seeded sampling in bursts (temperature, top-k, top-p; beside a greedy request) gives the tokens
+    that one step a call gives, where the scheduler samples each from the step's logits with the
+    request's generator; a request with a penalty keeps its batch to one step a call."""
+    ref, _ = model
+    prompts = [[5, 77, 190], [33, 12, 99, 4], [61, 62]]
+    kws = [dict(temperature=0.9, seed=7), dict(temperature=1.3, top_k=20, top_p=0.9, seed=11), {}]
+
+    async def run(burst, extra=None):  # noqa: ANN001, ANN202
+        steps = ReferenceSteps(ref)
+        sched = Scheduler(steps, None, n_ctx=N_CTX, max_batch=4, prefill_chunk=8, n_vocab=ref.cfg.n_vocab,
+                          decode_burst=burst)
+        outs = await asyncio.gather(*(sched.generate(prompt_token_ids=p, max_tokens=9, ignore_eos=True, **kw)
+                                      for p, kw in zip(prompts, [dict(kw, **(extra or {})) for kw in kws])))
+        return [o["token_ids"] for o in outs], [n for _, n in steps.calls]
+
+    single, calls = asyncio.run(run(1))
+    assert not any(calls)
+    burst, calls = asyncio.run(run(4))
+    assert max(calls) == 4
+    assert burst == single
+    assert single[0] != ref.generate_greedy(prompts[0], 9) and single[2] == ref.generate_greedy(prompts[2], 9)
+    _, calls = asyncio.run(run(4, dict(frequency_penalty=0.5)))
+    assert not any(calls)  # penalties need the tokens so far: every step's logits come here
 
 
 def test_greedy_bursts_go_on_while_requests_wait_for_a_slot(model):
