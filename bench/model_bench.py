@@ -246,7 +246,7 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
         if decode_steps and graph_steps else 0.0,
         "decode_primary_host_us": 1e6 * (_delta(g1, g0, "graph_busy_s") - gpu_window_s) / graph_steps
         if graph_steps and gpu_window_s else 0.0,
-        # of the link's time, per call (prompt chunks' and greedy bursts' included): from the coordinator's
+        # of the link's time, per call (prompt chunks' and bursts' included): from the coordinator's
         # send until the primary had read the request, and from the primary's reply until the coordinator
         # had read it
         "link_there_us": 1e6 * _delta(c1, c0, "link_there_s") / link_calls if link_calls else 0.0,
@@ -399,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="hybrid modes: prompt chunks of at least this many tokens stream every CPU row "
                          "(default: the engine's)")
     ap.add_argument("--decode-burst", type=int, default=None,
-                    help="decode steps a round trip to the primary for greedy requests (default: the engine's)")
+                    help="decode steps a round trip to the primary (default: the engine's)")
     ap.add_argument("--method", default="ilp", choices=("ilp", "greedy"))
     ap.add_argument("--zero-copy", type=float, default=None,
                     help="hybrid modes: the share of the CPU shard's neurons the GPU computes in decode steps "
