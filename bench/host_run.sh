@@ -286,9 +286,10 @@ batchbudget)  # issue 35: the GPU tests of the budget at the largest batch and o
     table decode_tok_s,vram_used_gib,vram_peak_gib,gpu_weight_gib,graph_captures,capture_s,load_s \
         "$OUT"/runtime-13b-${B13}gib-file-batchbudget-h200.json
     ;;
-burst)  # issue 35: greedy decode bursts, the 13B file at $B13 GiB at batch 1, --decode-burst 1 against 8 as ABBA
-    # (one engine each), then batch 8 and 32 at the default burst (prompt 16, 32 generated): decode tok/s and the
-    # host's time per step outside the GPU (the link both ways, the primary's busy time beyond its graphs)
+burst)  # issue 35: decode bursts, the 13B file at $B13 GiB at batch 1, --decode-burst 1 against 8 as ABBA (one
+    # engine each, greedy), then 8 against 1 sampling (temperature 0.8, top_p 0.95), then batch 8 and 32 at the
+    # default burst (prompt 16, 32 generated): decode tok/s and the host's time per step outside the GPU (the link
+    # both ways, the primary's busy time beyond its graphs)
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[0-9]00' | tr H h)
     write_file "$M13" 200 || exit 0
     i=0
@@ -297,8 +298,13 @@ burst)  # issue 35: greedy decode bursts, the 13B file at $B13 GiB at batch 1, -
         suite runtime-13b-${B13}gib-file-b1-burst-$gpu-$i-b$b 100 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
             --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" --decode-burst "$b" > /dev/null
     done
+    for b in ${SAMPLED_BURSTS:-8 1}; do
+        suite runtime-13b-${B13}gib-file-b1-burst-sampled-$gpu-b$b 100 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" --decode-burst "$b" --temperature 0.8 --top-p 0.95 \
+            > /dev/null
+    done
     table decode_tok_s,decode_step_ms,decode_link_us,link_there_us,link_back_us,decode_primary_host_us,cpu_kernel_us_per_exchange \
-        "$OUT"/runtime-*burst*.json
+        "$OUT"/runtime-*b1-burst*.json
     if [ "${BURST_BATCH:-1}" = 1 ]; then
         suite runtime-13b-${B13}gib-file-batch-burst-$gpu 200 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
             --modes hybrid --shapes 16x32 --batch 8,32 -t "$THREADS" > /dev/null

@@ -174,8 +174,9 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
     prompts = [rng.integers(3, n_vocab, prompt_len).tolist() for _ in range(batch)]
     s0 = ray.get(engine.stats.remote())
     t0 = time.perf_counter()
-    outs = ray.get([engine.generate.remote(prompt_token_ids=p, max_tokens=output_len, ignore_eos=True)
-                    for p in prompts])
+    sampling = dict(temperature=a.temperature, top_p=a.top_p) if a.temperature else {}  # seeded: runs repeat
+    outs = ray.get([engine.generate.remote(prompt_token_ids=p, max_tokens=output_len, ignore_eos=True, seed=i,
+                                           **sampling) for i, p in enumerate(prompts)])
     wall = time.perf_counter() - t0
     s1 = ray.get(engine.stats.remote())
     c0, c1 = s0["coordinator"], s1["coordinator"]
@@ -208,7 +209,8 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
     prefill_s = _delta(c1, c0, "prefill_s")
     assert generated == batch * output_len, f"lost tokens: {generated} of {batch * output_len}"
     return {
-        "batch": batch, "prompt_len": prompt_len, "output_len": output_len,
+        "batch": batch, "prompt_len": prompt_len, "output_len": output_len, "temperature": a.temperature,
+        "top_p": a.top_p,
         "decode_tok_s": decode_tokens / decode_s if decode_s else 0.0,
         "decode_step_ms": 1e3 * decode_s / decode_steps if decode_steps else 0.0,  # vs n_layer x per_layer_us
         "e2e_tok_s": batch * (prompt_len + output_len) / wall,
@@ -400,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default: the engine's)")
     ap.add_argument("--decode-burst", type=int, default=None,
                     help="decode steps a round trip to the primary (default: the engine's)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="the requests' sampling temperature (default 0: greedy); request i samples with seed i")
+    ap.add_argument("--top-p", type=float, default=1.0, help="the requests' top_p, with --temperature")
     ap.add_argument("--method", default="ilp", choices=("ilp", "greedy"))
     ap.add_argument("--zero-copy", type=float, default=None,
                     help="hybrid modes: the share of the CPU shard's neurons the GPU computes in decode steps "
