@@ -108,8 +108,8 @@ gputests)  # every GPU test in one call: the kernel tests and the runtime tests 
     ;;
 confirm)  # a final commit on one host, part 1: every GPU test (kernel and runtime tests side by side), the model
     # files written beside them into $SHM, where they stay for confirmrun while the host is held
-    timeout -s INT 420 python -m pytest $KERNEL_TESTS -q -rf > "$OUT/gpu-kernel-tests.log" 2>&1 &
-    timeout -s INT 420 python -m pytest $RUNTIME_TESTS -q -rf > "$OUT/gpu-runtime-tests.log" 2>&1 &
+    timeout -s INT "${CONFIRM_TIMEOUT:-420}" python -m pytest $KERNEL_TESTS -q -rf > "$OUT/gpu-kernel-tests.log" 2>&1 &
+    timeout -s INT "${CONFIRM_TIMEOUT:-420}" python -m pytest $RUNTIME_TESTS -q -rf > "$OUT/gpu-runtime-tests.log" 2>&1 &
     write_file "$M13" 200
     write_file "$M13Q" 120
     wait
@@ -293,12 +293,12 @@ burst)  # issue 35: decode bursts, the 13B file at $B13 GiB at batch 1, --decode
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[0-9]00' | tr H h)
     write_file "$M13" 200 || exit 0
     i=0
-    for b in ${BURSTS:-1 8 8 1}; do
+    for b in ${BURSTS-1 8 8 1}; do
         i=$((i + 1))
         suite runtime-13b-${B13}gib-file-b1-burst-$gpu-$i-b$b 100 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
             --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" --decode-burst "$b" > /dev/null
     done
-    for b in ${SAMPLED_BURSTS:-8 1}; do
+    for b in ${SAMPLED_BURSTS-8 1}; do
         suite runtime-13b-${B13}gib-file-b1-burst-sampled-$gpu-b$b 100 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
             --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" --decode-burst "$b" --temperature 0.8 --top-p 0.95 \
             > /dev/null
