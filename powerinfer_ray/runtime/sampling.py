@@ -10,6 +10,7 @@ import torch
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI
+NUCLEUS_FIRST = 256  # the most likely tokens where sample() looks for the nucleus first
 
 
 @dataclass
@@ -98,21 +99,38 @@ def penalize(x: torch.Tensor, p: SamplingParams, counts: torch.Tensor | None) ->
 
 def sample(logits: np.ndarray | torch.Tensor, p: SamplingParams, gen: torch.Generator,
            counts: torch.Tensor | None = None) -> int:
-    """One token id from logits [V] under p (counts [V]: the tokens generated so far)."""
+    """One token id from logits [V] under p (counts [V]: the tokens generated so far): the argmax at
+    temperature 0, else a draw from softmax(logits / temperature) over the top_k most likely tokens
+    and, of those, the nucleus: the most likely ones whose probabilities summed before each stay
+    under top_p (the smallest set reaching it). One uniform number from gen per draw, through the
+    inverse of the cumulative sum."""
     x = penalize(torch.as_tensor(logits, dtype=torch.float32), p, counts)
     if p.temperature == 0.0:
         return int(x.argmax())
-    x = x / p.temperature
+    x, ids = x.double() / p.temperature, None
     if p.top_k and p.top_k < x.numel():
-        kth = torch.topk(x, p.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
+        x, ids = torch.topk(x, p.top_k)  # most likely first
     probs = torch.softmax(x, dim=-1)
     if p.top_p < 1.0:
-        sp, si = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sp, 0) - sp < p.top_p  # the smallest prefix reaching top_p
-        sp = sp * keep
-        probs = torch.zeros_like(probs).scatter_(0, si, sp)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+        probs, kept = _nucleus(probs, p.top_p)
+        ids = kept if ids is None else ids[kept]
+    c = torch.cumsum(probs, 0)
+    j = int(torch.searchsorted(c, torch.rand((), dtype=torch.float64, generator=gen) * c[-1], right=True))
+    j = min(j, c.numel() - 1)
+    return j if ids is None else int(ids[j])
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The nucleus of probs [n] (summing to 1 up to rounding): its probabilities and their indices,
+    most likely first. Found in the top 256 (torch's sort of a whole vocabulary takes milliseconds),
+    else in numpy's sort of all."""
+    top, idx = torch.topk(probs, min(probs.numel(), NUCLEUS_FIRST))
+    keep = torch.cumsum(top, 0) - top < top_p
+    if keep[-1] and top.numel() < probs.numel():  # wider
+        idx = torch.from_numpy(np.argsort(-probs.numpy()))
+        top = probs[idx]
+        keep = torch.cumsum(top, 0) - top < top_p
+    return top[keep], idx[keep]
 
 
 def logprobs_of(logits: np.ndarray | torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
