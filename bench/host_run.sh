@@ -101,8 +101,8 @@ verify)  # the GPU tests, the sync microbenchmark, the Triton sweep (split varia
     ;;
 gputests)  # every GPU test in one call: the kernel tests and the runtime tests as two processes side by
     # side (serially they outlast a call: the kernels' Triton compiles take ~3 min, the runtime ~2)
-    timeout -s INT 570 python -m pytest $KERNEL_TESTS -q -rf > "$OUT/gpu-kernel-tests.log" 2>&1 &
-    timeout -s INT 570 python -m pytest $RUNTIME_TESTS -q -rf > "$OUT/gpu-runtime-tests.log" 2>&1
+    timeout -s INT "${GPUTESTS_TIMEOUT:-570}" python -m pytest $KERNEL_TESTS -q -rf > "$OUT/gpu-kernel-tests.log" 2>&1 &
+    timeout -s INT "${GPUTESTS_TIMEOUT:-570}" python -m pytest $RUNTIME_TESTS -q -rf > "$OUT/gpu-runtime-tests.log" 2>&1
     wait
     tail -n 4 "$OUT"/gpu-kernel-tests.log "$OUT"/gpu-runtime-tests.log | cut -c1-300
     ;;
