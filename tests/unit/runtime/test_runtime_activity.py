@@ -244,3 +244,32 @@ def test_the_matrix_multiply_path_counts_and_computes_as_the_kernels(tmp_path, m
     assert len(logits[True]) == len(logits[False]) > 0
     for a, b in zip(logits[False], logits[True]):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["predictor", "dense"])
+def test_the_matrix_multiply_path_takes_the_mask_over_every_row(tmp_path, monkeypatch, policy):
+    """Policies 'predictor' and 'dense' on the path a prompt chunk takes on a GPU (forced here): the
+    predictor's mask over every row, without a list of the active ones, gives the prompt steps' logits
+    of the kernels' path and the same count of (token, neuron) pairs computed."""
+    from powerinfer_ray.runtime import layers
+
+    kernel_module = sys.modules[sparse_ffn.__module__]
+    path = write_tiny_model(tmp_path / "m.gguf", "llama-reglu", seed=5, n_layer=3, n_ctx=64, predictor_rank=16)
+    cfg = ReferenceModel.from_file(path).cfg
+    got = {}
+    for gemm in (False, True):
+        for module in (kernel_module, layers):
+            monkeypatch.setattr(module, "takes_gemm", lambda x, g=gemm: g)
+        eng = LocalEngine(EngineConfig(str(path), plan=_mixed(cfg, 1), policy=policy, threshold=0.3, prefill_chunk=8,
+                                       max_batch=4, graphs=False))
+        try:
+            chunk, outs = eng.primary.t_max, []
+            for slot, p in enumerate(PROMPTS):
+                for i in range(0, len(p), chunk):
+                    outs.append(np.array(eng.primary.step([slot], [p[i:i + chunk]], [i]), copy=True))
+            got[gemm] = outs, eng.primary.stats.neurons
+        finally:
+            eng.close()
+    assert got[False][1] == got[True][1] > 0
+    for a, b in zip(got[False][0], got[True][0]):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
