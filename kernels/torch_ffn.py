@@ -119,8 +119,8 @@ def sparse_ffn_gemm(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None
     fp32), h zeroed outside the active rows idx (distinct; None: every row, the mask [T, N] over
     them) and their mask, so each row is read once per call whatever T is. Rows go in chunks whose
     temporaries (u, g, h of T tokens; rows in another type converted, quantized rows dequantized)
-    take about ``chunk_bytes``, as little as the VRAM budget leaves to a step. count [N] int64: adds the tokens in which each row's h is nonzero
-    (after the threshold and the mask)."""
+    take about ``chunk_bytes``, as little as the VRAM budget leaves to a step. count [N] int64: adds
+    the tokens in which each row's h is nonzero (after the threshold and the mask)."""
     T, D = x.shape
     N = up.shape[0]
     half = x.dtype in (torch.float16, torch.bfloat16) and (qtype is not None or up.dtype == x.dtype)

@@ -182,7 +182,8 @@ class LocalBackend:
         return [getattr(member, method)(*args) for member, method, args in calls]
 
     def step_fn(self, primary: PrimaryExecutor) -> StepFn:
-        def locked(slots: list[int], tokens: list[list[int]], start_pos: list[int], burst: Burst | None) -> Any:  # noqa: ANN401
+        def locked(slots: list[int], tokens: list[list[int]], start_pos: list[int],
+                   burst: Burst | None) -> Any:  # noqa: ANN401
             with self.step_lock:
                 return primary.serve_step(slots, tokens, start_pos, burst)
 

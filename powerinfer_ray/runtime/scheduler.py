@@ -326,7 +326,8 @@ class Scheduler:
             req.t_admit = time.perf_counter()
             self.running.append(req)
 
-    async def _execute(self, reqs: list[Request], tokens: list[list[int]], burst: Burst | None = None) -> Any:  # noqa: ANN401
+    async def _execute(self, reqs: list[Request], tokens: list[list[int]],
+                       burst: Burst | None = None) -> Any:  # noqa: ANN401
         t0 = time.perf_counter()
         args = ([r.slot for r in reqs], tokens, [r.pos for r in reqs]) + ((burst,) if burst else ())
         logits = await self.step_fn(*args)
