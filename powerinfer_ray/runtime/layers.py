@@ -162,12 +162,14 @@ def ffn_partial(x: torch.Tensor, shard: FFNShard, act: str, policy: str,
         mask, act_threshold = oracle_mask(x, shard, act, act_threshold, act_on), None
         if count is not None:
             count += mask.sum(0).to(count.device)
+    if policy == "dense":
+        mask = None  # every neuron, every token
     if gemm and shard.rows is None:  # every row multiplied: the mask zeroes h, no active list (a sync) needed
-        pairs = T * shard.n if policy == "dense" or mask is None else int(mask.sum())
-        y = sparse_ffn_gemm(x, shard.up, shard.gate, shard.down_t, None, None if policy == "dense" else mask, act,
-                            shard.up_bias, out, shard.qtype, act_threshold, act_on)
+        pairs = T * shard.n if mask is None else int(mask.sum())
+        y = sparse_ffn_gemm(x, shard.up, shard.gate, shard.down_t, None, mask, act, shard.up_bias, out, shard.qtype,
+                            act_threshold, act_on)
         return y, pairs, shard.n
-    if policy == "dense" or mask is None:
+    if mask is None:
         idx = torch.arange(shard.n, device=x.device)
         tok_mask, computed = None, T * shard.n
     else:

@@ -97,10 +97,10 @@ def penalize(x: torch.Tensor, p: SamplingParams, counts: torch.Tensor | None) ->
     return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(x.dtype)
 
 
-def sample(logits: np.ndarray | torch.Tensor, p: SamplingParams, gen: torch.Generator,
+def sample(logits: np.ndarray | torch.Tensor, p: SamplingParams, gen: torch.Generator | None,
            counts: torch.Tensor | None = None) -> int:
     """One token id from logits [V] under p (counts [V]: the tokens generated so far): the argmax at
-    temperature 0, else a draw from softmax(logits / temperature) over the top_k most likely tokens
+    temperature 0 (gen may be None), else a draw from softmax(logits / temperature) over the top_k most likely tokens
     and, of those, the nucleus: the most likely ones whose probabilities summed before each stay
     under top_p (the smallest set reaching it). One uniform number from gen per draw, through the
     inverse of the cumulative sum."""
@@ -152,24 +152,22 @@ def logprobs_of(logits: np.ndarray | torch.Tensor, token: int, top: int) -> tupl
 class Burst:
     """A decode burst (``Scheduler._burst``): ``n`` decode steps that the primary runs back to back,
     choosing each sequence's next token itself as the scheduler would (``sample``): ``samplers[i]``
-    None is greedy, else the request's parameters (no penalties: they need the tokens so far) and
-    its generator's state (``torch.Generator.get_state``), which ``run`` hands back advanced."""
+    is the request's parameters (no penalties: they need the tokens so far) and its generator's
+    state (``torch.Generator.get_state``; None when greedy), which ``run`` hands back advanced."""
 
     n: int
-    samplers: list[tuple[SamplingParams, torch.Tensor] | None]
+    samplers: list[tuple[SamplingParams, torch.Tensor | None]]
 
     def run(self, step: Callable[[list[list[int]], list[int]], np.ndarray], tokens: list[int],
             start_pos: list[int]) -> tuple[np.ndarray, list[torch.Tensor | None]]:
         """The burst over ``step(tokens [B][1], start_pos [B]) -> logits [B, V]``, from ``tokens`` [B]
         at ``start_pos``: the tokens chosen [n, B] (int64), and each sampler's generator state after."""
-        gens: list[torch.Generator | None] = []
-        for s in self.samplers:
-            gens.append(None if s is None else torch.Generator().set_state(s[1]))
+        gens = [None if state is None else torch.Generator().set_state(state) for _, state in self.samplers]
         out = np.empty((self.n, len(tokens)), dtype=np.int64)
         cur, pos = list(tokens), list(start_pos)
         for j in range(self.n):
             logits = step([[int(t)] for t in cur], pos)
-            for i, (s, g) in enumerate(zip(self.samplers, gens)):
-                out[j, i] = int(np.argmax(logits[i])) if s is None else sample(logits[i], s[0], g)
+            for i, ((params, _), g) in enumerate(zip(self.samplers, gens)):
+                out[j, i] = sample(logits[i], params, g)
             cur, pos = out[j], [p + 1 for p in pos]
         return out, [None if g is None else g.get_state() for g in gens]

@@ -271,7 +271,7 @@ class Scheduler:
         n = min(self.decode_burst, min(r.max_new - len(r.output_ids) for r in dec))
         if n <= 1:
             return None
-        return Burst(n, [None if r.params.temperature == 0.0 else (r.params, r.gen.get_state()) for r in dec])
+        return Burst(n, [(r.params, None if r.params.temperature == 0.0 else r.gen.get_state()) for r in dec])
 
     def _prefill_group(self) -> tuple[list[Request], int]:
         """The prompts one prefill step runs, and the tokens each gives it. A step runs sequences
