@@ -103,7 +103,7 @@ constexpr int TBMAX = 4;
 // row's bytes): byte pointers to row starts, each prefetched at the offset the dot has reached, so
 // the next row's up / gate and this row's down arrive while the FMAs run instead of after them.
 struct Pf {
-    const char* p[3];
+    const char* p[8];
     int n;
 };
 
@@ -298,7 +298,7 @@ void dotn_t1(const typename W::T* const* up, const typename W::T* const* gate, c
 // dotn_t1 on any rows (quantized: qdot_core over the 2 NR rows).
 template <class W, bool GATE, int NR>
 inline void dots_t1(const typename W::T* const* up, const typename W::T* const* gate, const float* x, int64_t D,
-                    float* u, float* g) {
+                    float* u, float* g, const Pf* pf = nullptr) {
     if constexpr (W::QUANT) {
         const uint8_t* rows[2 * NR];
         for (int r = 0; r < NR; ++r) {
@@ -306,13 +306,13 @@ inline void dots_t1(const typename W::T* const* up, const typename W::T* const* 
             rows[NR + r] = GATE ? gate[r] : nullptr;
         }
         float out[2 * NR];
-        qdot_core<W, GATE ? 2 * NR : NR, 1>(rows, x, D, out, nullptr);
+        qdot_core<W, GATE ? 2 * NR : NR, 1>(rows, x, D, out, pf);
         for (int r = 0; r < NR; ++r) {
             u[r] = out[r];
             g[r] = GATE ? out[NR + r] : 0.f;
         }
     } else {
-        dotn_t1<W, GATE, NR>(up, gate, x, D, u, g);
+        dotn_t1<W, GATE, NR>(up, gate, x, D, u, g, pf);
     }
 }
 
@@ -513,9 +513,11 @@ void gate_first_block(const Args& a, int64_t k0, int m, float* u, float* g) {
 }
 
 // Pre-activations of idx entries k0 .. k0+m-1 (m <= R): u, g [m, T] (row j at j * T). Each row's
-// up / gate are streamed once; the next entry's (nx, -1 if none) heads are prefetched first.
+// up / gate are streamed once. Entries k0+m .. kend-1 come next: at T = 1 each group of rows
+// prefetches the next group's rows at the offset its own dots have reached, so a group's streams
+// start in cache rather than each at a miss; a single row prefetches the next entry's heads.
 template <class W, bool GATE>
-void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g, const Pf* pf = nullptr) {
+void dot_block(const Args& a, int64_t k0, int m, int64_t kend, float* u, float* g, const Pf* pf = nullptr) {
     if constexpr (GATE) {
         if (a.thr_on == THR_GATE) {
             gate_first_block<W>(a, k0, m, u, g);
@@ -536,7 +538,19 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g,
             if (GATE) __builtin_prefetch((const char*)row_gate(r) + 64 * l);
         }
     };
-    auto entry = [&](int j) { return j < m ? row_id(a, k0 + j) : (j == m ? nx : -1); };
+    auto entry = [&](int j) { return k0 + j < kend ? row_id(a, k0 + j) : -1; };
+    auto ahead = [&](int j, int n) {  // the up / gate rows of entries j .. j+n-1 that exist
+        Pf p{{}, 0};
+#ifdef PI_AB_NOAHEAD  // temporary: the host's A/B of the group prefetch (removed after it)
+        n = 0;
+#endif
+        for (int i = 0; i < n && k0 + j + i < kend; ++i) {
+            const int64_t r = row_id(a, k0 + j + i);
+            p.p[p.n++] = (const char*)row_up(r);
+            if (GATE) p.p[p.n++] = (const char*)row_gate(r);
+        }
+        return p;
+    };
     int j = 0;
     if (T == 1)  // four rows per pass: eight weight streams with a gate, four without
         for (; j + 4 <= m; j += 4) {
@@ -544,14 +558,16 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g,
                                   row_id(a, k0 + j + 3)};
             const WT* ups[4] = {row_up(r[0]), row_up(r[1]), row_up(r[2]), row_up(r[3])};
             const WT* gates[4] = {row_gate(r[0]), row_gate(r[1]), row_gate(r[2]), row_gate(r[3])};
-            dots_t1<W, GATE, 4>(ups, gates, xin<W>(a), D, u + j, g + j);
+            const Pf next = ahead(j + 4, 4);
+            dots_t1<W, GATE, 4>(ups, gates, xin<W>(a), D, u + j, g + j, next.n ? &next : nullptr);
         }
     if (T == 1)
         for (; j + 2 <= m; j += 2) {
             const int64_t r0 = row_id(a, k0 + j), r1 = row_id(a, k0 + j + 1);
             const WT* ups[2] = {row_up(r0), row_up(r1)};
             const WT* gates[2] = {row_gate(r0), row_gate(r1)};
-            dots_t1<W, GATE, 2>(ups, gates, xin<W>(a), D, u + j, g + j);
+            const Pf next = ahead(j + 2, 2);
+            dots_t1<W, GATE, 2>(ups, gates, xin<W>(a), D, u + j, g + j, next.n ? &next : nullptr);
         }
     for (; j < m; ++j) {
         prefetch_heads(entry(j + 1));
@@ -565,7 +581,7 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t nx, float* u, float* g,
 template <class W, bool GATE>
 Pf next_rows(const Args& a, int64_t k, int64_t k1, bool with_down) {
     typedef typename W::T WT;
-    Pf pf{{nullptr, nullptr, nullptr}, 0};
+    Pf pf{{}, 0};
     if (with_down) pf.p[pf.n++] = (const char*)((const WT*)a.down + row_id(a, k) * a.ld_down);
     if (k + 1 < k1) {
         const int64_t nx = row_id(a, k + 1);
@@ -633,14 +649,14 @@ int64_t run_slice(const Args& a, int64_t k0, int64_t k1, float* A) {
         const int m = (int)(kb + R < k1 ? R : k1 - kb);
         bool few[R] = {};
         if (T == 1) {
-            dot_block<W, GATE>(a, kb, m, kb + m < k1 ? row_id(a, kb + m) : -1, ub, gb);
+            dot_block<W, GATE>(a, kb, m, k1, ub, gb);
         } else {  // rows active for few tokens: those tokens alone, now; the others' dots for the block
             for (int j = 0; j < m; ++j) {
                 uint64_t bits;
                 few[j] = few_tokens(a, kb + j, &bits);
                 const Pf pf = next_rows<W, GATE>(a, kb + j, k1, true);
                 if (few[j]) n_down += row_few_tokens<W, GATE>(a, kb + j, bits, A, pf.n ? &pf : nullptr);
-                else dot_block<W, GATE>(a, kb + j, 1, -1, ub + j * T, gb + j * T, pf.n ? &pf : nullptr);
+                else dot_block<W, GATE>(a, kb + j, 1, kb + j + 1, ub + j * T, gb + j * T, pf.n ? &pf : nullptr);
             }
         }
         int nr = 0;
@@ -761,10 +777,10 @@ int64_t act_rows(const Args& a, int64_t k0, int64_t k1) {
         }
         if (T > 1) {  // this row's pre-activations (rows of a block may take the path above)
             const Pf pf = next_rows<W, GATE>(a, k, k1, false);
-            dot_block<W, GATE>(a, k, 1, pf.n ? -1 : (k + 1 < k1 ? row_id(a, k + 1) : -1), ub, gb, pf.n ? &pf : nullptr);
+            dot_block<W, GATE>(a, k, 1, k + 1, ub, gb, pf.n ? &pf : nullptr);
         } else if ((k - k0) % R == 0) {  // T == 1: the next block's, in pairs
             const int m = (int)(k + R < k1 ? R : k1 - k);
-            dot_block<W, GATE>(a, k, m, k + m < k1 ? row_id(a, k + m) : -1, ub, gb);
+            dot_block<W, GATE>(a, k, m, k1, ub, gb);
         }
         const float* u = ub + (T == 1 ? (k - k0) % R : 0) * T;
         const float* g = gb + (T == 1 ? (k - k0) % R : 0) * T;
