@@ -513,9 +513,10 @@ void gate_first_block(const Args& a, int64_t k0, int m, float* u, float* g) {
 }
 
 // Pre-activations of idx entries k0 .. k0+m-1 (m <= R): u, g [m, T] (row j at j * T). Each row's
-// up / gate are streamed once. Entries k0+m .. kend-1 come next: at T = 1 each group of rows
-// prefetches the next group's rows at the offset its own dots have reached, so a group's streams
-// start in cache rather than each at a miss; a single row prefetches the next entry's heads.
+// up / gate are streamed once. Entries k0+m .. kend-1 come next: at T = 1 each group of quantized
+// rows prefetches the next group's rows at the offset its own dots have reached, so a group's
+// streams start in cache rather than each at a miss (fp16 rows, 3.6x as long as Q4_0's, gained
+// nothing: bench/RESULTS.md); a single row prefetches the next entry's heads.
 template <class W, bool GATE>
 void dot_block(const Args& a, int64_t k0, int m, int64_t kend, float* u, float* g, const Pf* pf = nullptr) {
     if constexpr (GATE) {
@@ -539,12 +540,9 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t kend, float* u, float* 
         }
     };
     auto entry = [&](int j) { return k0 + j < kend ? row_id(a, k0 + j) : -1; };
-    auto ahead = [&](int j, int n) {  // the up / gate rows of entries j .. j+n-1 that exist
+    auto ahead = [&](int j, int n) {  // quantized: the up / gate rows of entries j .. j+n-1 that exist
         Pf p{{}, 0};
-#ifdef PI_AB_NOAHEAD  // temporary: the host's A/B of the group prefetch (removed after it)
-        n = 0;
-#endif
-        for (int i = 0; i < n && k0 + j + i < kend; ++i) {
+        for (int i = 0; W::QUANT && i < n && k0 + j + i < kend; ++i) {
             const int64_t r = row_id(a, k0 + j + i);
             p.p[p.n++] = (const char*)row_up(r);
             if (GATE) p.p[p.n++] = (const char*)row_gate(r);
