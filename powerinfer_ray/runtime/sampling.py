@@ -103,20 +103,22 @@ def sample(logits: np.ndarray | torch.Tensor, p: SamplingParams, gen: torch.Gene
     temperature 0 (gen may be None), else a draw from softmax(logits / temperature) over the top_k most likely tokens
     and, of those, the nucleus: the most likely ones whose probabilities summed before each stay
     under top_p (the smallest set reaching it). One uniform number from gen per draw, through the
-    inverse of the cumulative sum."""
+    inverse of the cumulative sum of the unnormalized weights, in float32 and in place where it can
+    (a float64 pass allocates buffers of 8 bytes a token: page faults on every call at a 128k
+    vocabulary)."""
     x = penalize(torch.as_tensor(logits, dtype=torch.float32), p, counts)
     if p.temperature == 0.0:
         return int(x.argmax())
-    x, ids = x.double() / p.temperature, None
+    ids = None
     if p.top_k and p.top_k < x.numel():
         x, ids = torch.topk(x, p.top_k)  # most likely first
-    probs = torch.softmax(x, dim=-1)
+    w = (x - x.max()).mul_(1.0 / p.temperature).exp_()  # softmax(x / temperature) up to its sum
     if p.top_p < 1.0:
-        probs, kept = _nucleus(probs, p.top_p)
+        w, kept = _nucleus(w.div_(w.sum()), p.top_p)
         ids = kept if ids is None else ids[kept]
-    c = torch.cumsum(probs, 0)
-    j = int(torch.searchsorted(c, torch.rand((), dtype=torch.float64, generator=gen) * c[-1], right=True))
-    j = min(j, c.numel() - 1)
+    c = torch.cumsum(w, 0)
+    u = torch.rand((), dtype=torch.float64, generator=gen) * c[-1]
+    j = min(int(torch.searchsorted(c, u.float().reshape(1), right=True)), c.numel() - 1)
     return j if ids is None else int(ids[j])
 
 
