@@ -329,10 +329,7 @@ inline float activate(int act, float u, float g) {
 // h is [nr, T] row-major; A is [T, D] (row stride D). Tokens t0 .. t0+TB-1, columns d0 .. d1-1.
 // One token's A[t0, d0:d1] += sum_r h[r, t0] * rows[r][d0:d1] on quantized rows (d0, d1 multiples
 // of 32): block by block, each row's block unpacked once and its scale folded into h; two
-// accumulator sets (even and odd rows) so FMA latency does not bound the rows. Each row is
-// prefetched QPF blocks ahead: without it the blocks' loads stalled the loop (perf, dev box).
-constexpr int64_t QPF = 16;  // 288 bytes of a Q4_0 row, 544 of a Q8_0 row
-
+// accumulator sets (even and odd rows) so FMA latency does not bound the rows.
 template <class W>
 void qaxpy_t1(const uint8_t* const* rows, int nr, const float* h, int64_t T, int64_t t0, float* A, int64_t D,
               int64_t d0, int64_t d1) {
@@ -344,8 +341,6 @@ void qaxpy_t1(const uint8_t* const* rows, int nr, const float* h, int64_t T, int
             acc0[j] = vload(a + j * VW);
             acc1[j] = vzero();
         }
-        if (b + QPF < d1 / QK)  // each row's bytes QPF blocks ahead: its stream moves 18-34 bytes a step
-            for (int r = 0; r < nr; ++r) __builtin_prefetch((const char*)rows[r] + W::bytes((b + QPF) * QK));
         for (int r = 0; r < nr; ++r) {
             W::block_vals(rows[r], b, q);
             const vf hs = vset1(h[r * T + t0] * W::scale(rows[r], b));
