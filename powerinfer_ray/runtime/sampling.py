@@ -11,6 +11,8 @@ import torch
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI
 NUCLEUS_FIRST = 256  # the most likely tokens where sample() looks for the nucleus first
+NUCLEUS_BINS = 1024  # a wider nucleus: bins of the mass over -log(weight)
+Z_CAP = 88.0  # -log(weight) beyond it (exp < 1e-38, 0 in float32) goes to the last bin
 
 
 @dataclass
@@ -103,18 +105,19 @@ def sample(logits: np.ndarray | torch.Tensor, p: SamplingParams, gen: torch.Gene
     temperature 0 (gen may be None), else a draw from softmax(logits / temperature) over the top_k most likely tokens
     and, of those, the nucleus: the most likely ones whose probabilities summed before each stay
     under top_p (the smallest set reaching it). One uniform number from gen per draw, through the
-    inverse of the cumulative sum of the unnormalized weights, in float32 and in place where it can
-    (a float64 pass allocates buffers of 8 bytes a token: page faults on every call at a 128k
-    vocabulary)."""
+    inverse of the cumulative sum of the unnormalized weights, in float32 (a float64 pass allocates
+    buffers of 8 bytes a token: page faults on every call at a 128k vocabulary)."""
     x = penalize(torch.as_tensor(logits, dtype=torch.float32), p, counts)
     if p.temperature == 0.0:
         return int(x.argmax())
     ids = None
     if p.top_k and p.top_k < x.numel():
         x, ids = torch.topk(x, p.top_k)  # most likely first
-    w = (x - x.max()).mul_(1.0 / p.temperature).exp_()  # softmax(x / temperature) up to its sum
+    z = (x.max() - x).mul_(1.0 / p.temperature)  # -log of each token's weight: softmax up to its sum
+    w = z.neg().exp_()
     if p.top_p < 1.0:
-        w, kept = _nucleus(w.div_(w.sum()), p.top_p)
+        kept_w, kept = _nucleus(z.numpy(), w.numpy(), p.top_p)
+        w, kept = torch.from_numpy(kept_w), torch.from_numpy(kept)
         ids = kept if ids is None else ids[kept]
     c = torch.cumsum(w, 0)
     u = torch.rand((), dtype=torch.float64, generator=gen) * c[-1]
@@ -122,20 +125,33 @@ def sample(logits: np.ndarray | torch.Tensor, p: SamplingParams, gen: torch.Gene
     return j if ids is None else int(ids[j])
 
 
-def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The nucleus of probs [n] (summing to 1 up to rounding): its probabilities and their indices,
-    most likely first. Looked for among the most likely 256, then 16 times as many while it is wider
-    (a partition and a sort of those: torch's sort of a whole vocabulary takes milliseconds)."""
-    q, n = probs.numpy(), probs.numel()
+def _nucleus(z: np.ndarray, w: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """The nucleus of the weights w = exp(-z) [n] (z >= 0): its weights and their indices (most
+    likely first when it lies among the NUCLEUS_FIRST most likely, found by a partition and a sort
+    of those; else in index order). A wider nucleus is found without sorting the vocabulary: a
+    histogram of the mass over NUCLEUS_BINS bins of z gives the bins wholly inside it, and only the
+    bin where it ends is sorted."""
+    n = w.size
+    need = top_p * float(w.sum(dtype=np.float64))
     m = min(n, NUCLEUS_FIRST)
-    while True:
-        part = np.argpartition(-q, m - 1)[:m] if m < n else np.arange(n)
-        idx = part[np.argsort(-q[part])]
-        top = q[idx]
-        keep = np.cumsum(top) - top < top_p
-        if not keep[-1] or m == n:
-            return torch.from_numpy(top[keep]), torch.from_numpy(idx[keep])
-        m = min(n, 16 * m)
+    part = np.argpartition(z, m - 1)[:m] if m < n else np.arange(n)
+    idx = part[np.argsort(z[part], kind="stable")]
+    top = w[idx]
+    keep = np.cumsum(top, dtype=np.float64) - top < need
+    if not keep[-1] or m == n:
+        return top[keep], idx[keep]
+    zc = np.minimum(z, np.float32(Z_CAP))
+    hi = float(zc.max())
+    b = np.minimum((zc * np.float32(NUCLEUS_BINS / hi if hi > 0 else 0.0)).astype(np.int32), NUCLEUS_BINS - 1)
+    cum = np.cumsum(np.bincount(b, weights=w, minlength=NUCLEUS_BINS))  # float64
+    k = min(int(np.searchsorted(cum, need, side="left")), NUCLEUS_BINS - 1)  # the bin where it ends
+    edge = np.flatnonzero(b == k)
+    edge = edge[np.argsort(z[edge], kind="stable")]
+    ew = w[edge]
+    inside = b < k
+    inside[edge[np.cumsum(ew, dtype=np.float64) - ew + (cum[k - 1] if k else 0.0) < need]] = True
+    idx = np.flatnonzero(inside)
+    return w[idx], idx
 
 
 def logprobs_of(logits: np.ndarray | torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:

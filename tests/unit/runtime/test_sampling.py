@@ -30,13 +30,17 @@ CASES = [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature
 
 
 @pytest.mark.parametrize("kw", CASES, ids=[str(c) for c in CASES])
-@pytest.mark.parametrize("first", [256, 4], ids=["nucleus-in-top", "nucleus-wider"])
-def test_draws_follow_the_reference_distribution(kw, first, monkeypatch):
-    """4000 seeded draws over 40 tokens: never outside the reference's support, each token's
-    frequency within 4.5 standard deviations of its probability; the same seed gives the same draws.
-    first: how many tokens the nucleus is looked for in before the whole sort (both ways exact)."""
+@pytest.mark.parametrize("first, bins", [(256, 1024), (4, 1024), (4, 3)],
+                         ids=["nucleus-in-top", "nucleus-wider", "nucleus-wider-coarse-bins"])
+def test_draws_follow_the_reference_distribution(kw, first, bins, monkeypatch):
+    """4000 seeded draws over 40 tokens (two of them masked, -inf): never outside the reference's
+    support, each token's frequency within 4.5 standard deviations of its probability; the same
+    seed gives the same draws. first: how many tokens the nucleus is looked for in before the
+    histogram; bins: the histogram's (3: the bin where the nucleus ends holds many tokens)."""
     monkeypatch.setattr(sampling, "NUCLEUS_FIRST", first)
+    monkeypatch.setattr(sampling, "NUCLEUS_BINS", bins)
     logits = np.random.default_rng(3).normal(0, 1.5, 40).astype(np.float32)
+    logits[[7, 29]] = -np.inf
     p = SamplingParams(**kw)
     want = reference(logits, p)
     gen, n = make_generator(11), 4000
@@ -58,3 +62,26 @@ def test_greedy_and_penalties():
     counts = torch.tensor([0, 1, 0, 0], dtype=torch.float32)
     assert sample(logits, SamplingParams(frequency_penalty=1.5), gen, counts) == 2  # 3 - 1.5 < 2.5
     assert sample(logits, SamplingParams(frequency_penalty=0.4), gen, counts) == 1  # 3 - 0.4 > 2.5
+
+
+@pytest.mark.parametrize("bins", [3, 1024])
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_a_wide_nucleus_is_the_reference_set(bins, top_p, monkeypatch):
+    """Over 5000 tokens, a nucleus wider than the first look (the histogram's path) holds exactly
+    the tokens of the float64 reference's sorted prefix, except a token whose mass before it is
+    within rounding of top_p (a tie either way may take); its weights are the tokens' own."""
+    monkeypatch.setattr(sampling, "NUCLEUS_BINS", bins)
+    monkeypatch.setattr(sampling, "NUCLEUS_FIRST", 16)
+    x = np.random.default_rng(5).normal(0, 2.0, 5000).astype(np.float32)
+    z = (x.max() - x).astype(np.float32)
+    w = np.exp(-z)
+    kept_w, kept = sampling._nucleus(z, w, top_p)
+    assert len(kept) > sampling.NUCLEUS_FIRST  # the histogram's path
+    p = np.exp(-z.astype(np.float64))
+    p /= p.sum()
+    order = np.argsort(z, kind="stable")
+    before = np.cumsum(p[order]) - p[order]
+    want = set(order[before < top_p].tolist())
+    tie = set(order[np.abs(before - top_p) < 1e-6].tolist())
+    assert set(kept.tolist()) ^ want <= tie
+    np.testing.assert_array_equal(kept_w, w[kept])
