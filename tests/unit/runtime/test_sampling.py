@@ -75,7 +75,7 @@ def test_a_wide_nucleus_is_the_reference_set(bins, top_p, monkeypatch):
     x = np.random.default_rng(5).normal(0, 2.0, 5000).astype(np.float32)
     z = (x.max() - x).astype(np.float32)
     w = np.exp(-z)
-    kept_w, kept = sampling._nucleus(z, w, top_p)
+    kept_w, kept = sampling._nucleus(x, w, top_p, 1.0)
     assert len(kept) > sampling.NUCLEUS_FIRST  # the histogram's path
     p = np.exp(-z.astype(np.float64))
     p /= p.sum()
