@@ -80,6 +80,9 @@ for path in sys.argv[2:]:
         print(f"{path.split('/')[-1][:-5]} B={r['batch']} prompt={r['prompt_len']}: {vals}")
 PY
 }
+gpu_tag() {  # the host's GPU as result names carry it: h100, h200
+    nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[0-9]00' | tr H h
+}
 write_file() {  # spec timeout: the planted model as a file in $SHM (not written again when it matches)
     echo "== file $1" >> "$log"
     timeout -s INT "$2" python bench/planted_file.py "$1" --dir "$SHM" >> "$log" 2>&1
@@ -120,7 +123,7 @@ confirmrun)  # part 2, the next call on the same host: the 13B file at $B13 GiB 
     # CPU executor's threads of $CONFIRM_THREADS, the prompts of 16 / 64 / 128 tokens at the default prefill
     # shares, the segment stage's profile (its timeline) and the 13B Q4_0 file at 4 GiB (the default prompt
     # chunk: its budget's), named by the host's GPU
-    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[0-9]00' | tr H h)
+    gpu=$(gpu_tag)
     write_file "$M13" 200 || exit 0
     for i in 1 2; do
         suite runtime-13b-${B13}gib-file-b1-confirm-$gpu-$i 90 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
@@ -291,7 +294,7 @@ burst)  # issue 35: decode bursts, the 13B file at $B13 GiB at batch 1, --decode
     # engine each, greedy), then 8 against 1 sampling (temperature 0.8, top_p 0.95), then batch 8 and 32 at the
     # default burst (prompt 16, 32 generated): decode tok/s and the host's time per step outside the GPU (the link
     # both ways, the primary's busy time beyond its graphs)
-    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[0-9]00' | tr H h)
+    gpu=$(gpu_tag)
     write_file "$M13" 200 || exit 0
     i=0
     for b in ${BURSTS-1 8 8 1}; do
@@ -314,7 +317,7 @@ burst)  # issue 35: decode bursts, the 13B file at $B13 GiB at batch 1, --decode
     ;;
 sampler)  # the sampler's time per token on the host's CPU against the full-sort sampler (~45 s on the dev box;
     # the H100 host's CPU took more than 60)
-    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[0-9]00' | tr H h)
+    gpu=$(gpu_tag)
     timeout 240 python bench/sampling_bench.py --out-dir "$OUT" --name "sampling-$gpu" >> "$log" 2>&1
     tail -n 17 "$log" | cut -c1-200
     ;;

@@ -542,7 +542,8 @@ void dot_block(const Args& a, int64_t k0, int m, int64_t kend, float* u, float* 
     auto entry = [&](int j) { return k0 + j < kend ? row_id(a, k0 + j) : -1; };
     auto ahead = [&](int j, int n) {  // quantized: the up / gate rows of entries j .. j+n-1 that exist
         Pf p{{}, 0};
-        for (int i = 0; W::QUANT && i < n && k0 + j + i < kend; ++i) {
+        if constexpr (!W::QUANT) return p;
+        for (int i = 0; i < n && k0 + j + i < kend; ++i) {
             const int64_t r = row_id(a, k0 + j + i);
             p.p[p.n++] = (const char*)row_up(r);
             if (GATE) p.p[p.n++] = (const char*)row_gate(r);
