@@ -7,8 +7,10 @@
 //   Q8_0 (34 bytes): 32 int8 q; value = q * d.
 // Dot products follow ggml (vec_dot_q4_0_q8_0, vec_dot_q8_0_q8_0): the activation is quantized
 // to Q8_0 once per call (quantize_row_q8, ggml's reference rounding), each block's integer dot is
-// exact, and sum_b d_w[b] * d_x[b] * isum[b] accumulates in fp32. The down projection dequantizes
-// (row_load) and accumulates in fp32 like the plain types.
+// exact, and sum_b d_w[b] * d_x[b] * isum[b] accumulates in fp32. Q4_0's integer dot takes the
+// nibbles as they are (0..15, unsigned) and starts from -8 * sum(x's block), which the activation
+// carries (xq_offsets): sum((n - 8) * x) without the sign juggling a signed weight needs. The down
+// projection dequantizes (row_load) and accumulates in fp32 like the plain types.
 //
 // Integer vector code, chosen at compile time: AVX-512F + BW (two blocks per step; VNNI's dpbusd
 // when present, else maddubs + madd), else AVX2 + FMA (one block per step), else scalar C++.
@@ -55,6 +57,15 @@ inline qf qdot_acc(qi w, qi x, qf dd, qf acc) {
 #endif
     return _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(s), acc);
 }
+// The same for unsigned weights w (Q4_0's nibbles): acc + dd * (off + w . x per lane).
+inline qf qdot_acc_u(qi w, qi x, qi off, qf dd, qf acc) {
+#if defined(__AVX512VNNI__)
+    const qi s = _mm512_dpbusd_epi32(off, w, x);
+#else
+    const qi s = _mm512_add_epi32(_mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)), off);
+#endif
+    return _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(s), acc);
+}
 #define PI_QSIMD 1
 #elif defined(__AVX2__) && defined(__FMA__)
 constexpr int QB = 1;
@@ -73,6 +84,10 @@ inline qi qi_load(const int8_t* p) { return _mm256_loadu_si256((const __m256i*)p
 inline qf qdot_acc(qi w, qi x, qf dd, qf acc) {
     const qi s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
                                    _mm256_set1_epi16(1));
+    return _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(s), acc);
+}
+inline qf qdot_acc_u(qi w, qi x, qi off, qf dd, qf acc) {
+    const qi s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)), off);
     return _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(s), acc);
 }
 #define PI_QSIMD 1
@@ -97,6 +112,7 @@ template <class Q>
 struct QuantRow {
     typedef uint8_t T;
     static constexpr bool QUANT = true;
+    static constexpr bool OFFSET = false;  // the integer dot on unsigned weights plus x's offsets (Q4_0)
     static int64_t bytes(int64_t d) { return d / QK * Q::BB; }
     static float scale(const T* row, int64_t b) { return f16_bits_at(row + b * Q::BB); }
     static qf scales(const T* row, int64_t b) {  // blocks b .. b+QB-1 (QB = 2: b+1 must exist)
@@ -163,13 +179,36 @@ struct WQ8_0 : QuantRow<WQ8_0> {
 
 struct WQ4_0 : QuantRow<WQ4_0> {
     static constexpr int BB = 18;
+#if defined(PI_QSIMD)
+    static constexpr bool OFFSET = true;
+#endif
     static int at_int(const uint8_t* blk, int i) { return ((blk[2 + i % 16] >> (i < 16 ? 0 : 4)) & 15) - 8; }
 #if defined(PI_QSIMD)
-    static __m256i block(const uint8_t* blk) {  // elements 0-15: low nibbles, 16-31: high nibbles
+    static __m256i block_u(const uint8_t* blk) {  // the nibbles 0..15: elements 0-15 low, 16-31 high
         const __m128i b = _mm_loadu_si128((const __m128i*)(blk + 2));
-        const __m256i v = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
-        return _mm256_sub_epi8(v, _mm256_set1_epi8(8));
+        return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(15));
     }
+    static __m256i block(const uint8_t* blk) { return _mm256_sub_epi8(block_u(blk), _mm256_set1_epi8(8)); }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    static qi unpack_u(const T* row, int64_t b) {  // blocks b, b + 1 in element order
+        const __m128i b0 = _mm_loadu_si128((const __m128i*)(row + b * BB + 2));
+        const __m128i b1 = _mm_loadu_si128((const __m128i*)(row + (b + 1) * BB + 2));
+        const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(b0), b1, 1);
+        const __m512i z = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1),
+                                           _mm512_set1_epi8(15));  // [low 0, low 1, high 0, high 1]
+        return _mm512_shuffle_i64x2(z, z, _MM_SHUFFLE(3, 1, 2, 0));  // [low 0, high 0, low 1, high 1]
+    }
+    static qi unpack_u_tail(const T* row, int64_t b) { return qi_join(block_u(row + b * BB), _mm256_setzero_si256()); }
+#if defined(__AVX512VL__)
+    static qf scales(const T* row, int64_t b) {  // blocks b, b + 1: f16 words 0 and 9 of the pair's 36 bytes
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(row + b * BB));
+        const __m256i pick = _mm256_setr_epi16(0, 0, 0, 0, 0, 0, 0, 0, 9, 9, 9, 9, 9, 9, 9, 9);
+        return _mm512_cvtph_ps(_mm256_permutexvar_epi16(pick, raw));
+    }
+#endif
+#else
+    static qi unpack_u(const T* row, int64_t b) { return block_u(row + b * BB); }
+#endif
 #endif
     static vf row_load(const T* row, int64_t d) {
         const uint8_t* blk = row + d / QK * BB;
@@ -220,7 +259,7 @@ inline float round_away(float v) {
     return std::fabs(v - t) >= 0.5f ? t + (v < 0.f ? -1.f : 1.f) : t;
 }
 
-inline void quantize_row_q8(const float* x, int64_t D, int8_t* q, float* d) {
+inline void quantize_row_q8(const float* x, int64_t D, int8_t* q, float* d, int32_t* off) {
     for (int64_t b = 0; b < D / QK; ++b) {
         const float* xb = x + b * QK;
         int8_t* qb = q + b * QK;
@@ -269,7 +308,25 @@ inline void quantize_row_q8(const float* x, int64_t D, int8_t* q, float* d) {
         for (int i = 0; i < QK; ++i) qb[i] = (int8_t)round_away(xb[i] * id);
 #endif
         d[b] = f16_to_f32(f32_to_f16(dd));
+        int32_t sum = 0;
+        for (int i = 0; i < QK; ++i) sum += qb[i];
+        for (int i = 0; i < 8; ++i) off[8 * b + i] = i ? 0 : -8 * sum;
     }
+    if (D / QK % QB)  // the last step's missing block
+        for (int i = 0; i < 8; ++i) off[8 * (D / QK) + i] = 0;
+}
+
+// A Q8_0 activation row in the space of D floats: q [D] int8, the D / 32 scales as fp32, then
+// Q4_0's offsets (-8 * the sum of each block's q), one qi of int32 per step of QB blocks (block b's
+// offset in lane 8b of them, the step's other lanes 0): D + D / 8 + ~D bytes.
+inline const int8_t* xq_values(const float* x) { return (const int8_t*)x; }
+inline const float* xq_scales(const float* x, int64_t D) { return (const float*)((const int8_t*)x + D); }
+inline const int32_t* xq_offsets(const float* x, int64_t D) { return (const int32_t*)(xq_scales(x, D) + D / QK); }
+
+// quantize_row_q8 of columns d0 .. d1-1 (d0 a multiple of QK * QB) into the row's parts.
+inline void quantize_into(const float* x, int64_t d0, int64_t d1, float* row, int64_t D) {
+    quantize_row_q8(x + d0, d1 - d0, (int8_t*)row + d0, (float*)xq_scales(row, D) + d0 / QK,
+                    (int32_t*)xq_offsets(row, D) + 8 * (d0 / QK));
 }
 
 }  // namespace

@@ -114,10 +114,8 @@ inline void prefetch_span(const Pf* pf, int64_t b0, int64_t b1) {
 }
 
 // ---- phase 1 on quantized rows (quant.h): NR rows against TB tokens of the Q8_0 activation ------
-// x points at token 0's row of the quantized activation; row t, at x + t * D (the space of D
-// floats), holds q [D] int8 then the D / 32 block scales as fp32.
-inline const int8_t* xq_values(const float* x) { return (const int8_t*)x; }
-inline const float* xq_scales(const float* x, int64_t D) { return (const float*)((const int8_t*)x + D); }
+// x points at token 0's row of the quantized activation; row t at x + t * D (quant.h: xq_values,
+// xq_scales, xq_offsets).
 
 // out[r * TB + t] = rows[r] . x[t], block by block (integer dots, fp32 sums).
 template <class W, int NR, int TB>
@@ -137,20 +135,31 @@ void qdot_core(const uint8_t* const* rows, const float* x, int64_t D, float* out
             xs[t] = qf_scales(xq_scales(xt, D)[b], QB > 1 ? xq_scales(xt, D)[b + 1] : 0.f);
         }
         for (int r = 0; r < NR; ++r) {
-            const qi wv = W::unpack(rows[r], b);
             const qf ws = W::scales(rows[r], b);
-            for (int t = 0; t < TB; ++t) acc[r][t] = qdot_acc(wv, xv[t], qf_mul(ws, xs[t]), acc[r][t]);
+            if constexpr (W::OFFSET) {
+                const qi wv = W::unpack_u(rows[r], b);
+                for (int t = 0; t < TB; ++t)
+                    acc[r][t] = qdot_acc_u(wv, xv[t], qi_load((const int8_t*)(xq_offsets(x + t * D, D) + 8 * b)),
+                                           qf_mul(ws, xs[t]), acc[r][t]);
+            } else {
+                const qi wv = W::unpack(rows[r], b);
+                for (int t = 0; t < TB; ++t) acc[r][t] = qdot_acc(wv, xv[t], qf_mul(ws, xs[t]), acc[r][t]);
+            }
         }
     }
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     if (b < nb)  // an odd number of blocks: the last step's upper half is zero
         for (int r = 0; r < NR; ++r) {
-            const qi wv = W::unpack_tail(rows[r], b);
             const float ws = W::scale(rows[r], b);
             for (int t = 0; t < TB; ++t) {
                 const float* xt = x + t * D;
-                acc[r][t] = qdot_acc(wv, qi_load_tail(xq_values(xt) + b * QK),
-                                     qf_scales(ws * xq_scales(xt, D)[b], 0.f), acc[r][t]);
+                const qi xv = qi_load_tail(xq_values(xt) + b * QK);
+                const qf dd = qf_scales(ws * xq_scales(xt, D)[b], 0.f);
+                if constexpr (W::OFFSET)
+                    acc[r][t] = qdot_acc_u(W::unpack_u_tail(rows[r], b), xv,
+                                           qi_load((const int8_t*)(xq_offsets(xt, D) + 8 * b)), dd, acc[r][t]);
+                else
+                    acc[r][t] = qdot_acc(W::unpack_tail(rows[r], b), xv, dd, acc[r][t]);
             }
         }
 #endif
@@ -737,8 +746,7 @@ inline void quantize_x_par(const Args& a, pool::Ctx& c) {
     const int64_t nc = (a.D + C - 1) / C;
     c.for_static(a.T * nc, [&](int64_t j) {
         const int64_t t = j / nc, d0 = (j % nc) * C, d1 = d0 + C < a.D ? d0 + C : a.D;
-        float* row = a.xq + t * a.D;
-        quantize_row_q8(a.x + t * a.D + d0, d1 - d0, (int8_t*)row + d0, (float*)xq_scales(row, a.D) + d0 / QK);
+        quantize_into(a.x + t * a.D, d0, d1, a.xq + t * a.D, a.D);
     });
 }
 
@@ -1223,10 +1231,7 @@ int64_t pi_linear(const float* x, int64_t T, int64_t D, const void* w, int w_dt,
     if (quantized(w_dt)) {  // the Q8_0 activation, rows of D floats' space (qdot_core)
         thread_local std::vector<float> xq;
         if ((int64_t)xq.size() < T * D) xq.resize(T * D);
-        for (int64_t t = 0; t < T; ++t) {
-            float* row = xq.data() + t * D;
-            quantize_row_q8(x + t * D, D, (int8_t*)row, (float*)xq_scales(row, D));
-        }
+        for (int64_t t = 0; t < T; ++t) quantize_into(x + t * D, 0, D, xq.data() + t * D, D);
         x = xq.data();
     }
     switch (w_dt) {
@@ -1245,8 +1250,9 @@ int64_t pi_quantize_q8_0(const float* x, int64_t n, uint8_t* blocks) {
     if (n < 0 || n % QK) return BAD_ARGS;
     int8_t q[QK];
     float d;
+    int32_t off[16];
     for (int64_t b = 0; b < n / QK; ++b) {
-        quantize_row_q8(x + b * QK, QK, q, &d);
+        quantize_row_q8(x + b * QK, QK, q, &d, off);
         const uint16_t h = f32_to_f16(d);
         std::memcpy(blocks + b * WQ8_0::BB, &h, 2);
         std::memcpy(blocks + b * WQ8_0::BB + 2, q, QK);
