@@ -312,13 +312,12 @@ inline void quantize_row_q8(const float* x, int64_t D, int8_t* q, float* d, int3
         for (int i = 0; i < QK; ++i) sum += qb[i];
         for (int i = 0; i < 8; ++i) off[8 * b + i] = i ? 0 : -8 * sum;
     }
-    if (D / QK % QB)  // the last step's missing block
-        for (int i = 0; i < 8; ++i) off[8 * (D / QK) + i] = 0;
 }
 
 // A Q8_0 activation row in the space of D floats: q [D] int8, the D / 32 scales as fp32, then
 // Q4_0's offsets (-8 * the sum of each block's q), one qi of int32 per step of QB blocks (block b's
-// offset in lane 8b of them, the step's other lanes 0): D + D / 8 + ~D bytes.
+// offset in lane 8b of them, the block's other lanes 0): D + D / 8 + ~D bytes. After an odd number
+// of blocks the last step's upper lanes are not written: the tail step scales them by 0.
 inline const int8_t* xq_values(const float* x) { return (const int8_t*)x; }
 inline const float* xq_scales(const float* x, int64_t D) { return (const float*)((const int8_t*)x + D); }
 inline const int32_t* xq_offsets(const float* x, int64_t D) { return (const int32_t*)(xq_scales(x, D) + D / QK); }

@@ -1250,7 +1250,7 @@ int64_t pi_quantize_q8_0(const float* x, int64_t n, uint8_t* blocks) {
     if (n < 0 || n % QK) return BAD_ARGS;
     int8_t q[QK];
     float d;
-    int32_t off[16];
+    int32_t off[8];  // the block's Q4_0 offset lanes (unused here)
     for (int64_t b = 0; b < n / QK; ++b) {
         quantize_row_q8(x + b * QK, QK, q, &d, off);
         const uint16_t h = f32_to_f16(d);

@@ -266,7 +266,7 @@ lib.pi_quantize_q8_0(x.data_ptr(), x.numel(), blocks.ctypes.data)
 assert np.array_equal(blocks, quantize(x.numpy(), GQ.Q8_0)), "activation quantizer"
 worst = 0.0
 for qt in ("q4_0", "q8_0"):
-    for D in (96, 128):
+    for D in (96, 128, 1056):  # 1056: the activation quantized in pieces of 1024 columns, the last of one block
         up, gate, down = (q(torch.randn(70, D, generator=g) * D ** -0.5, qt) for _ in range(3))
         for T, act, split in ((1, "reglu", "cols"), (1, "relu", "rows"), (3, "swiglu", "rows"), (9, "reglu", "cols")):
             x = torch.randn(T, D, generator=g).half()
