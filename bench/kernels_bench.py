@@ -456,7 +456,8 @@ def _exchange_cold(args) -> dict:
     of sleep. Variant 'contiguous': the same bytes as K rows next to each other (the shard's first
     K, every one active: the dense path's access pattern), i.e. what the random placement of the
     active rows costs; 'omp_region': an empty parallel region of the kernel's threads after the same
-    gap (their wake-up and fork / join, the call's fixed cost). --exchange-shm: the shards live in
+    gap (their wake-up and fork / join); 'prepared_empty': the call as the CPU executor makes it (prepared
+    once per layer) on a mask with no neuron set, the exchange's fixed cost. --exchange-shm: the shards live in
     one /dev/shm file as in the runtime, their pages mapped before the timing as the runtime's CPU
     executor maps its rows (sharedshard.prefault, runtime/warm.py); before 2026-12-06 they were not,
     and every random row paid minor page faults (dev machine, 1 thread, K = 250: 1835 us unmapped,
@@ -498,8 +499,13 @@ def _exchange_cold(args) -> dict:
     out = torch.empty(1, dim, dtype=torch.float16)  # the channel's out: x's dtype
     gap = args.exchange_gap_ms / 1e3
     reps = 20 if args.quick else args.exchange_reps
-    variants = ("auto", "rows", "cols", "contiguous", "omp_region")
+    variants = ("auto", "rows", "cols", "contiguous", "omp_region", "prepared_empty")
     lib, tiny = _worker_library(args), torch.ones(16 * threads)
+    # the CPU executor's form of the call, prepared once per layer (cpu_ffn.prepare_bitmask), on a mask
+    # with no neuron set: the exchange's fixed cost as the runtime pays it (the call itself, the
+    # conversion of x, the mask's decoding, the output's store)
+    no_rows = np.zeros((1, B), np.uint8)
+    prepared = [cpu_ffn.prepare_bitmask(x, *ws, no_rows, n, act, None, out, qtype=qtype) for ws in layers]
     rows_out = []
     for K in map(int, args.exchange_k.split(",")):
         masks = exchange_masks(K, 1, n, 16, gen)
@@ -516,6 +522,8 @@ def _exchange_cold(args) -> dict:
                 t0 = time.perf_counter()
                 if v == "omp_region":  # the kernel's threads doing nothing: wake-up + fork/join
                     lib.pi_read_sum(tiny.data_ptr(), tiny.numel(), threads)
+                elif v == "prepared_empty":
+                    prepared[layer](1, threads)
                 elif v == "contiguous":  # no mask: rows 0 .. K-1, every one
                     cpu_ffn.sparse_ffn_bitmask(x, up, gate, down_t, None, K, act, None, out, threads, qtype=qtype)
                 else:
@@ -525,9 +533,10 @@ def _exchange_cold(args) -> dict:
                     times[v].append(time.perf_counter() - t0)
         nbytes = (2 if act == "relu" else 3) * K * row_width * base[0].element_size()
         for v, ts in times.items():
-            rows_out.append(dict(variant=v if v == "omp_region" else f"bitmask_{v}", T=1, K=K, layers=L, act=act,
+            fixed = v in ("omp_region", "prepared_empty")
+            rows_out.append(dict(variant=v if fixed else f"bitmask_{v}", T=1, K=K, layers=L, act=act,
                                  D=dim, n=n, weights=args.exchange_dtype, shm=bool(args.exchange_shm),
-                                 **_call_times(ts, None if v == "omp_region" else nbytes)))
+                                 **_call_times(ts, None if fixed else nbytes)))
         print(f"[exchange cold {os.environ.get('OMP_WAIT_POLICY', 'unset')} "
               f"{args.exchange_build or 'default build'}] {act} {args.exchange_dtype} D={dim} n={n} t={threads} "
               f"L={L}{' shm' if args.exchange_shm else ''} K={K}: " + ", ".join(

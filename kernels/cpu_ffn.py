@@ -9,6 +9,7 @@ Q8_0 once per call, integer dots per block, the down rows dequantized into fp32 
 from __future__ import annotations
 
 import ctypes
+import struct
 import threading
 import weakref
 
@@ -270,8 +271,12 @@ def prepare_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None
     lib = library()
     thr = _THR[act_on if act_threshold is not None else None]
     x_ptr, out_ptr = x.data_ptr(), out.data_ptr()
-    head = (x_ptr, x_dt, ld_x)  # then T, D
-    tail = (D, *sh.args, addr, ld, n, rows_ptr, _ACT[act], out_ptr, y_dt)  # then scratch, threads
+    # pi_sparse_ffn_bitmask's arguments in one array (pi_sparse_ffn_bitmask_argv); T (3), scratch (22) and
+    # threads (23) are set per call
+    thr_bits = struct.unpack("<q", struct.pack("<d", float(act_threshold or 0.0)))[0]
+    argv = (ctypes.c_int64 * 29)(*(0 if v is None else v for v in (
+        x_ptr, x_dt, ld_x, 0, D, *sh.args, addr, ld, n, rows_ptr, _ACT[act], out_ptr, y_dt, 0, 0, sp,
+        int(not skip_zero), ctypes.addressof(_stats), thr_bits, thr)))
 
     def call(T: int, threads: int | None = None) -> tuple[int, ...]:
         if not 0 <= T <= cap:
@@ -287,8 +292,8 @@ def prepare_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None
             nb = _scratch_bytes.get(key)
             if nb is None:
                 nb = _scratch_bytes[key] = lib.pi_scratch_bytes(T, D, n, nthreads, y_dt, sp, 1, wcode)
-            rc = lib.pi_sparse_ffn_bitmask(*head, T, *tail, _scratch_for(nb), nthreads, sp, int(not skip_zero),
-                                           _stats, float(act_threshold or 0.0), thr)
+            argv[3], argv[22], argv[23] = T, _scratch_for(nb), nthreads
+            rc = lib.pi_sparse_ffn_bitmask_argv(argv)
             if rc != 0:
                 raise ValueError(f"sparse_ffn_bitmask: the kernel rejected its arguments (rc {rc}): T={T}, D={D}, "
                                  f"n={n}, threads={nthreads}")

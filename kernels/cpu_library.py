@@ -131,9 +131,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pi_sparse_ffn.restype = i64
     lib.pi_sparse_ffn.argtypes = [p, i64, i64, p, p, p, i32, i64, i64, i64, i64, p, i32,
                                   p, i32, i64, p, i32, i64, i32, p, i32, p, i32, i32, f32, i32]
-    lib.pi_sparse_ffn_bitmask.restype = i64
-    lib.pi_sparse_ffn_bitmask.argtypes = [p, i32, i64, i64, i64, p, p, p, i32, i64, i64, i64, i64, p, i32,
-                                          p, i64, i64, p, i32, p, i32, p, i32, i32, i32, p, f32, i32]
+    lib.pi_sparse_ffn_bitmask_argv.restype = i64
+    lib.pi_sparse_ffn_bitmask_argv.argtypes = [p]
     lib.pi_scratch_bytes.restype = i64
     lib.pi_scratch_bytes.argtypes = [i64, i64, i64, i32, i32, i32, i32, i32]
     lib.pi_read_sum.restype = ctypes.c_double

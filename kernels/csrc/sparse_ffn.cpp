@@ -1244,6 +1244,19 @@ int64_t pi_linear(const float* x, int64_t T, int64_t D, const void* w, int w_dt,
     return 0;
 }
 
+// pi_sparse_ffn_bitmask with its 29 arguments in one int64 array, in its order (pointers as
+// addresses, thr as the bits of a double): a prepared call (cpu_ffn.prepare_bitmask) fills the array
+// once and sets T, scratch and nthreads per call, so ctypes converts one argument instead of 29.
+int64_t pi_sparse_ffn_bitmask_argv(const int64_t* v) {
+    auto P = [&](int i) { return (void*)(intptr_t)v[i]; };
+    double thr;
+    std::memcpy(&thr, &v[27], sizeof thr);
+    return pi_sparse_ffn_bitmask(P(0), (int)v[1], v[2], v[3], v[4], P(5), P(6), P(7), (int)v[8], v[9], v[10], v[11],
+                                 v[12], P(13), (int)v[14], (const uint8_t*)P(15), v[16], v[17], (const int32_t*)P(18),
+                                 (int)v[19], P(20), (int)v[21], P(22), (int)v[23], (int)v[24], (int)v[25],
+                                 (int64_t*)P(26), (float)thr, (int)v[28]);
+}
+
 // x [n] fp32 (n a multiple of 32) -> n / 32 ggml Q8_0 blocks (f16 d, 32 int8): the activation
 // quantizer the kernels use, for tests against gguf-py. Returns 0 or BAD_ARGS.
 int64_t pi_quantize_q8_0(const float* x, int64_t n, uint8_t* blocks) {

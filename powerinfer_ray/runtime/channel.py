@@ -270,8 +270,8 @@ class Channel:
         return int(self.header[_H_REQ])
 
     def request(self) -> tuple[int, int, int, int, int]:
-        h = self.header
-        return int(h[_H_OP]), int(h[_H_LAYER]), int(h[_H_NSEQ]), int(h[_H_NTOK]), int(h[_H_NMASK])
+        """op, layer, n_seq, n_tok, n_mask of the request (one slice: half the time of five reads)."""
+        return tuple(self.header[REQUEST_FIELDS].tolist())
 
     def respond(self, seq: int, t_start_ns: int, ok: bool = True) -> None:
         """Publish the answer to request ``seq``; ``t_start_ns`` is when the peer saw it."""
