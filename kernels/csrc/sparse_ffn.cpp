@@ -127,20 +127,19 @@ void qdot_core(const uint8_t* const* rows, const float* x, int64_t D, float* out
     int64_t b = 0;
     for (; b + QB <= nb; b += QB) {
         if (pf) prefetch_span(pf, W::bytes(b * QK), W::bytes((b + QB) * QK));
-        qi xv[TB];
+        qi xv[TB], xo[TB];  // xo: Q4_0's offsets of the step's blocks
         qf xs[TB];
         for (int t = 0; t < TB; ++t) {
             const float* xt = x + t * D;
             xv[t] = qi_load(xq_values(xt) + b * QK);
             xs[t] = qf_scales(xq_scales(xt, D)[b], QB > 1 ? xq_scales(xt, D)[b + 1] : 0.f);
+            if constexpr (W::OFFSET) xo[t] = qi_load((const int8_t*)(xq_offsets(xt, D) + 8 * b));
         }
         for (int r = 0; r < NR; ++r) {
             const qf ws = W::scales(rows[r], b);
             if constexpr (W::OFFSET) {
                 const qi wv = W::unpack_u(rows[r], b);
-                for (int t = 0; t < TB; ++t)
-                    acc[r][t] = qdot_acc_u(wv, xv[t], qi_load((const int8_t*)(xq_offsets(x + t * D, D) + 8 * b)),
-                                           qf_mul(ws, xs[t]), acc[r][t]);
+                for (int t = 0; t < TB; ++t) acc[r][t] = qdot_acc_u(wv, xv[t], xo[t], qf_mul(ws, xs[t]), acc[r][t]);
             } else {
                 const qi wv = W::unpack(rows[r], b);
                 for (int t = 0; t < TB; ++t) acc[r][t] = qdot_acc(wv, xv[t], qf_mul(ws, xs[t]), acc[r][t]);
