@@ -115,6 +115,20 @@ struct QuantRow {
     static constexpr bool OFFSET = false;  // the integer dot on unsigned weights plus x's offsets (Q4_0)
     static int64_t bytes(int64_t d) { return d / QK * Q::BB; }
     static float scale(const T* row, int64_t b) { return f16_bits_at(row + b * Q::BB); }
+    // out[i] = mul x the scale of block b + i, i < nb <= 16
+    static void scales_times(const T* row, int64_t b, int nb, float mul, float* out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        // each lane reads the 4 bytes at its block's start (its f16 scale, then 2 bytes of the block's own)
+        const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(Q::BB));
+        const __mmask16 m = (__mmask16)((1u << nb) - 1);
+        const __m512i raw = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, at, row + b * Q::BB, 1);
+        const __m512 s = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw)), _mm512_set1_ps(mul));
+        _mm512_mask_storeu_ps(out, m, s);
+#else
+        for (int i = 0; i < nb; ++i) out[i] = mul * scale(row, b + i);
+#endif
+    }
     static qf scales(const T* row, int64_t b) {  // blocks b .. b+QB-1 (QB = 2: b+1 must exist)
         return qf_scales(scale(row, b), QB > 1 ? scale(row, b + 1) : 0.f);
     }

@@ -342,7 +342,18 @@ template <class W>
 void qaxpy_t1(const uint8_t* const* rows, int nr, const float* h, int64_t T, int64_t t0, float* A, int64_t D,
               int64_t d0, int64_t d1) {
     constexpr int QV = QK / VW;
+#ifndef PI_OLD_SCALES
+    constexpr int SB = 16;  // blocks whose scales are converted at once
+    float hs_all[R][SB];  // h[r] x the scale of block b of row r
     for (int64_t b = d0 / QK; b < d1 / QK; ++b) {
+        const int64_t bs = b - (b - d0 / QK) % SB;
+        if (b == bs) {
+            const int nb = (int)std::min<int64_t>(SB, d1 / QK - bs);
+            for (int r = 0; r < nr; ++r) W::scales_times(rows[r], bs, nb, h[r * T + t0], hs_all[r]);
+        }
+#else
+    for (int64_t b = d0 / QK; b < d1 / QK; ++b) {
+#endif
         float* a = A + t0 * D + b * QK;
         vf acc0[QV], acc1[QV], q[QV];
         for (int j = 0; j < QV; ++j) {
@@ -351,7 +362,11 @@ void qaxpy_t1(const uint8_t* const* rows, int nr, const float* h, int64_t T, int
         }
         for (int r = 0; r < nr; ++r) {
             W::block_vals(rows[r], b, q);
+#ifndef PI_OLD_SCALES
+            const vf hs = vset1(hs_all[r][b - bs]);
+#else
             const vf hs = vset1(h[r * T + t0] * W::scale(rows[r], b));
+#endif
             for (int j = 0; j < QV; ++j) {
                 if (r % 2) acc1[j] = vfma(hs, q[j], acc1[j]);
                 else acc0[j] = vfma(hs, q[j], acc0[j]);
