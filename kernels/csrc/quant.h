@@ -118,16 +118,28 @@ struct QuantRow {
     // out[i] = mul x the scale of block b + i, i < nb <= 16
     static void scales_times(const T* row, int64_t b, int nb, float mul, float* out) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-        // each lane reads the 4 bytes at its block's start (its f16 scale, then 2 bytes of the block's own)
-        const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32(Q::BB));
-        const __mmask16 m = (__mmask16)((1u << nb) - 1);
-        const __m512i raw = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, at, row + b * Q::BB, 1);
-        const __m512 s = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw)), _mm512_set1_ps(mul));
-        _mm512_mask_storeu_ps(out, m, s);
-#else
-        for (int i = 0; i < nb; ++i) out[i] = mul * scale(row, b + i);
+        if (nb == 16) {
+            // block i's scale is f16 word i BB / 2 of the run: G blocks' words at a time from 128 bytes
+            // (two loads, one two-source permute into lanes j .. j + G - 1; the run's last load ends
+            // at its 16th block's quants, inside the row)
+            constexpr int G = 63 / (Q::BB / 2) + 1;
+            static_assert((16 - G) * Q::BB + 128 <= 16 * Q::BB, "a block run's loads stay inside it");
+            const __m512i word = _mm512_mullo_epi16(
+                _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11,
+                                 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi16(Q::BB / 2));
+            const uint8_t* p = row + b * Q::BB;
+            __m512i w = _mm512_setzero_si512();
+            for (int j = 0; j < 16; j += G) {
+                const __m512i lo = _mm512_loadu_si512((const void*)(p + j * Q::BB));
+                const __m512i hi = _mm512_loadu_si512((const void*)(p + j * Q::BB + 64));
+                const __m512i at = _mm512_sub_epi16(word, _mm512_set1_epi16((short)(j * Q::BB / 2)));
+                w = _mm512_mask_mov_epi16(w, (__mmask32)(((1u << G) - 1) << j), _mm512_permutex2var_epi16(lo, at, hi));
+            }
+            _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(w)), _mm512_set1_ps(mul)));
+            return;
+        }
 #endif
+        for (int i = 0; i < nb; ++i) out[i] = mul * scale(row, b + i);
     }
     static qf scales(const T* row, int64_t b) {  // blocks b .. b+QB-1 (QB = 2: b+1 must exist)
         return qf_scales(scale(row, b), QB > 1 ? scale(row, b + 1) : 0.f);

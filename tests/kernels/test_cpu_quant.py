@@ -277,9 +277,11 @@ for qt in ("q4_0", "q8_0"):
                                        act, None, out, 2, split=split, qtype=qt)
             idx = mask.any(0).nonzero().reshape(-1)
             ref = sparse_ffn_ref(quant.round_q8_0(x), up, gt, down, idx, mask[:, idx], act, qtype=qt)
+            assert torch.isfinite(out).all(), (qt, D, T, act, split)  # (max() would pass a NaN error by)
             worst = max(worst, float((out.double() - ref).norm() / ref.norm()))
         y = cpu_ffn.linear(x.float(), up, qtype=qt, threads=2)
         ref = quant.round_q8_0(x) @ quant.dequantize(up, qt, torch.float64).T
+        assert torch.isfinite(y).all(), (qt, D, "linear")
         worst = max(worst, float((y.double() - ref).norm() / ref.norm()))
 print("worst", worst)
 assert worst < 1e-5, worst
