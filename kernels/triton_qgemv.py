@@ -2,12 +2,13 @@
 reads whole: the attention projections, the output head, the predictor (imported lazily: triton
 is optional).
 
-A program owns BR rows and walks their blocks NB at a time: each block's quants are 4 aligned
-32-bit words, one vector load per block and row; each nibble becomes fp32 without a conversion
+A program owns BR rows and walks their blocks NB at a time, in tiles [BR, NB * 4 words, 4 bytes]
+with the bytes innermost: a word's bytes come in one 32-bit load, and byte i of word j holds
+columns 4j + i (low nibble) and 16 + 4j + i (high), so the x values of a word's low (high) nibbles
+are 4 adjacent columns, one 64-bit load of fp16. Each nibble becomes fp32 without a conversion
 instruction (or-ed into the mantissa of 2^23, minus 2^23 + 8: exact), is multiplied with x at its
-column and summed per block, then scaled by the block's f16 scale. Word j of a block holds columns
-4j + i (low nibbles, i = 0..3) and 16 + 4j + i (high). Grid (T, row blocks): the programs of one
-row block for the T tokens run side by side and share the rows through L2.
+column, scaled by the block's f16 scale and summed. Grid (T, row blocks): the programs of one row
+block for the T tokens run side by side and share the rows through L2.
 
 Dimension legend: T tokens, D columns (NBLK = D / 32 blocks), R rows.
 """
@@ -20,7 +21,7 @@ import triton.language as tl
 from .quant import BLOCK_BYTES, QK
 
 QW = 4  # 32-bit words of quants a block
-BR, NB, WARPS = 8, 32, 8  # rows a program, blocks a step, warps a program (the H100's best at 5120 x 5120)
+BR, NB, WARPS = 8, 16, 8
 MAX_GRID_ROWS = 65535  # CUDA's limit on the grid's second axis
 
 
@@ -33,25 +34,24 @@ def _qgemv_kernel(x_ptr, wq_ptr, wd_ptr, b_ptr, y_ptr, R, s_wq, s_wd, s_x, s_y,
     r1 = tl.program_id(1) * BR + tl.arange(0, BR)
     rows = r1.to(tl.int64)[:, None, None]  # [BR, 1, 1]
     rmask = rows < R
-    j = tl.arange(0, QW)[None, None, :]  # [1, 1, QW]
+    wi = tl.arange(0, NB * QW)[None, :, None]  # [1, NB QW, 1]: the step's words
+    i = tl.arange(0, 4)[None, None, :]  # [1, 1, 4]: a word's bytes
     xrow = x_ptr + t * s_x
-    # every operand of the loop is loaded at the tile's full shape [BR, NB, QW] (x and the scales
-    # with repeated addresses): one layout throughout, no conversion through shared memory
-    acc = tl.zeros((BR, NB, QW), dtype=tl.float32)
+    # every operand is loaded at the tile's full shape [BR, NB QW, 4] (x and the scales with repeated
+    # addresses) with the bytes innermost: one layout throughout, no conversion through shared memory,
+    # the quants in 32-bit loads and x's 4 columns a byte's nibbles take in 64-bit ones
+    acc = tl.zeros((BR, NB * QW, 4), dtype=tl.float32)
     for b0 in range(0, NBLK, NB):
-        b = b0 + tl.arange(0, NB)[None, :, None]  # [1, NB, 1]
-        m = rmask & (b < NBLK) & (j < QW)  # [BR, NB, QW]
-        w = tl.load(wq_ptr + rows * s_wq + b * QW + j, mask=m, other=0)  # int32
-        d = tl.load(wd_ptr + rows * s_wd + b + 0 * j, mask=m, other=0.0).to(tl.float32)
-        xo = 32 * b + 4 * j + 0 * rows  # the column of each word's first byte
-        s = tl.zeros((BR, NB, QW), dtype=tl.float32)
-        for i in tl.static_range(4):
-            lo = (((w >> (8 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-            hi = (((w >> (8 * i + 4)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-            xl = tl.load(xrow + xo + i, mask=m, other=0.0).to(tl.float32)
-            xh = tl.load(xrow + xo + (16 + i), mask=m, other=0.0).to(tl.float32)
-            s += lo * xl + hi * xh
-        acc += s * d
+        blk = b0 + wi // QW  # [1, NB QW, 1]
+        m = rmask & (blk < NBLK) & (i < 4)  # [BR, NB QW, 4]
+        q = tl.load(wq_ptr + rows * s_wq + (b0 * QW + wi) * 4 + i, mask=m, other=0).to(tl.int32)
+        d = tl.load(wd_ptr + rows * s_wd + blk, mask=rmask & (blk < NBLK), other=0.0).to(tl.float32)  # [BR, NB QW, 1]
+        col = 32 * blk + 4 * (wi % QW) + i + 0 * rows  # byte i of word j: columns 4j + i (low), 16 + 4j + i (high)
+        xl = tl.load(xrow + col, mask=m, other=0.0).to(tl.float32)
+        xh = tl.load(xrow + col + 16, mask=m, other=0.0).to(tl.float32)
+        lo = ((q & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # exact: 2^23 + n - (2^23 + 8)
+        hi = ((q >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+        acc += (lo * xl + hi * xh) * d
     y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BR]
     rows, rmask = r1.to(tl.int64), r1 < R
     if HAS_BIAS:
@@ -75,7 +75,7 @@ def qgemv_triton(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tenso
     if triton.cdiv(R, br) > MAX_GRID_ROWS:
         raise ValueError(f"qgemv: {R} rows need more than {MAX_GRID_ROWS} programs of {br} rows: raise br")
     x = x.contiguous()
-    wq = w.view(torch.int32)  # [R, row bytes / 4]
+    wq = w  # [R, row bytes]
     wd = w.view(torch.float16)[:, nblk * (bb - 2) // 2:]  # the scales: after the quants
     dummy = y
     _qgemv_kernel[(T, triton.cdiv(R, br))](

@@ -336,13 +336,13 @@ inline float activate(int act, float u, float g) {
 // ---- phase 2: A[t, d0:d1] += sum_r h[r, t] * rows[r][d0:d1] -----------------------------------
 // h is [nr, T] row-major; A is [T, D] (row stride D). Tokens t0 .. t0+TB-1, columns d0 .. d1-1.
 // One token's A[t0, d0:d1] += sum_r h[r, t0] * rows[r][d0:d1] on quantized rows (d0, d1 multiples
-// of 32): block by block, each row's block unpacked once and its scale folded into h; two
+// of 32): block by block, each row's block unpacked once and its scale folded into h (a row's 16
+// scales at a time: QuantRow::scales_times); two
 // accumulator sets (even and odd rows) so FMA latency does not bound the rows.
 template <class W>
 void qaxpy_t1(const uint8_t* const* rows, int nr, const float* h, int64_t T, int64_t t0, float* A, int64_t D,
               int64_t d0, int64_t d1) {
     constexpr int QV = QK / VW;
-#ifndef PI_OLD_SCALES
     constexpr int SB = 16;  // blocks whose scales are converted at once
     float hs_all[R][SB];  // h[r] x the scale of block b of row r
     for (int64_t b = d0 / QK; b < d1 / QK; ++b) {
@@ -351,9 +351,6 @@ void qaxpy_t1(const uint8_t* const* rows, int nr, const float* h, int64_t T, int
             const int nb = (int)std::min<int64_t>(SB, d1 / QK - bs);
             for (int r = 0; r < nr; ++r) W::scales_times(rows[r], bs, nb, h[r * T + t0], hs_all[r]);
         }
-#else
-    for (int64_t b = d0 / QK; b < d1 / QK; ++b) {
-#endif
         float* a = A + t0 * D + b * QK;
         vf acc0[QV], acc1[QV], q[QV];
         for (int j = 0; j < QV; ++j) {
@@ -362,11 +359,7 @@ void qaxpy_t1(const uint8_t* const* rows, int nr, const float* h, int64_t T, int
         }
         for (int r = 0; r < nr; ++r) {
             W::block_vals(rows[r], b, q);
-#ifndef PI_OLD_SCALES
             const vf hs = vset1(hs_all[r][b - bs]);
-#else
-            const vf hs = vset1(h[r * T + t0] * W::scale(rows[r], b));
-#endif
             for (int j = 0; j < QV; ++j) {
                 if (r % 2) acc1[j] = vfma(hs, q[j], acc1[j]);
                 else acc0[j] = vfma(hs, q[j], acc0[j]);
