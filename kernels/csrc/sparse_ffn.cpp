@@ -344,7 +344,7 @@ void qaxpy_t1(const uint8_t* const* rows, int nr, const float* h, int64_t T, int
               int64_t d0, int64_t d1) {
     constexpr int QV = QK / VW;
     constexpr int SB = 16;  // blocks whose scales are converted at once
-    float hs_all[R][SB];  // h[r] x the scale of block b of row r
+    float hs_all[R][SB];  // h[r] x the scale of block b of row r (nr <= R: every caller passes a row block)
     for (int64_t b = d0 / QK; b < d1 / QK; ++b) {
         const int64_t bs = b - (b - d0 / QK) % SB;
         if (b == bs) {
