@@ -21,7 +21,7 @@ import triton.language as tl
 from .quant import BLOCK_BYTES, QK
 
 QW = 4  # 32-bit words of quants a block
-BR, NB, WARPS = 8, 16, 8
+BR, NB, WARPS = 8, 16, 8  # rows a program, blocks a step, warps a program (the H100's best at 5120 x 5120)
 MAX_GRID_ROWS = 65535  # CUDA's limit on the grid's second axis
 
 
@@ -43,9 +43,10 @@ def _qgemv_kernel(x_ptr, wq_ptr, wd_ptr, b_ptr, y_ptr, R, s_wq, s_wd, s_x, s_y,
     acc = tl.zeros((BR, NB * QW, 4), dtype=tl.float32)
     for b0 in range(0, NBLK, NB):
         blk = b0 + wi // QW  # [1, NB QW, 1]
-        m = rmask & (blk < NBLK) & (i < 4)  # [BR, NB QW, 4]
+        bm = rmask & (blk < NBLK)  # [BR, NB QW, 1]
+        m = bm & (i < 4)  # [BR, NB QW, 4]
         q = tl.load(wq_ptr + rows * s_wq + (b0 * QW + wi) * 4 + i, mask=m, other=0).to(tl.int32)
-        d = tl.load(wd_ptr + rows * s_wd + blk, mask=rmask & (blk < NBLK), other=0.0).to(tl.float32)  # [BR, NB QW, 1]
+        d = tl.load(wd_ptr + rows * s_wd + blk, mask=bm, other=0.0).to(tl.float32)  # [BR, NB QW, 1]
         col = 32 * blk + 4 * (wi % QW) + i + 0 * rows  # byte i of word j: columns 4j + i (low), 16 + 4j + i (high)
         xl = tl.load(xrow + col, mask=m, other=0.0).to(tl.float32)
         xh = tl.load(xrow + col + 16, mask=m, other=0.0).to(tl.float32)
