@@ -17,6 +17,13 @@ Measured here, one layer of the file:
   GPU's zero-copy rate while the CPU kernel runs: GB/s of each.
 
 The zero-copy results are checked against the same call on the GPU's copy.
+
+``--qtype q4_0|q8_0`` (no model file): the T == 1 kernels on random ggml block rows at the 13B's
+shape (8600 rows of 5120 per matrix, --layers copies: more than the GPU's L2), from the GPU's
+memory (``hbm``) and from page-locked host memory (``zerocopy``): the two stages (``two-stage``,
+the gemv configuration without the fused kernel) against the fused kernel at each rows-per-block /
+warps / eager-down configuration of --fused. µs per call from a CUDA graph of one call per layer,
+GB/s of the rows' compressed bytes; each output checked against the two stages' from the GPU's copy.
 """
 from __future__ import annotations
 
@@ -83,9 +90,81 @@ class CpuLoad(threading.Thread):
         self.seconds = time.perf_counter() - t0
 
 
+def time_graph(calls, reps: int) -> float:  # noqa: ANN001
+    """Median µs a call of the calls [fn] captured in one CUDA graph (after a warm-up run)."""
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in calls:
+            fn()
+    return time_gpu(g.replay, reps) / len(calls)
+
+
+def quant_sweep(a) -> list[dict]:  # noqa: ANN001
+    """--qtype: the T == 1 kernels over quantized rows in the GPU's memory and in host memory."""
+    import dataclasses
+
+    from kernels_bench import make_qweights
+
+    from powerinfer_ray.kernels import quant
+    from powerinfer_ray.kernels.triton_ffn import CONFIGS, sparse_ffn_triton
+    from powerinfer_ray.runtime.channel import device_view
+
+    n, D = 8600, 5120
+    gen = torch.Generator().manual_seed(0)
+    host = [[t.pin_memory() for t in make_qweights(a.qtype, "cpu", gen, n, D)] for _ in range(a.layers)]
+    where = {"hbm": [[t.to("cuda") for t in ws] for ws in host], "zerocopy": [[device_view(t) for t in ws] for ws in host]}
+    gemv = CONFIGS["qgemv"]
+    cfgs = {"two-stage": dataclasses.replace(gemv, fused_r=0)}
+    for bd in (int(b) for b in a.down_bd.split(",") if b):
+        cfgs[f"two-stage-bd{bd}"] = dataclasses.replace(gemv, fused_r=0, down_bd=bd)
+    for spec in a.fused.split(","):  # rows x warps, p programs per SM, e for eager down rows
+        rw, _, progs = spec.rstrip("e").partition("p")
+        r, w = rw.split("x")
+        cfgs[f"fused-{spec}"] = dataclasses.replace(gemv, fused_r=int(r), fused_warps=int(w),
+                                                    fused_progs=int(progs or gemv.fused_progs),
+                                                    eager_down=spec.endswith("e"))
+    x = (torch.rand(1, D, generator=gen) * 0.1).half().cuda()  # x and gate > 0: every row active
+    rng = np.random.default_rng(0)
+    row_bytes = quant.row_bytes(a.qtype, D)
+    records = []
+    for k in (int(s) for s in a.ks.split(",")):
+        idxs = [torch.from_numpy(np.sort(rng.choice(n, k, replace=False)).astype(np.int32)).cuda()
+                for _ in range(a.layers)]
+        outs = [torch.empty(1, D, dtype=torch.float16, device="cuda") for _ in range(a.layers)]
+
+        def call(i: int, layers, cfg) -> torch.Tensor:  # noqa: ANN001
+            up, gate, down = layers[i]
+            return sparse_ffn_triton(x, up, gate, down, idxs[i], None, "reglu", None, outs[i], None, cfg,
+                                     qtype=a.qtype)
+
+        want = [call(i, where["hbm"], cfgs["two-stage"]).float() for i in range(a.layers)]
+        for loc, layers in where.items():
+            for name, cfg in cfgs.items():
+                try:
+                    us = time_graph([lambda i=i, w=layers, c=cfg: call(i, w, c) for i in range(a.layers)], a.reps)
+                except Exception as e:  # noqa: BLE001 -- a configuration that does not compile: say so, go on
+                    print(f"{a.qtype} K={k} {loc} {name}: failed ({type(e).__name__}: {str(e)[:200]})", flush=True)
+                    continue
+                err = max(float((outs[i].float() - want[i]).abs().max() / want[i].abs().max()) for i in range(a.layers))
+                rec = {"kind": "quant", "qtype": a.qtype, "where": loc, "kernel": name, "rows": k, "us": us,
+                       "gbps": 3 * k * row_bytes / us / 1e3, "rel_err_vs_two_stage_hbm": err}
+                records.append(rec)
+                print(f"{a.qtype} K={k} {loc:8s} {name:12s}: {us:7.1f} us {rec['gbps']:6.1f} GB/s (rel err {err:.1e})",
+                      flush=True)
+    return records
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="an fp16 GGUF file on /dev/shm (ffn_up / ffn_gate / ffn_down_t [n_ff, D])")
+    p.add_argument("model", nargs="?", help="an fp16 GGUF file on /dev/shm (ffn_up / ffn_gate / ffn_down_t [n_ff, D])")
+    p.add_argument("--qtype", choices=("q4_0", "q8_0"), help="random block rows instead of a model file (see above)")
+    p.add_argument("--layers", type=int, default=8, help="--qtype: copies of the rows, one per call of a graph")
+    p.add_argument("--fused", default="1x4,2x4,1x8,2x8,2x8p1,4x8,2x16,4x16,1x4e,2x8e",
+                   help="--qtype: fused configurations, rows x warps [p programs per SM] (e: eager down rows)")
+    p.add_argument("--down-bd", default="128,256", help="--qtype: the two stages also with these down tiles")
     p.add_argument("--layer", type=int, default=0, help="the layer whose rows the GPU reads (the CPU: the next)")
     p.add_argument("--ks", default="64,256,1024,4096", help="rows per call")
     p.add_argument("--tokens", default="1,32", help="T of the GPU calls")
@@ -99,6 +178,13 @@ def main() -> int:
         print("zerocopy_bench measures a CUDA device: no GPU here", file=sys.stderr)
         return 2
     from model_bench import write_results
+
+    command = "python bench/zerocopy_bench.py " + shlex.join(sys.argv[1:])
+    if a.qtype:
+        write_results(a.out_dir, a.name, command, qtype=a.qtype, records=quant_sweep(a))
+        return 0
+    if a.model is None:
+        p.error("give a model file, or --qtype")
 
     from powerinfer_ray.kernels.sparse_ffn import sparse_ffn
     from powerinfer_ray.model import gguf_keys as K
@@ -175,7 +261,7 @@ def main() -> int:
                     "gpu_zerocopy_with_cpu_gbps": gpu_with, "sum_gbps": cpu_with + gpu_with})
     print(f"CPU kernel ({a.threads} threads) alone {cpu_alone:.1f} GB/s; with the GPU's zero-copy loop: CPU "
           f"{cpu_with:.1f} + GPU {gpu_with:.1f} = {cpu_with + gpu_with:.1f} GB/s (GPU alone {gpu_alone:.1f})", flush=True)
-    write_results(a.out_dir, a.name, "python bench/zerocopy_bench.py " + shlex.join(sys.argv[1:]), model=a.model,
+    write_results(a.out_dir, a.name, command, model=a.model,
                   layer=a.layer, records=records)
     return 0
 

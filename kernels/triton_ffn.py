@@ -1,9 +1,9 @@
 """The GPU path of the sparse FFN: which Triton kernel runs a call (imported lazily: triton is
 optional).
 
-T == 1 (decode of one sequence): the fused kernel (triton_fused.py), one launch; on quantized rows
-the two-stage elementwise kernels. T > 1: the two-stage kernels (triton_stages.py), up stage then
-down stage, tl.dot over tokens padded to 16.
+T == 1 (decode of one sequence): the fused kernel (triton_fused.py), one launch, on float and
+quantized rows. T > 1: the two-stage kernels (triton_stages.py), up stage then down stage, tl.dot
+over tokens padded to 16.
 Calls of more than MAX_T tokens run in blocks of MAX_T. Weights are fp32 / fp16 / bf16 rows or
 ggml Q4_0 / Q8_0 rows (qtype), dequantized in registers by the same kernels.
 
@@ -26,17 +26,20 @@ MAX_T = 32
 # The winners of `bench/kernels_bench.py --sweep` on the H200 (10 % density of the Llama-2-13B
 # FFN, fp16): T == 1 the fused kernel (2 rows per block, 4 warps, 2 programs per SM, lazy down
 # rows; its two-stage tiles, the elementwise kernels, are what a Config with fused_r = 0 runs);
-# T > 1 the two-stage tl.dot kernels.
+# T > 1 the two-stage tl.dot kernels. Quantized rows at T == 1 ("qgemv"): the fused kernel with 8 warps
+# (with 4, a block of 2 rows' raw words spill registers on sm_90).
 CONFIGS = {
     "gemv": Config(up_bk=4, up_bd=1024, up_warps=4, down_bk=128, down_bd=32, down_warps=8,
                    up_dot=False, down_dot=False, fused_r=2, fused_warps=4, fused_progs=2, eager_down=False),
+    "qgemv": Config(up_bk=4, up_bd=1024, up_warps=4, down_bk=128, down_bd=32, down_warps=8,
+                    up_dot=False, down_dot=False, fused_r=2, fused_warps=8, fused_progs=2, eager_down=False),
     "dot": Config(up_bk=32, up_bd=256, up_warps=8, down_bk=256, down_bd=32, down_warps=4, down_stages=4),
 }
 
 
-def config_for(T: int) -> Config:
-    """The default tiles of a call of T tokens."""
-    return CONFIGS["dot" if T > 1 else "gemv"]
+def config_for(T: int, qtype: str | None = None) -> Config:
+    """The default tiles of a call of T tokens (on rows of qtype)."""
+    return CONFIGS["dot" if T > 1 else "gemv" if qtype is None else "qgemv"]
 
 
 def sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active,
@@ -55,7 +58,7 @@ def sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_activ
                               gate_pre=None if gate_pre is None else gate_pre[sl])
         return y
     swiglu = dict(act_threshold=act_threshold, act_on=act_on, gate_pre=gate_pre)
-    cfg = cfg or config_for(T)
+    cfg = cfg or config_for(T, qtype)
     x = x.contiguous()
     idx = idx if idx.is_contiguous() else idx.contiguous()
     if mask is not None:
@@ -63,8 +66,8 @@ def sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_activ
     if n_active is not None:
         n_active = n_active.reshape(1).to(torch.int32)
     y = out if out is not None else torch.empty_like(x, memory_format=torch.contiguous_format)
-    if T == 1 and cfg.fused and qtype is None:  # quantized rows: the two stages
-        sparse_ffn_fused(x, up, gate, up_bias, down_t, idx, mask, n_active, act, y, cfg, **swiglu)
+    if T == 1 and cfg.fused:
+        sparse_ffn_fused(x, up, gate, up_bias, down_t, idx, mask, n_active, act, y, cfg, qtype=qtype, **swiglu)
         return y
     h = torch.empty((T, max(1, idx.shape[0])), dtype=torch.float32, device=x.device)  # [T, K]
     launch_up(x, up, gate, up_bias, idx, mask, n_active, act, h, cfg, qtype, **swiglu)

@@ -234,34 +234,43 @@ def q_rows(N: int, D: int, qtype: str, gen: torch.Generator, scale: float = 1.0)
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
 @pytest.mark.parametrize("act", ["relu", "reglu", "swiglu"])
 def test_triton_sparse_ffn_on_quantized_rows(qtype, act):
-    """Every FFN kernel quantized rows run (elementwise and tl.dot two-stage at T == 1, tl.dot at
-    T > 1; a fused configuration runs the two stages) on ggml blocks dequantized in registers,
-    against float64 over the dequantized rows (x as it is): D with an odd block count and a
-    power-of-two one, both mask forms, a device count, OPT's up bias, fp32 and fp16 x."""
+    """Every FFN kernel quantized rows run (elementwise and tl.dot two-stage at T == 1, the fused
+    kernel at T == 1, tl.dot at T > 1) on ggml blocks dequantized in registers, against float64
+    over the dequantized rows (x as it is): D of 3 blocks, 2 (one power-of-two piece) and 7 (a
+    masked second piece), both mask forms, a device count, OPT's up bias, fp32 and fp16 x; the
+    fused kernel with one and several programs a block of rows (the interpreter counts 4 SMs),
+    eager and lazy down rows, a partial last block, and a device count of zero."""
     gen = torch.Generator().manual_seed(len(act) + len(qtype))
     N, K = 60, 23
     # tiles of one block and of two (the Q4_0 tiles' column order within and across blocks)
     t1 = [triton_ffn.Config(4, 64, 4, 16, 64, 4), triton_ffn.Config(4, 32, 4, 16, 32, 4),
           triton_ffn.Config(4, 32, 4, 16, 32, 4, up_dot=False, down_dot=False),
           triton_ffn.Config(4, 64, 4, 16, 64, 4, up_dot=False, down_dot=False),
-          triton_ffn.Config(4, 32, 4, 16, 32, 4, fused_r=2, fused_warps=2, fused_progs=1, eager_down=False)]
-    for D in (96, 64):
+          triton_ffn.Config(4, 32, 4, 16, 32, 4, fused_r=2, fused_warps=2, fused_progs=1, eager_down=False),
+          triton_ffn.Config(4, 32, 4, 16, 32, 4, fused_r=1, fused_warps=2, fused_progs=1, eager_down=True),
+          triton_ffn.Config(4, 32, 4, 16, 32, 4, fused_r=4, fused_warps=4, fused_progs=16, eager_down=True)]
+    for D in (96, 64, 224):
         up, down_t = q_rows(N, D, qtype, gen, D ** -0.5), q_rows(N, D, qtype, gen)
         gate = None if act == "relu" else q_rows(N, D, qtype, gen, D ** -0.5)
         b = torch.randn(N, generator=gen) * 0.5 if act == "relu" else None
         idx = make_idx(K, N, gen, torch.int32)
-        for T, cfgs in ((1, t1), (3, t1[:2])):
+        for T, cfgs in ((1, t1[:5]), (3, t1[:2])) if D < 224 else ((1, t1[4:]),):  # 224: the fused kernel's
             cases = [(None, None), (torch.rand(T, K, generator=gen) < 0.6, None),
-                     (token_bits(torch.rand(T, K, generator=gen) < 0.6), torch.tensor([15], dtype=torch.int32))]
+                     (token_bits(torch.rand(T, K, generator=gen) < 0.6), torch.tensor([15], dtype=torch.int32)),
+                     (None, torch.tensor([0], dtype=torch.int32))]
             for cfg, (mask, n_act) in itertools.product(cfgs, cases):
                 for dt in (torch.float32, torch.float16):
                     x = torch.randn(T, D, generator=gen).to(dt)
                     out = poisoned((T, D), dt)
                     y = triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, b, out, n_act, cfg,
                                                      qtype=qtype)
+                    assert y is out
+                    if n_act is not None and int(n_act) == 0:
+                        assert torch.equal(y, torch.zeros_like(y)), f"D={D} T={T} {cfg}: no active rows, y not 0"
+                        continue
                     ref = sparse_ffn_ref(x, up, gate, down_t, idx, mask, act, b, n_act, qtype=qtype)
                     err = rel_err(y, ref)
-                    assert y is out and err < TOL[dt], f"D={D} T={T} {cfg} mask={mask is not None} {dt}: {err:.2e}"
+                    assert err < TOL[dt], f"D={D} T={T} {cfg} mask={mask is not None} {dt}: {err:.2e}"
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
