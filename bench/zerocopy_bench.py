@@ -21,8 +21,8 @@ The zero-copy results are checked against the same call on the GPU's copy.
 ``--qtype q4_0|q8_0`` (no model file): the T == 1 kernels on random ggml block rows at the 13B's
 shape (8600 rows of 5120 per matrix, --layers copies: more than the GPU's L2), from the GPU's
 memory (``hbm``) and from page-locked host memory (``zerocopy``): the two stages (``two-stage``,
-the gemv configuration without the fused kernel) against the fused kernel at each rows-per-block /
-warps / eager-down configuration of --fused. µs per call from a CUDA graph of one call per layer,
+the configuration of quantized rows in the GPU's memory) against the fused kernel at each
+rows-per-block / warps / programs / eager-down configuration of --fused. µs per call from a CUDA graph of one call per layer,
 GB/s of the rows' compressed bytes; each output checked against the two stages' from the GPU's copy.
 """
 from __future__ import annotations
@@ -116,10 +116,10 @@ def quant_sweep(a) -> list[dict]:  # noqa: ANN001
     gen = torch.Generator().manual_seed(0)
     host = [[t.pin_memory() for t in make_qweights(a.qtype, "cpu", gen, n, D)] for _ in range(a.layers)]
     where = {"hbm": [[t.to("cuda") for t in ws] for ws in host], "zerocopy": [[device_view(t) for t in ws] for ws in host]}
-    gemv = CONFIGS["qgemv"]
-    cfgs = {"two-stage": dataclasses.replace(gemv, fused_r=0)}
+    gemv = CONFIGS["qhost"]
+    cfgs = {"two-stage": CONFIGS["qgemv"]}
     for bd in (int(b) for b in a.down_bd.split(",") if b):
-        cfgs[f"two-stage-bd{bd}"] = dataclasses.replace(gemv, fused_r=0, down_bd=bd)
+        cfgs[f"two-stage-bd{bd}"] = dataclasses.replace(CONFIGS["qgemv"], down_bd=bd)
     for spec in a.fused.split(","):  # rows x warps, p programs per SM, e for eager down rows
         rw, _, progs = spec.rstrip("e").partition("p")
         r, w = rw.split("x")

@@ -136,7 +136,7 @@ def sparse_ffn(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, dow
                up_bias: torch.Tensor | None = None, out: torch.Tensor | None = None, *,
                n_active: torch.Tensor | None = None, threads: int | None = None,
                backend: str = "auto", qtype: str | None = None, act_threshold: float | None = None,
-               act_on: str = "gate", gate_pre: torch.Tensor | None = None) -> torch.Tensor:
+               act_on: str = "gate", gate_pre: torch.Tensor | None = None, host: bool = False) -> torch.Tensor:
     """y [T, D] = the shard's FFN output over its active neurons idx (see the module docstring).
 
     x [T, D]; up, gate (None for act='relu'), down_t [N, D] of one float dtype, or uint8
@@ -148,7 +148,8 @@ def sparse_ffn(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, dow
     the CPU kernel on the CPU);
     act_threshold (act='swiglu'), act_on ('gate' | 'h'), gate_pre float32 [T, N]: see the module
     docstring. Out-of-range idx raise IndexError on the CPU kernel; on the GPU they are a
-    precondition (checking would cost a host sync).
+    precondition (checking would cost a host sync). host: a CUDA call's rows are page-locked host
+    memory read over PCIe (zero-copy): the Triton kernels' tiles for that.
     """
     global _triton_failed
     _check(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype, act_threshold, act_on, gate_pre)
@@ -181,7 +182,7 @@ def sparse_ffn(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, dow
             _triton_failed = True
             return sparse_ffn_torch(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype, **swiglu)
         return triton_ffn.sparse_ffn_triton(x, up, gate, down_t, idx, mask, act, up_bias, out, n_active, qtype=qtype,
-                                            **swiglu)
+                                            host=host, **swiglu)
     if backend == "gemm":
         if n_active is not None:
             raise ValueError("sparse_ffn: backend 'gemm' takes no n_active (pass idx[:n] instead)")

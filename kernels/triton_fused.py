@@ -229,14 +229,16 @@ def _q_axpy(y0, y1, y2, y3, h, v, d, QT: tl.constexpr):
 
 @triton.jit
 def _q_add(y32_ptr, y0, y1, y2, y3, b0, nblk, NB: tl.constexpr, QT: tl.constexpr):
-    """The planes' sums added into y32 [D] at their columns, with atomics."""
-    c = _q_cols(b0, NB, QT, 0)
-    m = c < 32 * nblk
-    tl.atomic_add(y32_ptr + c, y0, mask=m, sem="relaxed")
-    tl.atomic_add(y32_ptr + _q_cols(b0, NB, QT, 1), y1, mask=m, sem="relaxed")
-    if QT == 1:
-        tl.atomic_add(y32_ptr + _q_cols(b0, NB, QT, 2), y2, mask=m, sem="relaxed")
-        tl.atomic_add(y32_ptr + _q_cols(b0, NB, QT, 3), y3, mask=m, sem="relaxed")
+    """The planes' sums added into y32 [D] with atomics, joined first into the blocks' column order
+    (one contiguous run of NB * 32 columns from 32 b0: atomics of adjacent addresses)."""
+    if QT == 1:  # planes 0, 1: columns 2j, 2j + 1 of the low 16; planes 2, 3 of the high 16
+        lo = tl.reshape(tl.join(y0, y1), (NB, 16))
+        hi = tl.reshape(tl.join(y2, y3), (NB, 16))
+        y = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (NB * 32,))
+    else:
+        y = tl.reshape(tl.join(y0, y1), (NB * 32,))
+    c = 32 * b0 + tl.arange(0, NB * 32)
+    tl.atomic_add(y32_ptr + c, y, mask=c < 32 * nblk, sem="relaxed")
 
 
 @triton.jit

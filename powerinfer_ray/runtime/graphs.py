@@ -221,7 +221,7 @@ class StepSegments:
         if self.h_part is not None:
             hs, (idx, bits, n_active) = self.host[s.l].shard, self.h_part
             self.f_host = sparse_ffn(self.x_f, hs.up, hs.gate, hs.down_t, idx, bits, w.cfg.ffn_act, hs.up_bias,
-                                     n_active=n_active, qtype=hs.qtype, act_threshold=t, act_on=on)
+                                     n_active=n_active, qtype=hs.qtype, act_threshold=t, act_on=on, host=True)
         if not sh.n:
             return
         if w.policy.name == "predictor":

@@ -5,7 +5,6 @@ their default tiles, from CPU tensors of the runtime's shapes and types. Prints 
 kernels' names, one a line. What the kernels compute is the interpreter's and the GPU's tests'."""
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -69,10 +68,9 @@ def main() -> None:
             triton_ffn.sparse_ffn_triton(x, w, w, w, idx, bits, "reglu", None, None, nact, qtype=qtype)
             triton_ffn.sparse_ffn_triton(x, w, None, w, idx, bits, "swiglu", None, None, nact, qtype=qtype,
                                          act_threshold=0.1, act_on="gate", gate_pre=torch.randn(T, N))
-        # T == 1 in the two stages (a configuration without the fused kernel)
-        two = dataclasses.replace(triton_ffn.CONFIGS["gemv"], fused_r=0)
-        triton_ffn.sparse_ffn_triton(torch.randn(1, D).to(f16), w, w, w, idx, None, "reglu", None, None, nact, two,
-                                     qtype=qtype)
+        # T == 1 on rows in host memory (zero-copy): float rows' tiles are the GPU's, quantized ones' fused
+        triton_ffn.sparse_ffn_triton(torch.randn(1, D).to(f16), w, w, w, idx, None, "reglu", None, None, nact,
+                                     qtype=qtype, host=True)
         for T in (1, 5):
             if qtype is not None:
                 linear_triton(torch.randn(T, D), w, qtype, torch.randn(N))
