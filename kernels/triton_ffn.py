@@ -28,15 +28,15 @@ MAX_T = 32
 # FFN, fp16): T == 1 the fused kernel (2 rows per block, 4 warps, 2 programs per SM, lazy down
 # rows; its two-stage tiles, the elementwise kernels, are what a Config with fused_r = 0 runs);
 # T > 1 the two-stage tl.dot kernels. Quantized rows at T == 1: in the GPU's memory the two stages
-# ("qgemv"), in host memory the fused kernel ("qhost"), each the H100's best in
-# bench/zerocopy_bench.py --qtype q4_0.
+# ("qgemv"), in host memory the fused kernel ("qhost"), chosen on the H100 by
+# bench/zerocopy_bench.py --qtype q4_0 (kernels/README.md).
 CONFIGS = {
     "gemv": Config(up_bk=4, up_bd=1024, up_warps=4, down_bk=128, down_bd=32, down_warps=8,
                    up_dot=False, down_dot=False, fused_r=2, fused_warps=4, fused_progs=2, eager_down=False),
     "qgemv": Config(up_bk=4, up_bd=1024, up_warps=4, down_bk=128, down_bd=32, down_warps=8,
                     up_dot=False, down_dot=False),
     "qhost": Config(up_bk=4, up_bd=1024, up_warps=4, down_bk=128, down_bd=32, down_warps=8,
-                    up_dot=False, down_dot=False, fused_r=1, fused_warps=4, fused_progs=2, eager_down=True),
+                    up_dot=False, down_dot=False, fused_r=1, fused_warps=4, fused_progs=2, eager_down=False),
     "dot": Config(up_bk=32, up_bd=256, up_warps=8, down_bk=256, down_bd=32, down_warps=4, down_stages=4),
 }
 

@@ -47,7 +47,7 @@ from .channel import device_view, pin_host
 from .hostmem import host_memory, on_tmpfs
 from .layers import shard_activation
 from .plan import Plan, Swap
-from .shard import FFNShard, in_place_ffn_shard, load_ffn_shard, replace_neurons
+from .shard import FFNShard, ffn_templates, in_place_ffn_shard, load_ffn_shard, matrices_qtype, replace_neurons
 from .sharedshard import SharedShardSpec, attach
 from .stats import ExecStats
 
@@ -85,9 +85,11 @@ PREFILL_SHARE_MIN = 64
 # zero-copy's default on CUDA: this share of the CPU shard's neurons in decode steps of at least
 # ZERO_COPY_MIN_BATCH sequences (bench/RESULTS.md, zero-copy: at batch 1 the CPU kernel's time is
 # mostly its fixed cost, which fewer rows do not shorten, while the GPU's PCIe reads delay its next
-# segment)
+# segment), and ZERO_COPY_Q4_0 in one-sequence steps when the rows are Q4_0 (the fused kernel reads
+# their blocks over PCIe at ~45 GB/s: the 13B Q4_0 at 4 GiB, bench/RESULTS.md, the fused decode kernel)
 ZERO_COPY = 0.35
 ZERO_COPY_MIN_BATCH = 8
+ZERO_COPY_Q4_0 = 0.5
 
 
 @dataclass
@@ -113,8 +115,8 @@ class ColdRows:
     shorter chunks the ``prefill_share`` hottest (None: PREFILL_SHARE on CUDA in chunks of at least
     PREFILL_SHARE_MIN tokens, none on the CPU; 0: none; a share given applies to every shorter
     chunk); in decode steps the ``zero_copy`` share of the CPU's active neurons (``host_rows``;
-    None: ZERO_COPY in steps of at least ZERO_COPY_MIN_BATCH sequences on CUDA, none on the CPU;
-    0: none). ``masked``: the CPU executor takes the predictor's mask (policy 'predictor'), so a
+    None: on CUDA ZERO_COPY in steps of at least ZERO_COPY_MIN_BATCH sequences, ZERO_COPY_Q4_0 in
+    steps of one on Q4_0 rows, else none; none on the CPU; 0: none). ``masked``: the CPU executor takes the predictor's mask (policy 'predictor'), so a
     share of its rows can be split off; without one a chunk streams all rows or none."""
 
     def __init__(self, src: WeightSource, plan: Plan, dtype: torch.dtype, device: torch.device,
@@ -128,6 +130,8 @@ class ColdRows:
         self.prefill_share = share if masked else 0.0
         self.share_min = PREFILL_SHARE_MIN if prefill_share is None else 1  # fewer tokens: the CPU executor's
         self.zero_copy = 0.0 if zero_copy is None and not cuda else zero_copy
+        self.q4_0 = self.zero_copy is None and all(matrices_qtype(src, l, ffn_templates(self.cfg), "FFN") == "q4_0"
+                                                   for l in range(self.cfg.n_layer))
         self._host: dict[tuple[int, float], HostRows | None] = {}
         self._shared_pinned = False
         self._said_no_host = False
@@ -204,6 +208,8 @@ class ColdRows:
         """The zero-copy share of decode steps of ``batch`` sequences (see the class)."""
         if self.zero_copy is not None:
             return self.zero_copy
+        if batch == 1 and self.q4_0:
+            return ZERO_COPY_Q4_0
         return ZERO_COPY if batch >= ZERO_COPY_MIN_BATCH else 0.0
 
     def host_rows(self, l: int, share: float) -> HostRows | None:
@@ -226,9 +232,11 @@ class ColdRows:
                           mine.to(self.device), k)
         elif k and not self._said_no_host:
             self._said_no_host = True
-            log.warning("primary: zero-copy off: the CPU shard's rows (%s) cannot be read in place by %s (a file "
-                        "outside tmpfs is not page-locked; float rows must be the compute dtype %s)", self.source,
-                        self.device, self.dtype)
+            # a warning where zero_copy was asked for; its default only notes it
+            log.log(logging.INFO if self.zero_copy is None else logging.WARNING,
+                    "primary: zero-copy off: the CPU shard's rows (%s) cannot be read in place by %s (a file "
+                    "outside tmpfs is not page-locked; float rows must be the compute dtype %s)", self.source,
+                    self.device, self.dtype)
         self._host[l, share] = hr
         return hr
 

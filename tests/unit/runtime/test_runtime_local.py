@@ -175,6 +175,30 @@ def test_prompt_chunks_stream_by_their_length_on_cuda(tmp_path):
     assert [cpu.share_for(n) for n in (16, 64, 3000)] == [0, 0, 0]  # a CPU primary streams nothing
 
 
+
+def test_zero_copy_default_by_batch_and_rows_on_cuda(tmp_path):
+    """On CUDA, by default, decode steps of at least ZERO_COPY_MIN_BATCH sequences take the ZERO_COPY
+    share of the CPU's neurons over PCIe; steps of one sequence take ZERO_COPY_Q4_0 of Q4_0 rows and
+    none of float or Q8_0 rows; a share given applies to every step; a CPU primary takes none. (The
+    rule alone: ColdRows for a CUDA device, never attached.)"""
+    from powerinfer_ray.offline.quantize import quantize_file
+
+    path = write_tiny_model(tmp_path / "m.gguf", "llama-reglu", seed=7, n_layer=2, n_ctx=64)
+    plan = _plans(ReferenceModel.from_file(path).cfg)["mixed"]
+    cuda, c = torch.device("cuda"), cold_module
+    srcs = {"f16": ModelFile(path)} | {q: ModelFile(quantize_file(path, tmp_path / f"{q}.gguf", q, progress=False))
+                                        for q in ("q8_0", "q4_0")}
+    batches = [1, 2, c.ZERO_COPY_MIN_BATCH - 1, c.ZERO_COPY_MIN_BATCH, 32]
+    big = [0, 0, 0, c.ZERO_COPY, c.ZERO_COPY]
+    for name, src in srcs.items():
+        auto = c.ColdRows(src, plan, torch.float16, cuda, None, None, None)
+        assert [auto.share(b) for b in batches] == [c.ZERO_COPY_Q4_0 if name == "q4_0" else 0] + big[1:], name
+        given = c.ColdRows(src, plan, torch.float16, cuda, None, None, 0.2)
+        assert [given.share(b) for b in batches] == [0.2] * len(batches)
+        cpu = c.ColdRows(src, plan, torch.float32, torch.device("cpu"), None, None, None)
+        assert [cpu.share(b) for b in batches] == [0] * len(batches)
+    assert c.ZERO_COPY_Q4_0 > 0  # else the Q4_0 rows would not tell the rule from none
+
 def test_batched_decode_equals_single_sequences(models):
     """Sequences of different lengths decoded together give each its own logits."""
     path = models["llama-gqa"]
