@@ -28,6 +28,7 @@ GB/s of the rows' compressed bytes; each output checked against the two stages' 
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import statistics
 import sys
@@ -121,11 +122,12 @@ def quant_sweep(a) -> list[dict]:  # noqa: ANN001
     for bd in (int(b) for b in a.down_bd.split(",") if b):
         cfgs[f"two-stage-bd{bd}"] = dataclasses.replace(CONFIGS["qgemv"], down_bd=bd)
     for spec in a.fused.split(","):  # rows x warps, p programs per SM, e for eager down rows
-        rw, _, progs = spec.rstrip("e").partition("p")
-        r, w = rw.split("x")
+        m = re.fullmatch(r"(\d+)x(\d+)(?:p(\d+))?", spec.replace("e", "", 1))
+        if m is None:
+            raise SystemExit(f"--fused {spec!r}: expected ROWSxWARPS[pPROGRAMS][e], e.g. 2x8, 1x4p1e")
+        r, w, progs = m.groups()
         cfgs[f"fused-{spec}"] = dataclasses.replace(gemv, fused_r=int(r), fused_warps=int(w),
-                                                    fused_progs=int(progs or gemv.fused_progs),
-                                                    eager_down=spec.endswith("e"))
+                                                    fused_progs=int(progs or gemv.fused_progs), eager_down="e" in spec)
     x = (torch.rand(1, D, generator=gen) * 0.1).half().cuda()  # x and gate > 0: every row active
     rng = np.random.default_rng(0)
     row_bytes = quant.row_bytes(a.qtype, D)
