@@ -47,7 +47,7 @@ from .channel import device_view, pin_host
 from .hostmem import host_memory, on_tmpfs
 from .layers import shard_activation
 from .plan import Plan, Swap
-from .shard import FFNShard, ffn_templates, in_place_ffn_shard, load_ffn_shard, matrices_qtype, replace_neurons
+from .shard import FFNShard, ffn_qtype, in_place_ffn_shard, load_ffn_shard, replace_neurons
 from .sharedshard import SharedShardSpec, attach
 from .stats import ExecStats
 
@@ -116,8 +116,9 @@ class ColdRows:
     PREFILL_SHARE_MIN tokens, none on the CPU; 0: none; a share given applies to every shorter
     chunk); in decode steps the ``zero_copy`` share of the CPU's active neurons (``host_rows``;
     None: on CUDA ZERO_COPY in steps of at least ZERO_COPY_MIN_BATCH sequences, ZERO_COPY_Q4_0 in
-    steps of one on Q4_0 rows, else none; none on the CPU; 0: none). ``masked``: the CPU executor takes the predictor's mask (policy 'predictor'), so a
-    share of its rows can be split off; without one a chunk streams all rows or none."""
+    steps of one on Q4_0 rows, else none; none on the CPU; 0: none). ``masked``: the CPU executor
+    takes the predictor's mask (policy 'predictor'), so a share of its rows can be split off;
+    without one a chunk streams all rows or none."""
 
     def __init__(self, src: WeightSource, plan: Plan, dtype: torch.dtype, device: torch.device,
                  stats: ExecStats, min_tokens: int | None, zero_copy: float | None = 0.0,
@@ -130,8 +131,7 @@ class ColdRows:
         self.prefill_share = share if masked else 0.0
         self.share_min = PREFILL_SHARE_MIN if prefill_share is None else 1  # fewer tokens: the CPU executor's
         self.zero_copy = 0.0 if zero_copy is None and not cuda else zero_copy
-        self.q4_0 = self.zero_copy is None and all(matrices_qtype(src, l, ffn_templates(self.cfg), "FFN") == "q4_0"
-                                                   for l in range(self.cfg.n_layer))
+        self.q4_0 = self.zero_copy is None and ffn_qtype(src) == "q4_0"
         self._host: dict[tuple[int, float], HostRows | None] = {}
         self._shared_pinned = False
         self._said_no_host = False
