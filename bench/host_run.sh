@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
+#       bash bench/host_run.sh verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
+stages="verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -456,6 +456,21 @@ q4)  # quantized (issue 19): the Q4_0 13B at 4 GiB, hybrid and its own layer-off
     # CPU kernel's rate on compressed bytes)
     suite runtime-13b-q4-4gib-h200 560 -m "planted:llama2-13b?dtype=q4_0" --vram-budget 4 \
         --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS"
+    ;;
+q4zc)  # the Q4_0 13B file at 4 GiB, batch 1: the default zero-copy share (cold.ZERO_COPY_Q4_0 of the CPU's
+    # neurons) against none, alternated three times, after the T == 1 kernels on Q4_0 rows in HBM and over PCIe
+    # (8 files: the sweep, six engines, the log)
+    gpu=$(gpu_tag)
+    timeout 90 python bench/zerocopy_bench.py --qtype q4_0 --ks 256,512,1024 --reps 20 --fused 1x4,1x4e,1x8p1 \
+        --down-bd "" --out-dir "$OUT" --name "zerocopy-q4-$gpu" >> "$log" 2>&1
+    grep -E "K=1024" "$log" | cut -c1-200
+    write_file "$M13Q" 150 || exit 0
+    for i in 1 2 3; do
+        suite "runtime-13b-q4-4gib-zcdefault-$gpu-$i" 80 -m "$M13Q" --as-file "$SHM" --vram-budget 4 \
+            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS"
+        suite "runtime-13b-q4-4gib-zc0-$gpu-$i" 80 -m "$M13Q" --as-file "$SHM" --vram-budget 4 \
+            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" --zero-copy 0
+    done
     ;;
 q8)  # the Q8_0 13B at 8 GiB, hybrid and layer-offload
     suite runtime-13b-q8-8gib-h200 560 -m "planted:llama2-13b?dtype=q8_0" --vram-budget 8 \
