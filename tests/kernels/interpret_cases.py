@@ -254,7 +254,9 @@ def test_triton_sparse_ffn_on_quantized_rows(qtype, act):
         gate = None if act == "relu" else q_rows(N, D, qtype, gen, D ** -0.5)
         b = torch.randn(N, generator=gen) * 0.5 if act == "relu" else None
         idx = make_idx(K, N, gen, torch.int32)
-        for T, cfgs in ((1, t1[:5]), (3, t1[:2])) if D < 224 else ((1, t1[4:]),):  # 224: the fused kernel's
+        # the fused kernel at D = 64 (one power-of-two piece) and 224 (a masked second piece; all three)
+        fused = t1[4:5] if D == 64 else []
+        for T, cfgs in ((1, t1[:4] + fused), (3, t1[:2])) if D < 224 else ((1, t1[4:]),):
             cases = [(None, None), (torch.rand(T, K, generator=gen) < 0.6, None),
                      (token_bits(torch.rand(T, K, generator=gen) < 0.6), torch.tensor([15], dtype=torch.int32)),
                      (None, torch.tensor([0], dtype=torch.int32))]
