@@ -131,7 +131,9 @@ class ColdRows:
         self.prefill_share = share if masked else 0.0
         self.share_min = PREFILL_SHARE_MIN if prefill_share is None else 1  # fewer tokens: the CPU executor's
         self.zero_copy = 0.0 if zero_copy is None and not cuda else zero_copy
-        self.q4_0 = self.zero_copy is None and ffn_qtype(src) == "q4_0"
+        # (a CPU shard's layers share one storage, the CPU executor's check; without one none is asked)
+        self.q4_0 = (self.zero_copy is None and any(len(lp.cpu_neurons) for lp in plan.layers)
+                     and ffn_qtype(src) == "q4_0")
         self._host: dict[tuple[int, float], HostRows | None] = {}
         self._shared_pinned = False
         self._said_no_host = False

@@ -175,7 +175,6 @@ def test_prompt_chunks_stream_by_their_length_on_cuda(tmp_path):
     assert [cpu.share_for(n) for n in (16, 64, 3000)] == [0, 0, 0]  # a CPU primary streams nothing
 
 
-
 def test_zero_copy_default_by_batch_and_rows_on_cuda(tmp_path):
     """On CUDA, by default, decode steps of at least ZERO_COPY_MIN_BATCH sequences take the ZERO_COPY
     share of the CPU's neurons over PCIe; steps of one sequence take ZERO_COPY_Q4_0 of Q4_0 rows and
@@ -198,6 +197,7 @@ def test_zero_copy_default_by_batch_and_rows_on_cuda(tmp_path):
         cpu = c.ColdRows(src, plan, torch.float32, torch.device("cpu"), None, None, None)
         assert [cpu.share(b) for b in batches] == [0] * len(batches)
     assert c.ZERO_COPY_Q4_0 > 0  # else the Q4_0 rows would not tell the rule from none
+
 
 def test_batched_decode_equals_single_sequences(models):
     """Sequences of different lengths decoded together give each its own logits."""
