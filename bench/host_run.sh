@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
+#       bash bench/host_run.sh verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
+stages="verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -30,11 +30,12 @@ QTWIN=${QTWIN:-"--device cuda"}  # the qtwin stage's bench/quant_twin.py argumen
 KERNEL_TESTS=tests/gpu/test_kernels_gpu.py  # the Triton kernels' GPU tests
 RUNTIME_TESTS="tests/gpu/test_runtime_gpu.py tests/gpu/test_runtime_quant_gpu.py tests/gpu/test_swiglu_gpu.py"
 log=$OUT/$stage.log
-suite() {  # name timeout args...: one bench suite into $OUT/<name>.json, its lines into the stage log
+RES=${RES:-$OUT}  # where suite() writes its JSONs (a stage of many sets it elsewhere and packs them: pack())
+suite() {  # name timeout args...: one bench suite into $RES/<name>.json, its lines into the stage log
     local name=$1 limit=$2
     shift 2
     echo "== suite $name: $*" >> "$log"
-    timeout -s INT "$limit" powerinfer-ray bench suite --out-dir "$OUT" --name "$name" "$@" >> "$log" 2>&1
+    timeout -s INT "$limit" powerinfer-ray bench suite --out-dir "$RES" --name "$name" "$@" >> "$log" 2>&1
     grep -E "tok/s|loaded in|Error" "$log" | tail -n 6 | cut -c1-400
 }
 memory() {  # the host's memory and /dev/shm, into the stage log and out
@@ -79,6 +80,9 @@ for path in sys.argv[2:]:
         vals = " ".join(f"{k}={r.get(k):.3g}" if isinstance(r.get(k), float) else f"{k}={r.get(k)}" for k in keys)
         print(f"{path.split('/')[-1][:-5]} B={r['batch']} prompt={r['prompt_len']}: {vals}")
 PY
+}
+pack() {  # $RES's JSONs and the stage log as one file under $OUT (the device tool returns at most 8 files)
+    tar -cf "$OUT/$stage-results.tar" -C "$RES" . 2>/dev/null
 }
 gpu_tag() {  # the host's GPU as result names carry it: h100, h200
     nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[0-9]00' | tr H h
@@ -471,6 +475,33 @@ q4zc)  # the Q4_0 13B file at 4 GiB, batch 1: the default zero-copy share (cold.
         suite "runtime-13b-q4-4gib-zc0-$gpu-$i" 80 -m "$M13Q" --as-file "$SHM" --vram-budget 4 \
             --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" --zero-copy 0
     done
+    ;;
+b1zc)  # batch 1 with zero-copy shares: the fp16 T == 1 kernel over the 13B file's rows in HBM and over PCIe, the
+    # 13B fp16 file at $B13 GiB with shares $ZC_SHARES in order then reversed, the Q4_0 13B at 4 GiB with its
+    # default share against none, twice; every JSON and the log in $OUT/b1zc-results.tar
+    gpu=$(gpu_tag)
+    RES=/tmp/b1zc-results log=/tmp/b1zc-results/b1zc.log
+    mkdir -p "$RES"
+    write_file "$M13" 200 || { pack; exit 0; }
+    timeout 90 python bench/zerocopy_bench.py "$SHM/llama2-13b-f16.gguf" --ks 128,256,512 --tokens 1 --reps 20 \
+        --seconds 1 --out-dir "$RES" --name "zerocopy-13b-f16-$gpu" >> "$log" 2>&1
+    grep -E "zerocopy|hbm" "$log" | tail -n 8 | cut -c1-200
+    shares=${ZC_SHARES:-0 0.2 0.35} n=0
+    for z in $shares $(echo $shares | tr ' ' '\n' | tac); do
+        suite "runtime-13b-${B13}gib-file-b1-zc$z-$gpu-$((++n))" 80 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" --zero-copy "$z" > /dev/null
+        pack
+    done
+    table decode_tok_s,zero_copy,cpu_kernel_us_per_exchange,per_layer_us,gpu_compute_us_per_layer,zero_copy_gbps "$RES"/runtime-13b-*-b1-zc*.json
+    write_file "$M13Q" 150 || { pack; exit 0; }
+    for i in 1 2; do
+        suite "runtime-13b-q4-4gib-zcdefault-$gpu-$i" 80 -m "$M13Q" --as-file "$SHM" --vram-budget 4 \
+            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
+        suite "runtime-13b-q4-4gib-zc0-$gpu-$i" 80 -m "$M13Q" --as-file "$SHM" --vram-budget 4 \
+            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" --zero-copy 0 > /dev/null
+        pack
+    done
+    table decode_tok_s,zero_copy,cpu_kernel_us_per_exchange,per_layer_us "$RES"/runtime-13b-q4-*.json
     ;;
 q8)  # the Q8_0 13B at 8 GiB, hybrid and layer-offload
     suite runtime-13b-q8-8gib-h200 560 -m "planted:llama2-13b?dtype=q8_0" --vram-budget 8 \
