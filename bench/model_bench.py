@@ -165,6 +165,11 @@ def _delta(after: dict, before: dict, key: str) -> float:
     return float(after.get(key, 0) or 0) - float(before.get(key, 0) or 0)
 
 
+def _share_steps(after: dict, before: dict) -> dict[str, int]:
+    was = before.get("share_steps") or {}
+    return {k: n - was.get(k, 0) for k, n in (after.get("share_steps") or {}).items() if n > was.get(k, 0)}
+
+
 def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, output_len: int,
                n_vocab: int) -> dict[str, Any]:
     """One measurement: `batch` concurrent requests; the numbers of this run only (deltas)."""
@@ -260,6 +265,9 @@ def run_config(engine, a: argparse.Namespace, batch: int, prompt_len: int, outpu
         "cpu_gbps": cpu_bytes / decode_s / 1e9 if decode_s else 0.0,
         # the CPU shard's rows the GPU read in host memory over PCIe (zero-copy decode)
         "zero_copy_gbps": _delta(g1, g0, "host_read_bytes") / decode_s / 1e9 if decode_s else 0.0,
+        # decode graph steps by the zero-copy share they ran at (a default share is captured beside none, and
+        # the faster set runs: runtime.graphs.ShareChoice)
+        "zero_copy_steps": _share_steps(g1, g0),
         "gpu_bytes_per_token": gpu_bytes / max(steps, 1) / batch,
         "cpu_bytes_per_token": cpu_bytes / max(steps, 1) / batch,
         "vram_used_gib": g1.get("vram_used_bytes", 0) / GIB,

@@ -86,7 +86,9 @@ PREFILL_SHARE_MIN = 64
 # ZERO_COPY_MIN_BATCH sequences (bench/RESULTS.md, zero-copy: at batch 1 the CPU kernel's time is
 # mostly its fixed cost, which fewer rows do not shorten, while the GPU's PCIe reads delay its next
 # segment), and ZERO_COPY_Q4_0 in one-sequence steps when the rows are Q4_0 (the fused kernel reads
-# their blocks over PCIe at ~45 GB/s: the 13B Q4_0 at 4 GiB, bench/RESULTS.md, the fused decode kernel)
+# their blocks over PCIe at ~45 GB/s: the 13B Q4_0 at 4 GiB, bench/RESULTS.md, the fused decode kernel).
+# A default share is a candidate: the decode steps are captured without it too, and the faster set runs
+# (``shares``; on another H100 host the same Q4_0 engine ran 25 % slower with it than without).
 ZERO_COPY = 0.35
 ZERO_COPY_MIN_BATCH = 8
 ZERO_COPY_Q4_0 = 0.5
@@ -213,6 +215,16 @@ class ColdRows:
         if batch == 1 and self.q4_0:
             return ZERO_COPY_Q4_0
         return ZERO_COPY if batch >= ZERO_COPY_MIN_BATCH else 0.0
+
+    def shares(self, batch: int) -> list[float]:
+        """The zero-copy shares to capture the decode steps of ``batch`` sequences at: the one given;
+        else the default (``share``) and none beside it, where the rows can be read in place (the
+        primary runs the faster set, ``graphs.ShareChoice``)."""
+        s = self.share(batch)
+        if self.zero_copy is None and s > 0 and any(self.host_rows(l, s) for l, lp in enumerate(self.plan.layers)
+                                                    if len(lp.cpu_neurons)):
+            return [s, 0.0]
+        return [s]
 
     def host_rows(self, l: int, share: float) -> HostRows | None:
         """The ``share`` of layer l's CPU shard that the primary computes in decode steps, reading

@@ -194,8 +194,8 @@ class ExecutorConfig:
     zero_copy: float | None = option(
         None, "share of the CPU shard's neurons the GPU computes in decode steps, reading their rows over PCIe from "
         "host memory while the CPU executor computes the rest (default on CUDA with the predictor policy: 0.35 in "
-        "steps of 8 or more sequences, 0.5 in steps of one on Q4_0 rows, none otherwise; 0: the CPU executor "
-        "computes all of them)", kind=float)
+        "steps of 8 or more sequences, 0.5 in steps of one on Q4_0 rows, none otherwise; a default share is "
+        "captured beside none and the faster runs; 0: the CPU executor computes all of them)", kind=float)
 
     def check_executors(self) -> None:
         check_choice("device", self.device, DEVICES)

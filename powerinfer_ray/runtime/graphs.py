@@ -17,7 +17,10 @@ schedule (``schedule.py``) without host syncs or shape changes:
     next RMS norm adds them in its own kernel (``PrimaryWeights.add_norm``);
   - with zero-copy (``cold.HostRows``) a share of the CPU shard's active neurons is split off on
     the device too (their bits stay clear in the CPU's mask) and computed by the primary from
-    their rows in host memory, while the CPU executor computes the rest.
+    their rows in host memory, while the CPU executor computes the rest. Where the share is the
+    default, a bucket's steps are captured with it and without it, and ``ShareChoice`` runs the
+    set whose steps measure faster: which side is faster depends on the host (its PCIe reads and
+    its CPU kernel's rate differ between hosts of one kind, bench/RESULTS.md).
 ``DecodeGraphs`` captures the whole step, the exchanges included, as a few graphs (``_chunks``),
 one set per batch-size bucket (``buckets``), every set at the engine's start and in one memory pool
 (``PrimaryExecutor.capture_graphs``), so no capture ever delays a step that serves requests:
@@ -33,7 +36,9 @@ Dimension legend: B sequences (padded to the bucket), D hidden, V vocab.
 from __future__ import annotations
 
 import gc
+import statistics
 import time
+from collections import deque
 from contextlib import contextmanager
 from functools import cached_property
 from typing import Any, Iterator
@@ -92,8 +97,10 @@ class StepSegments:
     cost no FFN work)."""
 
     def __init__(self, w: PrimaryWeights, exchange: Exchange | None, B: int, activity: ActivityCounts,
-                 cold: ColdRows | None = None) -> None:
-        self.w, self.ex, self.B, self.act = w, exchange, B, activity
+                 cold: ColdRows | None = None, share: float = 0.0) -> None:
+        """share: of the CPU shard's active neurons, computed here from their rows in host memory
+        (``ColdRows.host_rows``; the caller's choice, ``PrimaryExecutor.decode_shares``)."""
+        self.w, self.ex, self.B, self.act, self.share = w, exchange, B, activity, share
         self.n_seq = self.n_tok = B
         dev, cfg, pin = w.device, w.cfg, w.device.type == "cuda"
         self.inp_host = torch.zeros(4, B, dtype=torch.long, pin_memory=pin)  # tokens, positions, slots, valid
@@ -110,8 +117,8 @@ class StepSegments:
         # partial outputs not yet in h, with their bias: added by the next step that reads h (a
         # norm adds them in its own kernel)
         self.pending: tuple[list[torch.Tensor | None], torch.Tensor | None] | None = None
-        share = cold.share(B) if cold is not None and exchange is not None and w.policy.name == "predictor" else 0.0
-        self.host = [cold.host_rows(l, share) if len(lp.cpu_neurons) else None for l, lp in enumerate(w.plan.layers)]
+        self.host = [cold.host_rows(l, share) if share and len(lp.cpu_neurons) else None
+                     for l, lp in enumerate(w.plan.layers)]
         # per step, policy 'dense': every GPU row for every token
         self.dense_pairs = sum(lw.ffn.n for lw in w.layers) if w.policy.name == "dense" else 0
         self.gpu_rows = sum(lw.ffn.n for lw in w.layers)  # gate-first reads all of their gate rows
@@ -256,15 +263,17 @@ class DecodeGraphs:
 
     def __init__(self, w: PrimaryWeights, exchange: Exchange | None, stats: ExecStats, B: int,
                  activity: ActivityCounts, cold: ColdRows | None = None, pool: Any = None,  # noqa: ANN401
-                 side: torch.cuda.Stream | None = None) -> None:
+                 side: torch.cuda.Stream | None = None, share: float = 0.0) -> None:
         """pool, side (CUDA): the graph memory pool and the stream of the capture's warm-up run,
         shared by every bucket's set (one pool: a step's temporaries are reused by the next
-        bucket's; one stream: one cuBLAS workspace)."""
+        bucket's; one stream: one cuBLAS workspace). share: zero-copy's (``StepSegments``)."""
         if w.policy.name not in GRAPH_POLICIES:
             raise ValueError(f"graph decode supports policies {GRAPH_POLICIES}, not {w.policy.name!r}")
         self.w, self.ex, self.stats, self.B = w, exchange, stats, B
         self.cuda = w.device.type == "cuda"
-        self.seg = StepSegments(w, exchange, B, activity, cold)
+        self.seg = StepSegments(w, exchange, B, activity, cold, share)
+        self.share = share
+        self.last_ns = 0  # the last step's time: the GPU's clock from its first to its last kernel (CPU: the host's)
         self.items = step_schedule(w.cfg, w.plan, w.policy.name)
         self.chunks = _chunks(self.items)
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
@@ -354,7 +363,11 @@ class DecodeGraphs:
         if self.cuda:
             self._replay()
         else:
+            t0 = time.monotonic_ns()
             run_eager(self.items, self.seg, self.ex, st, lambda: None)
+            self.last_ns = time.monotonic_ns() - t0
+        key = f"{self.share:g}"
+        st.share_steps[key] = st.share_steps.get(key, 0) + 1
         pairs, rows, host_pairs, host_rows = (int(v) for v in self.seg.counts_host.tolist())
         st.neurons += pairs + self.seg.dense_pairs * n
         st.cold_neurons += host_pairs  # placed on the CPU: the GPU share counts them with the CPU's
@@ -384,12 +397,47 @@ class DecodeGraphs:
         s = self.stamps_host.numpy()
         posted, waited, seen = s[1:-1:3], s[2:-1:3], s[3:-1:3]
         exchange, spin, total = int((seen - posted).sum()), int((seen - waited).sum()), int(s[-1] - s[0])
+        self.last_ns = total
         st.layer_s["exchange"] += exchange * 1e-9
         st.layer_s["segment"] += (total - exchange) * 1e-9
         if self.ex is not None:
             st.sync_s += (exchange - peer_ns) * 1e-9  # the round trips beyond the peer's compute
         st.gpu_compute_s += (total - spin) * 1e-9
         st.gpu_timed_steps += 1
+
+
+class ShareChoice:
+    """One bucket's decode graph sets, captured at different zero-copy shares, run by their steps'
+    measured times (``DecodeGraphs.last_ns``): the first TRIAL steps of each set alternate; then the
+    set with the lowest median over its last TRIAL steps runs, and every RECHECK-th step the set run
+    least recently does, so the choice follows the host while it serves. Costs no step a capture;
+    at batch 1 a recheck on a set 25 % slower costs under 1 %."""
+
+    TRIAL = 8
+    RECHECK = 32
+
+    def __init__(self, sets: list[DecodeGraphs]) -> None:
+        self.sets, self.B = sets, sets[0].B
+        self.times = [deque(maxlen=self.TRIAL) for _ in sets]  # ns of each set's last steps
+        self.ran = [-1] * len(sets)  # the step each set last ran
+        self.n = 0
+
+    def pick(self) -> int:
+        """The set the next step runs on (see the class)."""
+        counts = [len(t) for t in self.times]
+        if min(counts) < self.TRIAL:
+            return counts.index(min(counts))
+        if self.n % self.RECHECK == self.RECHECK - 1:
+            return self.ran.index(min(self.ran))
+        return min(range(len(self.sets)), key=lambda i: statistics.median(self.times[i]))
+
+    def run(self, slots: list[int], tokens: list[int], start_pos: list[int]) -> np.ndarray:
+        i = self.pick()
+        g = self.sets[i]
+        out = g.run(slots, tokens, start_pos)
+        self.times[i].append(g.last_ns)
+        self.ran[i], self.n = self.n, self.n + 1
+        return out
 
 
 def _chunks(items: list) -> list[list]:

@@ -29,7 +29,7 @@ from .cold import ColdRows
 from .eager import EagerStep, Sink
 from .exchange import Exchange
 from .hostmem import process_memory
-from .graphs import GRAPH_POLICIES, DecodeGraphs, GraphCaptureError, bucket_of, buckets
+from .graphs import GRAPH_POLICIES, DecodeGraphs, GraphCaptureError, ShareChoice, bucket_of, buckets
 from .layers import Policy
 from .plan import Plan, Swap
 from .sampling import Burst
@@ -94,7 +94,8 @@ class PrimaryExecutor:
         self.exchange: Exchange | None = None
         self.use_graphs = ((self.device.type == "cuda") if graphs is None else bool(graphs)) \
             and self.policy.name in GRAPH_POLICIES
-        self.graphs: dict[int, DecodeGraphs] = {}  # by batch-size bucket (``capture_graphs``)
+        # by batch-size bucket (``capture_graphs``): one set, or sets at zero-copy shares to choose from
+        self.graphs: dict[int, DecodeGraphs | ShareChoice] = {}
         self._said_uncaptured = False
         self._schedules: dict[float, list[Item]] = {}  # eager steps, by the share of the CPU shard run here
         # predictor samples (``runtime.engine_samples``, policy 'oracle': each neuron's true h): every
@@ -142,8 +143,9 @@ class PrimaryExecutor:
         """Capture the decode graphs of every batch-size bucket the engine admits (``graphs.buckets``
         of its slots; on a CPU primary: build their segments), in one memory pool, before serving:
         no step waits for a capture. After the channel and the CPU shard's rows (zero-copy) are
-        set up. Logs each set as it is done; returns the seconds of each bucket. A failed capture
-        leaves decode steps eager (warned)."""
+        set up; a bucket whose zero-copy share is a default gets a set without it too
+        (``decode_shares``). Logs each bucket as it is done; returns the seconds of each bucket. A
+        failed capture leaves decode steps eager (warned)."""
         if not self.use_graphs:
             return {}
         cuda = self.device.type == "cuda"
@@ -154,20 +156,30 @@ class PrimaryExecutor:
         for i, b in enumerate(todo, 1):
             t0 = time.perf_counter()
             try:
-                g = DecodeGraphs(self.weights, self.exchange, self.stats, b, self.activity, self.cold, pool, side)
-                g.capture()
+                sets = [DecodeGraphs(self.weights, self.exchange, self.stats, b, self.activity, self.cold, pool, side,
+                                     share) for share in self.decode_shares(b)]
+                for g in sets:
+                    g.capture()
             except GraphCaptureError as e:
                 log.warning("primary: decode graphs unavailable, running eager steps (%s)", e)
                 self.use_graphs = False
                 self.graphs.clear()
                 return seconds
-            self.graphs[b] = g
+            self.graphs[b] = sets[0] if len(sets) == 1 else ShareChoice(sets)
             seconds[b] = time.perf_counter() - t0
             self.stats.graph_captures += 1
             self.stats.capture_s += seconds[b]
-            log.info("primary: decode graphs of %d sequences %s in %.2f s (%d of %d)", b,
-                     "captured" if cuda else "built", seconds[b], i, len(todo))
+            log.info("primary: decode graphs of %d sequences %s in %.2f s (%d of %d)%s", b,
+                     "captured" if cuda else "built", seconds[b], i, len(todo),
+                     f", zero-copy shares {[g.share for g in sets]}" if len(sets) > 1 else "")
         return seconds
+
+    def decode_shares(self, B: int) -> list[float]:
+        """The zero-copy shares of the decode graphs of B sequences (``ColdRows.shares``): with a CPU
+        executor to share with and the predictor's split (whose mask the CPU's rows are split by)."""
+        if self.exchange is None or self.policy.name != "predictor":
+            return [0.0]
+        return self.cold.shares(B)
 
     def weight_bytes(self) -> int:
         return self.weights.weight_bytes()

@@ -30,6 +30,8 @@ class ExecStats:
     gpu_timed_steps: int = 0
     graph_captures: int = 0  # decode graph sets captured (on a CPU primary: built), one per batch bucket, at start
     capture_s: float = 0.0  # and the host seconds they took
+    # decode graph steps by the zero-copy share they ran at ("0.5": steps; graphs.ShareChoice)
+    share_steps: dict[str, int] = field(default_factory=dict)
     kernel_s: float = 0.0  # CPU executor: inside the FFN kernel call (the rest of an answer is Python)
     kernel_bytes: int = 0  # CPU executor: the FFN rows those calls read, as stored (blocks: compressed)
     attn_s: float = 0.0  # CPU executor: in the attention of its KV-head groups
@@ -50,6 +52,7 @@ class ExecStats:
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
         d["layer_s"] = dict(self.layer_s)
+        d["share_steps"] = dict(self.share_steps)
         d["per_exchange_sync_us"] = 1e6 * self.sync_s / self.exchanges if self.exchanges else 0.0
         tot = self.neurons + self.peer_neurons + self.cold_neurons
         d["gpu_activation_share"] = self.neurons / tot if tot else 0.0

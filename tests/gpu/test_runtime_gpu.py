@@ -292,6 +292,54 @@ def test_cuda_zero_copy_decode_reads_the_cpu_rows_in_the_file(variant, dtype):
     assert torch.equal(device_view(x).cpu(), x)
 
 
+@pytest.mark.parametrize("dtype", ["f16", "q4_0"])
+def test_cuda_default_zero_copy_captures_with_and_without_and_runs_both(dtype):
+    """Zero-copy at its default (a file on /dev/shm): the decode buckets whose default share is not
+    none (Q4_0 at one sequence; every file at ZERO_COPY_MIN_BATCH) are captured at that share and at
+    none (``ShareChoice``), the others at none alone; the first steps run both sets, and their
+    logits stay those of an engine without zero-copy."""
+    import tempfile
+    from pathlib import Path
+
+    from powerinfer_ray.runtime import cold
+    from powerinfer_ray.runtime.graphs import DecodeGraphs, ShareChoice
+
+    B = cold.ZERO_COPY_MIN_BATCH
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        path, ref, plan = _model_and_plan(Path(d), "llama-gqa", "split-heads", dtype)
+        runs = {}
+        for zc in (None, 0.0):
+            eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="predictor", device="cuda", prefill_chunk=16,
+                                           max_batch=B, threshold=0.2, zero_copy=zc, prefill_share=0.0,
+                                           prefill_dense_min=0))
+            try:
+                g = eng.primary.graphs
+                if zc is None:
+                    want = {b: ([cold.ZERO_COPY, 0.0] if b >= B else [cold.ZERO_COPY_Q4_0, 0.0] if dtype == "q4_0"
+                                and b == 1 else [0.0]) for b in g}
+                    assert {b: [s.share for s in c.sets] if isinstance(c, ShareChoice) else [c.share]
+                            for b, c in g.items()} == want
+                else:
+                    assert all(isinstance(c, DecodeGraphs) and c.share == 0 for c in g.values())
+                prompts = [list(range(3 + i, 9 + i)) for i in range(B)]
+                for slot, p in enumerate(prompts):
+                    eng.primary.step([slot], [p], [0])
+                pos, out = [len(p) for p in prompts], []
+                for i in range(2 * ShareChoice.TRIAL):
+                    out.append(eng.primary.step(list(range(B)), [[20 + i + s] for s in range(B)], pos))
+                    pos = [q + 1 for q in pos]
+                runs[zc] = (out, dict(eng.primary.stats.share_steps))
+            finally:
+                eng.close()
+    steps = 2 * ShareChoice.TRIAL
+    assert runs[None][1] == {f"{cold.ZERO_COPY:g}": ShareChoice.TRIAL, "0": ShareChoice.TRIAL}
+    assert runs[0.0][1] == {"0": steps}
+    # a logit at the threshold may flip a neuron between the GPU's and the CPU's rounding: near-equal
+    for a, b in zip(runs[0.0][0], runs[None][0]):
+        assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.75
+        assert float(np.abs(a - b).max() / np.abs(a).max()) < 0.1
+
+
 def test_cuda_decode_graph_posts_and_awaits_on_the_gpu(tmp_path):
     """The decode step is one graph that posts to the CPU executor and waits for its answers by
     itself: every post is answered once (the CPU executor served exactly the graph's requests),

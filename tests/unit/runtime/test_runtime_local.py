@@ -21,7 +21,7 @@ from powerinfer_ray.model.tiny import write_tiny_model
 from powerinfer_ray.runtime.channel import OP_FFN, REQUEST_FIELDS, Channel, PeerDied, pack_mask, unpack_mask
 from powerinfer_ray.runtime import cold as cold_module
 from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
-from powerinfer_ray.runtime.graphs import bucket_of, buckets
+from powerinfer_ray.runtime.graphs import DecodeGraphs, ShareChoice, bucket_of, buckets
 from powerinfer_ray.runtime.layers import add_partials
 from powerinfer_ray.runtime.plan import Plan
 from powerinfer_ray.runtime.shard import load_attn_shard, load_ffn_shard
@@ -393,6 +393,77 @@ def test_zero_copy_decode_splits_the_cpu_neurons_and_equals_the_masked_reference
         assert neurons == own and mine > 0 and read > 0
         assert cpu + mine == cpu_alone  # prefill stays on the CPU executor; decode's CPU neurons are split
     assert runs[1.0][1] > runs[0.5][1]
+
+
+class _Timed:
+    """A decode graph set whose steps take ``ns`` (what ShareChoice reads of ``DecodeGraphs``)."""
+
+    def __init__(self, share: float, ns: int) -> None:
+        self.share, self.ns, self.B, self.last_ns, self.runs = share, ns, 1, 0, 0
+
+    def run(self, slots, tokens, start_pos):
+        self.runs += 1
+        self.last_ns = self.ns
+        return np.zeros((len(tokens), 2), np.float32)
+
+
+def test_share_choice_alternates_then_runs_the_faster_set_and_follows_a_change():
+    """The first TRIAL steps of each set alternate; then the faster set runs, the other once every
+    RECHECK steps; when the running set slows past the other, the choice moves within a few steps."""
+    fast, slow = _Timed(0.5, 100), _Timed(0.0, 125)
+    c = ShareChoice([fast, slow])
+    picks = []
+    for _ in range(2 * c.TRIAL):
+        picks.append(c.pick())
+        c.run([0], [1], [0])
+    assert picks == [0, 1] * c.TRIAL
+    n = 3 * c.RECHECK - 2 * c.TRIAL  # up to the end of the third recheck period
+    for _ in range(n):
+        c.run([0], [1], [0])
+    assert slow.runs == c.TRIAL + 3 and fast.runs == c.TRIAL + n - 3
+    fast.ns = 200  # the host changed: the running set is now the slower one
+    before = slow.runs
+    for _ in range(c.TRIAL):
+        c.run([0], [1], [0])
+    moved = slow.runs - before
+    assert 1 <= c.TRIAL - moved <= c.TRIAL // 2 + 1  # the median of its window crossed after half of it
+    before = fast.runs
+    for _ in range(c.RECHECK):
+        c.run([0], [1], [0])
+    assert fast.runs - before == 1  # its rechecks only
+
+
+def test_share_choice_sets_each_equal_the_masked_reference(tmp_path):
+    """A decode bucket captured at a zero-copy share and at none (``ShareChoice``, as a default share
+    is on CUDA): every step equals the reference forward under the same predictor masks whichever set
+    runs it, both sets run, and their steps are counted by share."""
+    path = write_tiny_model(tmp_path / "m.gguf", "llama-reglu", seed=6, n_layer=3, n_ctx=64, predictor_rank=16)
+    ref = ReferenceModel.from_file(path, dtype=torch.float64)
+    plan, thr = _plans(ref.cfg)["split-heads"], 0.2
+    masked = DecisionReference(ref, predictor_weights(ModelFile(path), ref.cfg.n_layer, thr))
+    eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="predictor", threshold=thr, prefill_chunk=16,
+                                   max_batch=1, graphs=True, zero_copy=0.5))
+    try:
+        p = eng.primary
+        assert p.decode_shares(1) == [0.5]  # a share given is the only one
+        choice = p.graphs[1] = ShareChoice([p.graphs[1], DecodeGraphs(p.weights, p.exchange, p.stats, 1, p.activity,
+                                                                      p.cold, share=0.0)])
+        choice.sets[1].capture()
+        prompt = [5, 6, 7, 9]
+        seq, steps = list(prompt), []
+        p.step([0], [prompt], [0])
+        for i in range(2 * ShareChoice.TRIAL + 4):
+            tok = 11 + 7 * i
+            steps.append(p.step([0], [[tok]], [len(seq)])[0])
+            seq.append(tok)
+        st = p.stats
+        assert st.share_steps["0.5"] >= ShareChoice.TRIAL and st.share_steps["0"] >= ShareChoice.TRIAL
+        assert st.share_steps["0.5"] + st.share_steps["0"] == st.graph_steps == len(steps)
+        assert st.cold_neurons > 0 and st.host_read_bytes > 0  # the share's steps computed CPU neurons here
+    finally:
+        eng.close()
+    errs, flips = match_rounding(masked, seq, steps, list(range(len(prompt), len(seq))), tol=1e-4)
+    assert max(errs) < 1e-4, (errs, flips)
 
 
 def test_predictor_policy_computes_only_predicted_neurons(tmp_path):
