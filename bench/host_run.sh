@@ -505,7 +505,7 @@ b1zc)  # batch 1 with zero-copy shares: the fp16 T == 1 kernel over the 13B file
     ;;
 choice)  # zero-copy's default share captured beside none, the faster run (runtime.graphs.ShareChoice): the Q4_0 13B
     # at 4 GiB, batch 1, the default against none, alternated twice; the 13B fp16 file at $B13 GiB at batch 1 beside
-    # layer-offload, and at batch 8 and 32; every JSON and the log in $OUT/choice-results.tar
+    # layer-offload, and at batch 8 and 32 (CHOICE_F16=0: not); every JSON and the log in $OUT/choice-results.tar
     gpu=$(gpu_tag)
     RES=/tmp/choice-results log=/tmp/choice-results/choice.log
     mkdir -p "$RES"
@@ -518,6 +518,7 @@ choice)  # zero-copy's default share captured beside none, the faster run (runti
         pack
     done
     table decode_tok_s,zero_copy_steps,cpu_kernel_us_per_exchange,per_layer_us "$RES"/runtime-13b-q4-*.json
+    [ "${CHOICE_F16:-1}" = 1 ] || exit 0  # CHOICE_F16=0: the Q4_0 engines alone
     write_file "$M13" 200 || { pack; exit 0; }
     suite "runtime-13b-${B13}gib-file-b1-choice-$gpu" 120 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
         --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null

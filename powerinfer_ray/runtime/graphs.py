@@ -408,35 +408,50 @@ class DecodeGraphs:
 
 class ShareChoice:
     """One bucket's decode graph sets, captured at different zero-copy shares, run by their steps'
-    measured times (``DecodeGraphs.last_ns``): the first TRIAL steps of each set alternate; then the
-    set with the lowest median over its last TRIAL steps runs, and every RECHECK-th step the set run
+    measured times (``DecodeGraphs.last_ns``). Each set is measured in blocks of BLOCK steps in a
+    row, the first SETTLE of a block not counted: a step run right after one of the other set was
+    measured faster than in a run of its own (on an H100 host a share that lost 3 % in steady runs
+    won the steps alternated one by one). Blocks alternate until each set has ROUNDS; then the set
+    with the lowest median over its last steps runs, and every RECHECK steps a block of the set run
     least recently does, so the choice follows the host while it serves. Costs no step a capture;
-    at batch 1 a recheck on a set 25 % slower costs under 1 %."""
+    at batch 1 a recheck block on a set 25 % slower costs under 1 %."""
 
-    TRIAL = 8
-    RECHECK = 32
+    BLOCK, SETTLE, ROUNDS, RECHECK = 8, 2, 2, 256
 
     def __init__(self, sets: list[DecodeGraphs]) -> None:
         self.sets, self.B = sets, sets[0].B
-        self.times = [deque(maxlen=self.TRIAL) for _ in sets]  # ns of each set's last steps
+        window = self.ROUNDS * (self.BLOCK - self.SETTLE)
+        self.times = [deque(maxlen=window) for _ in sets]  # ns of each set's last counted steps
+        self.blocks = [0] * len(sets)  # blocks measured of each set
         self.ran = [-1] * len(sets)  # the step each set last ran
-        self.n = 0
+        self.cur, self.left, self.settle, self.since, self.n = 0, 0, 0, 0, 0
 
     def pick(self) -> int:
         """The set the next step runs on (see the class)."""
-        counts = [len(t) for t in self.times]
-        if min(counts) < self.TRIAL:
-            return counts.index(min(counts))
-        if self.n % self.RECHECK == self.RECHECK - 1:
-            return self.ran.index(min(self.ran))
-        return min(range(len(self.sets)), key=lambda i: statistics.median(self.times[i]))
+        if self.left == 0:
+            if min(self.blocks) < self.ROUNDS:
+                nxt, self.left = self.blocks.index(min(self.blocks)), self.BLOCK
+            elif self.since >= self.RECHECK:
+                nxt, self.left, self.since = self.ran.index(min(self.ran)), self.BLOCK, 0
+            else:
+                nxt = min(range(len(self.sets)), key=lambda i: statistics.median(self.times[i]))
+            if nxt != self.cur or self.n == 0:
+                self.settle = self.SETTLE
+            self.cur = nxt
+        return self.cur
 
     def run(self, slots: list[int], tokens: list[int], start_pos: list[int]) -> np.ndarray:
         i = self.pick()
         g = self.sets[i]
         out = g.run(slots, tokens, start_pos)
-        self.times[i].append(g.last_ns)
-        self.ran[i], self.n = self.n, self.n + 1
+        if self.settle:
+            self.settle -= 1
+        else:
+            self.times[i].append(g.last_ns)
+        if self.left:
+            self.left -= 1
+            self.blocks[i] += self.left == 0
+        self.ran[i], self.n, self.since = self.n, self.n + 1, self.since + 1
         return out
 
 

@@ -325,19 +325,21 @@ def test_cuda_default_zero_copy_captures_with_and_without_and_runs_both(dtype):
                 for slot, p in enumerate(prompts):
                     eng.primary.step([slot], [p], [0])
                 pos, out = [len(p) for p in prompts], []
-                for i in range(2 * ShareChoice.TRIAL):
+                for i in range(2 * ShareChoice.BLOCK):
                     out.append(eng.primary.step(list(range(B)), [[20 + i + s] for s in range(B)], pos))
                     pos = [q + 1 for q in pos]
                 runs[zc] = (out, dict(eng.primary.stats.share_steps))
             finally:
                 eng.close()
-    steps = 2 * ShareChoice.TRIAL
-    assert runs[None][1] == {f"{cold.ZERO_COPY:g}": ShareChoice.TRIAL, "0": ShareChoice.TRIAL}
+    steps = 2 * ShareChoice.BLOCK
+    assert runs[None][1] == {f"{cold.ZERO_COPY:g}": ShareChoice.BLOCK, "0": ShareChoice.BLOCK}
     assert runs[0.0][1] == {"0": steps}
-    # a logit at the threshold may flip a neuron between the GPU's and the CPU's rounding: near-equal
+    # near-equal: the CPU multiplies Q4_0 rows by Q8_0-rounded x (ggml's way), zero-copy by x as it is,
+    # and a logit at the threshold may flip a neuron between the two roundings
+    rel = [float(np.abs(a - b).max() / np.abs(a).max()) for a, b in zip(runs[0.0][0], runs[None][0])]
+    assert np.median(rel) < 0.05 and max(rel) < 0.25, rel
     for a, b in zip(runs[0.0][0], runs[None][0]):
         assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.75
-        assert float(np.abs(a - b).max() / np.abs(a).max()) < 0.1
 
 
 def test_cuda_decode_graph_posts_and_awaits_on_the_gpu(tmp_path):

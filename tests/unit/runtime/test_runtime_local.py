@@ -407,30 +407,31 @@ class _Timed:
         return np.zeros((len(tokens), 2), np.float32)
 
 
-def test_share_choice_alternates_then_runs_the_faster_set_and_follows_a_change():
-    """The first TRIAL steps of each set alternate; then the faster set runs, the other once every
-    RECHECK steps; when the running set slows past the other, the choice moves within a few steps."""
+def test_share_choice_measures_in_blocks_then_runs_the_faster_set_and_follows_a_change():
+    """Blocks of BLOCK steps of each set alternate ROUNDS times; then the faster set runs, and every
+    RECHECK steps a block of the other; when the running set slows past the other, the choice moves
+    once its window's median has crossed."""
     fast, slow = _Timed(0.5, 100), _Timed(0.0, 125)
     c = ShareChoice([fast, slow])
     picks = []
-    for _ in range(2 * c.TRIAL):
+    for _ in range(2 * c.ROUNDS * c.BLOCK):
         picks.append(c.pick())
         c.run([0], [1], [0])
-    assert picks == [0, 1] * c.TRIAL
-    n = 3 * c.RECHECK - 2 * c.TRIAL  # up to the end of the third recheck period
-    for _ in range(n):
+    assert picks == ([0] * c.BLOCK + [1] * c.BLOCK) * c.ROUNDS
+    for _ in range(c.RECHECK + c.BLOCK - len(picks)):  # through the first recheck's block
         c.run([0], [1], [0])
-    assert slow.runs == c.TRIAL + 3 and fast.runs == c.TRIAL + n - 3
+    assert slow.runs == (c.ROUNDS + 1) * c.BLOCK and fast.runs == c.RECHECK - c.ROUNDS * c.BLOCK
     fast.ns = 200  # the host changed: the running set is now the slower one
-    before = slow.runs
-    for _ in range(c.TRIAL):
-        c.run([0], [1], [0])
-    moved = slow.runs - before
-    assert 1 <= c.TRIAL - moved <= c.TRIAL // 2 + 1  # the median of its window crossed after half of it
     before = fast.runs
-    for _ in range(c.RECHECK):
+    window = c.ROUNDS * (c.BLOCK - c.SETTLE)
+    for _ in range(window):
         c.run([0], [1], [0])
-    assert fast.runs - before == 1  # its rechecks only
+    # back from the recheck block: SETTLE steps uncounted, then until half its window is the new time
+    assert fast.runs - before == c.SETTLE + window // 2
+    before = fast.runs
+    for _ in range(c.RECHECK - 2 * window):
+        c.run([0], [1], [0])
+    assert fast.runs == before  # no recheck yet
 
 
 def test_share_choice_sets_each_equal_the_masked_reference(tmp_path):
@@ -452,13 +453,13 @@ def test_share_choice_sets_each_equal_the_masked_reference(tmp_path):
         prompt = [5, 6, 7, 9]
         seq, steps = list(prompt), []
         p.step([0], [prompt], [0])
-        for i in range(2 * ShareChoice.TRIAL + 4):
+        for i in range(2 * ShareChoice.BLOCK + 4):
             tok = 11 + 7 * i
             steps.append(p.step([0], [[tok]], [len(seq)])[0])
             seq.append(tok)
         st = p.stats
-        assert st.share_steps["0.5"] >= ShareChoice.TRIAL and st.share_steps["0"] >= ShareChoice.TRIAL
-        assert st.share_steps["0.5"] + st.share_steps["0"] == st.graph_steps == len(steps)
+        assert st.share_steps == {"0.5": ShareChoice.BLOCK + 4, "0": ShareChoice.BLOCK}  # blocks in turn
+        assert st.graph_steps == len(steps)
         assert st.cold_neurons > 0 and st.host_read_bytes > 0  # the share's steps computed CPU neurons here
     finally:
         eng.close()
