@@ -321,6 +321,7 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
 
     from powerinfer_ray.actors.coordinator import Coordinator
     from powerinfer_ray.model.source import open_model
+    from powerinfer_ray.runtime.graphs import ShareChoice
 
     cfg = open_model(a.model).config
     a.n_layer = cfg.n_layer
@@ -345,11 +346,14 @@ def run_mode(mode: str, a: argparse.Namespace, batch: int, budget: float,
             "ffn_rows": next((i.get("ffn_rows") for i in ready if "ffn_rows" in i), None),
             "placed": next((i.get("placed") for i in ready if "placed" in i), None)}
     # warm up at the measured shapes (kernel compilation; the decode graphs were captured at the start):
-    # the longest prompt's first chunk and the shortest prompt, each in `batch` requests
+    # the longest prompt's first chunk, then the shortest prompt, each in `batch` requests, the last with as
+    # many decode steps as a bucket's zero-copy choice measures before it chooses (runtime.graphs.ShareChoice)
     chunk = info["prefill_chunk"]  # the engine's (by default its budget's: runtime.config.resolve_prefill_chunk)
-    for n in sorted({min(max(p for p, _ in a.shapes), chunk), min(p for p, _ in a.shapes)}):
+    warm_lens = sorted({min(max(p for p, _ in a.shapes), chunk), min(p for p, _ in a.shapes)}, reverse=True)
+    for n in warm_lens:
+        steps = min(2 * ShareChoice.ROUNDS * ShareChoice.BLOCK + 2, n_ctx - n) if n == warm_lens[-1] else 3
         warm = list(range(5, 5 + n))
-        ray.get([engine.generate.remote(prompt_token_ids=warm, max_tokens=3, ignore_eos=True) for _ in range(batch)])
+        ray.get([engine.generate.remote(prompt_token_ids=warm, max_tokens=steps, ignore_eos=True) for _ in range(batch)])
     load["warm_rows"] = wait_warm(engine)
     records = []
     has_cpu = "cpu" in info.get("executors", [])
