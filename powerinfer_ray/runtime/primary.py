@@ -4,10 +4,11 @@ layer of every step by the layer schedule (``schedule.py``), exchanging with the
 over the shared-memory channel (``exchange.py``).
 
 A step is dispatched by its shape: decode steps (one token per sequence) of a CUDA primary run
-as captured CUDA graphs (``graphs.DecodeGraphs``, one set per batch-size bucket, every set captured
-before serving: ``capture_graphs``); prefill chunks,
-and everything on a CPU primary, run the schedule eagerly (``eager.EagerStep``), long prompts
-with the CPU shard's neurons computed here (``cold.ColdRows``).
+as captured CUDA graphs (``graphs.DecodeGraphs``, one set per batch-size bucket, two where a
+default zero-copy share is measured against none, ``graphs.ShareChoice``; every set captured
+before serving: ``capture_graphs``); prefill chunks, and everything on a CPU primary, run the
+schedule eagerly (``eager.EagerStep``), long prompts with the CPU shard's neurons computed here
+(``cold.ColdRows``).
 
 Dimension legend: B sequences, T tokens per sequence in a step, V vocab.
 """
