@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|choice|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
+#       bash bench/host_run.sh verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|choice|accept|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|choice|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
+stages="verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|choice|accept|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -528,6 +528,39 @@ choice)  # zero-copy's default share captured beside none, the faster run (runti
     pack
     table mode,decode_tok_s,zero_copy_steps,cpu_kernel_us_per_exchange,vram_used_gib,vram_peak_gib,graph_captures \
         "$RES"/runtime-13b-${B13}gib-*.json
+    ;;
+accept)  # issue 35's acceptance in one call (~8 min on an H100): the host's CPU read ceiling beside the CPU kernel
+    # alone (kernels_bench, fp16 rows, 10 %), the 13B fp16 file at $B13 GiB at batch 1 twice (the first beside
+    # layer-offload), prompts of 64 and 1500 tokens, batch 8 and 32, the Q4_0 13B at 4 GiB twice; every JSON and the
+    # log in $OUT/accept-results.tar (the engines' CPU kernel against the ceiling: cpu_kernel_gbps / ceiling_read_GBps;
+    # dry run elsewhere: M13="planted:tiny" B13=0.01 M13Q="planted:tiny?dtype=q4_0" LONG=400 THREADS=1)
+    gpu=$(gpu_tag)
+    RES=/tmp/accept-results log=/tmp/accept-results/accept.log
+    mkdir -p "$RES"
+    timeout 90 python bench/kernels_bench.py --device cpu -t "$THREADS" --tokens 1 --densities 10 --cpu-dtypes fp16 \
+        --quick --out "$RES" >> "$log" 2>&1
+    grep -E "^\[cpu\]" "$log" | cut -c1-200
+    write_file "$M13" 200 || { pack; exit 0; }
+    suite "runtime-13b-${B13}gib-file-b1-accept-$gpu-1" 150 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+        --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
+    suite "runtime-13b-${B13}gib-file-b1-accept-$gpu-2" 80 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+        --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
+    pack
+    suite "runtime-13b-${B13}gib-file-prefill-accept-$gpu" 120 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+        --modes hybrid --shapes 64x8,${LONG:-1500}x8,64x8,${LONG:-1500}x8 --batch 1 -t "$THREADS" > /dev/null
+    pack
+    suite "runtime-13b-${B13}gib-file-batch-accept-$gpu" 150 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+        --modes hybrid --shapes 16x32 --batch 8,32 -t "$THREADS" > /dev/null
+    pack
+    table mode,decode_tok_s,prefill_tok_s,ttft_s,cpu_kernel_gbps,vram_used_gib,vram_peak_gib,graph_captures,zero_copy_steps \
+        "$RES"/runtime-13b-${B13}gib-*.json
+    write_file "$M13Q" 150 || { pack; exit 0; }
+    for i in 1 2; do
+        suite "runtime-13b-q4-4gib-accept-$gpu-$i" 80 -m "$M13Q" --as-file "$SHM" --vram-budget 4 \
+            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
+    done
+    pack
+    table decode_tok_s,zero_copy_steps,cpu_kernel_gbps "$RES"/runtime-13b-q4-*.json
     ;;
 q8)  # the Q8_0 13B at 8 GiB, hybrid and layer-offload
     suite runtime-13b-q8-8gib-h200 560 -m "planted:llama2-13b?dtype=q8_0" --vram-budget 8 \

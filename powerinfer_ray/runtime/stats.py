@@ -28,7 +28,7 @@ class ExecStats:
     streamed_bytes: int = 0  # weight bytes of the CPU shard's rows streamed to this device (prompt chunks)
     gpu_compute_s: float = 0.0  # GPU time of the decode graphs less their waits for answers (the GPU's clock)
     gpu_timed_steps: int = 0
-    graph_captures: int = 0  # decode graph sets captured (on a CPU primary: built), one per batch bucket, at start
+    graph_captures: int = 0  # batch buckets whose decode graphs were captured (CPU primary: built), at start
     capture_s: float = 0.0  # and the host seconds they took
     # decode graph steps by the zero-copy share they ran at ("0.5": steps; graphs.ShareChoice)
     share_steps: dict[str, int] = field(default_factory=dict)
