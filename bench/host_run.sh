@@ -82,7 +82,18 @@ for path in sys.argv[2:]:
 PY
 }
 pack() {  # $RES's JSONs and the stage log as one file under $OUT (the device tool returns at most 8 files)
-    tar -cf "$OUT/$stage-results.tar" -C "$RES" . 2>/dev/null
+    [ "$RES" = "$OUT" ] || tar -cf "$OUT/$stage-results.tar" -C "$RES" . 2>/dev/null
+}
+q4ab() {  # name name0 rounds: the Q4_0 13B at 4 GiB, batch 1, its default zero-copy share against none (--zero-copy
+    # 0), alternated `rounds` times, as runtime-13b-q4-4gib-<name|name0>-<gpu>-<round>.json; packed after each round
+    local i
+    for i in $(seq "$3"); do
+        suite "runtime-13b-q4-4gib-$1-$gpu-$i" 80 -m "$M13Q" --as-file "$SHM" --vram-budget 4 \
+            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
+        suite "runtime-13b-q4-4gib-$2-$gpu-$i" 80 -m "$M13Q" --as-file "$SHM" --vram-budget 4 \
+            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" --zero-copy 0 > /dev/null
+        pack
+    done
 }
 gpu_tag() {  # the host's GPU as result names carry it: h100, h200
     nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[0-9]00' | tr H h
@@ -469,12 +480,8 @@ q4zc)  # the Q4_0 13B file at 4 GiB, batch 1: the default zero-copy share (cold.
         --down-bd "" --out-dir "$OUT" --name "zerocopy-q4-$gpu" >> "$log" 2>&1
     grep -E "K=1024" "$log" | cut -c1-200
     write_file "$M13Q" 150 || exit 0
-    for i in 1 2 3; do
-        suite "runtime-13b-q4-4gib-zcdefault-$gpu-$i" 80 -m "$M13Q" --as-file "$SHM" --vram-budget 4 \
-            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS"
-        suite "runtime-13b-q4-4gib-zc0-$gpu-$i" 80 -m "$M13Q" --as-file "$SHM" --vram-budget 4 \
-            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" --zero-copy 0
-    done
+    q4ab zcdefault zc0 3
+    table decode_tok_s,zero_copy,cpu_kernel_us_per_exchange,per_layer_us "$OUT"/runtime-13b-q4-*.json
     ;;
 b1zc)  # batch 1 with zero-copy shares: the fp16 T == 1 kernel over the 13B file's rows in HBM and over PCIe, the
     # 13B fp16 file at $B13 GiB with shares $ZC_SHARES in order then reversed, the Q4_0 13B at 4 GiB with its
@@ -494,13 +501,7 @@ b1zc)  # batch 1 with zero-copy shares: the fp16 T == 1 kernel over the 13B file
     done
     table decode_tok_s,zero_copy,cpu_kernel_us_per_exchange,per_layer_us,gpu_compute_us_per_layer,zero_copy_gbps "$RES"/runtime-13b-*-b1-zc*.json
     write_file "$M13Q" 150 || { pack; exit 0; }
-    for i in 1 2; do
-        suite "runtime-13b-q4-4gib-zcdefault-$gpu-$i" 80 -m "$M13Q" --as-file "$SHM" --vram-budget 4 \
-            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
-        suite "runtime-13b-q4-4gib-zc0-$gpu-$i" 80 -m "$M13Q" --as-file "$SHM" --vram-budget 4 \
-            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" --zero-copy 0 > /dev/null
-        pack
-    done
+    q4ab zcdefault zc0 2
     table decode_tok_s,zero_copy,cpu_kernel_us_per_exchange,per_layer_us "$RES"/runtime-13b-q4-*.json
     ;;
 choice)  # zero-copy's default share captured beside none, the faster run (runtime.graphs.ShareChoice): the Q4_0 13B
@@ -510,13 +511,7 @@ choice)  # zero-copy's default share captured beside none, the faster run (runti
     RES=/tmp/choice-results log=/tmp/choice-results/choice.log
     mkdir -p "$RES"
     write_file "$M13Q" 150 || { pack; exit 0; }
-    for i in 1 2; do
-        suite "runtime-13b-q4-4gib-choice-$gpu-$i" 80 -m "$M13Q" --as-file "$SHM" --vram-budget 4 \
-            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
-        suite "runtime-13b-q4-4gib-choice-zc0-$gpu-$i" 80 -m "$M13Q" --as-file "$SHM" --vram-budget 4 \
-            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" --zero-copy 0 > /dev/null
-        pack
-    done
+    q4ab choice choice-zc0 2
     table decode_tok_s,zero_copy_steps,cpu_kernel_us_per_exchange,per_layer_us "$RES"/runtime-13b-q4-*.json
     [ "${CHOICE_F16:-1}" = 1 ] || exit 0  # CHOICE_F16=0: the Q4_0 engines alone
     write_file "$M13" 200 || { pack; exit 0; }

@@ -100,7 +100,7 @@ class StepSegments:
                  cold: ColdRows | None = None, share: float = 0.0) -> None:
         """share: of the CPU shard's active neurons, computed here from their rows in host memory
         (``ColdRows.host_rows``; the caller's choice, ``PrimaryExecutor.decode_shares``)."""
-        self.w, self.ex, self.B, self.act, self.share = w, exchange, B, activity, share
+        self.w, self.ex, self.B, self.act = w, exchange, B, activity
         self.n_seq = self.n_tok = B
         dev, cfg, pin = w.device, w.cfg, w.device.type == "cuda"
         self.inp_host = torch.zeros(4, B, dtype=torch.long, pin_memory=pin)  # tokens, positions, slots, valid
