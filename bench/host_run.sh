@@ -536,22 +536,22 @@ accept)  # issue 35's acceptance in one call (~8 min on an H100): the host's CPU
         --quick --out "$RES" >> "$log" 2>&1
     grep -E "^\[cpu\]" "$log" | cut -c1-200
     write_file "$M13" 200 || { pack; exit 0; }
-    suite "runtime-13b-${B13}gib-file-b1-accept-$gpu-1" 150 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+    suite "runtime-13b-${B13}gib-file-b1-accept-$gpu-1-$POWERINFER_COMMIT" 150 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
         --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
-    suite "runtime-13b-${B13}gib-file-b1-accept-$gpu-2" 80 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+    suite "runtime-13b-${B13}gib-file-b1-accept-$gpu-2-$POWERINFER_COMMIT" 80 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
         --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
     pack
-    suite "runtime-13b-${B13}gib-file-prefill-accept-$gpu" 120 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+    suite "runtime-13b-${B13}gib-file-prefill-accept-$gpu-$POWERINFER_COMMIT" 120 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
         --modes hybrid --shapes 64x8,${LONG:-1500}x8,64x8,${LONG:-1500}x8 --batch 1 -t "$THREADS" > /dev/null
     pack
-    suite "runtime-13b-${B13}gib-file-batch-accept-$gpu" 150 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+    suite "runtime-13b-${B13}gib-file-batch-accept-$gpu-$POWERINFER_COMMIT" 150 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
         --modes hybrid --shapes 16x32 --batch 8,32 -t "$THREADS" > /dev/null
     pack
     table mode,decode_tok_s,prefill_tok_s,ttft_s,cpu_kernel_gbps,vram_used_gib,vram_peak_gib,graph_captures,zero_copy_steps \
         "$RES"/runtime-13b-${B13}gib-*.json
     write_file "$M13Q" 150 || { pack; exit 0; }
     for i in 1 2; do
-        suite "runtime-13b-q4-4gib-accept-$gpu-$i" 80 -m "$M13Q" --as-file "$SHM" --vram-budget 4 \
+        suite "runtime-13b-q4-4gib-accept-$gpu-$i-$POWERINFER_COMMIT" 80 -m "$M13Q" --as-file "$SHM" --vram-budget 4 \
             --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
     done
     pack

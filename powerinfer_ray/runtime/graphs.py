@@ -109,6 +109,8 @@ class StepSegments:
         # (token, neuron) pairs and rows read: the primary's neurons, then the CPU's it computes (zero-copy)
         self.counts = torch.zeros(4, dtype=torch.int64, device=dev)
         self.logits_host = torch.zeros(B, cfg.n_vocab, dtype=torch.float32, pin_memory=pin)
+        self.ids = torch.zeros(B, dtype=torch.int64, device=dev)  # the logits' argmax (greedy next tokens)
+        self.ids_host = torch.zeros(B, dtype=torch.int64, pin_memory=pin)
         self.counts_host = torch.zeros(4, dtype=torch.int64, pin_memory=pin)
         self.cos = self.sin = None
         self.a = self.f = self.f_host = self.x_a = self.x_f = self.logits = None
@@ -254,7 +256,10 @@ class StepSegments:
 
     def head(self, s: Step) -> None:
         self._residual()
-        self.logits_host.copy_(self.w.head(self.h), non_blocking=True)  # [B, V]
+        logits = self.w.head(self.h)  # [B, V]
+        torch.argmax(logits, dim=-1, out=self.ids)
+        self.ids_host.copy_(self.ids, non_blocking=True)
+        self.logits_host.copy_(logits, non_blocking=True)
         self.counts_host.copy_(self.counts, non_blocking=True)
 
 
@@ -356,8 +361,9 @@ class DecodeGraphs:
             self.seg.act.flat.copy_(counted)
         self.graphs = self._record_all(self.ex.header_on_device() if self.ex is not None else warm)
 
-    def run(self, slots: list[int], tokens: list[int], start_pos: list[int]) -> np.ndarray:
-        """One decode step of len(tokens) <= B sequences: logits [len(tokens), V] (float32)."""
+    def run(self, slots: list[int], tokens: list[int], start_pos: list[int], argmax: bool = False) -> np.ndarray:
+        """One decode step of len(tokens) <= B sequences: logits [len(tokens), V] (float32), or
+        with ``argmax`` their argmax [len(tokens)] (int64), found on the device."""
         st, n = self.stats, len(tokens)
         self.seg.set_inputs(slots, tokens, start_pos)
         if self.cuda:
@@ -375,7 +381,7 @@ class DecodeGraphs:
         rows += self.seg.dense_pairs
         gate_rows = self.seg.gpu_rows if self.w.policy.name == "gate-first" else rows
         st.active_bytes += ffn_bytes(self.w.cfg, gate_rows, rows, rows)
-        return self.seg.logits_host[:n].numpy().copy()
+        return (self.seg.ids_host if argmax else self.seg.logits_host)[:n].numpy().copy()
 
     def _replay(self) -> None:
         """Launch the step's graphs and wait for its end; the critical path's split from the GPU's
@@ -440,10 +446,10 @@ class ShareChoice:
             self.cur = nxt
         return self.cur
 
-    def run(self, slots: list[int], tokens: list[int], start_pos: list[int]) -> np.ndarray:
+    def run(self, slots: list[int], tokens: list[int], start_pos: list[int], argmax: bool = False) -> np.ndarray:
         i = self.pick()
         g = self.sets[i]
-        out = g.run(slots, tokens, start_pos)
+        out = g.run(slots, tokens, start_pos, argmax)
         if self.settle:
             self.settle -= 1
         else:

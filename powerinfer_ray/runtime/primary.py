@@ -190,9 +190,11 @@ class PrimaryExecutor:
 
     # --- the step --------------------------------------------------------------------------------
     @torch.no_grad()
-    def step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> np.ndarray:
+    def step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int], argmax: bool = False) -> np.ndarray:
         """Run B sequences of T new tokens each (same T for all) from positions start_pos;
-        returns the logits of each sequence's last token [B, V] (float32)."""
+        returns the logits of each sequence's last token [B, V] (float32), or with ``argmax`` their
+        argmax [B] (int64: greedy next tokens; a decode graph finds it on the device, and only the
+        ids come back)."""
         B, T = len(tokens), len(tokens[0])
         assert all(len(t) == T for t in tokens), "a step runs sequences of equal token counts"
         if B * T > self.t_max and self.exchange is not None:
@@ -208,11 +210,12 @@ class PrimaryExecutor:
         if self.activity.on:  # before the step: a concurrent read never sees more counts than tokens
             self.activity.tokens += B * T
         graph = T == 1 and self.use_graphs and self.sample_sink is None
-        out = self._graph_step(slots, tokens, start_pos) if graph else None
+        out = self._graph_step(slots, tokens, start_pos, argmax) if graph else None
         st, on_graphs = self.stats, out is not None
         st.graph_steps += on_graphs
         if out is None:
             out = self._eager_step(slots, tokens, start_pos)
+            out = out.argmax(axis=1) if argmax else out
         st.steps += 1
         st.tokens += B * T
         busy = time.perf_counter() - t0
@@ -225,10 +228,12 @@ class PrimaryExecutor:
         """What the coordinator's step call gets: ``step``'s logits [B, V], or for a burst its decode
         steps back to back (``Burst.run``): the tokens chosen [n, B] and the samplers' states."""
         if burst is not None:
-            return burst.run(lambda toks, pos: self.step(slots, toks, pos), [t[0] for t in tokens], start_pos)
+            return burst.run(lambda toks, pos, argmax=False: self.step(slots, toks, pos, argmax),
+                             [t[0] for t in tokens], start_pos)
         return self.step(slots, tokens, start_pos)
 
-    def _graph_step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> np.ndarray | None:
+    def _graph_step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int],
+                    argmax: bool) -> np.ndarray | None:
         """The decode step on its bucket's graphs; None (run it eagerly) when they were not
         captured (``capture_graphs`` was not called): a step never captures."""
         g = self.graphs.get(bucket_of(len(tokens), self.weights.slots))
@@ -238,7 +243,7 @@ class PrimaryExecutor:
                 log.warning("primary: decode graphs of %d sequences not captured (capture_graphs before serving): "
                             "eager decode steps", len(tokens))
             return None
-        return g.run(list(slots), [t[0] for t in tokens], list(start_pos))
+        return g.run(list(slots), [t[0] for t in tokens], list(start_pos), argmax)
 
     def _eager_step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> np.ndarray:
         # an eager decode step streams nothing (unless a sample sink needs every neuron here)

@@ -175,16 +175,23 @@ class Burst:
     n: int
     samplers: list[tuple[SamplingParams, torch.Tensor | None]]
 
-    def run(self, step: Callable[[list[list[int]], list[int]], np.ndarray], tokens: list[int],
+    def run(self, step: Callable[..., np.ndarray], tokens: list[int],
             start_pos: list[int]) -> tuple[np.ndarray, list[torch.Tensor | None]]:
         """The burst over ``step(tokens [B][1], start_pos [B]) -> logits [B, V]``, from ``tokens`` [B]
-        at ``start_pos``: the tokens chosen [n, B] (int64), and each sampler's generator state after."""
+        at ``start_pos``: the tokens chosen [n, B] (int64), and each sampler's generator state after.
+        When every sampler is greedy, each step is asked for the argmax alone (``step(..., argmax=True)
+        -> [B]``; the primary's decode graphs find it on the device)."""
         gens = [None if state is None else torch.Generator().set_state(state) for _, state in self.samplers]
+        greedy = all(params.temperature == 0.0 for params, _ in self.samplers)
         out = np.empty((self.n, len(tokens)), dtype=np.int64)
         cur, pos = list(tokens), list(start_pos)
         for j in range(self.n):
-            logits = step([[int(t)] for t in cur], pos)
-            for i, ((params, _), g) in enumerate(zip(self.samplers, gens)):
-                out[j, i] = sample(logits[i], params, g)
+            toks = [[int(t)] for t in cur]
+            if greedy:
+                out[j] = step(toks, pos, argmax=True)
+            else:
+                logits = step(toks, pos)
+                for i, ((params, _), g) in enumerate(zip(self.samplers, gens)):
+                    out[j, i] = sample(logits[i], params, g)
             cur, pos = out[j], [p + 1 for p in pos]
         return out, [None if g is None else g.get_state() for g in gens]

@@ -19,6 +19,7 @@ from powerinfer_ray.kernels.quant import REPACKED
 from powerinfer_ray.model.reference import ReferenceModel
 from powerinfer_ray.model.tiny import write_tiny_model
 from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
+from powerinfer_ray.runtime.graphs import DecodeGraphs
 from powerinfer_ray.runtime.plan import Plan
 from powerinfer_ray.runtime.schedule import Post, step_schedule
 
@@ -188,6 +189,38 @@ def test_cuda_engine_captures_every_bucket_at_start_and_none_while_serving(tmp_p
         eng.close()
 
 
+def test_cuda_greedy_bursts_take_the_argmax_found_in_the_graph(tmp_path):
+    """Greedy requests decoded together run in bursts whose steps return the argmax the decode graph
+    found on the GPU (3 sequences in the bucket of 4: a padding row): each token is greedy under the
+    fp32 reference up to fp16 rounding, and a step asked for the argmax alone returns the argmax of
+    the logits the same graph copied out."""
+    path, ref, plan = _model_and_plan(tmp_path, "llama-gqa", "mixed")
+    eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="dense", device="cuda", max_batch=4))
+    try:
+        prompts = [list(range(5 + i, 11 + i)) for i in range(3)]
+
+        async def run():
+            return await asyncio.gather(*(eng.generate(prompt_token_ids=p, max_tokens=9, ignore_eos=True)
+                                          for p in prompts))
+
+        outs = asyncio.run(run())
+        cs = eng.coordinator.stats()
+        assert (cs["steps"], cs["decode_steps"]) == (2, 8)  # the prompts' step, then one burst of 8
+        for p, o in zip(prompts, outs):
+            toks = o["token_ids"]
+            full = ref.forward(p + toks[:-1], ref.new_cache())[len(p) - 1:]  # [9, V]: the logits of each choice
+            assert len(toks) == 9
+            for row, t in zip(full, toks):
+                assert float(row.max() - row[t]) <= 2e-2 * float(row.abs().max()), (p, toks)
+        pos = [len(p) + 8 for p in prompts]
+        ids = eng.primary.step([0, 1, 2], [[o["token_ids"][-1]] for o in outs], pos, argmax=True)
+        g = eng.primary.graphs[4]  # one set: fp16 rows below 8 sequences take no default zero-copy share
+        assert isinstance(g, DecodeGraphs)
+        np.testing.assert_array_equal(ids, g.seg.logits_host[:3].numpy().argmax(-1))
+    finally:
+        eng.close()
+
+
 @pytest.mark.parametrize("spec", ["tiny", "tiny-falcon", "tiny?dtype=q4_0"])
 def test_cuda_primary_fills_the_cpu_shard_of_a_planted_model(spec):
     """The primary generates the CPU executor's rows on the GPU and writes them into its shared
@@ -302,7 +335,7 @@ def test_cuda_default_zero_copy_captures_with_and_without_and_runs_both(dtype):
     from pathlib import Path
 
     from powerinfer_ray.runtime import cold
-    from powerinfer_ray.runtime.graphs import DecodeGraphs, ShareChoice
+    from powerinfer_ray.runtime.graphs import ShareChoice
 
     B = cold.ZERO_COPY_MIN_BATCH
     with tempfile.TemporaryDirectory(dir="/dev/shm") as d:

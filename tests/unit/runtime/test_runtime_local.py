@@ -278,6 +278,39 @@ def test_graph_decode_segments_equal_dense_reference(models, variant, split):
         eng.close()
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_greedy_decode_step_returns_each_sequences_argmax(models, graphs):
+    """A decode step asked for the argmax alone (a greedy burst's steps: on the decode segments the
+    step finds it itself, on a GPU inside the graph) returns each sequence's greedy next token under
+    the float64 dense forward (rounding ties allowed), for 3 sequences in a bucket of 4 (a padding
+    row) and for one alone, as the argmax of the same step's logits does."""
+    path = models["llama-gqa"]
+    ref = ReferenceModel.from_file(path)
+    eng = LocalEngine(EngineConfig(str(path), plan=_plans(ref.cfg)["mixed"], policy="dense", prefill_chunk=16,
+                                   max_batch=4, graphs=graphs))
+    try:
+        prompts = [[5, 6, 7], list(range(10, 22)), [200, 1, 2, 3]]
+        for slot, p in enumerate(prompts):
+            eng.primary.step([slot], [p], [0])
+        pos, seqs = [len(p) for p in prompts], [list(p) for p in prompts]
+        for toks in ([11, 12, 13], [40, 41, 42]):
+            ids = eng.primary.step([0, 1, 2], [[t] for t in toks], pos, argmax=True)
+            assert ids.shape == (3,) and ids.dtype == np.int64
+            for s, (t, i) in enumerate(zip(toks, ids)):
+                seqs[s].append(t)
+                assert_greedy(ref, seqs[s], [int(i)])
+            pos = [q + 1 for q in pos]
+        t = int(ids[1])
+        one = eng.primary.step([1], [[t]], [pos[1]], argmax=True)
+        logits = eng.primary.step([1], [[t]], [pos[1]])  # the same step again: its cache entry rewritten alike
+        seqs[1].append(t)
+        assert_greedy(ref, seqs[1], [int(one[0])])
+        assert_greedy(ref, seqs[1], [int(logits[0].argmax())])
+        assert eng.primary.stats.graph_steps == (4 if graphs else 0)
+    finally:
+        eng.close()
+
+
 def test_graph_buckets_cover_every_batch_size():
     """Decode batch sizes pad to powers of two up to the slots: hand-counted buckets, and every size's
     bucket is one of them and holds it."""
@@ -401,7 +434,7 @@ class _Timed:
     def __init__(self, share: float, ns: int) -> None:
         self.share, self.ns, self.B, self.last_ns, self.runs = share, ns, 1, 0, 0
 
-    def run(self, slots, tokens, start_pos):
+    def run(self, slots, tokens, start_pos, argmax=False):
         self.runs += 1
         self.last_ns = self.ns
         return np.zeros((len(tokens), 2), np.float32)

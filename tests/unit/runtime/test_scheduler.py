@@ -21,7 +21,8 @@ N_CTX = 96
 
 class ReferenceSteps:
     """A step function over the dense reference: one KV cache per slot, new when a slot starts at 0;
-    with a fourth argument, a Burst: its decode steps back to back (as the primary's ``serve_step``).
+    with a fourth argument, a Burst: its decode steps back to back (as the primary's ``serve_step``;
+    a greedy burst asks each step for the argmax alone).
     ``calls``: each call's (batch, the burst's steps or 0)."""
 
     def __init__(self, ref: ReferenceModel) -> None:
@@ -31,16 +32,17 @@ class ReferenceSteps:
         self.calls.append((len(slots), burst.n if burst else 0))
         if burst is None:
             return await asyncio.to_thread(self.step, slots, tokens, start)  # off the loop, as the engine's
-        return burst.run(lambda toks, pos: self.step(slots, toks, pos), [t[0] for t in tokens], start)
+        return burst.run(lambda toks, pos, argmax=False: self.step(slots, toks, pos, argmax), [t[0] for t in tokens],
+                         start)
 
-    def step(self, slots, tokens, start):
+    def step(self, slots, tokens, start, argmax=False):
         out = []
         for s, t, p in zip(slots, tokens, start):
             if p == 0:
                 self.caches[s] = self.ref.new_cache()
             assert self.caches[s].length == p, (s, self.caches[s].length, p)
             out.append(self.ref.forward(t, self.caches[s])[-1].numpy())
-        return np.stack(out)
+        return np.stack(out).argmax(-1) if argmax else np.stack(out)
 
 
 @pytest.fixture(scope="module")
