@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|choice|accept|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
+#       bash bench/host_run.sh verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|choice|accept|chain|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|choice|accept|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
+stages="verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|choice|accept|chain|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -556,6 +556,24 @@ accept)  # issue 35's acceptance in one call (~8 min on an H100): the host's CPU
     done
     pack
     table decode_tok_s,zero_copy_steps,cpu_kernel_gbps "$RES"/runtime-13b-q4-*.json
+    ;;
+chain)  # greedy bursts chained on the GPU (~8 min on an H100): the runtime GPU tests, then the 13B fp16 file at $B13
+    # GiB at batch 1 beside layer-offload, and batch 8 and 32; every JSON and log in $OUT/chain-results.tar
+    gpu=$(gpu_tag)
+    RES=/tmp/chain-results log=/tmp/chain-results/chain.log
+    mkdir -p "$RES"
+    timeout -s INT "${GPUTESTS_TIMEOUT:-200}" python -m pytest $RUNTIME_TESTS -q -rf > "$RES/gpu-runtime-tests.log" 2>&1
+    tail -n 3 "$RES/gpu-runtime-tests.log" | cut -c1-300
+    pack
+    write_file "$M13" 200 || { pack; exit 0; }
+    suite "runtime-13b-${B13}gib-file-b1-chain-$gpu-$POWERINFER_COMMIT" 150 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+        --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
+    pack
+    suite "runtime-13b-${B13}gib-file-batch-chain-$gpu-$POWERINFER_COMMIT" 150 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+        --modes hybrid --shapes 16x32 --batch 8,32 -t "$THREADS" > /dev/null
+    pack
+    table mode,decode_tok_s,decode_step_ms,decode_link_us,decode_primary_host_us,cpu_kernel_gbps,vram_used_gib,graph_captures,zero_copy_steps \
+        "$RES"/runtime-13b-${B13}gib-*.json
     ;;
 q8)  # the Q8_0 13B at 8 GiB, hybrid and layer-offload
     suite runtime-13b-q8-8gib-h200 560 -m "planted:llama2-13b?dtype=q8_0" --vram-budget 8 \

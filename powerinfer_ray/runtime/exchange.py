@@ -28,6 +28,7 @@ class ChannelBuffers:
     x_ffn: torch.Tensor  # [T_max, D]
     out: torch.Tensor  # [T_max, D]: the CPU executor's answer
     mask: torch.Tensor  # uint8 [T_max * ceil(n_mask / 8)]: see Channel.mask_rows
+    start_pos: torch.Tensor  # int64 [B_max]: each sequence's position (the CPU's heads read it)
 
 
 class Exchange:
@@ -57,12 +58,13 @@ class Exchange:
         """The channel's buffers on the primary's device: on CUDA tensors over the page-locked
         segment's bytes (RuntimeError when it could not be page-locked), else the host tensors."""
         ch = self.channel
+        start_pos = torch.from_numpy(ch.start_pos)
         if self.device.type != "cuda":
-            return ChannelBuffers(ch.x_attn, ch.x_ffn, ch.out, ch.mask)
+            return ChannelBuffers(ch.x_attn, ch.x_ffn, ch.out, ch.mask, start_pos)
         if not ch.pinned:
             raise RuntimeError("the channel is not page-locked: the GPU cannot address it")
         return ChannelBuffers(device_view(ch.x_attn), device_view(ch.x_ffn), device_view(ch.out),
-                              device_view(ch.mask.view(1, -1))[0])
+                              device_view(ch.mask.view(1, -1))[0], device_view(start_pos.view(1, -1))[0])
 
     # --- a step's inputs -------------------------------------------------------------------------
     def set_positions(self, slots: list[int], start_pos: list[int]) -> None:

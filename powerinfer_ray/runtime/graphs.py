@@ -4,7 +4,8 @@ At decode sizes the host's launch time of eager PyTorch, not the GPU, sets the p
 step of B sequences has fixed shapes, so ``StepSegments`` computes the steps of the layer
 schedule (``schedule.py``) without host syncs or shape changes:
   - the step's inputs (tokens, positions, slots) are copied by the first graph from pinned host
-    memory into device buffers; attention reads positions and slots on the device and takes
+    memory into device buffers (or, where the host set none, taken from the step before: its
+    argmax at the next positions); attention reads positions and slots on the device and takes
     its rotary rows from a table (kernels.attention.head_attention_step);
   - the predictor's split and the sparse FFN keep their counts on the device (n_active), and the
     predictor's decisions go into the activation counters in place (``activity``); so does
@@ -28,8 +29,12 @@ after the copies that stage a request, a kernel posts it in the channel's page-l
 where the answer is needed a kernel polls the header until the CPU executor has written it
 (``kernels.triton_signal``). The host launches the graphs and waits for the step's end; between
 the CPU's answer and the GPU's next kernel no host thread, launch or poll stands. The GPU computes
-its share of a layer while the CPU computes its own. On a CPU primary the same steps run eagerly
-(``schedule.run_eager``): one code path, which the CPU tests check against the dense reference.
+its share of a layer while the CPU computes its own. A step's argmax, counts and GPU times go
+into a pinned ring of two rows, and its argmax with the next positions into the inputs the next step
+takes unless the host sets new ones: a greedy burst (``run_burst``) launches each step before the one
+ahead of it has ended, so the GPU runs them back to back and the host's wait, reads and launches lie
+beside them. On a CPU primary the same steps run eagerly (``schedule.run_eager``): one code path,
+which the CPU tests check against the dense reference.
 
 Dimension legend: B sequences (padded to the bucket), D hidden, V vocab.
 """
@@ -51,7 +56,7 @@ from ..kernels.linear import linear
 from ..kernels.predictor import active_of, pack_active_bits, packed_views, split_active_packed
 from ..kernels.sparse_ffn import sparse_ffn
 from .activity import ActivityCounts
-from .channel import ABORTED
+from .channel import ABORTED, device_view
 from .cold import ColdRows
 from .exchange import ChannelBuffers, Exchange
 from .layers import ffn_bytes
@@ -103,15 +108,19 @@ class StepSegments:
         self.w, self.ex, self.B, self.act = w, exchange, B, activity
         self.n_seq = self.n_tok = B
         dev, cfg, pin = w.device, w.cfg, w.device.type == "cuda"
-        self.inp_host = torch.zeros(4, B, dtype=torch.long, pin_memory=pin)  # tokens, positions, slots, valid
+        # the step's inputs: tokens, positions, slots, valid; as the host sets them (pinned, with the
+        # count of inputs set in row 4), as copied in, the step's own, and the next step's (``head``)
+        self.inp_host = torch.zeros(5, B, dtype=torch.long, pin_memory=pin)
+        self.inp_in = torch.zeros(5, B, dtype=torch.long, device=dev)
         self.inp = torch.zeros(4, B, dtype=torch.long, device=dev)
+        self.inp_next = torch.zeros(5, B, dtype=torch.long, device=dev)
+        self.inputs_set = 0
         self.h = torch.zeros(B, cfg.n_embd, dtype=torch.float32, device=dev)  # the residual stream
         # (token, neuron) pairs and rows read: the primary's neurons, then the CPU's it computes (zero-copy)
         self.counts = torch.zeros(4, dtype=torch.int64, device=dev)
         self.logits_host = torch.zeros(B, cfg.n_vocab, dtype=torch.float32, pin_memory=pin)
         self.ids = torch.zeros(B, dtype=torch.int64, device=dev)  # the logits' argmax (greedy next tokens)
-        self.ids_host = torch.zeros(B, dtype=torch.int64, pin_memory=pin)
-        self.counts_host = torch.zeros(4, dtype=torch.int64, pin_memory=pin)
+        self.cpu_heads = exchange is not None and any(len(lp.cpu_groups) for lp in w.plan.layers)
         self.cos = self.sin = None
         self.a = self.f = self.f_host = self.x_a = self.x_f = self.logits = None
         self.g_part: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -133,13 +142,17 @@ class StepSegments:
         n, pad = len(tokens), self.B - len(tokens)
         slots = list(slots) + [self.w.slots] * pad  # the scratch slot
         start_pos = list(start_pos) + [0] * pad
-        self.inp_host.copy_(torch.tensor([list(tokens) + [0] * pad, start_pos, slots, [1] * n + [0] * pad]))
+        self.inputs_set += 1
+        self.inp_host.copy_(torch.tensor([list(tokens) + [0] * pad, start_pos, slots, [1] * n + [0] * pad,
+                                          [self.inputs_set] * self.B]))
         if self.ex is not None:  # the CPU executor's heads read them
             self.ex.set_positions(slots, start_pos)
 
     def embed(self, s: Step) -> None:
         w = self.w
-        self.inp.copy_(self.inp_host, non_blocking=True)
+        # the inputs the host set, if it set new ones since the step before; else that step's next
+        self.inp_in.copy_(self.inp_host, non_blocking=True)
+        self.inp.copy_(torch.where(self.inp_in[4:] != self.inp_next[4:], self.inp_in[:4], self.inp_next[:4]))
         tok, pos = self.inp[0], self.inp[1]
         self.h.copy_(w.embed(tok, pos))  # [B, D] fp32
         if w.rope_cos is not None:
@@ -159,7 +172,7 @@ class StepSegments:
         return self.ex.buffers()
 
     def _stage(self, x: torch.Tensor, dst: torch.Tensor) -> None:
-        """x [B, D] into the channel: on CUDA by a kernel's stores over PCIe (no copy-engine node)."""
+        """x into the channel: on CUDA by a kernel's stores over PCIe (no copy-engine node)."""
         if x.is_cuda:
             from ..kernels.triton_signal import store_rows
             store_rows(x.to(dst.dtype).contiguous(), dst)
@@ -255,12 +268,17 @@ class StepSegments:
         self.pending = ([a, self.f, self.f_host, cpu], self.w.layers[s.l].ffn_bias)
 
     def head(self, s: Step) -> None:
+        """The logits (copied out) and their argmax; then the next step's inputs, should the host set
+        none (``DecodeGraphs.run_burst``): each sequence's argmax at its next position (padding rows
+        keep theirs), and those positions in the channel, where the CPU's heads read them."""
         self._residual()
         logits = self.w.head(self.h)  # [B, V]
         torch.argmax(logits, dim=-1, out=self.ids)
-        self.ids_host.copy_(self.ids, non_blocking=True)
         self.logits_host.copy_(logits, non_blocking=True)
-        self.counts_host.copy_(self.counts, non_blocking=True)
+        inp = self.inp
+        self.inp_next.copy_(torch.stack([self.ids, inp[1] + inp[3], inp[2], inp[3], self.inp_in[4]]))
+        if self.cpu_heads:
+            self._stage(self.inp_next[1], self.ch.start_pos[:self.B])
 
 
 class DecodeGraphs:
@@ -278,21 +296,27 @@ class DecodeGraphs:
         self.cuda = w.device.type == "cuda"
         self.seg = StepSegments(w, exchange, B, activity, cold, share)
         self.share = share
-        self.last_ns = 0  # the last step's time: the GPU's clock from its first to its last kernel (CPU: the host's)
         self.items = step_schedule(w.cfg, w.plan, w.policy.name)
         self.chunks = _chunks(self.items)
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
         self.pool, self.side = pool, side
+        posts = [it for it in self.items if type(it) is Post]
+        # the GPU's clock (ns): the step's start, per post (posted, began to wait, saw the answer), its end
+        self.stamps = torch.zeros(2 + 3 * len(posts), dtype=torch.int64, device=w.device)
+        # each step's results, [ids (B) | counts (4) | stamps | serial], in row serial % 2 of a pinned ring
+        # (``_publish``): a step chained after it (``run_burst``) writes the other row
+        self.serial = torch.zeros(1, dtype=torch.int64, device=w.device)  # steps published
+        self.published = 0  # the host's count of them
+        self.ring = torch.zeros(2, B + 4 + self.stamps.numel() + 1, dtype=torch.int64, pin_memory=self.cuda)
+        # the last call's steps' times: the GPU's clock from the first to the last kernel (CPU: the host's)
+        self.step_ns: list[int] = []
         if self.cuda:
-            posts = [it for it in self.items if type(it) is Post]
-            self.n_posts = len(posts)
             # each post's request fields: op, layer, n_seq, n_tok, n_mask
             self.fields = torch.tensor([[p.op, p.l, B, B, p.n_mask] for p in posts] or [[0] * 5], dtype=torch.int64,
                                        device=w.device)
-            # the GPU's clock (ns): the step's start, per post (posted, began to wait, saw the answer), its end
-            self.stamps = torch.zeros(2 + 3 * self.n_posts, dtype=torch.int64, device=w.device)
-            self.stamps_host = torch.zeros(2 + 3 * self.n_posts, dtype=torch.int64, pin_memory=True)
-            self.done = torch.cuda.Event()
+            self.ring_dev = device_view(self.ring)
+            self.events = [torch.cuda.Event(), torch.cuda.Event()]  # of the steps in flight, in turn
+            self.launched = 0
 
     def _record(self, c: int, k: int, header: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> int:
         """Chunk c of the step on the current stream, posts and awaits included (``header``:
@@ -314,8 +338,15 @@ class DecodeGraphs:
                 signal.await_answer(req, resp, st[2 + 3 * (k - 1):])
         if c == len(self.chunks) - 1:
             signal.stamp(st[-1:])
-            self.stamps_host.copy_(st, non_blocking=True)
+            self._publish()
         return k
+
+    def _publish(self) -> None:
+        """The step's results into the ring's row serial % 2, serial counting this step."""
+        seg = self.seg
+        self.serial += 1
+        row = torch.cat([seg.ids, seg.counts, self.stamps, self.serial])
+        (self.ring_dev if self.cuda else self.ring).index_copy_(0, self.serial % 2, row[None])
 
     def _record_all(self, header: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> list[torch.cuda.CUDAGraph]:
         """The step as one graph per chunk, in one memory pool (replayed in capture order)."""
@@ -360,61 +391,113 @@ class DecodeGraphs:
             torch.cuda.current_stream(dev).wait_stream(side)
             self.seg.act.flat.copy_(counted)
         self.graphs = self._record_all(self.ex.header_on_device() if self.ex is not None else warm)
+        self.published = int(self.serial.item())  # the warm-up run's
 
     def run(self, slots: list[int], tokens: list[int], start_pos: list[int], argmax: bool = False) -> np.ndarray:
         """One decode step of len(tokens) <= B sequences: logits [len(tokens), V] (float32), or
         with ``argmax`` their argmax [len(tokens)] (int64), found on the device."""
-        st, n = self.stats, len(tokens)
         self.seg.set_inputs(slots, tokens, start_pos)
-        if self.cuda:
-            self._replay()
-        else:
-            t0 = time.monotonic_ns()
-            run_eager(self.items, self.seg, self.ex, st, lambda: None)
-            self.last_ns = time.monotonic_ns() - t0
-        key = f"{self.share:g}"
-        st.share_steps[key] = st.share_steps.get(key, 0) + 1
-        pairs, rows, host_pairs, host_rows = (int(v) for v in self.seg.counts_host.tolist())
-        st.neurons += pairs + self.seg.dense_pairs * n
-        st.cold_neurons += host_pairs  # placed on the CPU: the GPU share counts them with the CPU's
-        st.host_read_bytes += ffn_bytes(self.w.cfg, host_rows, host_rows, host_rows)
-        rows += self.seg.dense_pairs
-        gate_rows = self.seg.gpu_rows if self.w.policy.name == "gate-first" else rows
-        st.active_bytes += ffn_bytes(self.w.cfg, gate_rows, rows, rows)
-        return (self.seg.ids_host if argmax else self.seg.logits_host)[:n].numpy().copy()
+        ids = self._steps(len(tokens), 1)[0]
+        return ids if argmax else self.seg.logits_host[:len(tokens)].numpy().copy()
 
-    def _replay(self) -> None:
-        """Launch the step's graphs and wait for its end; the critical path's split from the GPU's
-        stamps: ``exchange`` (a post until the GPU saw the answer), ``segment`` (the rest)."""
-        st = self.stats
+    def run_burst(self, slots: list[int], tokens: list[int], start_pos: list[int], n: int) -> np.ndarray:
+        """n decode steps of len(tokens) <= B sequences, each taking the argmax of the one before as
+        its token (greedy): the tokens [n, len(tokens)] (int64). On CUDA the next step's graphs are
+        launched before this one's results are read, so the GPU runs the steps back to back: the
+        host's time between them (its wait, reading results, the launch) is off the critical path."""
+        self.seg.set_inputs(slots, tokens, start_pos)
+        return self._steps(len(tokens), n)
+
+    def _steps(self, n_seq: int, n: int) -> np.ndarray:
+        """n steps from the inputs set (each next one's from the step before: ``StepSegments.head``);
+        the argmax of each [n, n_seq]."""
+        out = np.empty((n, n_seq), dtype=np.int64)
+        self.step_ns = []
+        if not self.cuda:
+            for j in range(n):
+                t0 = time.monotonic_ns()
+                run_eager(self.items, self.seg, self.ex, self.stats, lambda: None)
+                self._publish()
+                out[j] = self._results(n_seq, host_ns=time.monotonic_ns() - t0)
+            return out
         assert self.graphs is not None, f"the decode graphs of {self.B} sequences were never captured"
-        before = self.ex.channel.counters() if self.ex is not None else None
+        counters = self.ex.channel.counters() if self.ex is not None else None
+        pending = [self._launch()]
+        try:
+            for j in range(n):
+                if j + 1 < n:
+                    pending.append(self._launch())
+                peer_ns, counters = self._wait(pending.pop(0), counters)
+                out[j] = self._results(n_seq, peer_ns=peer_ns)
+        except BaseException:
+            for ev in pending:  # no step left in flight (a dead peer's waits ended: Exchange.wait_step)
+                try:
+                    self._wait(ev, counters)
+                except Exception:  # noqa: BLE001
+                    pass
+            raise
+        return out
+
+    def _launch(self) -> torch.cuda.Event:
+        """Launch the step's graphs; the event its end reaches."""
         t0 = time.monotonic_ns()
         for g in self.graphs:
             g.replay()
-        self.done.record()
-        st.layer_s["launch"] += (time.monotonic_ns() - t0) * 1e-9
-        if self.ex is not None:
-            n_req, _, peer_ns = self.ex.wait_step(self.done, before)
-            st.exchanges += n_req
-            st.peer_compute_s += peer_ns * 1e-9
+        ev = self.events[self.launched % 2]
+        ev.record()
+        self.launched += 1
+        self.stats.layer_s["launch"] += (time.monotonic_ns() - t0) * 1e-9
+        return ev
+
+    def _wait(self, ev: torch.cuda.Event, counters: tuple | None) -> tuple[int, tuple | None]:
+        """Wait for a launched step's end (``Exchange.wait_step``: raises when the CPU executor died,
+        failed or went silent); the channel's requests since ``counters`` are counted. Returns the
+        peer's ns over them and the counters now."""
+        if self.ex is None:
+            ev.synchronize()
+            return 0, None
+        n_req, _, peer_ns = grown = self.ex.wait_step(ev, counters)
+        self.stats.exchanges += n_req
+        self.stats.peer_compute_s += peer_ns * 1e-9
+        return peer_ns, tuple(a + b for a, b in zip(counters, grown))
+
+    def _results(self, n_seq: int, peer_ns: int = 0, host_ns: int = 0) -> np.ndarray:
+        """The next published step's results (the ring's row): its counts and times into the stats
+        (``exchange``: from a post until the GPU saw the answer, less ``peer_ns`` the peer's compute
+        in it, ``segment``: the rest of the step, by the GPU's clock; CPU: the step's host time
+        ``host_ns``); its argmax [n_seq]."""
+        st, B = self.stats, self.B
+        self.published += 1
+        row = self.ring[self.published % 2].numpy()
+        if row[-1] != self.published:
+            raise RuntimeError(f"decode step {self.published}'s results were overwritten by step {row[-1]}")
+        ids, (pairs, rows, host_pairs, host_rows), s = row[:n_seq].copy(), row[B:B + 4], row[B + 4:-1]
+        if self.cuda:
+            posted, waited, seen = s[1:-1:3], s[2:-1:3], s[3:-1:3]
+            exchange, spin, total = int((seen - posted).sum()), int((seen - waited).sum()), int(s[-1] - s[0])
+            st.layer_s["exchange"] += exchange * 1e-9
+            st.layer_s["segment"] += (total - exchange) * 1e-9
+            if self.ex is not None:
+                st.sync_s += (exchange - peer_ns) * 1e-9  # the round trips beyond the peer's compute
+            st.gpu_compute_s += (total - spin) * 1e-9
+            st.gpu_timed_steps += 1
         else:
-            self.done.synchronize()
-        s = self.stamps_host.numpy()
-        posted, waited, seen = s[1:-1:3], s[2:-1:3], s[3:-1:3]
-        exchange, spin, total = int((seen - posted).sum()), int((seen - waited).sum()), int(s[-1] - s[0])
-        self.last_ns = total
-        st.layer_s["exchange"] += exchange * 1e-9
-        st.layer_s["segment"] += (total - exchange) * 1e-9
-        if self.ex is not None:
-            st.sync_s += (exchange - peer_ns) * 1e-9  # the round trips beyond the peer's compute
-        st.gpu_compute_s += (total - spin) * 1e-9
-        st.gpu_timed_steps += 1
+            total = host_ns
+        self.step_ns.append(total)
+        key = f"{self.share:g}"
+        st.share_steps[key] = st.share_steps.get(key, 0) + 1
+        st.neurons += int(pairs) + self.seg.dense_pairs * n_seq
+        st.cold_neurons += int(host_pairs)  # placed on the CPU: the GPU share counts them with the CPU's
+        st.host_read_bytes += ffn_bytes(self.w.cfg, int(host_rows), int(host_rows), int(host_rows))
+        rows = int(rows) + self.seg.dense_pairs
+        gate_rows = self.seg.gpu_rows if self.w.policy.name == "gate-first" else rows
+        st.active_bytes += ffn_bytes(self.w.cfg, gate_rows, rows, rows)
+        return ids
 
 
 class ShareChoice:
     """One bucket's decode graph sets, captured at different zero-copy shares, run by their steps'
-    measured times (``DecodeGraphs.last_ns``). Each set is measured in blocks of BLOCK steps in a
+    measured times (``DecodeGraphs.step_ns``). Each set is measured in blocks of BLOCK steps in a
     row, the first SETTLE of a block not counted: a step run right after one of the other set was
     measured faster than in a run of its own (on an H100 host a share that lost 3 % in steady runs
     won the steps alternated one by one). Blocks alternate until each set has ROUNDS; then the set
@@ -448,17 +531,33 @@ class ShareChoice:
 
     def run(self, slots: list[int], tokens: list[int], start_pos: list[int], argmax: bool = False) -> np.ndarray:
         i = self.pick()
-        g = self.sets[i]
-        out = g.run(slots, tokens, start_pos, argmax)
-        if self.settle:
-            self.settle -= 1
-        else:
-            self.times[i].append(g.last_ns)
-        if self.left:
-            self.left -= 1
-            self.blocks[i] += self.left == 0
-        self.ran[i], self.n, self.since = self.n, self.n + 1, self.since + 1
+        out = self.sets[i].run(slots, tokens, start_pos, argmax)
+        self._ran(i)
         return out
+
+    def run_burst(self, slots: list[int], tokens: list[int], start_pos: list[int], n: int) -> np.ndarray:
+        """``DecodeGraphs.run_burst`` in runs of one set: each picked for the rest of its block, or
+        between blocks for BLOCK steps at most (none past the next recheck)."""
+        out, done, cur, pos = [], 0, list(tokens), list(start_pos)
+        while done < n:
+            i = self.pick()
+            m = min(n - done, self.left or min(self.BLOCK, max(self.RECHECK - self.since, 1)))
+            out.append(self.sets[i].run_burst(slots, cur, pos, m))
+            self._ran(i)
+            done, cur, pos = done + m, list(out[-1][-1]), [p + m for p in pos]
+        return np.concatenate(out)
+
+    def _ran(self, i: int) -> None:
+        """Count the steps set i just ran (``DecodeGraphs.step_ns``)."""
+        for ns in self.sets[i].step_ns:
+            if self.settle:
+                self.settle -= 1
+            else:
+                self.times[i].append(ns)
+            if self.left:
+                self.left -= 1
+                self.blocks[i] += self.left == 0
+            self.ran[i], self.n, self.since = self.n, self.n + 1, self.since + 1
 
 
 def _chunks(items: list) -> list[list]:

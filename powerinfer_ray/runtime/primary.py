@@ -199,9 +199,7 @@ class PrimaryExecutor:
         assert all(len(t) == T for t in tokens), "a step runs sequences of equal token counts"
         if B * T > self.t_max and self.exchange is not None:
             raise ValueError(f"step of {B}x{T} tokens exceeds the channel's {self.t_max}")
-        end = max(start_pos) + T
-        if end > self.weights.n_ctx:
-            raise ValueError(f"sequence reaches {end} tokens, beyond the context n_ctx={self.weights.n_ctx}")
+        self._check_context(start_pos, T)
         if self.sample_sink is not None and self.plan.max_cpu_neurons and self.cold.share_for(B * T) < 1:
             raise ValueError(f"a step of {B * T} tokens with a sample sink: all the CPU shard's neurons run on the "
                              f"primary only in steps of at least prefill_dense_min={self.cold.min_tokens} tokens (dense "
@@ -209,8 +207,7 @@ class PrimaryExecutor:
         t0 = time.perf_counter()
         if self.activity.on:  # before the step: a concurrent read never sees more counts than tokens
             self.activity.tokens += B * T
-        graph = T == 1 and self.use_graphs and self.sample_sink is None
-        out = self._graph_step(slots, tokens, start_pos, argmax) if graph else None
+        out = self._graph_step(slots, tokens, start_pos, argmax)
         st, on_graphs = self.stats, out is not None
         st.graph_steps += on_graphs
         if out is None:
@@ -226,24 +223,58 @@ class PrimaryExecutor:
     def serve_step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int],
                    burst: Burst | None = None) -> np.ndarray | tuple[np.ndarray, list]:
         """What the coordinator's step call gets: ``step``'s logits [B, V], or for a burst its decode
-        steps back to back (``Burst.run``): the tokens chosen [n, B] and the samplers' states."""
-        if burst is not None:
-            return burst.run(lambda toks, pos, argmax=False: self.step(slots, toks, pos, argmax),
-                             [t[0] for t in tokens], start_pos)
-        return self.step(slots, tokens, start_pos)
+        steps back to back: the tokens chosen [n, B] and the samplers' states. A greedy burst on
+        decode graphs chains its steps on the device (``DecodeGraphs.run_burst``), any other runs
+        step by step (``Burst.run``)."""
+        if burst is None:
+            return self.step(slots, tokens, start_pos)
+        g = self._graphs_of(tokens) if burst.greedy else None
+        if g is not None:
+            return self._graph_burst(g, slots, [t[0] for t in tokens], start_pos, burst.n), [None] * len(slots)
+        return burst.run(lambda toks, pos, argmax=False: self.step(slots, toks, pos, argmax),
+                         [t[0] for t in tokens], start_pos)
+
+    def _check_context(self, start_pos: list[int], T: int) -> None:
+        end = max(start_pos) + T
+        if end > self.weights.n_ctx:
+            raise ValueError(f"sequence reaches {end} tokens, beyond the context n_ctx={self.weights.n_ctx}")
+
+    def _graphs_of(self, tokens: list[list[int]]) -> DecodeGraphs | ShareChoice | None:
+        """The graph set of a decode step of these sequences; None (run it eagerly) when the step is
+        not one for graphs or they were not captured (``capture_graphs`` was not called): a step never
+        captures."""
+        if len(tokens[0]) != 1 or not self.use_graphs or self.sample_sink is not None:
+            return None
+        g = self.graphs.get(bucket_of(len(tokens), self.weights.slots))
+        if g is None and not self._said_uncaptured:
+            self._said_uncaptured = True
+            log.warning("primary: decode graphs of %d sequences not captured (capture_graphs before serving): "
+                        "eager decode steps", len(tokens))
+        return g
 
     def _graph_step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int],
                     argmax: bool) -> np.ndarray | None:
-        """The decode step on its bucket's graphs; None (run it eagerly) when they were not
-        captured (``capture_graphs`` was not called): a step never captures."""
-        g = self.graphs.get(bucket_of(len(tokens), self.weights.slots))
-        if g is None:
-            if not self._said_uncaptured:
-                self._said_uncaptured = True
-                log.warning("primary: decode graphs of %d sequences not captured (capture_graphs before serving): "
-                            "eager decode steps", len(tokens))
-            return None
-        return g.run(list(slots), [t[0] for t in tokens], list(start_pos), argmax)
+        """The decode step on its bucket's graphs; None when it has none (``_graphs_of``)."""
+        g = self._graphs_of(tokens)
+        return None if g is None else g.run(list(slots), [t[0] for t in tokens], list(start_pos), argmax)
+
+    def _graph_burst(self, g: DecodeGraphs | ShareChoice, slots: list[int], tokens: list[int], start_pos: list[int],
+                     n: int) -> np.ndarray:
+        """n greedy decode steps chained on the graphs (``DecodeGraphs.run_burst``): the tokens [n, B]."""
+        B = len(tokens)
+        self._check_context(start_pos, n)
+        t0 = time.perf_counter()
+        if self.activity.on:
+            self.activity.tokens += B * n
+        out = g.run_burst(list(slots), list(tokens), list(start_pos), n)
+        busy = time.perf_counter() - t0
+        st = self.stats
+        st.steps += n
+        st.graph_steps += n
+        st.tokens += B * n
+        st.busy_s += busy
+        st.graph_busy_s += busy
+        return out
 
     def _eager_step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> np.ndarray:
         # an eager decode step streams nothing (unless a sample sink needs every neuron here)

@@ -175,6 +175,10 @@ class Burst:
     n: int
     samplers: list[tuple[SamplingParams, torch.Tensor | None]]
 
+    @property
+    def greedy(self) -> bool:
+        return all(params.temperature == 0.0 for params, _ in self.samplers)
+
     def run(self, step: Callable[..., np.ndarray], tokens: list[int],
             start_pos: list[int]) -> tuple[np.ndarray, list[torch.Tensor | None]]:
         """The burst over ``step(tokens [B][1], start_pos [B]) -> logits [B, V]``, from ``tokens`` [B]
@@ -182,12 +186,11 @@ class Burst:
         When every sampler is greedy, each step is asked for the argmax alone (``step(..., argmax=True)
         -> [B]``; the primary's decode graphs find it on the device)."""
         gens = [None if state is None else torch.Generator().set_state(state) for _, state in self.samplers]
-        greedy = all(params.temperature == 0.0 for params, _ in self.samplers)
         out = np.empty((self.n, len(tokens)), dtype=np.int64)
         cur, pos = list(tokens), list(start_pos)
         for j in range(self.n):
             toks = [[int(t)] for t in cur]
-            if greedy:
+            if self.greedy:
                 out[j] = step(toks, pos, argmax=True)
             else:
                 logits = step(toks, pos)

@@ -21,6 +21,7 @@ from powerinfer_ray.model.tiny import write_tiny_model
 from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
 from powerinfer_ray.runtime.graphs import DecodeGraphs
 from powerinfer_ray.runtime.plan import Plan
+from powerinfer_ray.runtime.sampling import Burst, SamplingParams
 from powerinfer_ray.runtime.schedule import Post, step_schedule
 
 pytestmark = pytest.mark.gpu
@@ -189,32 +190,29 @@ def test_cuda_engine_captures_every_bucket_at_start_and_none_while_serving(tmp_p
         eng.close()
 
 
-def test_cuda_greedy_bursts_take_the_argmax_found_in_the_graph(tmp_path):
-    """Greedy requests decoded together run in bursts whose steps return the argmax the decode graph
-    found on the GPU (3 sequences in the bucket of 4: a padding row): each token is greedy under the
-    fp32 reference up to fp16 rounding, and a step asked for the argmax alone returns the argmax of
-    the logits the same graph copied out."""
-    path, ref, plan = _model_and_plan(tmp_path, "llama-gqa", "mixed")
+@pytest.mark.parametrize("split", ["mixed", "split-heads"])
+def test_cuda_greedy_bursts_chain_their_steps_on_the_gpu(tmp_path, split):
+    """A greedy burst on the decode graphs launches each step before the one ahead of it has ended:
+    each step takes the argmax found on the GPU and the next positions from the step before (the CPU
+    heads' too, in the channel). 3 sequences in the bucket of 4 (a padding row), a burst of 8: every
+    token is greedy under the fp32 reference up to fp16 rounding; a step asked for the argmax alone
+    returns the argmax of the logits the same graph copied out."""
+    path, ref, plan = _model_and_plan(tmp_path, "llama-gqa", split)
     eng = LocalEngine(EngineConfig(str(path), plan=plan, policy="dense", device="cuda", max_batch=4))
+    prompts = [list(range(5 + 3 * i, 11 + 3 * i)) for i in range(3)]
     try:
-        prompts = [list(range(5 + i, 11 + i)) for i in range(3)]
-
-        async def run():
-            return await asyncio.gather(*(eng.generate(prompt_token_ids=p, max_tokens=9, ignore_eos=True)
-                                          for p in prompts))
-
-        outs = asyncio.run(run())
-        cs = eng.coordinator.stats()
-        assert (cs["steps"], cs["decode_steps"]) == (2, 8)  # the prompts' step, then one burst of 8
-        for p, o in zip(prompts, outs):
-            toks = o["token_ids"]
-            full = ref.forward(p + toks[:-1], ref.new_cache())[len(p) - 1:]  # [9, V]: the logits of each choice
-            assert len(toks) == 9
-            for row, t in zip(full, toks):
-                assert float(row.max() - row[t]) <= 2e-2 * float(row.abs().max()), (p, toks)
-        pos = [len(p) + 8 for p in prompts]
-        ids = eng.primary.step([0, 1, 2], [[o["token_ids"][-1]] for o in outs], pos, argmax=True)
-        g = eng.primary.graphs[4]  # one set: fp16 rows below 8 sequences take no default zero-copy share
+        p = eng.primary
+        first = [int(p.step([s], [q], [0])[0].argmax()) for s, q in enumerate(prompts)]
+        toks, states = p.serve_step([0, 1, 2], [[t] for t in first], [len(q) for q in prompts],
+                                    Burst(8, [(SamplingParams(), None)] * 3))
+        assert toks.shape == (8, 3) and states == [None] * 3 and p.stats.graph_steps == 8
+        for s, q in enumerate(prompts):
+            seq = [first[s]] + [int(t) for t in toks[:, s]]
+            full = ref.forward(q + seq[:-1], ref.new_cache())[len(q) - 1:]  # [9, V]: the logits of each choice
+            for row, t in zip(full, seq):
+                assert float(row.max() - row[t]) <= 2e-2 * float(row.abs().max()), (q, seq)
+        ids = p.step([0, 1, 2], [[int(t)] for t in toks[-1]], [len(q) + 8 for q in prompts], argmax=True)
+        g = p.graphs[4]  # one set: fp16 rows below 8 sequences take no default zero-copy share
         assert isinstance(g, DecodeGraphs)
         np.testing.assert_array_equal(ids, g.seg.logits_host[:3].numpy().argmax(-1))
     finally:

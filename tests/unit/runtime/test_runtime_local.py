@@ -24,6 +24,7 @@ from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
 from powerinfer_ray.runtime.graphs import DecodeGraphs, ShareChoice, bucket_of, buckets
 from powerinfer_ray.runtime.layers import add_partials
 from powerinfer_ray.runtime.plan import Plan
+from powerinfer_ray.runtime.sampling import Burst, SamplingParams
 from powerinfer_ray.runtime.shard import load_attn_shard, load_ffn_shard
 
 VARIANTS = ["llama-reglu", "llama-gqa", "llama-drelu", "llama-swiglu", "qwen2", "opt", "falcon", "falcon-gqa"]
@@ -311,6 +312,28 @@ def test_greedy_decode_step_returns_each_sequences_argmax(models, graphs):
         eng.close()
 
 
+@pytest.mark.parametrize("split", ["mixed", "split-heads"])
+def test_greedy_bursts_chain_their_steps_on_the_segments(models, split):
+    """A greedy burst on the decode segments chains its steps: each step's inputs (the argmax, the
+    next positions, the CPU heads' positions in the channel) come from the step before, not from the
+    host. 3 sequences in the bucket of 4 (a padding row), a burst of 8: every token is greedy under
+    the dense forward (ties allowed), and the samplers' states come back empty (greedy)."""
+    path = models["llama-gqa"]
+    ref = ReferenceModel.from_file(path)
+    eng = LocalEngine(EngineConfig(str(path), plan=_plans(ref.cfg)[split], policy="dense", max_batch=4, graphs=True))
+    prompts = [list(range(5 + 3 * i, 11 + 3 * i)) for i in range(3)]
+    try:
+        p = eng.primary
+        first = [int(p.step([s], [q], [0])[0].argmax()) for s, q in enumerate(prompts)]
+        toks, states = p.serve_step([0, 1, 2], [[t] for t in first], [len(q) for q in prompts],
+                                    Burst(8, [(SamplingParams(), None)] * 3))
+        assert toks.shape == (8, 3) and states == [None] * 3 and p.stats.graph_steps == 8
+        for s, q in enumerate(prompts):
+            assert_greedy(ref, q, [first[s]] + [int(t) for t in toks[:, s]])
+    finally:
+        eng.close()
+
+
 def test_graph_buckets_cover_every_batch_size():
     """Decode batch sizes pad to powers of two up to the slots: hand-counted buckets, and every size's
     bucket is one of them and holds it."""
@@ -429,15 +452,22 @@ def test_zero_copy_decode_splits_the_cpu_neurons_and_equals_the_masked_reference
 
 
 class _Timed:
-    """A decode graph set whose steps take ``ns`` (what ShareChoice reads of ``DecodeGraphs``)."""
+    """A decode graph set whose steps take ``ns`` (what ShareChoice reads of ``DecodeGraphs``); each
+    step's share goes into ``log``."""
 
-    def __init__(self, share: float, ns: int) -> None:
-        self.share, self.ns, self.B, self.last_ns, self.runs = share, ns, 1, 0, 0
+    def __init__(self, share: float, ns: int, log: list | None = None) -> None:
+        self.share, self.ns, self.B, self.step_ns, self.runs = share, ns, 1, [], 0
+        self.log = [] if log is None else log
 
     def run(self, slots, tokens, start_pos, argmax=False):
-        self.runs += 1
-        self.last_ns = self.ns
+        self.run_burst(slots, tokens, start_pos, 1)
         return np.zeros((len(tokens), 2), np.float32)
+
+    def run_burst(self, slots, tokens, start_pos, n):
+        self.runs += n
+        self.step_ns = [self.ns] * n
+        self.log += [self.share] * n
+        return np.full((n, len(tokens)), self.runs, np.int64)
 
 
 def test_share_choice_measures_in_blocks_then_runs_the_faster_set_and_follows_a_change():
@@ -465,6 +495,26 @@ def test_share_choice_measures_in_blocks_then_runs_the_faster_set_and_follows_a_
     for _ in range(c.RECHECK - 2 * window):
         c.run([0], [1], [0])
     assert fast.runs == before  # no recheck yet
+
+
+def test_share_choice_runs_bursts_in_runs_of_one_set_as_it_runs_steps():
+    """Bursts of 5 steps (``run_burst``) take the sets step for step as single steps do: blocks kept
+    whole across bursts, then the faster set, the recheck block on time; each burst's tokens come
+    back in order."""
+    def shares(burst: int) -> list[float]:
+        log: list[float] = []
+        c = ShareChoice([_Timed(0.5, 100, log), _Timed(0.0, 125, log)])
+        total = c.RECHECK + 2 * c.BLOCK
+        while len(log) < total:
+            n = min(burst, total - len(log))
+            assert c.run_burst([0], [1], [0], n).shape == (n, 1)
+        return log
+
+    one = shares(1)
+    c = ShareChoice
+    assert one[:2 * c.ROUNDS * c.BLOCK] == ([0.5] * c.BLOCK + [0.0] * c.BLOCK) * c.ROUNDS
+    assert one[c.RECHECK:c.RECHECK + c.BLOCK] == [0.0] * c.BLOCK and set(one[2 * c.ROUNDS * c.BLOCK:c.RECHECK]) == {0.5}
+    assert shares(5) == one
 
 
 def test_share_choice_sets_each_equal_the_masked_reference(tmp_path):
