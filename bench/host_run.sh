@@ -95,6 +95,15 @@ q4ab() {  # name name0 rounds: the Q4_0 13B at 4 GiB, batch 1, its default zero-
         pack
     done
 }
+f16runs() {  # name timeout: the 13B fp16 file at $B13 GiB at batch 1 beside layer-offload (`timeout` s), then at
+    # batch 8 and 32 (150 s), as runtime-13b-<B13>gib-file-{b1,batch}-<name>.json; packed after each
+    suite "runtime-13b-${B13}gib-file-b1-$1" "$2" -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+        --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
+    pack
+    suite "runtime-13b-${B13}gib-file-batch-$1" 150 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+        --modes hybrid --shapes 16x32 --batch 8,32 -t "$THREADS" > /dev/null
+    pack
+}
 gpu_tag() {  # the host's GPU as result names carry it: h100, h200
     nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1 | grep -o 'H[0-9]00' | tr H h
 }
@@ -515,12 +524,7 @@ choice)  # zero-copy's default share captured beside none, the faster run (runti
     table decode_tok_s,zero_copy_steps,cpu_kernel_us_per_exchange,per_layer_us "$RES"/runtime-13b-q4-*.json
     [ "${CHOICE_F16:-1}" = 1 ] || exit 0  # CHOICE_F16=0: the Q4_0 engines alone
     write_file "$M13" 200 || { pack; exit 0; }
-    suite "runtime-13b-${B13}gib-file-b1-choice-$gpu" 120 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
-        --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
-    pack
-    suite "runtime-13b-${B13}gib-file-batch-choice-$gpu" 150 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
-        --modes hybrid --shapes 16x32 --batch 8,32 -t "$THREADS" > /dev/null
-    pack
+    f16runs "choice-$gpu" 120
     table mode,decode_tok_s,zero_copy_steps,cpu_kernel_us_per_exchange,vram_used_gib,vram_peak_gib,graph_captures \
         "$RES"/runtime-13b-${B13}gib-*.json
     ;;
@@ -566,12 +570,7 @@ chain)  # greedy bursts chained on the GPU (~9 min on an H100): the runtime GPU 
     tail -n 3 "$RES/gpu-runtime-tests.log" | cut -c1-300
     pack
     write_file "$M13" 200 || { pack; exit 0; }
-    suite "runtime-13b-${B13}gib-file-b1-chain-$gpu-$POWERINFER_COMMIT" 150 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
-        --modes hybrid,layer-offload --shapes 64x128 --batch 1 -t "$THREADS" > /dev/null
-    pack
-    suite "runtime-13b-${B13}gib-file-batch-chain-$gpu-$POWERINFER_COMMIT" 150 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
-        --modes hybrid --shapes 16x32 --batch 8,32 -t "$THREADS" > /dev/null
-    pack
+    f16runs "chain-$gpu-$POWERINFER_COMMIT" 150
     table mode,decode_tok_s,decode_step_ms,decode_link_us,decode_primary_host_us,cpu_kernel_gbps,vram_used_gib,graph_captures,zero_copy_steps \
         "$RES"/runtime-13b-${B13}gib-*.json
     ;;

@@ -208,16 +208,11 @@ class PrimaryExecutor:
         if self.activity.on:  # before the step: a concurrent read never sees more counts than tokens
             self.activity.tokens += B * T
         out = self._graph_step(slots, tokens, start_pos, argmax)
-        st, on_graphs = self.stats, out is not None
-        st.graph_steps += on_graphs
+        on_graphs = out is not None
         if out is None:
             out = self._eager_step(slots, tokens, start_pos)
             out = out.argmax(axis=1) if argmax else out
-        st.steps += 1
-        st.tokens += B * T
-        busy = time.perf_counter() - t0
-        st.busy_s += busy
-        st.graph_busy_s += busy if on_graphs else 0.0
+        self._count(1, B * T, t0, on_graphs)
         return out
 
     def serve_step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int],
@@ -267,14 +262,18 @@ class PrimaryExecutor:
         if self.activity.on:
             self.activity.tokens += B * n
         out = g.run_burst(list(slots), list(tokens), list(start_pos), n)
-        busy = time.perf_counter() - t0
-        st = self.stats
-        st.steps += n
-        st.graph_steps += n
-        st.tokens += B * n
-        st.busy_s += busy
-        st.graph_busy_s += busy
+        self._count(n, B * n, t0, True)
         return out
+
+    def _count(self, steps: int, tokens: int, t0: float, on_graphs: bool) -> None:
+        """A call's steps into the stats: ``steps`` steps of ``tokens`` tokens in all, busy since t0
+        (``time.perf_counter``), on the decode graphs or eager."""
+        st, busy = self.stats, time.perf_counter() - t0
+        st.steps += steps
+        st.graph_steps += steps if on_graphs else 0
+        st.tokens += tokens
+        st.busy_s += busy
+        st.graph_busy_s += busy if on_graphs else 0.0
 
     def _eager_step(self, slots: list[int], tokens: list[list[int]], start_pos: list[int]) -> np.ndarray:
         # an eager decode step streams nothing (unless a sample sink needs every neuron here)

@@ -14,6 +14,7 @@ import gc
 import numpy as np
 import pytest
 import torch
+from bursts import greedy_burst
 
 from powerinfer_ray.kernels.quant import REPACKED
 from powerinfer_ray.model.reference import ReferenceModel
@@ -21,7 +22,6 @@ from powerinfer_ray.model.tiny import write_tiny_model
 from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
 from powerinfer_ray.runtime.graphs import DecodeGraphs
 from powerinfer_ray.runtime.plan import Plan
-from powerinfer_ray.runtime.sampling import Burst, SamplingParams
 from powerinfer_ray.runtime.schedule import Post, step_schedule
 
 pytestmark = pytest.mark.gpu
@@ -202,16 +202,12 @@ def test_cuda_greedy_bursts_chain_their_steps_on_the_gpu(tmp_path, split):
     prompts = [list(range(5 + 3 * i, 11 + 3 * i)) for i in range(3)]
     try:
         p = eng.primary
-        first = [int(p.step([s], [q], [0])[0].argmax()) for s, q in enumerate(prompts)]
-        toks, states = p.serve_step([0, 1, 2], [[t] for t in first], [len(q) for q in prompts],
-                                    Burst(8, [(SamplingParams(), None)] * 3))
-        assert toks.shape == (8, 3) and states == [None] * 3 and p.stats.graph_steps == 8
-        for s, q in enumerate(prompts):
-            seq = [first[s]] + [int(t) for t in toks[:, s]]
+        seqs = greedy_burst(p, prompts, 8)
+        for q, seq in zip(prompts, seqs):
             full = ref.forward(q + seq[:-1], ref.new_cache())[len(q) - 1:]  # [9, V]: the logits of each choice
             for row, t in zip(full, seq):
                 assert float(row.max() - row[t]) <= 2e-2 * float(row.abs().max()), (q, seq)
-        ids = p.step([0, 1, 2], [[int(t)] for t in toks[-1]], [len(q) + 8 for q in prompts], argmax=True)
+        ids = p.step([0, 1, 2], [[seq[-1]] for seq in seqs], [len(q) + 8 for q in prompts], argmax=True)
         g = p.graphs[4]  # one set: fp16 rows below 8 sequences take no default zero-copy share
         assert isinstance(g, DecodeGraphs)
         np.testing.assert_array_equal(ids, g.seg.logits_host[:3].numpy().argmax(-1))

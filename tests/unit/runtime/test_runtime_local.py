@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from bursts import greedy_burst
 from quant_models import match_rounding
 from ties import DecisionReference, assert_greedy, assert_same_up_to_ties, predictor_weights
 
@@ -24,7 +25,6 @@ from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine
 from powerinfer_ray.runtime.graphs import DecodeGraphs, ShareChoice, bucket_of, buckets
 from powerinfer_ray.runtime.layers import add_partials
 from powerinfer_ray.runtime.plan import Plan
-from powerinfer_ray.runtime.sampling import Burst, SamplingParams
 from powerinfer_ray.runtime.shard import load_attn_shard, load_ffn_shard
 
 VARIANTS = ["llama-reglu", "llama-gqa", "llama-drelu", "llama-swiglu", "qwen2", "opt", "falcon", "falcon-gqa"]
@@ -323,13 +323,8 @@ def test_greedy_bursts_chain_their_steps_on_the_segments(models, split):
     eng = LocalEngine(EngineConfig(str(path), plan=_plans(ref.cfg)[split], policy="dense", max_batch=4, graphs=True))
     prompts = [list(range(5 + 3 * i, 11 + 3 * i)) for i in range(3)]
     try:
-        p = eng.primary
-        first = [int(p.step([s], [q], [0])[0].argmax()) for s, q in enumerate(prompts)]
-        toks, states = p.serve_step([0, 1, 2], [[t] for t in first], [len(q) for q in prompts],
-                                    Burst(8, [(SamplingParams(), None)] * 3))
-        assert toks.shape == (8, 3) and states == [None] * 3 and p.stats.graph_steps == 8
-        for s, q in enumerate(prompts):
-            assert_greedy(ref, q, [first[s]] + [int(t) for t in toks[:, s]])
+        for q, seq in zip(prompts, greedy_burst(eng.primary, prompts, 8)):
+            assert_greedy(ref, q, seq)
     finally:
         eng.close()
 
