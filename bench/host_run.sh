@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|choice|accept|chain|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
+#       bash bench/host_run.sh verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|choice|accept|chain|room|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|choice|accept|chain|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
+stages="verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|choice|accept|chain|room|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -573,6 +573,36 @@ chain)  # greedy bursts chained on the GPU (~9 min on an H100): the runtime GPU 
     f16runs "chain-$gpu-$POWERINFER_COMMIT" 150
     table mode,decode_tok_s,decode_step_ms,decode_link_us,decode_primary_host_us,cpu_kernel_gbps,vram_used_gib,graph_captures,zero_copy_steps \
         "$RES"/runtime-13b-${B13}gib-*.json
+    ;;
+room)  # the budget's bytes for hot neurons (~9 min on an H100): the 13B fp16 file at $B13 GiB, batch 1, the default
+    # (predictors held as Q8_0, the token embedding in host memory) against float predictors at the same budget and
+    # against float predictors at the budget less the embedding's 0.305 GiB (the plan of the commits before), in the
+    # order A B C C B A; then the default at batch 8 and 32, and prompts of 64 and 1500 tokens; every JSON and the
+    # log in $OUT/room-results.tar (dry run elsewhere: M13="planted:tiny" B13=0.01 EMB_GIB=0.0001 LONG=400 THREADS=1)
+    gpu=$(gpu_tag)
+    RES=/tmp/room-results log=/tmp/room-results/room.log
+    mkdir -p "$RES"
+    write_file "$M13" 200 || { pack; exit 0; }
+    before=$(python -c "print($B13 - ${EMB_GIB:-0.30517578125})")  # the 13B's token embedding, GiB
+    for v in A B C C2 B2 A2; do
+        case $v in
+            A*) args=(--vram-budget "$B13") ;;
+            B*) args=(--vram-budget "$B13" --predictor-qtype stored) ;;
+            C*) args=(--vram-budget "$before" --predictor-qtype stored) ;;
+        esac
+        suite "runtime-13b-${B13}gib-file-b1-room-$v-$gpu-$POWERINFER_COMMIT" 80 -m "$M13" --as-file "$SHM" \
+            --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" "${args[@]}" > /dev/null
+        pack
+    done
+    table decode_tok_s,gpu_activation_share,cpu_kernel_us_per_exchange,per_layer_us,placed "$RES"/runtime-13b-*-b1-room-*.json
+    suite "runtime-13b-${B13}gib-file-batch-room-$gpu-$POWERINFER_COMMIT" 150 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+        --modes hybrid --shapes 16x32 --batch 8,32 -t "$THREADS" > /dev/null
+    pack
+    suite "runtime-13b-${B13}gib-file-prefill-room-$gpu-$POWERINFER_COMMIT" 100 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
+        --modes hybrid --shapes 64x8,${LONG:-1500}x8,64x8 --batch 1 -t "$THREADS" > /dev/null
+    pack
+    table decode_tok_s,prefill_tok_s,gpu_activation_share,cpu_kernel_gbps,vram_used_gib,vram_peak_gib,graph_captures \
+        "$RES"/runtime-13b-*-batch-room-*.json "$RES"/runtime-13b-*-prefill-room-*.json
     ;;
 q8)  # the Q8_0 13B at 8 GiB, hybrid and layer-offload
     suite runtime-13b-q8-8gib-h200 560 -m "planted:llama2-13b?dtype=q8_0" --vram-budget 8 \

@@ -127,7 +127,7 @@ def engine_kwargs(mode: str, a: argparse.Namespace, n_ctx: int, batch: int,
     if a.decode_burst is not None:
         kw["decode_burst"] = a.decode_burst
     if mode in HYBRID_POLICY:
-        kw.update({k: getattr(a, k) for k in ("zero_copy", "prefill_share", "prefill_dense_min")
+        kw.update({k: getattr(a, k) for k in ("zero_copy", "prefill_share", "prefill_dense_min", "predictor_qtype")
                    if getattr(a, k) is not None})
     if mode == "hybrid" and a.gpu_fraction is not None:  # the hottest fraction per layer, no solver
         kw.update(gpu_fraction=a.gpu_fraction, policy="predictor")
@@ -421,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--zero-copy", type=float, default=None,
                     help="hybrid modes: the share of the CPU shard's neurons the GPU computes in decode steps "
                          "(default: the engine's)")
+    ap.add_argument("--predictor-qtype", default=None, choices=("auto", "stored", "q8_0", "q4_0"),
+                    help="how the primary holds float predictors (the engine's predictor_qtype; default auto)")
     ap.add_argument("--gpu-fraction", type=float, default=None,
                     help="hybrid: put this fraction of each layer's hottest neurons on the GPU instead of solving")
     ap.add_argument("--as-file", default=None, metavar="DIR",

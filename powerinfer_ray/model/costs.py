@@ -24,13 +24,15 @@ if TYPE_CHECKING:
 
 
 def model_costs(model: WeightSource | ModelConfig, n_ctx: int, batch: int,
-                dtype: str | None = None, predictor_qtype: str | None = None) -> ModelCosts:
+                dtype: str | None = None, predictor_qtype: str | None = None, embd_on_host: bool = False) -> ModelCosts:
     """ModelCosts of ``model`` (a source, whose tensors' storage types are read, or a config,
     whose file would store them as ``quants.storage_kind`` says) with a KV cache for ``n_ctx``
     tokens x ``batch`` sequences, plus the executors' scratch slot (the cache row that padded
     decode rows write). ``dtype``: the float type the primary converts every weight to (None:
     as stored, see the module docstring). ``predictor_qtype``: the block type the primary
-    quantizes float predictors to (``predictor_kind``; None: as stored)."""
+    quantizes float predictors to (``predictor_kind``; None: as stored). ``embd_on_host``: the
+    token embedding lives in host memory (``Plan.embd_on_host``) and costs the budget nothing,
+    unless it is also the output head (``embedding_apart``)."""
     from ..placement.costs import ModelCosts
 
     cfg = model if isinstance(model, ModelConfig) else model.config
@@ -64,27 +66,49 @@ def model_costs(model: WeightSource | ModelConfig, n_ctx: int, batch: int,
             for l in range(L)]
     predictor = [sum(nbytes(K.tensor(t, l, b)) for t, b in pred_t) for l in range(L)]
     units = {K.tensor(t, l, b) for l in range(L) for t, b in neuron_t + attn_t + pred_t + [(K.ATTN_OUT, False)]}
+    if embd_on_host and embedding_apart(model):
+        units.add(K.global_tensor(K.TOKEN_EMBD))
     dense = sum(nbytes(n) for n in shapes if n not in units)  # embeddings, output head, norms, o/down biases
     return replace(base, neuron_bytes=tuple(neuron), attn_group_bytes=tuple(attn),
                    predictor_bytes=tuple(predictor), dense_bytes=dense)
 
 
+def embedding_apart(model: WeightSource | ModelConfig) -> bool:
+    """Whether the token embedding is not the output head: the model holds an untied head."""
+    cfg = model if isinstance(model, ModelConfig) else model.config
+    out = K.global_tensor(K.OUTPUT)
+    held = out in expected_shapes(cfg) if isinstance(model, ModelConfig) else model.has(out)
+    return held and not cfg.tied_output
+
+
+def embedding_bytes(model: WeightSource | ModelConfig) -> int:
+    """Bytes of the token embedding as the primary holds it: blocks as stored, else floats."""
+    cfg = model if isinstance(model, ModelConfig) else model.config
+    name = K.global_tensor(K.TOKEN_EMBD)
+    shape = expected_shapes(cfg)[name]
+    kind = _stored(model, cfg, name, shape)
+    return _bytes(kind if kind in QTYPES else cfg.float_dtype, *shape)
+
+
 def fitting_predictor_qtype(model: WeightSource | ModelConfig, n_ctx: int, batch: int,
                             budget_bytes: int, workspace_bytes: int | None = None) -> str | None:
     """How the primary should hold float predictors under ``budget_bytes``: as stored (None) when
-    the budget holds them and all attention with its KV cache, else the finest of q8_0, q4_0 that
-    lets it, else q4_0. Attention comes first because a head on the CPU costs far more per token
-    than a predictor's rounding (``placement.problem``'s attention weight). workspace_bytes: the
-    primary's beside weights and KV cache, as the engine plans it (None: ModelCosts' estimate)."""
-    costs = {q: model_costs(model, n_ctx, batch, predictor_qtype=q) for q in (None, "q8_0", "q4_0")}
+    the budget holds the whole model with them; else as Q8_0 blocks, whose bytes saved go to hot
+    FFN neurons (Q8_0's rounding leaves the predictors' masks as they were:
+    bench/results/quant-quality-tiny.json, recall 0.9726 against 0.9728), or as Q4_0 when only Q4_0
+    lets the budget hold all attention with its KV cache. Attention comes first because a head on
+    the CPU costs far more per token than a predictor's rounding (``placement.problem``'s
+    attention weight). workspace_bytes: the primary's beside weights and KV cache, as the engine
+    plans it (None: ModelCosts' estimate)."""
+    costs = {q: model_costs(model, n_ctx, batch, predictor_qtype=q, embd_on_host=True) for q in (None, "q8_0", "q4_0")}
     if workspace_bytes is not None:
         costs = {q: replace(c, workspace_bytes=workspace_bytes) for q, c in costs.items()}
     if costs["q4_0"].predictor_bytes == costs[None].predictor_bytes:
         return None  # stored as blocks already (or no predictors): nothing to quantize
-    for q in (None, "q8_0"):
-        if costs[q].fixed_bytes + costs[q].attention_bytes <= budget_bytes:
-            return q
-    return "q4_0"
+    if costs[None].total_bytes <= budget_bytes:
+        return None
+    q8 = costs["q8_0"]
+    return "q8_0" if q8.fixed_bytes + q8.attention_bytes <= budget_bytes else "q4_0"
 
 
 def predictor_kind(model: WeightSource | ModelConfig, template: str, l: int, predictor_qtype: str | None) -> str:

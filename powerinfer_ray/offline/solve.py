@@ -39,7 +39,7 @@ def solve_for_model(model: str, activation: str | Path, vram_budget: float, *, h
     src = open_model(model)
     n_ctx = n_ctx or min(src.config.n_ctx, DEFAULT_CTX)
     pq = fitting_predictor_qtype(src, n_ctx, batch, int(vram_budget * GIB))  # as the engine will hold them
-    costs = model_costs(src, n_ctx, batch, predictor_qtype=pq)
+    costs = model_costs(src, n_ctx, batch, predictor_qtype=pq, embd_on_host=True)
     counts, n_tokens = load_counts(activation)
     target = Path(out) if out else gpuidx_path(model)
     placement = run_solve(counts, costs, vram_budget, n_tokens=n_tokens, host=host_profile, gpuidx_out=target,

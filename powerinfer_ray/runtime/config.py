@@ -123,8 +123,8 @@ class PlanConfig:
     cpu_groups: int = option(0, "with gpu_fraction: KV-head groups of each layer on the CPU executor", kind=int)
     predictor_qtype: str = option(
         "auto", "how the primary holds predictors the file stores in float: as stored, or quantized at load to "
-        "q8_0 / q4_0 blocks (auto: as stored when the budget holds them and all attention, else the finest of "
-        "q8_0, q4_0 that lets it)", choices=PREDICTOR_QTYPES)
+        "q8_0 / q4_0 blocks (auto: as stored when the budget holds the whole model, else q8_0, whose bytes saved "
+        "hold hot neurons, or q4_0 when only q4_0 lets the budget hold all attention)", choices=PREDICTOR_QTYPES)
     plan: Plan | None = option(None, "an explicit plan (wins over everything above)", exposed=False)
     replacement: str | None = option(
         None, "move neurons between the GPU and the CPU to follow the traffic served (runtime/replacement.py): on; "
@@ -359,7 +359,9 @@ def resolve_plan(ec: EngineConfig, src: WeightSource | None = None) -> Plan:
     """The plan an engine runs with: an explicit plan as given; everything on the primary without
     a budget; else the hottest fraction (``gpu_fraction``) or the placement solved for the VRAM
     budget, reusing the cached split file ``<model>.generated.gpuidx`` the way upstream PowerInfer
-    does. The CPU shard's rows go hottest first when the model has activation statistics."""
+    does (with the token embedding in host memory: ``embd_on_host``). The CPU shard's rows go
+    hottest first when the model has activation statistics."""
+    from ..model.costs import embedding_apart
     from ..model.source import open_model
 
     src = src or open_model(ec.model)
@@ -375,7 +377,7 @@ def resolve_plan(ec: EngineConfig, src: WeightSource | None = None) -> Plan:
         plan = Plan.hottest(cfg, ec.gpu_fraction, stats[0] if stats else None, ec.cpu_groups)
     else:
         plan = _budget_plan(ec, src, stats, pq)
-    plan = replace(plan, predictor_qtype=pq)
+    plan = replace(plan, predictor_qtype=pq, embd_on_host=embd_on_host(ec) and embedding_apart(src))
     return plan.hot_first(stats[0]) if stats is not None else plan
 
 
@@ -442,15 +444,23 @@ def placement_inputs(ec: EngineConfig, src: WeightSource, pq: str | None) -> tup
     return costs, ec.vram_budget_bytes, HostProfile.load(ec.host_profile)
 
 
+def embd_on_host(ec: EngineConfig) -> bool:
+    """Whether the engine's solved plan holds the token embedding in host memory
+    (``Plan.embd_on_host``): for a VRAM budget."""
+    return ec.vram_budget_bytes is not None and ec.gpu_fraction is None and ec.plan is None
+
+
 def engine_costs(ec: EngineConfig, src: WeightSource, pq: str | None = None) -> ModelCosts:
     """The model's costs for the placement as this engine runs it: weights as stored (a Q6_K head is
     f16; float predictors as ``pq`` blocks when given: ``predictor_qtype``), a KV cache for
     max_batch sequences of its context, and on a CUDA primary what it allocates beside them at that
     batch and its prompt chunk (``workspace``; a CPU primary's budget, a test's, keeps ModelCosts'
-    estimate of a prompt chunk's buffers)."""
+    estimate of a prompt chunk's buffers). Under a VRAM budget the token embedding lives in host
+    memory (``embd_on_host``)."""
     from ..model.costs import model_costs
 
-    costs = model_costs(src, engine_n_ctx(ec, src.config), ec.max_batch, predictor_qtype=pq)
+    costs = model_costs(src, engine_n_ctx(ec, src.config), ec.max_batch, predictor_qtype=pq,
+                        embd_on_host=embd_on_host(ec))
     workspace = engine_workspace(ec, src.config)
     return costs if workspace is None else replace(costs, workspace_bytes=workspace)
 

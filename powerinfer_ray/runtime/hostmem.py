@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..model.costs import embedding_bytes
 from ..model.source import WeightSource, file_mapping
 from .channel import SHM_DIR
 from .plan import Plan
@@ -87,17 +88,19 @@ class HostNeed:
     rows_cached: bool  # in place from a file on disk: its CPU rows must stay in the page cache
     cpu_attention: int  # the CPU executor's attention weights where copied, and its KV cache
     processes: int  # executor processes
+    embedding: int = 0  # the primary's token embedding in page-locked memory (Plan.embd_on_host)
 
     @property
     def total(self) -> int:
         rows = self.cpu_rows if self.rows_copied or self.rows_cached else 0
-        return rows + self.cpu_attention + self.processes * PROCESS_BYTES
+        return rows + self.cpu_attention + self.embedding + self.processes * PROCESS_BYTES
 
     def describe(self) -> str:
         rows = (f"{self.cpu_rows / GIB:.1f} GiB of FFN rows "
                 + ("copied" if self.rows_copied else "kept in the page cache" if self.rows_cached
                    else "in place in the file on tmpfs (already in memory: 0)"))
         return (f"{rows}, {self.cpu_attention / GIB:.1f} GiB of CPU attention weights and KV cache, "
+                f"{self.embedding / GIB:.1f} GiB of token embedding, "
                 f"{self.processes} executor process(es) x {PROCESS_BYTES / GIB:.1f} GiB")
 
 
@@ -134,12 +137,13 @@ def check_fits(need: HostNeed, limit: int | None = None, what: str = "the model"
 def host_need(src: WeightSource, plan: Plan, slots: int, n_ctx: int) -> HostNeed:
     """What the executors of ``plan`` over ``src`` need of host memory (see ``HostNeed``)."""
     cfg = src.config
+    embedding = embedding_bytes(src) if plan.embd_on_host else 0
     if not plan.needs_cpu_executor:
-        return HostNeed(0, False, False, 0, 1)
+        return HostNeed(0, False, False, 0, 1, embedding)
     rows = sum(len(lp.cpu_neurons) for lp in plan.layers) * cfg.neuron_bytes
     mapping = file_mapping(src)
     in_place = mapping is not None and all(
         in_place_ffn_shard(src, l, np.zeros(0, np.int64), DTYPES[cfg.float_dtype]) is not None
         for l, lp in enumerate(plan.layers) if len(lp.cpu_neurons))
     return HostNeed(rows, not in_place, in_place and not on_tmpfs(mapping.path),
-                    cpu_attention_bytes(src, plan, slots, n_ctx), 2)
+                    cpu_attention_bytes(src, plan, slots, n_ctx), 2, embedding)

@@ -40,6 +40,10 @@ class Plan:
     # 'q8_0' | 'q4_0': the primary holds predictors a file stores in float as these blocks
     # (quantized at load; fewer bytes for neurons at a tight budget); None: as the file stores them
     predictor_qtype: str | None = None
+    # the primary holds the token embedding in page-locked host memory, and a CUDA primary gathers
+    # a step's rows over PCIe: its bytes hold hot neurons (set for a VRAM budget; an output head
+    # tied to the embedding keeps it on the device)
+    embd_on_host: bool = False
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -129,7 +133,7 @@ class Plan:
         return {"gpu_neuron_share": sum(a for a, _ in n) / max(sum(b for _, b in n), 1),
                 "gpu_group_share": sum(a for a, _ in g) / max(sum(b for _, b in g), 1),
                 "layers_without_gpu_neurons": sum(a == 0 for a, _ in n),
-                "predictor_qtype": self.predictor_qtype}
+                "predictor_qtype": self.predictor_qtype, "embd_on_host": self.embd_on_host}
 
     def swap(self, s: "Swap") -> "Plan":
         """This plan with the neuron pairs of ``s`` traded (see ``Swap``)."""

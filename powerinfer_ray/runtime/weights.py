@@ -27,6 +27,7 @@ from ..model.quants import quantize
 from ..model.reference import layer_norm
 from ..model.source import WeightSource, layer_rows
 from ..model.staging import pinned_staging
+from .channel import device_view
 from .layers import Policy, add_partials
 from .plan import Plan, Swap
 from .shard import AttnShard, FFNShard, load_attn_shard, load_ffn_shard, replace_neurons
@@ -67,7 +68,7 @@ class PrimaryWeights:
         self.phases = {"globals": 0.0, "predictors": 0.0, "attention": 0.0, "ffn": 0.0}
         with pinned_staging(dev):
             t0 = time.perf_counter()
-            self.embd, self.embd_q = self._global(K.TOKEN_EMBD)  # [V, D]
+            self.embd, self.embd_q = self._embedding()  # [V, D]
             self.pos_embd, self.pos_q = self._global(K.POS_EMBD) if cfg.arch == "opt" else (None, None)
             self.out_norm = self._norm_pair(K.OUTPUT_NORM, None)
             untied = src.has(K.global_tensor(K.OUTPUT)) and not cfg.tied_output
@@ -93,6 +94,19 @@ class PrimaryWeights:
         if q is not None:
             return self.src.global_blocks(name, device=self.device).blocks, q
         return self.src.global_(name, self.dtype).to(self.device), None
+
+    def _embedding(self) -> tuple[torch.Tensor, str | None]:
+        """The token embedding as ``_global``, or with ``plan.embd_on_host`` in page-locked host
+        memory, which a CUDA primary reads through a device view: a step gathers its rows over PCIe
+        (a few KB), and the budget's bytes hold hot neurons."""
+        if not self.plan.embd_on_host:
+            return self._global(K.TOKEN_EMBD)
+        q = self.src.qtype(K.TOKEN_EMBD)
+        w = self.src.global_blocks(K.TOKEN_EMBD).blocks if q is not None else self.src.global_(K.TOKEN_EMBD, self.dtype)
+        if self.device.type != "cuda":
+            return w, q
+        self.embd_host = torch.empty_like(w, pin_memory=True).copy_(w)  # the device view's bytes
+        return device_view(self.embd_host), q
 
     def _matrix(self, tmpl: str, l: int, rows: np.ndarray | None = None) -> tuple[torch.Tensor, str | None]:
         """Rows of a layer's matrix on the device, as ``_global``."""
@@ -213,8 +227,10 @@ class PrimaryWeights:
 
     # --- accounting ------------------------------------------------------------------------------
     def weight_bytes(self) -> int:
-        """Bytes held (weights + KV cache), as counted against a VRAM budget."""
-        ts = [self.embd, self.out_w if self.out_w is not self.embd else None, self.pos_embd]
+        """Bytes held (weights + KV cache), as counted against a VRAM budget (an embedding in host
+        memory is not)."""
+        ts = [None if self.plan.embd_on_host else self.embd, self.out_w if self.out_w is not self.embd else None,
+              self.pos_embd]
         total = sum(t.numel() * t.element_size() for t in ts if t is not None)
         return total + sum(lw.ffn.nbytes + lw.weight_bytes + lw.attn.cache_bytes for lw in self.layers)
 

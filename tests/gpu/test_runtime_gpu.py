@@ -9,6 +9,7 @@ up to ~1.5e-2: tolerance 4e-2 with a CPU share, 2e-2 as fp16 without)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 
 import numpy as np
@@ -66,6 +67,18 @@ def _decode(eng: LocalEngine) -> list[np.ndarray]:
         pos = [q + 1 for q in pos]
     out.append(eng.primary.step([1], [[77]], [pos[1]]))
     return out
+
+
+def _assert_decode_is_the_reference(ref: ReferenceModel, out: list[np.ndarray], tol: float) -> None:
+    """``_decode``'s logits against the fp32 dense reference of each sequence, relative error < tol."""
+    for slot, p in enumerate(PROMPTS):
+        full = ref.forward(p + [t[slot] for t in NEXT] + ([77] if slot == 1 else []), ref.new_cache())
+        for j in range(3):
+            w = full[len(p) + j]
+            assert float((torch.from_numpy(out[j][slot]) - w).abs().max() / w.abs().max()) < tol
+        if slot == 1:
+            w = full[-1]
+            assert float((torch.from_numpy(out[3][0]) - w).abs().max() / w.abs().max()) < tol
 
 
 @pytest.mark.parametrize("variant, dtype", CASES)
@@ -139,15 +152,7 @@ def test_cuda_graph_decode_equals_eager_and_reference(tmp_path, variant, dtype, 
         finally:
             eng.close()
 
-    dense = run("dense", True)[0]
-    for slot, p in enumerate(PROMPTS):
-        full = ref.forward(p + [t[slot] for t in NEXT] + ([77] if slot == 1 else []), ref.new_cache())
-        for j in range(3):
-            w = full[len(p) + j]
-            assert float((torch.from_numpy(dense[j][slot]) - w).abs().max() / w.abs().max()) < tol
-        if slot == 1:
-            w = full[-1]
-            assert float((torch.from_numpy(dense[3][0]) - w).abs().max() / w.abs().max()) < tol
+    _assert_decode_is_the_reference(ref, run("dense", True)[0], tol)
     # predictors: fp16 rounding differs between the paths (attention kernels), and a logit at
     # the threshold can flip a neuron: near-equal outputs and neuron counts, not identical ones
     eager, graph = run("predictor", False), run("predictor", True)
@@ -160,6 +165,33 @@ def test_cuda_graph_decode_equals_eager_and_reference(tmp_path, variant, dtype, 
     # run adds none), padding rows none
     assert graph[3].n_tokens == eager[3].n_tokens == 19 + 3 * 3 + 1
     assert abs(int(graph[3].counts.sum()) - int(eager[3].counts.sum())) <= 0.03 * eager[3].counts.sum()
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q4_0"])
+def test_cuda_embedding_in_host_memory_reads_its_rows_over_pcie(tmp_path, dtype):
+    """A budget's plan (``Plan.embd_on_host``) keeps the token embedding in page-locked host memory:
+    torch's CUDA allocations hold none of it, the budget's count leaves it out, and the prompt
+    chunks and decode graphs that gather its rows over PCIe compute the fp32 dense reference."""
+    path, ref, plan = _model_and_plan(tmp_path, "llama-gqa", "mixed", dtype)
+    held = {}
+    for on_host in (False, True):
+        torch.cuda.synchronize()
+        gc.collect()
+        before = torch.cuda.memory_allocated()
+        eng = LocalEngine(EngineConfig(str(path), plan=dataclasses.replace(plan, embd_on_host=on_host), policy="dense",
+                                       device="cuda", prefill_chunk=16, max_batch=4))
+        try:
+            w = eng.primary.weights
+            table = w.embd.numel() * w.embd.element_size()
+            held[on_host] = (w.weight_bytes(), torch.cuda.memory_allocated() - before)
+            if on_host:
+                assert w.embd_host.is_pinned() and w.embd.is_cuda and w.embd.data_ptr() == w.embd_host.data_ptr()
+                _assert_decode_is_the_reference(ref, _decode(eng), _tol(dtype, "mixed"))
+                assert eng.primary.stats.graph_steps > 0
+        finally:
+            eng.close()
+    assert held[False][0] - held[True][0] == table
+    assert held[False][1] - held[True][1] >= table
 
 
 def test_cuda_engine_captures_every_bucket_at_start_and_none_while_serving(tmp_path):

@@ -2,6 +2,7 @@
 budget holds when measured, and for Q8_0 / Q4_0 the costs are the file's compressed sizes."""
 from __future__ import annotations
 
+import dataclasses
 import numpy as np
 import pytest
 from quant_models import write_upstream_int4
@@ -54,7 +55,9 @@ def test_the_planned_bytes_are_the_bytes_held(tmp_path, dtype, where):
         plan = engine.primary.plan
     finally:
         engine.close()
-    c = model_costs(mf, engine_n_ctx(EngineConfig(str(path)), cfg), 2, predictor_qtype=plan.predictor_qtype)
+    assert plan.embd_on_host == (not cfg.tied_output)  # under a budget an untied embedding is not counted
+    c = model_costs(mf, engine_n_ctx(EngineConfig(str(path)), cfg), 2, predictor_qtype=plan.predictor_qtype,
+                    embd_on_host=True)
     placed = sum(len(lp.gpu_neurons) * c.neuron_bytes[l] + len(lp.gpu_groups) * c.attn_unit_bytes[l]
                  for l, lp in enumerate(plan.layers))
     if where == "half-ffn":
@@ -71,6 +74,10 @@ def test_quantized_costs_are_the_files_tensor_sizes(tmp_path, qtype):
     c = model_costs(mf, 128, 2)
     assert c == model_costs(cfg, 128, 2)  # the config alone gives the same costs
     _assert_file_sizes(mf, c, output_bytes=mf.tensors["output.weight"].n_bytes)
+    embd = int(mf.tensors[K.global_tensor(K.TOKEN_EMBD)].n_bytes)  # in host memory: not the budget's
+    assert model_costs(mf, 128, 2, embd_on_host=True) == dataclasses.replace(c, dense_bytes=c.dense_bytes - embd)
+    tied = tiny_config("llama-reglu", dtype=qtype, predictor_rank=32, tied_output=True)  # the head: on the GPU
+    assert model_costs(tied, 128, 2, embd_on_host=True) == model_costs(tied, 128, 2)
     assert c.kv_group_bytes[0] == 2 * cfg.head_dim * 128 * 3 * 2  # f16 cache, 2 + 1 sequences
 
 
@@ -95,19 +102,20 @@ def _assert_file_sizes(mf: ModelFile, c, output_bytes: int) -> None:
 
 @pytest.mark.parametrize("want", [None, "q8_0", "q4_0"])
 def test_float_predictors_are_quantized_when_the_budget_needs_it(tmp_path, want):
-    """f16 predictors in a Q4_0 file: at a budget that holds them and all attention they stay
-    f16; with room for the attention only once they are Q8_0 (Q4_0), the primary holds them as
-    Q8_0 (Q4_0) blocks, exactly the bytes the costs planned, and all attention stays on it."""
+    """f16 predictors in a Q4_0 file: at a budget that holds the whole model they stay f16; at one
+    that holds them and all attention with a quarter of the FFN, the primary holds them as Q8_0
+    blocks (their saved bytes hold hot neurons); with room for the attention only once they are
+    Q4_0, as Q4_0 blocks. The bytes held are exactly those the costs planned, and all attention
+    stays on the primary."""
     path = _tiny(tmp_path / "f.gguf", "falcon-fused-q4_0")
     mf = ModelFile(path)
     cfg = mf.config
     n_ctx = engine_n_ctx(EngineConfig(str(path)), cfg)
-    costs = {q: model_costs(mf, n_ctx, 2, predictor_qtype=q) for q in (None, "q8_0", "q4_0")}
+    costs = {q: model_costs(mf, n_ctx, 2, predictor_qtype=q, embd_on_host=True) for q in (None, "q8_0", "q4_0")}
     room = {q: c.fixed_bytes + c.attention_bytes for q, c in costs.items()}
     assert room[None] > room["q8_0"] > room["q4_0"]
-    finer = {"q8_0": None, "q4_0": "q8_0"}
-    # a quarter of the FFN beside, and less than the next finer type needs
-    budget = room[want] + (costs[want].ffn_bytes // 4 if want is None else (room[finer[want]] - room[want]) // 2)
+    budget = {None: costs[None].total_bytes, "q8_0": room[None] + costs[None].ffn_bytes // 4,
+              "q4_0": (room["q8_0"] + room["q4_0"]) // 2}[want]
     ec = EngineConfig(str(path), vram_budget_gib=budget / GIB, disable_gpu_index=True, device="cpu", dtype="f16",
                       max_batch=2)
     engine = LocalEngine(ec)
@@ -125,3 +133,6 @@ def test_float_predictors_are_quantized_when_the_budget_needs_it(tmp_path, want)
     norms = sum(int(t.n_bytes) for name, t in mf.tensors.items() if "norm" in name)
     assert held == c.dense_bytes + sum(c.predictor_bytes) + placed - norms
     assert held + c.workspace_bytes <= 1.02 * budget
+    if want == "q8_0":  # the bytes saved hold neurons that float predictors leave on the CPU
+        stored = resolve_plan(dataclasses.replace(ec, predictor_qtype="stored"))
+        assert sum(map(len, (lp.gpu_neurons for lp in plan.layers))) > sum(map(len, (lp.gpu_neurons for lp in stored.layers)))

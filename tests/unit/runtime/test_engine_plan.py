@@ -13,7 +13,7 @@ from powerinfer_ray.model.costs import fitting_predictor_qtype
 from powerinfer_ray.model.default import default_model_path
 from powerinfer_ray.model.source import open_model
 from powerinfer_ray.placement.gpuidx import gpuidx_path, read_gpuidx
-from powerinfer_ray.runtime.config import GIB, engine_costs
+from powerinfer_ray.runtime.config import GIB, SPLIT_SLACK, engine_costs
 from powerinfer_ray.runtime.engine import EngineConfig, LocalEngine, resolve_plan
 from powerinfer_ray.runtime.plan import Plan
 
@@ -42,8 +42,11 @@ def model(tmp_path):
 
 def _budget(model, gpu_share_of_ffn: float, **ec) -> float:
     """A budget with room for everything fixed, the attention and this share of the FFN, as an engine
-    of these options places it (its batch, context and prompt chunk: ``engine_costs``)."""
-    c = engine_costs(EngineConfig(str(model), **ec), open_model(model))
+    of these options places it (its batch, context and prompt chunk: ``engine_costs``; its float
+    predictors as Q8_0 blocks where the model does not fit whole: ``fitting_predictor_qtype``; the
+    token embedding in host memory: ``embd_on_host``)."""
+    c = engine_costs(EngineConfig(str(model), vram_budget_gib=1.0, **ec), open_model(model),
+                     "q8_0" if gpu_share_of_ffn < 1 else None)
     return (c.fixed_bytes + c.attention_bytes + gpu_share_of_ffn * c.ffn_bytes) / GIB
 
 
@@ -63,9 +66,12 @@ def test_budget_solves_caches_and_reuses_the_split(model, host):
     from powerinfer_ray.placement.gpuidx import write_gpuidx
 
     on_gpu = np.flatnonzero(idx.gpu_neurons[0])
-    idx.gpu_neurons[0][on_gpu[: len(on_gpu) // 2]] = False
+    held = engine_costs(ec, open_model(model), plan.predictor_qtype)
+    fewer = int(SPLIT_SLACK / 2 * ec.vram_budget_bytes / held.neuron_bytes[0])  # within the unused share allowed
+    assert 0 < fewer < len(on_gpu)
+    idx.gpu_neurons[0][on_gpu[:fewer]] = False
     write_gpuidx(split, idx.gpu_neurons, idx.vram_capacity, idx.budget_bytes, idx.gpu_attention)
-    assert resolve_plan(ec).layers[0].gpu_neurons.size == len(on_gpu) - len(on_gpu) // 2
+    assert resolve_plan(ec).layers[0].gpu_neurons.size == len(on_gpu) - fewer
     # ... not when it does not: every neuron of layer 0 on the GPU overflows a budget solved full
     idx.gpu_neurons[0][:] = True
     write_gpuidx(split, idx.gpu_neurons, idx.vram_capacity, idx.budget_bytes, idx.gpu_attention)
@@ -130,9 +136,9 @@ def test_a_split_cached_for_a_smaller_batch_is_solved_again_for_a_larger_one(mod
     assert b8.workspace_bytes == workspace_bytes(cfg, 8, 1024, min(cfg.n_ctx, 4096), 4 if cfg.float_dtype == "f32" else 2)
     budget = _budget(model, 0.3, max_batch=1, device="cuda")
     # at this budget the default prompt chunk is smaller (resolve_prefill_chunk): the costs the plans hold
-    b1, b8 = (engine_costs(EngineConfig(str(model), max_batch=b, device="cuda", vram_budget_gib=budget),
-                           open_model(model)) for b in (1, 8))
     first = resolve_plan(EngineConfig(str(model), vram_budget_gib=budget, max_batch=1, device="cuda", host_profile=host))
+    b1, b8 = (engine_costs(EngineConfig(str(model), max_batch=b, device="cuda", vram_budget_gib=budget),
+                           open_model(model), first.predictor_qtype) for b in (1, 8))
     masks = lambda p: [np.isin(np.arange(len(lp.gpu_neurons) + len(lp.cpu_neurons)), lp.gpu_neurons)  # noqa: E731
                        for lp in p.layers]
     assert split_bytes(b8, masks(first)) > budget * GIB >= split_bytes(b1, masks(first))

@@ -53,7 +53,7 @@ def test_a_placement_that_cannot_fit_fails_before_loading_naming_the_sizes(monke
     """A planted model (no file: the CPU's rows are copied) whose executors need more than the host
     memory limit (GroupSpec.host_memory_bytes): ValueError before any executor is built, naming
     the copied rows, the CPU attention, the processes and the limit; at exactly the need it
-    starts. Sizes by hand: f32 gated rows of n_embd 128 are 3 * 128 * 4 bytes per neuron; a
+    starts, and with the token embedding in host memory its bytes count too. Sizes by hand: f32 gated rows of n_embd 128 are 3 * 128 * 4 bytes per neuron; a
     KV-head group (one query head: n_head = n_head_kv = 4) is its q, k, v and o rows of head_dim
     32 (4 * 32 * 128 * 4 bytes) and its fp32 KV cache (2 * (slots + 1) * n_ctx * 32 * 4 bytes)."""
     spec = "planted:tiny?layers=2&dtype=f32"
@@ -73,6 +73,14 @@ def test_a_placement_that_cannot_fit_fails_before_loading_naming_the_sizes(monke
     assert f"{attn / GIB:.1f} GiB of CPU attention" in msg and "2 executor process(es)" in msg
     assert f"{(need - 1) / GIB:.1f} GiB are allowed (host memory limit)" in msg
     assert re.search(r"host total \d+\.\d GiB", msg)
+    # a budget's plan holds the (f32) token embedding in page-locked host memory as well
+    with monkeypatch.context() as m:
+        _no_loading(m)
+        on_host, table = replace(plan, embd_on_host=True), cfg.n_vocab * cfg.n_embd * 4
+        with pytest.raises(ValueError, match="GiB of token embedding"):
+            _start(spec, on_host, need + table - 1, slots, n_ctx)
+        with pytest.raises(AssertionError, match="an executor was built"):  # the check passed
+            _start(spec, on_host, need + table, slots, n_ctx)
     g = _start(spec, plan, need, slots, n_ctx)
     try:
         assert g.cpu is not None and g.cpu.ffn_rows in ("shared", "private")

@@ -249,7 +249,7 @@ def test_planted_swiglu_runs_in_either_mode_over_a_solved_split(policy):
 
     spec = "planted:tiny-swiglu?dtype=f32"
     src = open_model(spec)
-    ec = EngineConfig(spec, vram_budget_gib=0.0115, policy=policy, prefill_chunk=8,  # a part of the FFN
+    ec = EngineConfig(spec, vram_budget_gib=0.0112, policy=policy, prefill_chunk=8,  # a part of the FFN
                       predictor_qtype="stored")
     plan = resolve_plan(ec, src)
     n_cpu = sum(len(lp.cpu_neurons) for lp in plan.layers)
@@ -309,7 +309,7 @@ def test_policies_without_predictors_place_neurons_in_the_predictors_bytes(tmp_p
     src = open_model(str(path))
     gpu = {}
     for policy in ("gate-first", "dense", "predictor"):  # a budget that holds a layer's neurons without predictors
-        plan = resolve_plan(EngineConfig(str(path), vram_budget_gib=0.013, policy=policy), src)
+        plan = resolve_plan(EngineConfig(str(path), vram_budget_gib=0.0125, policy=policy), src)
         gpu[policy] = sum(len(lp.gpu_neurons) for lp in plan.layers)
         assert split_cache_path(str(path)).exists() == (policy == "predictor")
     assert gpu["gate-first"] == gpu["dense"] > gpu["predictor"], gpu
