@@ -17,32 +17,36 @@ CHUNK_BYTES = 8 << 20  # their dequantized rows at a time (with torch's temporar
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *, qtype: str | None = None,
-           threads: int | None = None) -> torch.Tensor:
-    """y [..., R] float32 = x [..., D] . W^T + bias. w [R, D] float, or quantized rows uint8
-    [R, D // 32 * block bytes] of qtype: 'q4_0' | 'q8_0' blocks, or repacked Q4_0 rows 'q4_0r'
-    (quant.repack). CPU tensors: the compiled kernel (cpu_ffn.linear: blocks against a
-    Q8_0-quantized x, as ggml's). CUDA tensors: torch for float weights; up to GEMV_MAX_T tokens
-    the Triton GEMVs dequantizing in registers (x as it is; repacked rows: triton_qgemv), more
-    tokens `dequantized_linear`."""
+           threads: int | None = None, relu: bool = False) -> torch.Tensor:
+    """y [..., R] float32 = x [..., D] . W^T + bias, then max(y, 0) with ``relu``. w [R, D] float, or
+    quantized rows uint8 [R, D // 32 * block bytes] of qtype: 'q4_0' | 'q8_0' blocks, or repacked
+    Q4_0 rows 'q4_0r' (quant.repack). CPU tensors: the compiled kernel (cpu_ffn.linear: blocks
+    against a Q8_0-quantized x, as ggml's). CUDA tensors: torch for float weights; up to GEMV_MAX_T
+    tokens the Triton GEMVs dequantizing in registers (x as it is; blocks: the ReLU in the same
+    kernel; repacked rows: triton_qgemv), more tokens `dequantized_linear`."""
     global _triton_failed
     D = x.shape[-1]
     if qtype is not None:
         check_matrix(w, qtype, D, "w", "linear", GEMV_QTYPES)
     if not x.is_cuda and (qtype is None or qtype in QTYPES):
-        return cpu_ffn.linear(x, w, bias, threads, qtype=qtype)
-    if qtype is None:
-        return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype)).float()
-    x2 = x.reshape(-1, D)
-    if x.is_cuda and not _triton_failed and x2.shape[0] <= GEMV_MAX_T:
-        try:
-            from .triton_linear import linear_triton
-            from .triton_qgemv import qgemv_triton
-        except ImportError:  # no triton: remember, use torch
-            _triton_failed = True
-        else:
-            y = (linear_triton if qtype in QTYPES else qgemv_triton)(x2, w, qtype, bias)
-            return y.view(*x.shape[:-1], w.shape[0])
-    return dequantized_linear(x2, w, qtype, bias).view(*x.shape[:-1], w.shape[0])
+        y = cpu_ffn.linear(x, w, bias, threads, qtype=qtype)
+    elif qtype is None:
+        y = F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype)).float()
+    else:
+        x2 = x.reshape(-1, D)
+        if x.is_cuda and not _triton_failed and x2.shape[0] <= GEMV_MAX_T:
+            try:
+                from .triton_linear import linear_triton
+                from .triton_qgemv import qgemv_triton
+            except ImportError:  # no triton: remember, use torch
+                _triton_failed = True
+            else:
+                if qtype in QTYPES:
+                    return linear_triton(x2, w, qtype, bias, relu).view(*x.shape[:-1], w.shape[0])
+                y = qgemv_triton(x2, w, qtype, bias).view(*x.shape[:-1], w.shape[0])
+                return y.relu_() if relu else y
+        y = dequantized_linear(x2, w, qtype, bias).view(*x.shape[:-1], w.shape[0])
+    return y.relu_() if relu else y
 
 
 def dequantized_linear(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tensor | None = None,

@@ -22,9 +22,11 @@ def _all_rows(R: int, device: torch.device) -> torch.Tensor:
     return _ROWS[key]
 
 
-def linear_triton(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y [T, R] float32 = x [T, D] . dequantize(w)^T + bias: w uint8 [R, D // 32 * block bytes] of
-    qtype, dequantized in registers; bias [R] or None. Blocks of MAX_T tokens."""
+def linear_triton(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tensor | None = None,
+                  relu: bool = False) -> torch.Tensor:
+    """y [T, R] float32 = x [T, D] . dequantize(w)^T + bias (then max(y, 0) with ``relu``, in the same
+    kernel): w uint8 [R, D // 32 * block bytes] of qtype, dequantized in registers; bias [R] or None.
+    Blocks of MAX_T tokens."""
     T, _ = x.shape
     R = w.shape[0]
     y = torch.empty(T, R, dtype=torch.float32, device=x.device)
@@ -35,5 +37,5 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tens
     for t0 in range(0, T, MAX_T):
         t1 = min(T, t0 + MAX_T)
         cfg = config_for(t1 - t0)
-        launch_up(x[t0:t1], w, None, bias, rows, None, None, "none", y[t0:t1], cfg, qtype)
+        launch_up(x[t0:t1], w, None, bias, rows, None, None, "relu" if relu else "none", y[t0:t1], cfg, qtype)
     return y

@@ -211,14 +211,15 @@ class PrimaryWeights:
         return h
 
     def predict(self, l: int, pred_in: torch.Tensor) -> torch.Tensor:
-        """The predictor's logits [N, n_gpu + n_cpu] of layer l (the primary's neurons first)."""
+        """The predictor's logits [N, n_gpu + n_cpu] of layer l (the primary's neurons first): in the
+        compute dtype, or fp32 from quantized predictors, which read the fp32 input as it is (two
+        GEMVs on CUDA, fc1's ReLU in its kernel)."""
         lw = self.layers[l]
         q1, q2 = lw.fc_qtypes
         if q1 is None and q2 is None:
             return predictor_logits_of(pred_in, lw.fc1, lw.fc2, self.dtype)
-        x = pred_in.to(self.dtype)
-        z = torch.relu(linear(x, lw.fc1, qtype=q1))  # [N, r] fp32
-        return linear(z, lw.fc2, qtype=q2).to(x.dtype)
+        z = linear(pred_in, lw.fc1, qtype=q1, relu=True)  # [N, r] fp32
+        return linear(z, lw.fc2, qtype=q2)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] (fp32) of the last residual rows h [B, D]."""

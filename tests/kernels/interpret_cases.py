@@ -278,7 +278,8 @@ def test_triton_sparse_ffn_on_quantized_rows(qtype, act):
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
 def test_triton_linear_on_quantized_rows(qtype):
     """The dense GEMV (attention projections, output head, predictor) at T = 1 (elementwise) and
-    T = 5 and MAX_T + 3 (tl.dot, two launches), with a bias, against float64."""
+    T = 5 and MAX_T + 3 (tl.dot, two launches), with a bias, against float64; with ``relu`` (the
+    predictor's fc1) the same clamped at 0."""
     from powerinfer_ray.kernels.linear import linear_ref
     from powerinfer_ray.kernels.triton_linear import linear_triton
 
@@ -288,8 +289,10 @@ def test_triton_linear_on_quantized_rows(qtype):
     b = torch.randn(R, generator=gen)
     for T in (1, 5, triton_ffn.MAX_T + 3):
         x = torch.randn(T, D, generator=gen)
-        y = linear_triton(x, w, qtype, b)
-        assert y.dtype == torch.float32 and rel_err(y, linear_ref(x, w, b, qtype)) < TOL[torch.float32], T
+        y, want = linear_triton(x, w, qtype, b), linear_ref(x, w, b, qtype)
+        assert y.dtype == torch.float32 and rel_err(y, want) < TOL[torch.float32], T
+        relu = linear_triton(x, w, qtype, b, relu=True)
+        assert (want < 0).any() and rel_err(relu, want.clamp(min=0)) < TOL[torch.float32], T
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
