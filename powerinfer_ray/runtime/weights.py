@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels.linear import linear
+from ..kernels.linear import GEMV_MAX_T, linear
 from ..kernels.norm import add_rms_norm, rms_norm_cast
 from ..kernels.predictor import predictor_logits_of
 from ..kernels.quant import dequantize, repack_, repackable
@@ -212,14 +212,16 @@ class PrimaryWeights:
 
     def predict(self, l: int, pred_in: torch.Tensor) -> torch.Tensor:
         """The predictor's logits [N, n_gpu + n_cpu] of layer l (the primary's neurons first): in the
-        compute dtype, or fp32 from quantized predictors, which read the fp32 input as it is (two
-        GEMVs on CUDA, fc1's ReLU in its kernel)."""
+        compute dtype, or fp32 from quantized predictors. These read a decode step's fp32 input as
+        it is (two GEMVs on CUDA, fc1's ReLU in its kernel); a prompt chunk's go through the GEMMs
+        of its rows dequantized in the compute dtype (``linear``: more than GEMV_MAX_T tokens)."""
         lw = self.layers[l]
         q1, q2 = lw.fc_qtypes
         if q1 is None and q2 is None:
             return predictor_logits_of(pred_in, lw.fc1, lw.fc2, self.dtype)
-        z = linear(pred_in, lw.fc1, qtype=q1, relu=True)  # [N, r] fp32
-        return linear(z, lw.fc2, qtype=q2)
+        cast = (lambda t: t) if pred_in.shape[0] <= GEMV_MAX_T else (lambda t: t.to(self.dtype))  # noqa: E731
+        z = linear(cast(pred_in), lw.fc1, qtype=q1, relu=True)  # [N, r] fp32
+        return linear(cast(z), lw.fc2, qtype=q2)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] (fp32) of the last residual rows h [B, D]."""
