@@ -574,14 +574,18 @@ chain)  # greedy bursts chained on the GPU (~9 min on an H100): the runtime GPU 
     table mode,decode_tok_s,decode_step_ms,decode_link_us,decode_primary_host_us,cpu_kernel_gbps,vram_used_gib,graph_captures,zero_copy_steps \
         "$RES"/runtime-13b-${B13}gib-*.json
     ;;
-room)  # the budget's bytes for hot neurons (~9 min on an H100): the 13B fp16 file at $B13 GiB, batch 1, the default
-    # (predictors held as Q8_0, the token embedding in host memory) against float predictors at the same budget and
-    # against float predictors at the budget less the embedding's 0.305 GiB (the plan of the commits before), in the
-    # order A B C C B A; then the default at batch 8 and 32, and prompts of 64 and 1500 tokens; every JSON and the
-    # log in $OUT/room-results.tar (dry run elsewhere: M13="planted:tiny" B13=0.01 EMB_GIB=0.0001 LONG=400 THREADS=1)
+room)  # the budget's bytes for hot neurons (~9 min on an H100): the GPU tests of what it changed (the embedding
+    # read over PCIe, quantized predictors in graphs, the budget measured), then the 13B fp16 file at $B13 GiB, batch
+    # 1, the default (predictors held as Q8_0, the token embedding in host memory) against float predictors at the
+    # same budget and against float predictors at the budget less the embedding's 0.305 GiB (the plan of the commits
+    # before), in the order A B C C B A; then the default at batch 8 and 32; every JSON and the log in
+    # $OUT/room-results.tar (dry run elsewhere: M13="planted:tiny" B13=0.01 EMB_GIB=0.0001 THREADS=1)
     gpu=$(gpu_tag)
     RES=/tmp/room-results log=/tmp/room-results/room.log
     mkdir -p "$RES"
+    timeout -s INT 150 python -m pytest tests/gpu/test_runtime_gpu.py tests/gpu/test_runtime_quant_gpu.py -q -rf \
+        -k "embedding or vram_budget or (graph_decode and (q8_0 or q4_0))" > "$RES/gpu-tests.log" 2>&1
+    tail -n 3 "$RES/gpu-tests.log" | cut -c1-300
     write_file "$M13" 200 || { pack; exit 0; }
     before=$(python -c "print($B13 - ${EMB_GIB:-0.30517578125})")  # the 13B's token embedding, GiB
     for v in A B C C2 B2 A2; do
@@ -598,11 +602,8 @@ room)  # the budget's bytes for hot neurons (~9 min on an H100): the 13B fp16 fi
     suite "runtime-13b-${B13}gib-file-batch-room-$gpu-$POWERINFER_COMMIT" 150 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
         --modes hybrid --shapes 16x32 --batch 8,32 -t "$THREADS" > /dev/null
     pack
-    suite "runtime-13b-${B13}gib-file-prefill-room-$gpu-$POWERINFER_COMMIT" 100 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
-        --modes hybrid --shapes 64x8,${LONG:-1500}x8,64x8 --batch 1 -t "$THREADS" > /dev/null
-    pack
-    table decode_tok_s,prefill_tok_s,gpu_activation_share,cpu_kernel_gbps,vram_used_gib,vram_peak_gib,graph_captures \
-        "$RES"/runtime-13b-*-batch-room-*.json "$RES"/runtime-13b-*-prefill-room-*.json
+    table decode_tok_s,gpu_activation_share,cpu_kernel_gbps,vram_used_gib,vram_peak_gib,graph_captures \
+        "$RES"/runtime-13b-*-batch-room-*.json
     ;;
 q8)  # the Q8_0 13B at 8 GiB, hybrid and layer-offload
     suite runtime-13b-q8-8gib-h200 560 -m "planted:llama2-13b?dtype=q8_0" --vram-budget 8 \
