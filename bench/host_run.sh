@@ -577,8 +577,9 @@ chain)  # greedy bursts chained on the GPU (~9 min on an H100): the runtime GPU 
 room)  # the budget's bytes for hot neurons (~9 min on an H100): the GPU tests of what it changed (the embedding
     # read over PCIe, quantized predictors in graphs, the budget measured), then the 13B fp16 file at $B13 GiB, batch
     # 1, the default (predictors held as Q8_0, the token embedding in host memory) against float predictors at the
-    # same budget and against float predictors at the budget less the embedding's 0.305 GiB (the plan of the commits
-    # before), in the order A B C C B A; then the default at batch 8 and 32; every JSON and the log in
+    # same budget (B) and against float predictors at the budget less the embedding's 0.305 GiB (C: the plan of the
+    # commits before), in the order A C C A (ROOM_ORDER="A B C C2 B2 A2": with B); then the default at batch 8 and
+    # 32; every JSON and the log in
     # $OUT/room-results.tar (dry run elsewhere: M13="planted:tiny" B13=0.01 EMB_GIB=0.0001 THREADS=1)
     gpu=$(gpu_tag)
     RES=/tmp/room-results log=/tmp/room-results/room.log
@@ -588,7 +589,7 @@ room)  # the budget's bytes for hot neurons (~9 min on an H100): the GPU tests o
     tail -n 3 "$RES/gpu-tests.log" | cut -c1-300
     write_file "$M13" 200 || { pack; exit 0; }
     before=$(python -c "print($B13 - ${EMB_GIB:-0.30517578125})")  # the 13B's token embedding, GiB
-    for v in A B C C2 B2 A2; do
+    for v in ${ROOM_ORDER:-A C C2 A2}; do
         case $v in
             A*) args=(--vram-budget "$B13") ;;
             B*) args=(--vram-budget "$B13" --predictor-qtype stored) ;;
