@@ -58,6 +58,7 @@ def prefill_bytes(cfg: ModelConfig, n_tok: int, n_seq: int, n_ctx: int, act_byte
     per_token = (6 * D * 4  # fp32 residual, its next value, the streamed rows' sums, the CPU's answer
                  + 10 * D * act_bytes  # norms, q / k / v, rotated q / k, attention output, partial outputs
                  + S * 5  # the attention mask of a sequence's tokens and its float bias
-                 + F * (act_bytes + 2) + r * act_bytes  # predictor logits, active mask, the CPU's part
+                 + F * (4 + 2) + r * (4 + act_bytes)  # predictor logits (fp32 from quantized predictors),
+                 # active mask, the CPU's part; its hidden units (fp32, and cast for the next GEMM)
                  + 2 * F)  # the FFN products' keep masks (the GPU's rows, a streamed chunk's)
     return n_tok * per_token + 3 * GEMM_CHUNK_BYTES + n_seq * V * 8
