@@ -574,7 +574,7 @@ chain)  # greedy bursts chained on the GPU (~9 min on an H100): the runtime GPU 
     table mode,decode_tok_s,decode_step_ms,decode_link_us,decode_primary_host_us,cpu_kernel_gbps,vram_used_gib,graph_captures,zero_copy_steps \
         "$RES"/runtime-13b-${B13}gib-*.json
     ;;
-room)  # the budget's bytes for hot neurons (~9 min on an H100): the GPU tests of what it changed (the embedding
+room)  # the budget's bytes for hot neurons (~8 min on an H100): the GPU tests of what it changed (the embedding
     # read over PCIe, quantized predictors in graphs, the budget measured), then the 13B fp16 file at $B13 GiB, batch
     # 1, the default (predictors held as Q8_0, the token embedding in host memory) against float predictors at the
     # same budget (B) and against float predictors at the budget less the embedding's 0.305 GiB (C: the plan of the
