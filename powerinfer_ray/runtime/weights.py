@@ -21,7 +21,7 @@ from ..kernels.norm import add_rms_norm, rms_norm_cast
 from ..kernels.predictor import predictor_logits_of
 from ..kernels.quant import dequantize, repack_, repackable
 from ..model import gguf_keys as K
-from ..model.costs import predictor_kind
+from ..model.costs import embedding_apart, predictor_kind
 from ..model.qtypes import QTYPES
 from ..model.quants import quantize
 from ..model.reference import layer_norm
@@ -71,8 +71,8 @@ class PrimaryWeights:
             self.embd, self.embd_q = self._embedding()  # [V, D]
             self.pos_embd, self.pos_q = self._global(K.POS_EMBD) if cfg.arch == "opt" else (None, None)
             self.out_norm = self._norm_pair(K.OUTPUT_NORM, None)
-            untied = src.has(K.global_tensor(K.OUTPUT)) and not cfg.tied_output
-            self.out_w, self.out_q = self._gemv_form(*self._global(K.OUTPUT)) if untied else (self.embd, self.embd_q)
+            self.out_w, self.out_q = (self._gemv_form(*self._global(K.OUTPUT)) if embedding_apart(src)
+                                      else (self.embd, self.embd_q))
             self.phases["globals"] += time.perf_counter() - t0
             self.layers = [self._layer(l) for l in range(cfg.n_layer)]
         # what the fixed-shape decode step reads: rotary rows of every position, the predictor's
