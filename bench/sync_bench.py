@@ -173,6 +173,67 @@ class Primary:
         return res
 
 
+@ray.remote
+class ExchangePrimary:
+    def run(self, cpu, n_layer: int, d: int, n_mask: int, k: int, iters: int, gap_us: float) -> dict:  # noqa: ANN001
+        from powerinfer_ray.runtime.channel import OP_FFN, OP_STOP, Channel, pack_mask
+
+        ch = Channel.create(d=d, t_max=1, b_max=1, n_mask=n_mask, x_dtype="f16")
+        ray.get(cpu.attach.remote(ch.spec))
+        gen = np.random.default_rng(0)
+        ch.x_ffn[:1] = torch_from(gen.standard_normal((1, d)).astype(np.float16))
+        masks = []
+        for _ in range(16):
+            m = np.zeros((1, n_mask), bool)
+            m[0, gen.choice(n_mask, k, replace=False)] = True
+            masks.append(pack_mask(torch_from(m)).numpy())
+        rt, answer = [], []
+        for i in range(iters + 100):
+            ch.mask_rows(1, n_mask)[:] = masks[i % len(masks)]
+            t0 = time.perf_counter_ns()
+            ts, te = ch.wait_response(ch.post(OP_FFN, i % n_layer, 1, 1, n_mask), timeout_s=30, spin_s=1.0)
+            t1 = time.perf_counter_ns()
+            if i >= 100:
+                rt.append((t1 - t0) / 1e3)
+                answer.append((te - ts) / 1e3)
+            while time.perf_counter_ns() - t1 < gap_us * 1e3:  # the GPU's segment until the next post
+                pass
+        ch.wait_response(ch.post(OP_STOP, 0, 0, 0, 0), timeout_s=5)
+        ch.close(unlink=True)
+        return {"round_trip_us_median": float(np.median(rt)), "answer_us_median": float(np.median(answer)),
+                "round_trip_us_p90": float(np.percentile(rt, 90))}
+
+
+def torch_from(a: np.ndarray):  # noqa: ANN201
+    import torch
+
+    return torch.from_numpy(a)
+
+
+def run_cpu_executor(a: argparse.Namespace) -> dict:
+    """--cpu-executor: the CPU executor's actor answering FFN requests (see the module docstring)."""
+    from powerinfer_ray.actors.executors import CPUExecutorActor
+    from powerinfer_ray.model.planted_spec import preset_config
+    from powerinfer_ray.runtime.plan import Plan
+
+    spec = a.cpu_executor if a.cpu_executor.startswith("planted:") else "planted:" + a.cpu_executor
+    cfg = preset_config(spec.removeprefix("planted:"))
+    n_gpu = cfg.n_ff - round(a.cpu_share * cfg.n_ff)
+    plan = Plan.from_masks([np.arange(cfg.n_ff) < n_gpu] * cfg.n_layer, None, cfg)
+    cpu = CPUExecutorActor.options(num_cpus=1).remote("bench-cpu")
+    ray.get(cpu.load.remote(spec, plan, threads=a.threads, dtype="f16"))
+    prim = ExchangePrimary.options(num_cpus=1).remote()
+    res = ray.get(prim.run.remote(cpu, cfg.n_layer, cfg.n_embd, cfg.n_ff - n_gpu, a.k, a.iters, a.gap_us))
+    st = ray.get(cpu.stats.remote())
+    n = st["decode_exchanges"]
+    res.update(exchanges=n, answer_us_per_exchange=1e6 * st["decode_busy_s"] / n,
+               kernel_us_per_exchange=1e6 * st["decode_kernel_s"] / n,
+               serving_us_per_exchange=1e6 * (st["decode_busy_s"] - st["decode_kernel_s"]) / n,
+               kernel_gbps=st["decode_kernel_bytes"] / st["decode_kernel_s"] / 1e9,
+               model=spec, cpu_share=a.cpu_share, k=a.k, threads=a.threads, gap_us=a.gap_us, iters=a.iters)
+    return res
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="powerinfer-ray bench sync")
     ap.add_argument("--d", type=int, default=5120)
@@ -180,6 +241,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--name", default=None)
+    ap.add_argument("--cpu-executor", default=None, metavar="SPEC",
+                    help="the peer is the CPU executor on this planted model's CPU shard (e.g. 'llama2-13b?layers=4')")
+    ap.add_argument("--cpu-share", type=float, default=0.62, help="--cpu-executor: share of each layer's neurons on it")
+    ap.add_argument("--k", type=int, default=256, help="--cpu-executor: active rows of each request")
+    ap.add_argument("--threads", type=int, default=1, help="--cpu-executor: its kernel threads")
+    ap.add_argument("--gap-us", type=float, default=100.0,
+                    help="--cpu-executor: the primary's spin between an answer and the next post")
     a = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT / "bench"))
     from model_bench import machine, write_results
@@ -187,6 +255,12 @@ def main(argv: list[str]) -> int:
     from powerinfer_ray.generate import init_ray
 
     init_ray()
+    if a.cpu_executor:
+        res = run_cpu_executor(a)
+        print(json.dumps(res, indent=2))
+        write_results(a.out_dir, a.name or "serve-loop-" + machine()["host"],
+                      "powerinfer-ray bench sync " + " ".join(argv), result=res)
+        return 0
     gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
     peer = Peer.options(num_cpus=1).remote()
     prim = Primary.options(num_gpus=gpus, num_cpus=1).remote()

@@ -258,50 +258,116 @@ def sparse_ffn_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | N
 def prepare_bitmask(x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor | None, down_t: torch.Tensor, packed_mask,
                     n: int, act: str, up_bias: torch.Tensor | None, out: torch.Tensor, *, split: str = "auto",
                     skip_zero: bool = True, qtype: str | None = None, rows: torch.Tensor | None = None,
-                    act_threshold: float | None = None, act_on: str = "gate"):  # noqa: ANN201
+                    act_threshold: float | None = None, act_on: str = "gate") -> "BitmaskCall":
     """``sparse_ffn_bitmask`` checked once for buffers that every call reuses (the CPU
     executor's channel: x, the packed mask and out at their capacity of T rows): returns
     ``call(T, threads=None)``, the same call on their first T rows (row strides as given; the
     mask's row stride is its bytes per row when T = 1), without the checks."""
-    sh, rows_ptr, addr, ld, sp = _validate(x, up, gate, down_t, packed_mask, n, act, up_bias, out, split, qtype, rows,
-                                          act_threshold, act_on)
-    cap, D = x.shape
-    ld_x = x.stride(0) if cap > 1 else D
-    x_dt, y_dt, wcode = _W_DT[x.dtype], _W_DT[out.dtype], sh.args[3]
-    lib = library()
-    thr = _THR[act_on if act_threshold is not None else None]
-    x_ptr, out_ptr = x.data_ptr(), out.data_ptr()
-    # pi_sparse_ffn_bitmask's arguments in one array (pi_sparse_ffn_bitmask_argv); T (3), scratch (22) and
-    # threads (23) are set per call
-    thr_bits = struct.unpack("<q", struct.pack("<d", float(act_threshold or 0.0)))[0]
-    argv = (ctypes.c_int64 * 29)(*(0 if v is None else v for v in (
-        x_ptr, x_dt, ld_x, 0, D, *sh.args, addr, ld, n, rows_ptr, _ACT[act], out_ptr, y_dt, 0, 0, sp,
-        int(not skip_zero), ctypes.addressof(_stats), thr_bits, thr)))
+    return BitmaskCall(x, up, gate, down_t, packed_mask, n, act, up_bias, out, split, skip_zero, qtype, rows,
+                       act_threshold, act_on)
 
-    def call(T: int, threads: int | None = None) -> tuple[int, ...]:
-        if not 0 <= T <= cap:
-            raise _bad("T", T, f"an int in [0, {cap}] (the buffers' rows)")
+
+class BitmaskCall:
+    """A prepared ``sparse_ffn_bitmask`` (``prepare_bitmask``): pi_sparse_ffn_bitmask's arguments in
+    one int64 array (``argv``, pi_sparse_ffn_bitmask_argv's), T (3), scratch (22) and threads (23)
+    set per call; the compiled serving loop (``ServeLoop``) makes the same call from the array."""
+
+    def __init__(self, x, up, gate, down_t, packed_mask, n, act, up_bias, out, split, skip_zero, qtype, rows,  # noqa: ANN001
+                 act_threshold, act_on) -> None:
+        sh, rows_ptr, addr, ld, sp = _validate(x, up, gate, down_t, packed_mask, n, act, up_bias, out, split, qtype,
+                                              rows, act_threshold, act_on)
+        self.cap, D = x.shape
+        ld_x = x.stride(0) if self.cap > 1 else D
+        self._y_dt, self._sp, self._wcode, self.n = _W_DT[out.dtype], sp, sh.args[3], n
+        self._fallback = lambda T: _bitmask_torch(  # noqa: E731  (no compiled kernel)
+            x[:T], up, gate, down_t, None if packed_mask is None else packed_mask[:T], n, act, up_bias, out[:T], qtype,
+            rows, act_threshold, act_on)
+        self._buffers = (x, out, sh, rows)  # the addresses in argv stay valid while this lives
+        self._thresholded = act_threshold is not None
+        thr = _THR[act_on if act_threshold is not None else None]
+        thr_bits = struct.unpack("<q", struct.pack("<d", float(act_threshold or 0.0)))[0]
+        self.argv = (ctypes.c_int64 * 29)(*(0 if v is None else v for v in (
+            x.data_ptr(), _W_DT[x.dtype], ld_x, 0, D, *sh.args, addr, ld, n, rows_ptr, _ACT[act], out.data_ptr(),
+            self._y_dt, 0, 0, sp, int(not skip_zero), ctypes.addressof(_stats), thr_bits, thr)))
+
+    def scratch_bytes(self, T: int, threads: int) -> int:
+        """Scratch bytes of a call of T tokens on ``threads`` threads."""
+        key = (min(T, _MAX_T), self.argv[4], self.n, threads, self._y_dt, self._sp, self._wcode)
+        nb = _scratch_bytes.get(key)
+        if nb is None:
+            nb = _scratch_bytes[key] = library().pi_scratch_bytes(*key[:5], self._sp, 1, self._wcode)
+        return nb
+
+    def __call__(self, T: int, threads: int | None = None) -> tuple[int, ...]:
+        """(pairs, rows, down rows), and the up rows read under an activation threshold."""
+        if not 0 <= T <= self.cap:
+            raise _bad("T", T, f"an int in [0, {self.cap}] (the buffers' rows)")
         if T == 0:
             return 0, 0, 0
+        lib = library()
         if lib is None:
-            return _bitmask_torch(x[:T], up, gate, down_t, None if packed_mask is None else packed_mask[:T], n, act,
-                                  up_bias, out[:T], qtype, rows, act_threshold, act_on)
+            return self._fallback(T)
         nthreads = int(threads or torch.get_num_threads())
         with _lock:
-            key = (T, D, n, nthreads, y_dt, sp, wcode)
-            nb = _scratch_bytes.get(key)
-            if nb is None:
-                nb = _scratch_bytes[key] = lib.pi_scratch_bytes(T, D, n, nthreads, y_dt, sp, 1, wcode)
-            argv[3], argv[22], argv[23] = T, _scratch_for(nb), nthreads
+            argv = self.argv
+            argv[3], argv[22], argv[23] = T, _scratch_for(self.scratch_bytes(T, nthreads)), nthreads
             rc = lib.pi_sparse_ffn_bitmask_argv(argv)
             if rc != 0:
-                raise ValueError(f"sparse_ffn_bitmask: the kernel rejected its arguments (rc {rc}): T={T}, D={D}, "
-                                 f"n={n}, threads={nthreads}")
-            if act_threshold is not None:
+                raise ValueError(f"sparse_ffn_bitmask: the kernel rejected its arguments (rc {rc}): T={T}, "
+                                 f"D={argv[4]}, n={self.n}, threads={nthreads}")
+            if self._thresholded:
                 return _stats[0], _stats[1], _stats[2], _stats[3]
             return _stats[0], _stats[1], _stats[2]
 
-    return call
+
+class ServeLoop:
+    """The CPU executor's compiled serving loop (csrc pi_serve) on a channel's header: it answers the
+    FFN requests of the layers with a prepared call (``calls[l]``, for requests whose mask width is
+    ``n_masks[l]``) without returning to Python, and returns at the first request it leaves to the
+    caller. ``counters`` [14] (int64, its answers since it was made; ``COUNTERS``) may be read from
+    any thread."""
+
+    COUNTERS = ("exchanges", "tokens", "pairs", "rows", "up_rows", "down_rows", "busy_ns", "kernel_ns",
+                "decode_exchanges", "decode_busy_ns", "decode_kernel_ns", "decode_rows", "decode_up_rows",
+                "decode_down_rows")
+
+    def __init__(self, header: np.ndarray, calls: list[BitmaskCall | None], n_masks: list[int], t_max: int) -> None:
+        assert header.dtype == np.int64 and header.flags.c_contiguous and len(calls) == len(n_masks)
+        self._lib = library()
+        self._header, self._calls, self._t_max = header, calls, t_max
+        self._argvs = (ctypes.c_void_p * len(calls))(*(None if c is None else ctypes.addressof(c.argv) for c in calls))
+        self._n_masks = (ctypes.c_int64 * len(calls))(*n_masks)
+        self.ctl = np.zeros(6, np.int64)  # pi_serve's ctl
+        self.ctl[5] = t_max
+        self.counters = np.zeros(len(self.COUNTERS), np.int64)
+        self._scratch: torch.Tensor | None = None
+
+    def configure(self, threads: int, idle_s: float) -> None:
+        """Threads of its kernel calls, and how long it spins without a request before it returns
+        (from the serving thread, between ``run`` calls)."""
+        need = max((c.scratch_bytes(self._t_max, threads) for c in self._calls if c is not None), default=64)
+        if self._scratch is None or self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.uint8)
+        self.ctl[1:5] = threads, self._scratch.data_ptr(), self._scratch.numel(), int(idle_s * 1e9)
+
+    def interrupt(self) -> None:
+        """``run`` returns before its next request, now or when next called, until ``clear`` (any thread)."""
+        self.ctl[0] = 1
+
+    def clear(self) -> None:
+        self.ctl[0] = 0
+
+    def run(self, last: int) -> tuple[int, bool]:
+        """Serve the requests after ``last`` (the GIL released). Returns (a request it left to the
+        caller, unanswered, True), or, when none came within the idle time or it was interrupted,
+        (the last request it answered, or ``last``, False)."""
+        assert self.ctl[1] > 0, "ServeLoop.configure first"
+        r = int(self._lib.pi_serve(self._header.ctypes.data, last, self._argvs, self._n_masks, len(self._calls),
+                                   self.ctl.ctypes.data, self.counters.ctypes.data))
+        return (r, True) if r >= 0 else (-1 - r, False)
+
+    def totals(self) -> dict[str, int]:
+        return dict(zip(self.COUNTERS, self.counters.tolist()))
 
 
 def _validate(x, up, gate, down_t, packed_mask, n, act, up_bias, out, split, qtype, rows, act_threshold,  # noqa: ANN001, ANN202

@@ -133,6 +133,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
                                   p, i32, i64, p, i32, i64, i32, p, i32, p, i32, i32, f32, i32]
     lib.pi_sparse_ffn_bitmask_argv.restype = i64
     lib.pi_sparse_ffn_bitmask_argv.argtypes = [p]
+    lib.pi_serve.restype = i64
+    lib.pi_serve.argtypes = [p, i64, p, p, i64, p, p]
     lib.pi_scratch_bytes.restype = i64
     lib.pi_scratch_bytes.argtypes = [i64, i64, i64, i32, i32, i32, i32, i32]
     lib.pi_read_sum.restype = ctypes.c_double

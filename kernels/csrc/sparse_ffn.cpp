@@ -33,6 +33,8 @@
 // Built at first use by kernels/cpu_library.py with `g++ -O3 -march=native -pthread`; the vector
 // code is chosen at compile time (simd.h, quant.h).
 
+#include <time.h>
+
 #include <type_traits>
 #include <vector>
 
@@ -1262,6 +1264,71 @@ int64_t pi_sparse_ffn_bitmask_argv(const int64_t* v) {
                                  v[12], P(13), (int)v[14], (const uint8_t*)P(15), v[16], v[17], (const int32_t*)P(18),
                                  (int)v[19], P(20), (int)v[21], P(22), (int)v[23], (int)v[24], (int)v[25],
                                  (int64_t*)P(26), (float)thr, (int)v[28]);
+}
+
+// The CPU executor's serving loop (runtime/cpu_executor.py), on the channel's int64 header (its
+// layout is runtime/channel.py's: the H_* below). It answers the requests it can alone: an FFN
+// request (op 2) of a layer whose call was prepared (calls[layer], a pi_sparse_ffn_bitmask_argv
+// array; nullptr: not prepared) for the request's mask width (n_mask[layer]), as the Python loop
+// would: the kernel writes the channel's out, then the answer's times, status and resp_seq (last,
+// with release order; none once the primary gave up, resp_seq ABORTED).
+// ctl: [0] nonzero: return before the next request (another thread sets it), [1] threads,
+// [2] scratch address and [3] its bytes (a request needing more goes back to the caller), [4] ns
+// without a request before returning, [5] the channel's tokens.
+// counters (int64 [14], added to before the answer is published): exchanges, tokens of layer 0,
+// (token, neuron) pairs, rows, up rows, down rows, busy ns (request seen to answer), kernel ns; then
+// of the decode exchanges (one token a sequence): exchanges, busy ns, kernel ns, rows, up rows, down rows.
+// Returns the sequence number of a request left unanswered for the caller (>= 0), or, when none came
+// within ctl[4] ns or ctl[0] was set, -1 - the last request it answered (or was given: `last`).
+constexpr int H_REQ = 0, H_RESP = 1, H_OP = 2, H_LAYER = 3, H_NSEQ = 4, H_NTOK = 5, H_NMASK = 6, H_STATUS = 7,
+              H_TSTART = 10, H_TEND = 11, H_BUSY = 13;
+constexpr int64_t OP_FFN = 2, ABORTED = int64_t(1) << 62;
+
+static int64_t monotonic_ns() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);  // time.monotonic_ns's clock: comparable across processes
+    return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+int64_t pi_serve(int64_t* hdr, int64_t last, int64_t* const* calls, const int64_t* n_mask, int64_t n_layers,
+                 int64_t* ctl, int64_t* counters) {
+    auto load = [](int64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); };
+    int64_t idle_from = monotonic_ns();
+    for (uint32_t spins = 0;;) {
+        if (load(&ctl[0])) return -1 - last;
+        const int64_t seq = load(&hdr[H_REQ]);
+        if (seq == last) {
+            cpu_relax();
+            if ((++spins & 1023) == 0 && monotonic_ns() - idle_from > ctl[4]) return -1 - last;
+            continue;
+        }
+        const int64_t t0 = monotonic_ns();
+        const int64_t l = hdr[H_LAYER], n_seq = hdr[H_NSEQ], T = hdr[H_NTOK];
+        if (hdr[H_OP] != OP_FFN || l < 0 || l >= n_layers || !calls[l] || hdr[H_NMASK] != n_mask[l] || T < 1 ||
+            T > ctl[5] || n_seq < 1)
+            return seq;
+        int64_t a[29], st[4] = {0, 0, 0, 0};
+        std::memcpy(a, calls[l], sizeof a);
+        a[3] = T, a[22] = ctl[2], a[23] = ctl[1], a[26] = (int64_t)(intptr_t)st;
+        if (pi_scratch_bytes(T, a[4], a[17], (int)a[23], (int)a[21], (int)a[24], 1, (int)a[8]) > ctl[3]) return seq;
+        const int64_t tk = monotonic_ns();
+        if (pi_sparse_ffn_bitmask_argv(a) != 0) return seq;  // rejected before any work: the caller's path says why
+        const int64_t t1 = monotonic_ns();
+        const int64_t up = a[28] ? st[3] : st[1];  // with a threshold, the up rows it read
+        const int64_t add[8] = {1, l == 0 ? T : 0, st[0], st[1], up, st[2], t1 - t0, t1 - tk};
+        for (int i = 0; i < 8; ++i) counters[i] += add[i];
+        if (T == n_seq) {
+            const int64_t dec[6] = {1, t1 - t0, t1 - tk, st[1], up, st[2]};
+            for (int i = 0; i < 6; ++i) counters[8 + i] += dec[i];
+        }
+        if (load(&hdr[H_RESP]) != ABORTED) {  // the answer last: whoever sees it sees the counters
+            hdr[H_TSTART] = t0, hdr[H_TEND] = t1, hdr[H_BUSY] += t1 - t0, hdr[H_STATUS] = 0;
+            __atomic_store_n(&hdr[H_RESP], seq, __ATOMIC_RELEASE);
+        }
+        last = seq;
+        idle_from = monotonic_ns();
+        spins = 0;
+    }
 }
 
 // x [n] fp32 (n a multiple of 32) -> n / 32 ggml Q8_0 blocks (f16 d, 32 int8): the activation

@@ -19,6 +19,7 @@ the first n_tok * ceil(n_mask / 8) bytes as [n_tok, ceil(n_mask / 8)], contiguou
   8 peer_pid  9 (unused)  10 t_start_ns  11 t_end_ns (CLOCK_MONOTONIC, comparable across
   processes)  12 failures (answers with status error, ever)  13 busy_ns (the peer's compute, summed)
   16.. slots[B_max]   16+B_max.. start_pos[B_max]
+(The CPU executor's compiled serving loop reads and writes this header too: csrc pi_serve's H_*.)
 A decode step's graph posts and awaits by itself (``graphs.DecodeGraphs``): the GPU writes the
 request's fields and req_seq and polls resp_seq in the page-locked header, and the primary's
 host thread only waits for the step's end (``Exchange.wait_step``), reading failures and

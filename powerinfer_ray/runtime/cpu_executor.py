@@ -5,6 +5,7 @@ Dimension legend: N tokens of an exchange, D hidden.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -16,8 +17,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..kernels.cpu_ffn import linear as cpu_linear, prepare_bitmask
-from ..kernels.cpu_library import configure_threads
+from ..kernels.cpu_ffn import BitmaskCall, ServeLoop, linear as cpu_linear, prepare_bitmask
+from ..kernels.cpu_library import available as kernels_available, configure_threads
 from ..model import gguf_keys as K
 from ..model.qtypes import row_bytes
 from ..model.source import WeightSource, file_mapping, open_model
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 # gap between two layers' exchanges and between decode steps, so while tokens are generated they
 # start each exchange at once, on cores that never fell asleep
 WORKER_SPIN_US = 5000
+# how long the serving loop spins without a request before it sleeps (hot while generating)
+SPIN_S = 0.02
 
 
 class OneThread:
@@ -136,7 +139,8 @@ class CPUExecutor:
                      or load_attn_shard(self.src, l, plan[l].cpu_groups, wdt, torch.device("cpu"), slots + 1, n_ctx,
                                         cache_dtype=torch.float32, out_rows=True) for l in range(cfg.n_layer)]
         self.phases["attention"] = time.perf_counter() - t1
-        self.stats = ExecStats()
+        self._stats = ExecStats()
+        self._loop: ServeLoop | None = None  # the compiled serving loop (``attach``)
         # policy 'oracle': the true activity of the rows it computes (``activity``; the primary
         # counts the tokens and, under 'predictor', decides these neurons itself)
         self.activity = ActivityCounts([lp.cpu_neurons for lp in plan.layers], "cpu", cpu_counts(policy))
@@ -209,6 +213,8 @@ class CPUExecutor:
         self.threads = n
         if self._serving is None:
             self._omp.call(self._apply_threads)
+        elif self._loop is not None:
+            self._loop.interrupt()  # the compiled loop hands its next request to Python, which applies n
         return n
 
     def _apply_threads(self) -> None:
@@ -260,22 +266,67 @@ class CPUExecutor:
         self._serving.add_done_callback(_log_failure)
         return os.getpid()
 
+    @property
+    def stats(self) -> ExecStats:
+        """Its counters: the answers of the Python loop, and of the compiled one (``serve``)."""
+        loop = self._loop
+        if loop is None:
+            return self._stats
+        c, st, cfg = loop.totals(), self._stats, self.cfg
+        nbytes = ffn_bytes(cfg, c["rows"], c["up_rows"], c["down_rows"])
+        return dataclasses.replace(
+            st, exchanges=st.exchanges + c["exchanges"], tokens=st.tokens + c["tokens"], neurons=st.neurons + c["pairs"],
+            active_bytes=st.active_bytes + nbytes, kernel_bytes=st.kernel_bytes + nbytes,
+            busy_s=st.busy_s + c["busy_ns"] * 1e-9, kernel_s=st.kernel_s + c["kernel_ns"] * 1e-9,
+            decode_exchanges=st.decode_exchanges + c["decode_exchanges"],
+            decode_busy_s=st.decode_busy_s + c["decode_busy_ns"] * 1e-9,
+            decode_kernel_s=st.decode_kernel_s + c["decode_kernel_ns"] * 1e-9,
+            decode_kernel_bytes=st.decode_kernel_bytes + ffn_bytes(cfg, c["decode_rows"], c["decode_up_rows"],
+                                                                   c["decode_down_rows"]),
+            compiled_exchanges=st.compiled_exchanges + c["exchanges"])
+
+    def _serve_loop(self) -> ServeLoop | None:
+        """The compiled serving loop over every layer's FFN call, prepared now; None where the
+        Python loop serves alone: no compiled kernels, policy 'oracle' (it finds its own active
+        set), or a primary in this process (it waits on a condition variable the loop cannot ring)."""
+        ch = self.channel
+        if ch.in_process or self.policy == "oracle" or not kernels_available():
+            return None
+        widths = [sh.n if self.policy == "predictor" else 0 for sh in self.ffn]  # the requests' n_mask
+        calls = [self._prepared(l, w) if self.ffn[l].n > 0 else None for l, w in enumerate(widths)]
+        return ServeLoop(ch.header, calls, widths, ch.spec.t_max)
+
     def serve(self, last: int) -> None:
+        """Answer the channel's requests until OP_STOP. The compiled loop (``_serve_loop``) answers
+        the FFN requests it can; the rest come back here: the other ops, a request after an idle
+        spell (then asleep), after ``set_threads``."""
         ch = self.channel
         applied = torch.get_num_threads()
         torch.set_grad_enabled(False)  # this thread's mode (no autograd in what it serves), not a context per call
+        self._stats = self.stats  # a loop of an earlier channel (served until OP_STOP): its counters kept
+        loop = self._loop = self._serve_loop()
+        if loop is not None:
+            loop.configure(self.threads, SPIN_S)
         while True:
-            last = ch.wait_request(last, spin_s=0.02)  # hot while generating, asleep when idle
+            if loop is not None:
+                last, pending = loop.run(last)
+                if not pending:
+                    last = ch.wait_request(last, spin_s=0.0)
+                loop.clear()  # before reading the threads: a set_threads from here on interrupts the next run
+            else:
+                last = ch.wait_request(last, spin_s=SPIN_S)  # hot while generating, asleep when idle
             t_start = time.monotonic_ns()
             if self.threads != applied:  # set_threads while serving
                 self._apply_threads()
                 applied = self.threads
+                if loop is not None:
+                    loop.configure(self.threads, SPIN_S)
             op, l, n_seq, n_tok, n_mask = ch.request()
             if op == OP_STOP:
                 ch.respond(last, t_start)
                 return
             ok = True
-            st, k_s, k_bytes = self.stats, self.stats.kernel_s, self.stats.kernel_bytes
+            st, k_s, k_bytes = self._stats, self._stats.kernel_s, self._stats.kernel_bytes
             try:
                 if op != OP_PING:
                     self._compute(op, l, n_seq, n_tok, n_mask)
@@ -302,14 +353,14 @@ class CPUExecutor:
             slots, start = ch.slots[:n_seq].tolist(), ch.start_pos[:n_seq].tolist()
             t_a = time.monotonic_ns()
             a = attn_partial(x, self.attn[l], cfg, slots, start, self._linear).view(n_tok, cfg.n_embd)
-            self.stats.attn_s += (time.monotonic_ns() - t_a) * 1e-9
+            self._stats.attn_s += (time.monotonic_ns() - t_a) * 1e-9
             ch.out[:n_tok].add_(a) if wrote else ch.out[:n_tok].copy_(a)
-            self.stats.active_bytes += self.attn[l].weight_bytes  # read in full by every step
+            self._stats.active_bytes += self.attn[l].weight_bytes  # read in full by every step
             wrote = True
         if not wrote:
             ch.out[:n_tok].zero_()
-        self.stats.exchanges += 1
-        self.stats.tokens += n_tok if l == 0 else 0
+        self._stats.exchanges += 1
+        self._stats.tokens += n_tok if l == 0 else 0
 
     def _ffn(self, l: int, n_tok: int, n_mask: int) -> None:
         """Layer l's FFN share of the channel's x_ffn, written to its out [N, D]."""
@@ -321,23 +372,29 @@ class CPUExecutor:
             ch.out[:n_tok].copy_(y)
             nbytes = ffn_bytes(cfg, rows, rows, rows)
         else:  # one compiled call from the channel's packed mask and x to out (gate-first: every row, gate first)
-            call = self._calls.get((l, n_mask))
-            if call is None:  # checked once per layer: the channel's buffers at their capacity
-                packed = ch.mask_rows(ch.spec.t_max, n_mask) if self.policy == "predictor" else None
-                call = self._calls[(l, n_mask)] = prepare_bitmask(
-                    ch.x_ffn, sh.up, sh.gate, sh.down_t, packed, n_mask if packed is not None else sh.n,
-                    cfg.ffn_act, sh.up_bias, ch.out, skip_zero=self.skip_zero, qtype=sh.qtype, rows=sh.rows,
-                    act_threshold=self.pol.act_threshold(l), act_on=self.pol.act_on)
             t_k = time.monotonic_ns()
-            counts = call(n_tok, self.threads)
-            self.stats.kernel_s += (time.monotonic_ns() - t_k) * 1e-9
+            counts = self._prepared(l, n_mask)(n_tok, self.threads)
+            self._stats.kernel_s += (time.monotonic_ns() - t_k) * 1e-9
             pairs, rows, down_rows = counts[:3]
             up_rows = counts[3] if len(counts) > 3 else rows  # gate first: only rows whose gate passes
             # bytes read (as stored: blocks of a quantized model); the rows it skipped are not read
             nbytes = ffn_bytes(cfg, rows, up_rows, down_rows)
-            self.stats.kernel_bytes += nbytes
-        self.stats.neurons += pairs
-        self.stats.active_bytes += nbytes
+            self._stats.kernel_bytes += nbytes
+        self._stats.neurons += pairs
+        self._stats.active_bytes += nbytes
+
+    def _prepared(self, l: int, n_mask: int) -> BitmaskCall:
+        """Layer l's FFN call on the channel's buffers at their capacity (checked once per layer
+        and mask width: ``prepare_bitmask``)."""
+        call = self._calls.get((l, n_mask))
+        if call is None:
+            ch, sh = self.channel, self.ffn[l]
+            packed = ch.mask_rows(ch.spec.t_max, n_mask) if self.policy == "predictor" else None
+            call = self._calls[(l, n_mask)] = prepare_bitmask(
+                ch.x_ffn, sh.up, sh.gate, sh.down_t, packed, n_mask if packed is not None else sh.n,
+                self.cfg.ffn_act, sh.up_bias, ch.out, skip_zero=self.skip_zero, qtype=sh.qtype, rows=sh.rows,
+                act_threshold=self.pol.act_threshold(l), act_on=self.pol.act_on)
+        return call
 
     def swap(self, swaps: list[Swap]) -> None:
         """Re-placement (``runtime.replacement``), between steps (the primary swaps the same, and
@@ -353,8 +410,8 @@ class CPUExecutor:
                 warm_rows(sh, s.to_cpu)
             self.activity.relabel(s.l, s.cpu_rows, s.to_cpu, self.cfg.n_ff)
             self.plan = self.plan.swap(s)
-        self.stats.moved_neurons += sum(len(s) for s in swaps)
-        self.stats.move_s += time.perf_counter() - t0
+        self._stats.moved_neurons += sum(len(s) for s in swaps)
+        self._stats.move_s += time.perf_counter() - t0
 
     def activation_counts(self, reset: bool = False) -> np.ndarray:
         """The true activity counts of its neurons under policy 'oracle' [L, n_ff] by model neuron

@@ -41,6 +41,7 @@ class ExecStats:
     decode_busy_s: float = 0.0
     decode_kernel_s: float = 0.0
     decode_kernel_bytes: int = 0
+    compiled_exchanges: int = 0  # CPU executor: of its exchanges, those its compiled serving loop answered
     moved_neurons: int = 0  # re-placement: neurons that came to this executor (runtime/replacement.py)
     move_s: float = 0.0  # and the host seconds it spent moving them in, between steps
     # seconds of eager steps (host): attn / ffn, wait (for the CPU's answers); of graph steps:
