@@ -579,13 +579,14 @@ room)  # the budget's bytes for hot neurons (~8 min on an H100): the GPU tests o
     # 1, the default (predictors held as Q8_0, the token embedding in host memory) against float predictors at the
     # same budget (B) and against float predictors at the budget less the embedding's 0.305 GiB (C: the plan of the
     # commits before), in the order A C C A (ROOM_ORDER="A B C C2 B2 A2": with B); then the default at batch 8 and
-    # 32; every JSON and the log in
-    # $OUT/room-results.tar (dry run elsewhere: M13="planted:tiny" B13=0.01 EMB_GIB=0.0001 THREADS=1)
+    # 32; the CPU executor's serving loop (bench sync --cpu-executor); every JSON and the log in
+    # $OUT/room-results.tar (dry run elsewhere: M13="planted:tiny" B13=0.01 EMB_GIB=0.0001 THREADS=1
+    # SERVE_LOOP_MODEL=tiny)
     gpu=$(gpu_tag)
     RES=/tmp/room-results log=/tmp/room-results/room.log
     mkdir -p "$RES"
     timeout -s INT 150 python -m pytest tests/gpu/test_runtime_gpu.py tests/gpu/test_runtime_quant_gpu.py -q -rf \
-        -k "embedding or vram_budget or (graph_decode and (q8_0 or q4_0))" > "$RES/gpu-tests.log" 2>&1
+        -k "embedding or vram_budget or (graph_decode and (q8_0 or q4_0)) or compiled_loop" > "$RES/gpu-tests.log" 2>&1
     tail -n 3 "$RES/gpu-tests.log" | cut -c1-300
     write_file "$M13" 200 || { pack; exit 0; }
     before=$(python -c "print($B13 - ${EMB_GIB:-0.30517578125})")  # the 13B's token embedding, GiB
@@ -599,12 +600,17 @@ room)  # the budget's bytes for hot neurons (~8 min on an H100): the GPU tests o
             --modes hybrid --shapes 64x128 --batch 1 -t "$THREADS" "${args[@]}" > /dev/null
         pack
     done
-    table decode_tok_s,gpu_activation_share,cpu_kernel_us_per_exchange,per_layer_us,placed "$RES"/runtime-13b-*-b1-room-*.json
+    table decode_tok_s,gpu_activation_share,cpu_kernel_us_per_exchange,cpu_compute_us_per_exchange,per_layer_us,placed \
+        "$RES"/runtime-13b-*-b1-room-*.json
     suite "runtime-13b-${B13}gib-file-batch-room-$gpu-$POWERINFER_COMMIT" 150 -m "$M13" --as-file "$SHM" --vram-budget "$B13" \
         --modes hybrid --shapes 16x32 --batch 8,32 -t "$THREADS" > /dev/null
     pack
     table decode_tok_s,gpu_activation_share,cpu_kernel_gbps,vram_used_gib,vram_peak_gib,graph_captures \
         "$RES"/runtime-13b-*-batch-room-*.json
+    # the CPU executor's compiled serving loop: an answer less its kernel, on this host's cores
+    timeout 150 python bench/sync_bench.py --cpu-executor "${SERVE_LOOP_MODEL:-llama2-13b?layers=4}" --threads "$THREADS" \
+        --k 220 --iters 3000 --out-dir "$RES" --name "serve-loop-13b-$gpu-$POWERINFER_COMMIT" | tail -n 16
+    pack
     ;;
 q8)  # the Q8_0 13B at 8 GiB, hybrid and layer-offload
     suite runtime-13b-q8-8gib-h200 560 -m "planted:llama2-13b?dtype=q8_0" --vram-budget 8 \

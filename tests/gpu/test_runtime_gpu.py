@@ -547,3 +547,28 @@ def test_no_garbage_collection_runs_inside_a_graph_capture(tmp_path):
     finally:
         eng.close()
     assert during == []
+
+
+def test_cuda_engine_on_ray_answers_through_the_compiled_loop(ray_cluster, tmp_path):
+    """The engine as users run it, its executors Ray actors (the CPU executor in a process of its
+    own): the decode graphs post each layer's FFN request from the GPU, and the CPU executor's
+    compiled serving loop (csrc pi_serve) answers it. The tokens are the fp32 dense reference's
+    greedy ones (ties within the fp16 tolerance), and both executors count every exchange once."""
+    import ray
+    from ties import assert_greedy
+
+    from powerinfer_ray.actors.coordinator import Coordinator
+
+    path, ref, plan = _model_and_plan(tmp_path, "llama-reglu", "mixed")
+    eng = Coordinator.options(name="gpu-engine-loop", num_cpus=0).remote(str(path), plan=plan, policy="dense",
+                                                                         device="cuda", max_batch=2, threads=1)
+    try:
+        prompt = list(range(3, 19))
+        out = ray.get(eng.generate.remote(prompt_token_ids=prompt, max_tokens=16, ignore_eos=True))
+        assert_greedy(ref, prompt, out["token_ids"], tie=_tol("f16", "mixed"))
+        st = ray.get(eng.stats.remote())
+        cpu, gpu = st["cpu_executor"], st["gpu_executor"]
+        assert gpu["graph_steps"] > 0 and cpu["exchanges"] == gpu["exchanges"] > cpu["compiled_exchanges"] > 0
+    finally:
+        ray.get(eng.shutdown.remote())
+        ray.kill(eng)
