@@ -55,6 +55,7 @@ class Node:
 
     def __init__(self, args: list[str], log: Path, env: dict[str, str]) -> None:
         ray_bin = str(Path(sys.executable).with_name("ray"))
+        self.log = log
         self.metrics_port = free_port()  # the node's Prometheus /metrics endpoint
         ports = [f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
                  f"--metrics-export-port={self.metrics_port}", f"--runtime-env-agent-port={free_port()}",
@@ -101,10 +102,25 @@ class LocalCluster:
         return self._start([f"--address={self.address}"], cpus, resources)
 
     def wait_nodes(self, ray, n: int, timeout: float = 120.0) -> None:  # noqa: ANN001
+        """Until n nodes are alive; fails at once when a node's ``ray start`` exited, with its log."""
         deadline = time.time() + timeout
         while sum(1 for x in ray.nodes() if x["Alive"]) != n:
-            assert time.time() < deadline, f"the cluster did not reach {n} alive nodes in {timeout} s"
+            exited = [node for node in self.nodes if node.proc.poll() is not None]
+            assert not exited and time.time() < deadline, \
+                f"the cluster did not reach {n} alive nodes in {timeout} s\n{self.diagnosis()}"
             time.sleep(0.25)
+
+    def diagnosis(self) -> str:
+        """Each node's ``ray start``: running or its exit code, and the end of its log."""
+        out = []
+        for i, node in enumerate(self.nodes):
+            rc = node.proc.poll()
+            try:
+                tail = node.log.read_text(errors="replace").splitlines()[-15:]
+            except OSError as e:
+                tail = [f"(no log: {e})"]
+            out.append(f"node {i} ({'running' if rc is None else f'exited {rc}'}), {node.log}:\n  " + "\n  ".join(tail))
+        return "\n".join(out)
 
     def stop(self) -> None:
         for node in reversed(self.nodes):

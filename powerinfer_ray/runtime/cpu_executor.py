@@ -301,7 +301,7 @@ class CPUExecutor:
         the FFN requests it can; the rest come back here: the other ops, a request after an idle
         spell (then asleep), after ``set_threads``."""
         ch = self.channel
-        applied = torch.get_num_threads()
+        applied = self.threads  # applied at load, or by set_threads before serving
         torch.set_grad_enabled(False)  # this thread's mode (no autograd in what it serves), not a context per call
         self._stats = self.stats  # a loop of an earlier channel (served until OP_STOP): its counters kept
         loop = self._loop = self._serve_loop()

@@ -78,7 +78,10 @@ def cluster(tmp_path_factory):
     c = LocalCluster(tmp_path_factory.mktemp("cluster"), head_cpus=3, head_resources={SLOT: 1}, num_gpus=2)
     try:
         c.add(cpus=1, resources={SLOT: 1})
-        connect(ray, c.address)
+        try:
+            connect(ray, c.address)
+        except ConnectionError as e:
+            raise AssertionError(f"could not join the cluster at {c.address}: {e}\n{c.diagnosis()}") from e
         c.wait_nodes(ray, 2)
         yield c
     finally:
