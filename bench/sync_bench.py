@@ -219,6 +219,9 @@ def run_cpu_executor(a: argparse.Namespace) -> dict:
     spec = a.cpu_executor if a.cpu_executor.startswith("planted:") else "planted:" + a.cpu_executor
     cfg = preset_config(spec.removeprefix("planted:"))
     n_gpu = cfg.n_ff - round(a.cpu_share * cfg.n_ff)
+    if not 0 < a.cpu_share <= 1 or not 0 <= a.k <= cfg.n_ff - n_gpu:
+        raise SystemExit(f"--cpu-share {a.cpu_share} / --k {a.k}: expected a share in (0, 1] and k in [0, "
+                         f"{cfg.n_ff - n_gpu}] (the rows of that share of {spec}'s {cfg.n_ff} neurons)")
     plan = Plan.from_masks([np.arange(cfg.n_ff) < n_gpu] * cfg.n_layer, None, cfg)
     cpu = CPUExecutorActor.options(num_cpus=1).remote("bench-cpu")
     ray.get(cpu.load.remote(spec, plan, threads=a.threads, dtype="f16"))
