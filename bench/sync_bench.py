@@ -176,17 +176,19 @@ class Primary:
 @ray.remote
 class ExchangePrimary:
     def run(self, cpu, n_layer: int, d: int, n_mask: int, k: int, iters: int, gap_us: float) -> dict:  # noqa: ANN001
+        import torch
+
         from powerinfer_ray.runtime.channel import OP_FFN, OP_STOP, Channel, pack_mask
 
         ch = Channel.create(d=d, t_max=1, b_max=1, n_mask=n_mask, x_dtype="f16")
         ray.get(cpu.attach.remote(ch.spec))
         gen = np.random.default_rng(0)
-        ch.x_ffn[:1] = torch_from(gen.standard_normal((1, d)).astype(np.float16))
+        ch.x_ffn[:1] = torch.from_numpy(gen.standard_normal((1, d)).astype(np.float16))
         masks = []
         for _ in range(16):
             m = np.zeros((1, n_mask), bool)
             m[0, gen.choice(n_mask, k, replace=False)] = True
-            masks.append(pack_mask(torch_from(m)).numpy())
+            masks.append(pack_mask(torch.from_numpy(m)).numpy())
         rt, answer = [], []
         for i in range(iters + 100):
             ch.mask_rows(1, n_mask)[:] = masks[i % len(masks)]
@@ -202,12 +204,6 @@ class ExchangePrimary:
         ch.close(unlink=True)
         return {"round_trip_us_median": float(np.median(rt)), "answer_us_median": float(np.median(answer)),
                 "round_trip_us_p90": float(np.percentile(rt, 90))}
-
-
-def torch_from(a: np.ndarray):  # noqa: ANN201
-    import torch
-
-    return torch.from_numpy(a)
 
 
 def run_cpu_executor(a: argparse.Namespace) -> dict:

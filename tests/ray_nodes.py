@@ -106,8 +106,9 @@ class LocalCluster:
         deadline = time.time() + timeout
         while sum(1 for x in ray.nodes() if x["Alive"]) != n:
             exited = [node for node in self.nodes if node.proc.poll() is not None]
-            assert not exited and time.time() < deadline, \
-                f"the cluster did not reach {n} alive nodes in {timeout} s\n{self.diagnosis()}"
+            assert not exited and time.time() < deadline, (f"the cluster did not reach {n} alive nodes "
+                                                          f"({'a node exited' if exited else f'in {timeout} s'})\n"
+                                                          f"{self.diagnosis()}")
             time.sleep(0.25)
 
     def diagnosis(self) -> str:

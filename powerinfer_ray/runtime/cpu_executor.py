@@ -28,6 +28,7 @@ from .cores import CoreClaim
 from .hostmem import process_memory
 from .layers import Policy, attn_partial, ffn_bytes, ffn_partial
 from .plan import Plan, Swap
+from .schedule import mask_width
 from .shard import (FFNShard, ffn_qtype, in_place_attn_shard, in_place_ffn_shard, load_attn_shard,
                     load_ffn_shard, replace_neurons)
 from .sharedshard import fill, prefault, release, share
@@ -292,7 +293,7 @@ class CPUExecutor:
         ch = self.channel
         if ch.in_process or self.policy == "oracle" or not kernels_available():
             return None
-        widths = [sh.n if self.policy == "predictor" else 0 for sh in self.ffn]  # the requests' n_mask
+        widths = [mask_width(self.policy, sh.n) for sh in self.ffn]  # the requests' n_mask
         calls = [self._prepared(l, w) if self.ffn[l].n > 0 else None for l, w in enumerate(widths)]
         return ServeLoop(ch.header, calls, widths, ch.spec.t_max)
 

@@ -61,6 +61,13 @@ PHASE = {"attn_in": "attn", "stage_attn": "attn", "attention": "attn", "attn_out
          "ffn_in": "ffn", "stage_ffn": "ffn", "ffn": "ffn", "cold": "ffn", "ffn_out": "ffn"}
 
 
+def mask_width(policy: str, n_cpu: int) -> int:
+    """n_mask of the CPU executor's FFN requests for a shard of n_cpu neurons: the width of the
+    primary's packed mask under 'predictor'; 0 under the policies whose CPU computes its rows
+    without one ('dense', gate-first)."""
+    return n_cpu if policy == "predictor" else 0
+
+
 def layer_schedule(cfg: ModelConfig, lp: LayerPlan, l: int, policy: str, share: float = 0.0) -> list[Item]:
     """Layer l's items (see the module docstring). share: of the CPU shard's rows, the primary
     computes this share densely (``cold.ColdRows``, its first ``streamed_rows``); the CPU executor
@@ -68,7 +75,7 @@ def layer_schedule(cfg: ModelConfig, lp: LayerPlan, l: int, policy: str, share: 
     heads, n = len(lp.cpu_groups) > 0, len(lp.cpu_neurons)
     k = streamed_rows(n, share)
     cold, cpu_ffn = k > 0, k < n
-    n_mask = len(lp.cpu_neurons) if policy == "predictor" and cpu_ffn else 0
+    n_mask = mask_width(policy, n) if cpu_ffn else 0
     S = lambda op, cpu=False: Step(op, l, cpu)  # noqa: E731
     if cfg.parallel_attn:  # one request: the CPU answers with the sum of its parts
         items = [S("attn_in"), S("ffn_in")]

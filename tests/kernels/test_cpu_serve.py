@@ -25,14 +25,14 @@ D, CAP, WIDTHS = 64, 4, (101, 77)  # the channel's tokens; the two prepared laye
 class Loop:
     """A ServeLoop over a fresh channel, its run() in a thread; posts from this thread."""
 
-    def __init__(self, tmp_threads: int = 2) -> None:
+    def __init__(self, threads: int = 2) -> None:
         gen = torch.Generator().manual_seed(5)
         self.ch = Channel.create(D, CAP, CAP, max(WIDTHS), "f16")
         self.shards = [make_shard(n + 9, D, torch.float16, "reglu", True, gen) for n in WIDTHS]
         calls = [cpu_ffn.prepare_bitmask(self.ch.x_ffn, up, gate, down_t, self.ch.mask_rows(CAP, n), n, "reglu", b,
                                          self.ch.out) for n, (up, gate, down_t, b) in zip(WIDTHS, self.shards)]
         self.loop = cpu_ffn.ServeLoop(self.ch.header, [*calls, None], [*WIDTHS, 0], CAP)  # layer 2: not prepared
-        self.loop.configure(tmp_threads, idle_s=30.0)
+        self.loop.configure(threads, idle_s=30.0)
         self.gen, self.last, self.returned = gen, int(self.ch.header[0]), []
         self.thread: threading.Thread | None = None
 
