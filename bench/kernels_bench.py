@@ -880,15 +880,19 @@ def gpu_case(tf, dname, w, layers, cfg, T, pct, ceiling, gen, args) -> dict:
     return row
 
 
-LINEAR_SHAPES = {"attn_5120x5120": (5120, 5120), "head_32000x5120": (32000, 5120), "fc1_1024x5120": (1024, 5120)}
+LINEAR_SHAPES = {"attn_5120x5120": (5120, 5120), "head_32000x5120": (32000, 5120), "fc1_1024x5120": (1024, 5120),
+                 "fc2_13824x1024": (13824, 1024)}
+LINEAR_TOKENS = (1, 4, 8, 16, 32, 64)
 
 
 def bench_gpu_linear(qtypes, ceiling, gen, quick: bool) -> list[dict]:
     """The dense GEMV on quantized rows (kernels.linear: attention projections, output head,
-    predictor) at 1, 8 and 64 tokens, on the file's blocks and on repacked Q4_0 rows (what a CUDA
-    primary holds); at T = 1 also the repacked kernel's tiles around the default. GB/s on the compressed
-    bytes, L2 flushed before each call."""
-    from powerinfer_ray.kernels.linear import linear
+    predictor) at LINEAR_TOKENS tokens, on the file's blocks and on repacked Q4_0 rows (what a CUDA
+    primary holds); on blocks from 2 to 32 tokens also the tl.dot up stage ("blocks-dot", what
+    triton_linear runs beyond TOKENS_MAX); at T = 1 the repacked kernel's tiles around the default.
+    GB/s on the compressed bytes, L2 flushed before each call."""
+    from powerinfer_ray.kernels.linear import GEMV_MAX_T, linear
+    from powerinfer_ray.kernels.triton_linear import _linear_dot
     from powerinfer_ray.kernels.triton_qgemv import qgemv_triton
 
     rows = []
@@ -898,13 +902,20 @@ def bench_gpu_linear(qtypes, ceiling, gen, quick: bool) -> list[dict]:
         w = torch.randint(0, 256, (R, nb // R), generator=gen, dtype=torch.uint8)
         w.view(R, -1, quant.BLOCK_BYTES[qtype])[..., :2] = torch.full((1,), 1e-3, dtype=torch.float16).view(torch.uint8)
         w = w.to(GPU)
-        forms = {"blocks": (w, qtype)}
+        forms = {"blocks": (w, qtype), "blocks-dot": (w, qtype)}
         if qtype in quant.REPACKED:
             forms["repacked"] = (quant.repack(w, qtype), quant.REPACKED[qtype])
-        for T, (form, (wf, q)) in itertools.product((1, 8, 64), forms.items()):
+        for T, (form, (wf, q)) in itertools.product(LINEAR_TOKENS, forms.items()):
+            if form == "blocks-dot" and not 1 < T <= GEMV_MAX_T:
+                continue
             x = torch.randn(T, Dw, generator=gen).half().to(GPU)
-            t = gpu_time(lambda: linear(x, wf, qtype=q), quick)
-            g = graph_time(lambda _s: linear(x, wf, qtype=q), [None], quick)
+            if form == "blocks-dot":
+                y = torch.empty(T, R, device=GPU)
+                op = lambda: _linear_dot(x, wf, q, None, False, y)  # noqa: E731
+            else:
+                op = lambda: linear(x, wf, qtype=q)  # noqa: E731
+            t = gpu_time(op, quick)
+            g = graph_time(lambda _s: op(), [None], quick)
             row = dict(qtype=qtype, shape=name, T=T, form=form, bytes=nb, median_us=round(t * 1e6, 2),
                        GBps=round(nb / t / 1e9, 1), frac_ceiling=round(nb / t / 1e9 / ceiling, 4))
             if g is not None:

@@ -369,26 +369,31 @@ def test_quantized_ffn_at_llama13b_shape_and_in_a_graph(qtype, T):
 
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
-@pytest.mark.parametrize("R, D", [(5120, 5120), (32000, 5120), (2048, 5120)], ids=["attn", "head", "fc1"])
+@pytest.mark.parametrize("R, D", [(5120, 5120), (32000, 5120), (2048, 5120), (13824, 1024)],
+                         ids=["attn", "head", "fc1", "fc2"])
 def test_quantized_linear_at_real_shapes(qtype, R, D):
-    """kernels.linear on quantized rows (attention projection, output head, predictor fc1), the
-    file's blocks and (Q4_0) the repacked rows a CUDA primary holds, at 1, 8 and 40 tokens (the
-    Triton GEMVs, then dequantized rows through cuBLAS in fp16), with a bias, against float64
-    computed on the GPU; the repacked GEMV also replayed from a CUDA graph for new x."""
+    """kernels.linear on quantized rows (attention projection, output head, predictor fc1 / fc2),
+    the file's blocks and (Q4_0) the repacked rows a CUDA primary holds, at 1, 8, 32 and 40 tokens
+    (the Triton GEMVs, then dequantized rows through cuBLAS in fp16), with a bias, against float64
+    computed on the GPU; on blocks up to TOKENS_MAX tokens each token's row is the one it gets
+    alone; the repacked GEMV also replayed from a CUDA graph for new x."""
     from powerinfer_ray.kernels.linear import linear, linear_ref
     from powerinfer_ray.kernels.quant import REPACKED, repack
+    from powerinfer_ray.kernels.triton_linear import TOKENS_MAX
 
     gen = torch.Generator().manual_seed(R)
     w = q_rows(R, D, qtype, gen)
     b = torch.randn(R, generator=gen).to(DEV)
     forms = [(w, qtype)] + ([(repack(w, qtype), REPACKED[qtype])] if qtype in REPACKED else [])
     for wf, q in forms:
-        for T in (1, 8, 40):
+        for T in (1, 8, 32, 40):
             x = torch.randn(T, D, generator=gen).half().to(DEV)
             y = linear(x, wf, b, qtype=q)
             ref = linear_ref(x, w, b, qtype)
             tol = Q_TOL[torch.float32 if T <= 32 else torch.float16]
             assert y.shape == (T, R) and rel_err(y, ref) < tol, f"{q} T={T}: " + what_differs(y, ref)
+            if q == qtype and 1 < T <= TOKENS_MAX:
+                assert torch.equal(y[T - 1], linear(x[T - 1:], wf, b, qtype=q)[0]), f"{q} T={T}: token alone"
     if qtype not in REPACKED:
         return
     x = torch.randn(1, D, generator=gen).half().to(DEV)

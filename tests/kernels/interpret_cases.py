@@ -277,22 +277,26 @@ def test_triton_sparse_ffn_on_quantized_rows(qtype, act):
 
 @pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
 def test_triton_linear_on_quantized_rows(qtype):
-    """The dense GEMV (attention projections, output head, predictor) at T = 1 (elementwise) and
-    T = 5 and MAX_T + 3 (tl.dot, two launches), with a bias, against float64; with ``relu`` (the
-    predictor's fc1) the same clamped at 0."""
+    """The dense GEMV (attention projections, output head, predictor) at T = 1, 5 and TOKENS_MAX (one
+    program per row block and token) and TOKENS_MAX + 3 (tl.dot, two launches), with a bias, against
+    float64; with ``relu`` (the predictor's fc1) the same clamped at 0. Up to TOKENS_MAX tokens each
+    token's row is the one it gets alone."""
     from powerinfer_ray.kernels.linear import linear_ref
-    from powerinfer_ray.kernels.triton_linear import linear_triton
+    from powerinfer_ray.kernels.triton_linear import TOKENS_MAX, linear_triton
 
     gen = torch.Generator().manual_seed(3)
     R, D = 45, 160
     w = q_rows(R, D, qtype, gen)
     b = torch.randn(R, generator=gen)
-    for T in (1, 5, triton_ffn.MAX_T + 3):
+    for T in (1, 5, TOKENS_MAX, TOKENS_MAX + 3):
         x = torch.randn(T, D, generator=gen)
         y, want = linear_triton(x, w, qtype, b), linear_ref(x, w, b, qtype)
         assert y.dtype == torch.float32 and rel_err(y, want) < TOL[torch.float32], T
         relu = linear_triton(x, w, qtype, b, relu=True)
         assert (want < 0).any() and rel_err(relu, want.clamp(min=0)) < TOL[torch.float32], T
+        if 1 < T <= TOKENS_MAX:
+            for t in (0, T - 1):
+                assert torch.equal(y[t], linear_triton(x[t:t + 1], w, qtype, b)[0]), (T, t)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)

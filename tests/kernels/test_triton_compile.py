@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
-MODULES = ("triton_attention", "triton_fused", "triton_norm", "triton_predictor", "triton_qgemv", "triton_signal", "triton_split", "triton_stages")
+MODULES = ("triton_attention", "triton_fused", "triton_linear", "triton_norm", "triton_predictor", "triton_qgemv", "triton_signal", "triton_split", "triton_stages")
 
 
 def _kernels() -> set[str]:
