@@ -106,7 +106,7 @@ class IncrementalText:
     """The text of a growing list of token ids (a generation's output), decoding only its last few
     ids at each step, as HF's TextStreamer and vLLM do: ``update(ids)`` returns what
     ``tok.decode(ids)`` would, less a trailing incomplete UTF-8 sequence (U+FFFD, which waits for
-    its next bytes), where decoding the whole output at every step would cost time in proportion
+    its next bytes; ``final``: the output ends here, its U+FFFD stays), where decoding the whole output at every step would cost time in proportion
     to its length. The ids since the last complete text are decoded after the ids that gave the
     text before them (never after special tokens alone, which decode to nothing), so a piece's
     leading space decodes as it does in context: a SentencePiece decoder strips it from the first
@@ -118,13 +118,13 @@ class IncrementalText:
         self.done = ""  # the text of ids[:read]
         self.prefix = self.read = 0  # ids[prefix:read]: the window's context (text, unless at the start)
 
-    def update(self, ids: list[int]) -> str:
+    def update(self, ids: list[int], final: bool = False) -> str:
         before = self.tok.decode(ids[self.prefix:self.read])
         now = self.tok.decode(ids[self.prefix:])
         if not now.startswith(before):
             self.done, self.prefix, self.read = "", 0, 0
             before, now = "", self.tok.decode(ids)
-        if now.endswith("\ufffd"):
+        if now.endswith("\ufffd") and not final:
             return self.done + now[len(before):].rstrip("\ufffd")
         added = now[len(before):]
         self.done += added

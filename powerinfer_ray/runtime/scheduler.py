@@ -357,12 +357,15 @@ class Scheduler:
             req.output_ids.pop()  # the stop token is not part of the output
         req.logprobs.extend(new_lp)
         self._detokenize(req)
+        cut = -1
         if reason is None and p.stop:
             cut = min((i for i in (req.text.find(s) for s in p.stop) if i >= 0), default=-1)
             if cut >= 0:
                 req.text, reason = req.text[:cut], "stop"
         if reason is None and len(req.output_ids) >= req.max_new:
             reason = "length"
+        if reason and cut < 0:  # the output ends here: its text is decode()'s, a trailing incomplete sequence too
+            self._detokenize(req, final=True)
         hold = 0 if reason else max((len(s) - 1 for s in p.stop), default=0)
         self._push(req, hold, new_ids, new_lp)
         if reason:
@@ -377,12 +380,12 @@ class Scheduler:
     def _piece(self, token: int) -> str:
         return self.tok.decode([token], skip_special=False) if self.tok is not None else ""
 
-    def _detokenize(self, req: Request) -> None:
+    def _detokenize(self, req: Request, final: bool = False) -> None:
         if self.tok is None:
             return
         if req.detok is None:
             req.detok = IncrementalText(self.tok)
-        req.text = req.detok.update(req.output_ids)  # an incomplete UTF-8 sequence waits for its next bytes
+        req.text = req.detok.update(req.output_ids, final)  # unless final, an incomplete UTF-8 sequence waits
 
     def _push(self, req: Request, hold: int, new_ids: list[int], new_lp: list[dict]) -> None:
         upto = max(req.emitted, len(req.text) - hold)

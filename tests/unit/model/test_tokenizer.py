@@ -135,8 +135,9 @@ def test_encode_decode_like_hf(tok_dirs, kind, source):
 @pytest.mark.parametrize("kind", ["gpt2", "spm", "spm-legacy"])
 def test_incremental_text_equals_the_full_decode_at_every_token(tok_dirs, kind, monkeypatch):
     """A generation's text decoded a few ids a step equals the decode of all its ids after every id
-    (less a trailing incomplete UTF-8 sequence): texts whose characters span several byte tokens,
-    and random ids (byte tokens in the middle of words, specials, sequences that never complete)."""
+    (less a trailing incomplete UTF-8 sequence, which the final update keeps): texts whose characters
+    span several byte tokens, and random ids (byte tokens in the middle of words, specials, sequences
+    that never complete)."""
     tok = Tokenizer(fields_of(tok_dirs[kind]))
     n = len(tok.tok.get_vocab())
     rng = random.Random(1)
@@ -145,6 +146,8 @@ def test_incremental_text_equals_the_full_decode_at_every_token(tok_dirs, kind, 
         inc = IncrementalText(tok)
         for i in range(1, len(ids) + 1):
             assert inc.update(ids[:i]) == tok.decode(ids[:i]).rstrip("\ufffd"), (kind, ids[:i])
+        assert inc.update(ids, final=True) == tok.decode(ids), (kind, ids)
+    assert any(tok.decode(ids).endswith("\ufffd") for ids in seqs)  # the final update's case occurs
     # and a step decodes a few ids, not the output so far: a long text's (1000+ ids) widest window
     ids = tok.encode(" ".join(CORPUS[3:6])[:6000])
     widths: list[int] = []
