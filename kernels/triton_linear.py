@@ -18,7 +18,10 @@ import triton.language as tl
 from .triton_ffn import CONFIGS, MAX_T, config_for
 from .triton_stages import QT_CODE, _rows_dot_x, launch_up, tile_width, w_arg
 
-TOKENS_MAX = 32  # tokens the per-token GEMV takes; more: the tl.dot up stage
+# Tokens the per-token GEMV takes; more: the tl.dot up stage. The per-token kernel's time grows with T,
+# the tl.dot stage's hardly: on an H100 at the 13B's Q8_0 shapes they cross between 16 and 32 tokens
+# (bench kernels --gpu-dtypes q8_0: kernels-linear-tokens-h100-a93fea1.json).
+TOKENS_MAX = 16
 
 _ROWS: dict[tuple[str, int], torch.Tensor] = {}
 
