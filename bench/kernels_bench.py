@@ -889,9 +889,10 @@ def bench_gpu_linear(qtypes, ceiling, gen, quick: bool) -> list[dict]:
     """The dense GEMV on quantized rows (kernels.linear: attention projections, output head,
     predictor) at LINEAR_TOKENS tokens, on the file's blocks and on repacked Q4_0 rows (what a CUDA
     primary holds); on blocks from 2 to 32 tokens also the tl.dot up stage ("blocks-dot", what
-    triton_linear runs beyond TOKENS_MAX); at T = 1 the repacked kernel's tiles around the default.
-    GB/s on the compressed bytes, L2 flushed before each call."""
-    from powerinfer_ray.kernels.linear import GEMV_MAX_T, linear
+    triton_linear runs beyond TOKENS_MAX) and the rows dequantized a chunk at a time through cuBLAS
+    ("blocks-dequant", what more than GEMV_MAX_T tokens run); at T = 1 the repacked kernel's tiles
+    around the default. GB/s on the compressed bytes, L2 flushed before each call."""
+    from powerinfer_ray.kernels.linear import GEMV_MAX_T, dequantized_linear, linear
     from powerinfer_ray.kernels.triton_linear import _linear_dot
     from powerinfer_ray.kernels.triton_qgemv import qgemv_triton
 
@@ -902,16 +903,18 @@ def bench_gpu_linear(qtypes, ceiling, gen, quick: bool) -> list[dict]:
         w = torch.randint(0, 256, (R, nb // R), generator=gen, dtype=torch.uint8)
         w.view(R, -1, quant.BLOCK_BYTES[qtype])[..., :2] = torch.full((1,), 1e-3, dtype=torch.float16).view(torch.uint8)
         w = w.to(GPU)
-        forms = {"blocks": (w, qtype), "blocks-dot": (w, qtype)}
+        forms = {"blocks": (w, qtype), "blocks-dot": (w, qtype), "blocks-dequant": (w, qtype)}
         if qtype in quant.REPACKED:
             forms["repacked"] = (quant.repack(w, qtype), quant.REPACKED[qtype])
         for T, (form, (wf, q)) in itertools.product(LINEAR_TOKENS, forms.items()):
-            if form == "blocks-dot" and not 1 < T <= GEMV_MAX_T:
+            if form in ("blocks-dot", "blocks-dequant") and not 1 < T <= GEMV_MAX_T:
                 continue
             x = torch.randn(T, Dw, generator=gen).half().to(GPU)
             if form == "blocks-dot":
                 y = torch.empty(T, R, device=GPU)
                 op = lambda: _linear_dot(x, wf, q, None, False, y)  # noqa: E731
+            elif form == "blocks-dequant":
+                op = lambda: dequantized_linear(x, wf, q)  # noqa: E731
             else:
                 op = lambda: linear(x, wf, qtype=q)  # noqa: E731
             t = gpu_time(op, quick)
