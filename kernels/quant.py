@@ -68,16 +68,8 @@ def check_matrix(w: torch.Tensor, qtype: str, cols: int | None, name: str, where
 
 def dequantize(w: torch.Tensor, qtype: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """w uint8 [..., k * block_bytes] (blocks, or repacked rows) -> [..., k * 32] in dtype (fp32
-    and wider: exact; narrower: the exact value rounded once). Any device; block rows on CUDA to
-    fp16 / fp32 in one Triton launch (triton_linear.dequantize_triton)."""
+    and wider: exact). Any device."""
     bq = block_qtype(check_qtype(qtype, "dequantize", GEMV_QTYPES))
-    if w.is_cuda and bq == qtype and w.dim() == 2 and dtype in (torch.float16, torch.float32) and w.stride(-1) == 1:
-        try:
-            from .triton_linear import dequantize_triton
-        except ImportError:  # no triton: torch below
-            pass
-        else:
-            return dequantize_triton(w, qtype, dtype)
     bb = BLOCK_BYTES[bq]
     k = w.shape[-1] // bb  # explicit: no rows (an empty gather) leaves -1 ambiguous
     if bq == qtype:

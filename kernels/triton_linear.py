@@ -7,9 +7,6 @@ row block next to each other in the grid so that its rows come from memory once 
 the others; a token's result is the one it gets alone. More tokens: the sparse FFN's up stage over
 every row (tl.dot over all tokens at once, tf32x3), in blocks of MAX_T tokens.
 
-`dequantize_triton`: block rows to fp16 / fp32 rows in one launch (what `quant.dequantize` runs on
-CUDA: the row chunks that prompt chunks multiply through cuBLAS).
-
 Dimension legend: T tokens, D columns of W, R rows of W.
 """
 from __future__ import annotations
@@ -18,9 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .quant import n_cols
 from .triton_ffn import CONFIGS, MAX_T, config_for
-from .triton_stages import QT_CODE, _rows_dot_x, _tile_cols, _w_tile, launch_up, tile_width, w_arg
+from .triton_stages import QT_CODE, _rows_dot_x, launch_up, tile_width, w_arg
 
 # Tokens the per-token GEMV takes; more: the tl.dot up stage. The per-token kernel's time grows with T,
 # the tl.dot stage's hardly: on an H100 at the 13B's Q8_0 shapes they cross between 16 and 32 tokens
@@ -87,32 +83,3 @@ def _linear_dot(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tensor
         launch_up(x[t0:t1], w, None, bias, rows, None, None, "relu" if relu else "none", y[t0:t1],
                   config_for(t1 - t0), qtype)
     return y
-
-
-DQ_BR, DQ_BD = 16, 256  # the dequantization's tile: rows, columns
-
-
-@triton.jit
-def _dequant_kernel(w_ptr, o_ptr, R, D, s_w, s_o, QT: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-    """o[r, c] = the value of weight (r, c) of block rows w, in o's dtype, for BR rows and BD columns."""
-    offs = tl.program_id(0) * BR + tl.arange(0, BR)
-    rmask = offs < R
-    rows = offs.to(tl.int64)
-    c0 = tl.program_id(1) * BD
-    w = _w_tile(w_ptr, rows, s_w, c0, D, rmask, BD, QT)  # [BR, BD] fp32, exact
-    cols = _tile_cols(c0, BD, QT)
-    tl.store(o_ptr + rows[:, None] * s_o + cols[None, :], w.to(o_ptr.dtype.element_ty),
-             mask=rmask[:, None] & (cols < D)[None, :])
-
-
-def dequantize_triton(w: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:
-    """[R, D] dtype (fp16 or fp32) = the values of block rows w uint8 [R, D // 32 * block bytes] of
-    qtype ('q4_0' | 'q8_0', unit column stride), each the exact value rounded once to dtype."""
-    R, D = w.shape[0], n_cols(w, qtype)
-    out = torch.empty(R, D, dtype=dtype, device=w.device)
-    if R == 0 or D == 0:
-        return out
-    wq, s_w = w_arg(w, qtype)
-    _dequant_kernel[(triton.cdiv(R, DQ_BR), triton.cdiv(D, DQ_BD))](
-        wq, out, R, D, s_w, out.stride(0), QT=QT_CODE[qtype], BR=DQ_BR, BD=DQ_BD, num_warps=4)
-    return out

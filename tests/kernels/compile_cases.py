@@ -47,7 +47,7 @@ def main() -> None:
 
     from powerinfer_ray.kernels import triton_ffn, triton_split, triton_signal
     from powerinfer_ray.kernels.triton_attention import decode_attention_triton, rope_cache_triton
-    from powerinfer_ray.kernels.triton_linear import dequantize_triton, linear_triton
+    from powerinfer_ray.kernels.triton_linear import linear_triton
     from powerinfer_ray.kernels.triton_predictor import predictor_hidden
     from powerinfer_ray.kernels.triton_qgemv import qgemv_triton
     from powerinfer_ray.kernels.quant import REPACKED, repack
@@ -74,7 +74,6 @@ def main() -> None:
         for T in (1, 5):
             if qtype is not None:
                 linear_triton(torch.randn(T, D), w, qtype, torch.randn(N))
-                dequantize_triton(w, qtype, (torch.float16, torch.float32)[T % 2])
                 if qtype in REPACKED:
                     qgemv_triton(torch.randn(T, D).to(f16), repack(w, qtype), REPACKED[qtype], torch.randn(N))
                     qgemv_triton(torch.randn(T, D), repack(w, qtype), REPACKED[qtype])

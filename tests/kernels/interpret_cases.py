@@ -299,22 +299,6 @@ def test_triton_linear_on_quantized_rows(qtype):
                 assert torch.equal(y[t], linear_triton(x[t:t + 1], w, qtype, b)[0]), (T, t)
 
 
-@pytest.mark.parametrize("qtype", ["q4_0", "q8_0"])
-def test_triton_dequantize_equals_torch(qtype):
-    """Block rows dequantized in one Triton launch (what CUDA's `quant.dequantize` runs) to fp32 and
-    fp16 equal torch's dequantization bit for bit: rows and columns not a multiple of the tile, a
-    slice of rows at an offset."""
-    from powerinfer_ray.kernels.quant import dequantize
-    from powerinfer_ray.kernels.triton_linear import DQ_BD, DQ_BR, dequantize_triton
-
-    gen = torch.Generator().manual_seed(5)
-    w = q_rows(2 * DQ_BR + 3, DQ_BD + 96, qtype, gen)
-    for rows in (w, w[5:]):
-        for dt in (torch.float32, torch.float16):
-            got, want = dequantize_triton(rows, qtype, dt), dequantize(rows, qtype, dt)
-            assert got.dtype == dt and torch.equal(got, want), (qtype, dt, rows.shape)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_triton_qgemv_on_repacked_rows(dtype):
     """The repacked Q4_0 rows' GEMV (triton_qgemv) against float64 over the file's blocks: rows not a
