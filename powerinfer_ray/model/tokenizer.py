@@ -106,12 +106,12 @@ class IncrementalText:
     """The text of a growing list of token ids (a generation's output), decoding only its last few
     ids at each step, as HF's TextStreamer and vLLM do: ``update(ids)`` returns what
     ``tok.decode(ids)`` would, less a trailing incomplete UTF-8 sequence (U+FFFD, which waits for
-    its next bytes; ``final``: the output ends here, its U+FFFD stays), where decoding the whole output at every step would cost time in proportion
-    to its length. The ids since the last complete text are decoded after the ids that gave the
-    text before them (never after special tokens alone, which decode to nothing), so a piece's
-    leading space decodes as it does in context: a SentencePiece decoder strips it from the first
-    piece of a decode only. A window whose start decodes otherwise in context is decoded in full
-    again."""
+    its next bytes; with ``final``, the output's end, it stays), where decoding the whole output at
+    every step would cost time in proportion to its length. The ids since the last complete text
+    are decoded after the ids that gave the text before them (never after special tokens alone,
+    which decode to nothing), so a piece's leading space decodes as it does in context: a
+    SentencePiece decoder strips it from the first piece of a decode only. A window whose start
+    decodes otherwise in context is decoded in full again."""
 
     def __init__(self, tok: "Tokenizer") -> None:
         self.tok = tok
