@@ -100,6 +100,33 @@ def test_streamed_logprobs_are_the_same(model):
     assert all("prompt_logprobs" not in c for c in chunks[1:])
 
 
+def test_an_output_ending_mid_character_ends_as_decode_gives_it(model):
+    """A stream holds back a character's first bytes until its last one comes; an output that ends
+    before it comes (here at max_tokens) ends as tok.decode(ids) does, with U+FFFD, streamed and whole."""
+    ref, tok = model
+    script = tok.encode("a\u2192", add_bos=False)[:-1]  # 'a', then two of the arrow's three bytes
+    assert tok.decode(script[:2]) == "a\ufffd" and len(script) == 3
+
+    async def scripted(slots, tokens, start):  # the script's next token: one-hot logits
+        n = start[0] + len(tokens[0]) - len(prompt)  # tokens generated before this step
+        out = np.zeros((len(slots), ref.cfg.n_vocab))
+        out[:, script[n]] = 1.0
+        return out
+
+    prompt = [9, 8, 7]
+
+    async def run():
+        sched = Scheduler(scripted, tok, n_ctx=N_CTX, max_batch=2, prefill_chunk=8, n_vocab=ref.cfg.n_vocab)
+        chunks = [c async for c in sched.generate_stream(prompt_token_ids=prompt, max_tokens=3, ignore_eos=True)]
+        return chunks, await sched.generate(prompt_token_ids=prompt, max_tokens=3, ignore_eos=True)
+
+    chunks, whole = asyncio.run(run())
+    assert whole["token_ids"] == script and whole["text"] == tok.decode(script) == "a\ufffd"
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    # per token: the arrow's first byte held back while the output went on, then U+FFFD at its end
+    assert [c["text"] for c in chunks if c["token_ids"]] == ["a", "", "\ufffd"]
+
+
 @pytest.mark.parametrize("presence,frequency", [(1.5, 0.0), (0.0, 0.8), (0.6, 0.9), (-1.0, 0.0)])
 def test_penalties_follow_openai_on_the_reference(model, presence, frequency):
     """Greedy under penalties equals a hand loop: logits - frequency * count - presence * (count > 0)."""
