@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|choice|accept|chain|room|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
+#       bash bench/host_run.sh verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|choice|accept|chain|room|batchq|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|choice|accept|chain|room|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
+stages="verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|choice|accept|chain|room|batchq|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -611,6 +611,21 @@ room)  # the budget's bytes for hot neurons (~8 min on an H100): the GPU tests o
     timeout 150 python bench/sync_bench.py --cpu-executor "${SERVE_LOOP_MODEL:-llama2-13b?layers=4}" --threads "$THREADS" \
         --k 220 --iters 3000 --out-dir "$RES" --name "serve-loop-13b-$gpu-$POWERINFER_COMMIT" | tail -n 16
     pack
+    ;;
+batchq)  # the dense GEMV on Q8_0 blocks at batch (~5 min on an H100): its GPU tests, the kernels' forms side by side
+    # (per token, tl.dot, dequantized through cuBLAS) at 1-64 tokens, then the 13B fp16 file at $B13 GiB at batch 8
+    # and 32, whose predictors are Q8_0 (dry run elsewhere: the GPU steps need CUDA)
+    gpu=$(gpu_tag)
+    timeout -s INT 100 python -m pytest $KERNEL_TESTS -q -rf -k "quantized_linear or predictor" > "$OUT/gpu-linear-tests.log" 2>&1
+    tail -n 2 "$OUT/gpu-linear-tests.log" | cut -c1-300
+    mkdir -p "$OUT/k"
+    timeout 120 powerinfer-ray bench kernels --device cuda --gpu-dtypes q8_0 --tokens 1 --densities 10 --quick \
+        --out "$OUT/k" >> "$log" 2>&1
+    grep "^\[gpu linear\]" "$log" | cut -c14-100
+    write_file "$M13" 200 || exit 0
+    suite "runtime-13b-${B13}gib-file-batch-linear-$gpu-$POWERINFER_COMMIT" 170 -m "$M13" --as-file "$SHM" \
+        --vram-budget "$B13" --modes hybrid --shapes 16x32 --batch 8,32 -t "$THREADS" > /dev/null
+    table decode_tok_s,cpu_kernel_gbps,vram_used_gib,vram_peak_gib,graph_captures "$RES"/runtime-13b-*-batch-linear-*.json
     ;;
 q8)  # the Q8_0 13B at 8 GiB, hybrid and layer-offload
     suite runtime-13b-q8-8gib-h200 560 -m "planted:llama2-13b?dtype=q8_0" --vram-budget 8 \
