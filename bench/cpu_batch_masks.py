@@ -1,9 +1,10 @@
 """The CPU executor's answer for a batch of T sequences whose active rows differ (batched decode):
 each (token, row) of an n = 8600-row fp16 shard (13B shape) active with probability P, so the
 union of rows is large while each row is active for few tokens. Median ms of sparse_ffn_bitmask
-over 4 layers' shards in turn (--threads, default 2). Prints, writes nothing.
+over 4 layers' shards in turn (--threads, default 2; --split, the kernel's work split, default the
+runtime's auto). Prints, writes nothing.
 
-    python bench/cpu_batch_masks.py -T 32 -P 0.05
+    python bench/cpu_batch_masks.py -T 32 -P 0.05 --split cols
 """
 import argparse
 import statistics
@@ -18,6 +19,7 @@ ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ap.add_argument("-T", type=int, default=32, help="tokens (sequences) in the batch")
 ap.add_argument("-P", type=float, default=0.05, help="probability of each (token, row)")
 ap.add_argument("-t", "--threads", type=int, default=2, help="the kernel's threads")
+ap.add_argument("--split", default="auto", choices=tuple(cpu_ffn.SPLITS), help="the kernel's work split")
 ap.add_argument("--cflags", default="", help="extra compiler flags of the kernel build (cpu_library.select_build)")
 a = ap.parse_args()
 cpu_library.select_build(a.cflags.split())
@@ -34,8 +36,8 @@ ts = []
 for i in range(60):
     up, gate, down = layers[i % L]
     t0 = time.perf_counter()
-    cpu_ffn.sparse_ffn_bitmask(x, up, gate, down, masks[i % 8], n, "reglu", None, out, a.threads)
+    cpu_ffn.sparse_ffn_bitmask(x, up, gate, down, masks[i % 8], n, "reglu", None, out, a.threads, split=a.split)
     if i >= 10:
         ts.append(time.perf_counter() - t0)
 union = np.mean([np.unpackbits(m, axis=1, count=n, bitorder="little").any(0).mean() for m in masks])
-print(f"{a.cflags or 'default'}: T={T} p={p} threads={a.threads} union {union:.0%}: {statistics.median(ts) * 1e3:.2f} ms")
+print(f"{a.cflags or 'default'}: T={T} p={p} threads={a.threads} split={a.split} union {union:.0%}: {statistics.median(ts) * 1e3:.2f} ms")

@@ -812,10 +812,30 @@ int64_t act_rows(const Args& a, int64_t k0, int64_t k1) {
     return n_down;
 }
 
+// A block's rows one token at a time, each token's rows with a nonzero h alone: at T > 1 most
+// rows of a batch's union are active for few tokens, and the token blocks would multiply zeros.
+// rows / h as axpy_all_tokens takes them (h [nr, T]).
+template <class W>
+void axpy_nonzero(const typename W::T* const* rows, int nr, const float* h, int64_t T, float* A, int64_t D,
+                  int64_t d0, int64_t d1) {
+    const typename W::T* rt[R];
+    float ht[R];
+    for (int64_t t = 0; t < T; ++t) {
+        int m = 0;
+        for (int r = 0; r < nr; ++r)
+            if (h[r * T + t] != 0.f) {
+                rt[m] = rows[r];
+                ht[m++] = h[r * T + t];
+            }
+        if (m) axpy_rows<W, 1>(rt, m, ht, 1, 0, A + t * D, D, d0, d1);
+    }
+}
+
 // Phase 2: columns d0 .. d1-1 of every token's output from all rows with nz set, R rows at a
 // time (the accumulator slice is loaded and stored once per R rows); each row's segment is read
 // by this thread only, so every down row is read once in all. The next block's segment heads are
-// prefetched while this block is added.
+// prefetched while this block is added. A block whose nonzero activations are under a quarter of
+// its rows x tokens adds them token by token (axpy_nonzero), others in token blocks.
 template <class W>
 void down_cols(const Args& a, int64_t d0, int64_t d1) {
     typedef typename W::T WT;
@@ -839,15 +859,18 @@ void down_cols(const Args& a, int64_t d0, int64_t d1) {
     prefetch_block(0);
     for (;;) {
         int nr = 0;
+        int64_t live = 0;  // nonzero activations of the block
         for (; p < K && nr < R; ++p)
             if (a.nz[p]) {
                 rows[nr] = down + row_id(a, p) * a.ld_down;
-                std::memcpy(hb + nr * T, a.h + p * T, T * sizeof(float));
+                const float* hp = a.h + p * T;
+                for (int64_t t = 0; t < T; ++t) live += (hb[nr * T + t] = hp[t]) != 0.f;
                 ++nr;
             }
         if (!nr) break;
         prefetch_block(p);
-        axpy_all_tokens<W>(rows, nr, hb, T, A, D, d0, d1);
+        if (T > 1 && 4 * live < nr * T) axpy_nonzero<W>(rows, nr, hb, T, A, D, d0, d1);
+        else axpy_all_tokens<W>(rows, nr, hb, T, A, D, d0, d1);
     }
     if (A != (float*)a.y)
         for (int64_t t = 0; t < T; ++t) store_out(a, t, d0, d1, A + t * D + d0);
