@@ -893,7 +893,7 @@ def bench_gpu_linear(qtypes, ceiling, gen, quick: bool) -> list[dict]:
     ("blocks-dequant", what more than GEMV_MAX_T tokens run); at T = 1 the repacked kernel's tiles
     around the default. GB/s on the compressed bytes, L2 flushed before each call."""
     from powerinfer_ray.kernels.linear import GEMV_MAX_T, dequantized_linear, linear
-    from powerinfer_ray.kernels.triton_linear import _linear_dot
+    from powerinfer_ray.kernels.triton_linear import linear_up_stage
     from powerinfer_ray.kernels.triton_qgemv import qgemv_triton
 
     rows = []
@@ -912,7 +912,7 @@ def bench_gpu_linear(qtypes, ceiling, gen, quick: bool) -> list[dict]:
             x = torch.randn(T, Dw, generator=gen).half().to(GPU)
             if form == "blocks-dot":
                 y = torch.empty(T, R, device=GPU)
-                op = lambda: _linear_dot(x, wf, q, None, False, y)  # noqa: E731
+                op = lambda: linear_up_stage(x, wf, q, None, False, y)  # noqa: E731
             elif form == "blocks-dequant":
                 op = lambda: dequantized_linear(x, wf, q)  # noqa: E731
             else:

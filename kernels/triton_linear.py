@@ -64,7 +64,7 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tens
         return y
     x = x.contiguous()
     if T > TOKENS_MAX:
-        return _linear_dot(x, w, qtype, bias, relu, y)
+        return linear_up_stage(x, w, qtype, bias, relu, y)
     cfg = CONFIGS["qgemv"]
     wq, s_w = w_arg(w, qtype)
     _tokens_kernel[(T * triton.cdiv(R, cfg.up_bk),)](
@@ -74,7 +74,7 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tens
     return y
 
 
-def _linear_dot(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tensor | None, relu: bool,
+def linear_up_stage(x: torch.Tensor, w: torch.Tensor, qtype: str, bias: torch.Tensor | None, relu: bool,
                 y: torch.Tensor) -> torch.Tensor:
     """`linear_triton` through the sparse FFN's up stage over every row, MAX_T tokens a launch."""
     rows = _all_rows(w.shape[0], x.device)
