@@ -3,13 +3,13 @@
 # device tool returns no more). Run from the repository root on the host:
 #
 #   source .gpu-host/activate.sh && POWERINFER_COMMIT=<git rev-parse --short HEAD, from here> \
-#       bash bench/host_run.sh verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|choice|accept|chain|room|batchq|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
+#       bash bench/host_run.sh verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|choice|accept|chain|room|batchq|cpusplit|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout
 #
 # The host's copy of the repository carries a stale .git, so the commit must come from the
 # caller. Each stage stays under the tool's 10 minutes per call; every step has its own timeout
 # and writes its JSON as it goes, so a cut-short run keeps what it measured.
 set -u
-stages="verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|choice|accept|chain|room|batchq|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
+stages="verify|gputests|confirm|confirmrun|burst|sampler|cpuscale|prefillprof|prefilltrace|gpukern|gpurt|t8ab|13b|13bfile|load|loadfile|segment|zerocopy|zc|zcbatch|b1|b32|batch|prefill|batchbudget|cpu|cpucost|pool|falcon|falcon24|falconwrite|falconfile|budgets|q4|q4zc|b1zc|choice|accept|chain|room|batchq|cpusplit|q8|qcpu|qkern|qtwin|swiglu|offline|offtrain|replacement|scaleout"
 stage=${1:?usage: host_run.sh $stages}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 : "${POWERINFER_COMMIT:?set POWERINFER_COMMIT to the commit being measured (git rev-parse --short HEAD)}"
@@ -626,6 +626,15 @@ batchq)  # the dense GEMV on Q8_0 blocks at batch (~5 min on an H100): its GPU t
     suite "runtime-13b-${B13}gib-file-batch-linear-$gpu-$POWERINFER_COMMIT" 170 -m "$M13" --as-file "$SHM" \
         --vram-budget "$B13" --modes hybrid --shapes 16x32 --batch 8,32 -t "$THREADS" > /dev/null
     table decode_tok_s,cpu_kernel_gbps,vram_used_gib,vram_peak_gib,graph_captures "$RES"/runtime-13b-*-batch-linear-*.json
+    ;;
+cpusplit)  # the CPU kernel's two work splits at batch 8 and 32 on this host's threads (~2 min): a batch's union of
+    # rows, each active for a token or two (bench/cpu_batch_masks.py, 3.1 % of (token, row)), rows / cols alternated
+    for T in 8 32; do
+        for sp in rows cols rows cols auto; do
+            timeout 60 python bench/cpu_batch_masks.py -T "$T" -P 0.031 -t "$THREADS" --split "$sp" >> "$log" 2>&1
+        done
+    done
+    grep "split=" "$log"
     ;;
 q8)  # the Q8_0 13B at 8 GiB, hybrid and layer-offload
     suite runtime-13b-q8-8gib-h200 560 -m "planted:llama2-13b?dtype=q8_0" --vram-budget 8 \
