@@ -356,16 +356,14 @@ class Scheduler:
             reason, new_ids, new_lp = "stop", [], []
             req.output_ids.pop()  # the stop token is not part of the output
         req.logprobs.extend(new_lp)
-        self._detokenize(req)
-        cut = -1
+        last = reason is not None or len(req.output_ids) >= req.max_new
+        self._detokenize(req, final=last)  # at the output's end decode()'s text, a trailing incomplete sequence too
         if reason is None and p.stop:
             cut = min((i for i in (req.text.find(s) for s in p.stop) if i >= 0), default=-1)
             if cut >= 0:
                 req.text, reason = req.text[:cut], "stop"
-        if reason is None and len(req.output_ids) >= req.max_new:
+        if reason is None and last:
             reason = "length"
-        if reason and cut < 0:  # the output ends here: its text is decode()'s, a trailing incomplete sequence too
-            self._detokenize(req, final=True)
         hold = 0 if reason else max((len(s) - 1 for s in p.stop), default=0)
         self._push(req, hold, new_ids, new_lp)
         if reason:

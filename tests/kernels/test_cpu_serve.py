@@ -6,7 +6,6 @@ holds. It returns when idle or interrupted, and leaves the answer alone once the
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from powerinfer_ray.runtime.channel import ABORTED, OP_ATTN, OP_FFN, OP_PING, Ch
 
 from kernel_checks import TOL, make_shard, rel_err
 from test_cpu_bitmask import pack, reference, token_mask
+from waits import wait_until
 
 pytestmark = pytest.mark.skipif(not cpu_ffn.available(), reason="no C++ compiler: compiled kernel unavailable")
 D, CAP, WIDTHS = 64, 4, (101, 77)  # the channel's tokens; the two prepared layers' mask widths
@@ -52,10 +52,7 @@ class Loop:
         return self.ch.post(op, l, n_seq, T, n_mask)
 
     def answered(self, seq: int) -> None:
-        deadline = time.monotonic() + 60
-        while int(self.ch.header[1]) != seq:
-            assert time.monotonic() < deadline, f"request {seq} was not answered"
-            time.sleep(1e-4)
+        wait_until(lambda: int(self.ch.header[1]) == seq, 60, f"the answer to request {seq}", poll=1e-4)
 
     def request(self, l: int, T: int, n_seq: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         """An FFN request of T new tokens for layer l; (seq, mask, x)."""
@@ -144,10 +141,8 @@ def test_no_answer_once_the_primary_gave_up(served):
     served.answered(seq)
     served.ch.abort()
     seq, _, _ = served.request(1, 1, 1)
-    deadline = time.monotonic() + 60  # computed (counted), not answered; the ping must not overwrite it before
-    while served.loop.totals()["exchanges"] != 2:
-        assert time.monotonic() < deadline, "the request after the abort was not computed"
-        time.sleep(1e-4)
+    # computed (counted), not answered; the ping must not overwrite it before
+    wait_until(lambda: served.loop.totals()["exchanges"] == 2, 60, "the request after the abort computed", poll=1e-4)
     ping = served.post(OP_PING, 0, 0, 0, 0)
     assert served.join() == (ping, True)  # it went on to the next request
     assert served.ch.aborted and int(served.ch.header[1]) != seq  # no answer

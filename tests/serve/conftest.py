@@ -11,6 +11,7 @@ import time
 
 import pytest
 import ray_nodes
+import waits
 
 
 @pytest.fixture(scope="session")
@@ -21,17 +22,8 @@ def free_port():  # noqa: ANN201
 
 @pytest.fixture(scope="session")
 def wait_until():
-    """wait_until(predicate, timeout, what): predicate()'s first true value, polled; the test fails
-    naming ``what`` at the timeout."""
-    def wait(predicate, timeout: float, what: str):  # noqa: ANN001, ANN202
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            value = predicate()
-            if value:
-                return value
-            time.sleep(0.2)
-        pytest.fail(f"timed out after {timeout} s waiting for {what}")
-    return wait
+    """wait_until(predicate, timeout, what): waits.wait_until."""
+    return waits.wait_until
 
 
 @pytest.fixture(scope="module")
